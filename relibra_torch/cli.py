@@ -1,0 +1,54 @@
+"""The ``relibra`` command line.
+
+Each subcommand lives next to the code it drives and registers itself through a
+``(name, add_arguments, run)`` triple in ``_SUBCOMMANDS``; modules are imported lazily so
+that ``relibra inspect`` does not pay for importing the simulator.
+
+Exit codes: 0 success, 2 bad input (a one-line error naming the option or field), 1 for
+anything unexpected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> module that defines `add_arguments(parser)` and `run(args) -> int`
+_SUBCOMMANDS = {
+    "inspect": "relibra_torch.replay.cli",
+    "simulate": "relibra_torch.sim.cli",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="relibra",
+        description="Balance MoE expert load in RL training with routing replay.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, module_name in _SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        sub_parser = sub.add_parser(
+            name, help=module.HELP, description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(sub_parser)
+        sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, TypeError, FileNotFoundError) as exc:
+        # Bad input: one line, exit 2 (argparse uses 2 for usage errors too).
+        print(f"relibra {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Run functions on N gloo ranks on CPU, for tests and examples.
+
+Two entry points:
+
+* :func:`run_on_ranks` spawns ``world_size`` processes, runs ``fn(*args)`` on each with an
+  initialised gloo process group, and returns the per-rank results.
+* :class:`RankPool` keeps the processes (and their process group) alive across calls, so a
+  test module pays for start-up once and runs many hypothesis cases inside it.
+
+A failure on any rank raises :class:`RankFailure` in the caller with every failed rank's
+traceback. Ranks that are still blocked in a collective after a failure are killed after a
+short grace period and reported as such: a failing distributed test never hangs CI.
+
+``fn`` and its arguments must be picklable (module-level functions), as with
+``torch.multiprocessing.spawn``. Inside ``fn``, ``torch.distributed`` is initialised
+(``dist.get_rank()``, ``dist.get_world_size()``) and torch uses one intra-op thread.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailure", "RankPool", "run_on_ranks"]
+
+_STOP = "__stop__"
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised (or hung) while running a function."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        results.put((rank, False, traceback.format_exc()))
+        return
+    while True:
+        item = tasks.get()
+        if item == _STOP:
+            break
+        fn, args, kwargs = item
+        try:
+            out = fn(*args, **kwargs)
+            results.put((rank, True, out))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` persistent gloo ranks on CPU.
+
+    Args:
+        world_size: number of ranks (processes).
+        timeout_s: how long one :meth:`run` may take before the pool is killed and
+            :class:`RankFailure` raised; also the gloo collective timeout.
+        grace_s: after one rank fails, how long to wait for the others before killing them
+            (they are usually blocked in a collective the failed rank never joined).
+
+    Use as a context manager, or call :meth:`close`. After a failure the pool is closed;
+    the next :meth:`run` starts fresh processes.
+    """
+
+    def __init__(self, world_size: int, timeout_s: float = 300.0, grace_s: float = 5.0):
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.grace_s = grace_s
+        self._procs: list[mp.Process] = []
+        self._tasks: list[Any] = []
+        self._results: Any = None
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self.timeout_s, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if not self._procs:
+            self._start()
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        outputs: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        deadline = self.timeout_s
+        while len(outputs) + len(failures) < self.world_size:
+            try:
+                rank, ok, payload = self._results.get(timeout=deadline)
+            except queue.Empty:
+                break
+            (outputs if ok else failures)[rank] = payload
+            if failures:
+                deadline = self.grace_s
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()
+                    and r not in outputs and r not in failures]
+            for r in dead:
+                failures[r] = f"process exited with code {self._procs[r].exitcode}"
+        if failures or len(outputs) < self.world_size:
+            missing = [r for r in range(self.world_size) if r not in outputs and r not in failures]
+            self.close(kill=True)
+            lines = [f"{len(failures)} of {self.world_size} ranks failed running "
+                     f"{getattr(fn, '__qualname__', fn)!s}"]
+            for r in sorted(failures):
+                lines.append(f"--- rank {r} ---\n{failures[r]}")
+            if missing:
+                lines.append(f"ranks {missing} did not finish (blocked in a collective or "
+                             f"past the {self.timeout_s:.0f} s timeout) and were killed")
+            raise RankFailure("\n".join(lines))
+        return [outputs[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        """Stop the ranks (politely unless ``kill``)."""
+        if not self._procs:
+            return
+        if not kill:
+            for q in self._tasks:
+                q.put(_STOP)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs, self._tasks, self._results = [], [], None
+
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(kill=exc[0] is not None)
+
+
+def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
+                 timeout_s: float = 300.0, **kwargs: Any) -> list[Any]:
+    """Spawn ``world_size`` gloo ranks, run ``fn(*args, **kwargs)`` on each, return results.
+
+    Raises :class:`RankFailure` with every failed rank's traceback if any rank raises or
+    does not finish within ``timeout_s``.
+    """
+    with RankPool(world_size, timeout_s=timeout_s) as pool:
+        return pool.run(fn, *args, **kwargs)
