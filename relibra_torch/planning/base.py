@@ -1,0 +1,101 @@
+"""Planner interface and the static (Megatron-style) baseline.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU,
+El native experts per GPU.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from .plan import StepPlan
+from .topology import Topology
+
+__all__ = ["Planner", "StaticPlanner", "check_loads", "native_plan", "static_plan"]
+
+
+def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
+    """Raise ``ValueError``/``TypeError`` unless ``loads_MLSE`` fits ``topology``."""
+    if not isinstance(loads_MLSE, torch.Tensor):
+        raise TypeError(f"loads_MLSE must be a torch.Tensor, got {type(loads_MLSE).__name__}")
+    if loads_MLSE.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"loads_MLSE must be int32 or int64, got {loads_MLSE.dtype}")
+    if loads_MLSE.dim() != 4:
+        raise ValueError(f"loads_MLSE must be [M, L, S, E], got shape {tuple(loads_MLSE.shape)}")
+    _, _, S, E = loads_MLSE.shape
+    if S != topology.num_gpus:
+        raise ValueError(f"loads_MLSE has S={S} source ranks, but the topology has "
+                         f"{topology.num_gpus} GPUs; counts must be gathered over the EP group")
+    if E != topology.num_experts:
+        raise ValueError(f"loads_MLSE has E={E} experts, but the topology has {topology.num_experts}")
+    if (loads_MLSE < 0).any():
+        raise ValueError("loads_MLSE has negative counts; counts must be >= 0")
+
+
+def native_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                planner: str, previous_placement_LE: torch.Tensor | None = None) -> StepPlan:
+    """A plan that runs every expert on its owner only (replica slots empty).
+
+    Args:
+        loads_MLSE: int ``[M, L, S, E]``.
+        placement_LE: int64 ``[L, E]`` physical native slot per expert.
+    Returns:
+        :class:`StepPlan` with ``slot_expert_MLGJ[..., :El]`` the native experts and the
+        whole load of each expert on its native slot.
+    """
+    M, L, _, E = loads_MLSE.shape
+    G, J, El = topology.num_gpus, topology.slots_per_gpu, topology.experts_per_gpu
+    plan = StepPlan(topology, placement_LE.clone(), torch.full((M, L, G, J), -1, dtype=torch.int64),
+                    torch.zeros(M, L, G, J, dtype=torch.int64), planner, previous_placement_LE)
+    native_LGl = plan.native_experts_LGl()
+    plan.slot_expert_MLGJ[..., :El] = native_LGl
+    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    plan.slot_tokens_MLGJ[..., :El] = load_MLE.gather(
+        2, native_LGl.reshape(1, L, G * El).expand(M, L, G * El)).view(M, L, G, El)
+    return plan
+
+
+def static_plan(loads_MLSE: torch.Tensor, topology: Topology) -> StepPlan:
+    """Megatron-LM / torchtitan placement: expert ``e`` on GPU ``e // El``, no replicas."""
+    check_loads(loads_MLSE, topology)
+    L = loads_MLSE.shape[1]
+    placement_LE = topology.static_placement(L)
+    return native_plan(loads_MLSE, topology, placement_LE, "static", placement_LE)
+
+
+class Planner(ABC):
+    """A planner used step after step: remembers what the pure function needs from the past.
+
+    :meth:`plan` is deterministic given the planner's state and the loads; :meth:`commit`
+    advances the state once the step has run with the plan (placement adopted, loads
+    observed). The simulator and the training hook call ``plan`` then ``commit``.
+    """
+
+    name: str = ""
+
+    def __init__(self, topology: Topology):
+        self.topology = topology
+        self.placement_LE: torch.Tensor | None = None
+
+    @abstractmethod
+    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
+        """Plan the step whose per-micro-batch loads are ``loads_MLSE`` ``[M, L, S, E]``."""
+
+    def commit(self, plan: StepPlan, loads_MLSE: torch.Tensor) -> None:
+        """Record that ``plan`` ran on ``loads_MLSE``."""
+        self.placement_LE = plan.placement_LE.clone()
+
+    def previous_placement(self, num_layers: int) -> torch.Tensor:
+        """``[L, E]`` the placement in force before this step (static at the start)."""
+        if self.placement_LE is None:
+            return self.topology.static_placement(num_layers)
+        return self.placement_LE
+
+
+class StaticPlanner(Planner):
+    name = "static"
+
+    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
+        return static_plan(loads_MLSE, self.topology)

@@ -1,0 +1,216 @@
+"""The step plan that every planner returns and every consumer executes.
+
+Legend (shape suffixes):
+    M micro-batches of the step, L MoE layers, S source ranks (= G), E logical experts,
+    G EP ranks (GPUs, node-major), J = El + R slots per GPU (El native, R replica),
+    N nodes.
+
+A *physical native slot* is ``p = gpu * El + local`` in ``[0, E)``; the placement maps every
+logical expert to one (a bijection per layer): the expert's parameters and optimizer state
+live there. Each GPU runs ``J`` *slots* per micro-batch and layer: slot ``j < El`` of a plan
+built by the relibra or static planner holds the GPU's own native expert ``j``; slots
+``j >= El`` are replica slots. Any slot may hold any expert (``slot_expert``): when the slot's
+GPU is not the expert's owner, its weights are copied in from the owner (and gradients
+sent back) — that is a *fill*. ``-1`` marks an empty slot.
+
+``slot_tokens`` is the number of tokens (token-expert pairs) each slot processes; for every
+(m, l, e) the slots holding ``e`` carry exactly the expert's load summed over sources. How a
+source rank's tokens for ``e`` are split between ``e``'s instances is not stored: it follows
+from the counts by one deterministic rule (:func:`token_split`), so every rank derives the
+same all-to-all sizes without talking.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+from .topology import Topology
+
+__all__ = ["StepPlan", "token_split", "validate_plan", "plan_digest"]
+
+
+@dataclass
+class StepPlan:
+    """Placement for the step plus per-micro-batch slot contents and token quotas.
+
+    Attributes:
+        topology: the cluster the plan is for.
+        placement_LE: int64 ``[L, E]``, physical native slot of every logical expert.
+        slot_expert_MLGJ: int64 ``[M, L, G, J]``, logical expert in each slot, ``-1`` empty.
+        slot_tokens_MLGJ: int64 ``[M, L, G, J]``, tokens each slot processes.
+        planner: name of the planner that produced it (for reports).
+        previous_placement_LE: int64 ``[L, E]`` the placement before this step, if the
+            planner knew it (used to count migrated experts); ``None`` means unknown.
+    """
+
+    topology: Topology
+    placement_LE: torch.Tensor
+    slot_expert_MLGJ: torch.Tensor
+    slot_tokens_MLGJ: torch.Tensor
+    planner: str = ""
+    previous_placement_LE: torch.Tensor | None = None
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.slot_expert_MLGJ.shape[0]
+
+    @property
+    def num_layers(self) -> int:
+        return self.placement_LE.shape[0]
+
+    def owner_gpu_LE(self) -> torch.Tensor:
+        """``[L, E]`` int64: the GPU that owns each logical expert's parameters."""
+        return self.placement_LE // self.topology.experts_per_gpu
+
+    def native_experts_LGl(self) -> torch.Tensor:
+        """``[L, G, El]`` int64: logical expert stored in each native slot (inverse placement)."""
+        L, E = self.placement_LE.shape
+        inverse_LE = torch.empty_like(self.placement_LE)
+        inverse_LE.scatter_(1, self.placement_LE, torch.arange(E).expand(L, E))
+        return inverse_LE.view(L, self.topology.num_gpus, self.topology.experts_per_gpu)
+
+    def micro_batch(self, m: int) -> "StepPlan":
+        """The plan restricted to micro-batch ``m`` (``M = 1``)."""
+        return StepPlan(self.topology, self.placement_LE, self.slot_expert_MLGJ[m : m + 1],
+                        self.slot_tokens_MLGJ[m : m + 1], self.planner, self.previous_placement_LE)
+
+
+def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """Split every (source rank, expert) token count between the expert's instances.
+
+    Rule: for each (m, l, e), the expert's tokens are laid out source by source
+    (``s = 0 .. S-1``; inside a source in token order), and its instances take consecutive
+    runs of ``slot_tokens`` tokens in slot order (``gpu``, then ``j``). Source ``s`` therefore
+    sends to slot ``(g, j)`` the overlap of its interval ``[C_{s-1}, C_s)`` with the slot's
+    interval ``[Q_{x-1}, Q_x)``. Inside one source, its tokens for ``e`` go to instances in
+    slot order, the first ones (in token order) to the first instance.
+
+    Args:
+        plan: the step plan (``M`` micro-batches).
+        loads_MLSE: int ``[M, L, S, E]`` token counts per source rank.
+
+    Returns:
+        int64 ``[M, L, S, G, J]``: tokens source ``s`` sends to slot ``(g, j)``.
+    """
+    topo = plan.topology
+    M, L, S, E = loads_MLSE.shape
+    G, J = topo.num_gpus, topo.slots_per_gpu
+    loads_MLSE = loads_MLSE.to(torch.int64)
+    expert_MLX = plan.slot_expert_MLGJ.reshape(M, L, G * J)
+    quota_MLX = plan.slot_tokens_MLGJ.reshape(M, L, G * J)
+    valid_MLX = expert_MLX >= 0
+    safe_expert_MLX = expert_MLX.clamp(min=0)
+
+    # Q interval per slot: cumulative quota among earlier slots of the same expert. Sort the
+    # slots by (expert, slot index), cumsum, and subtract the quota of all smaller experts.
+    X = G * J
+    key_MLX = safe_expert_MLX * X + torch.arange(X)
+    order_MLX = key_MLX.argsort(dim=2)
+    quota_MLX = quota_MLX * valid_MLX
+    cum_sorted_MLX = quota_MLX.gather(2, order_MLX).cumsum(2)
+    per_expert_MLE = torch.zeros(M, L, E, dtype=torch.int64).scatter_add_(2, safe_expert_MLX, quota_MLX)
+    before_MLE = per_expert_MLE.cumsum(2) - per_expert_MLE
+    q_end_MLX = torch.empty_like(cum_sorted_MLX).scatter_(2, order_MLX, cum_sorted_MLX)
+    q_end_MLX = q_end_MLX - before_MLE.gather(2, safe_expert_MLX)
+    q_start_MLX = q_end_MLX - quota_MLX
+
+    # C interval per (source, expert), gathered at every slot's expert.
+    c_end_MLSE = loads_MLSE.cumsum(2)
+    c_start_MLSE = c_end_MLSE - loads_MLSE
+    idx_MLSX = safe_expert_MLX.unsqueeze(2).expand(M, L, S, G * J)
+    c_end_MLSX = c_end_MLSE.gather(3, idx_MLSX)
+    c_start_MLSX = c_start_MLSE.gather(3, idx_MLSX)
+
+    overlap_MLSX = (torch.minimum(c_end_MLSX, q_end_MLX.unsqueeze(2))
+                    - torch.maximum(c_start_MLSX, q_start_MLX.unsqueeze(2))).clamp(min=0)
+    overlap_MLSX = overlap_MLSX * valid_MLX.unsqueeze(2)
+    return overlap_MLSX.view(M, L, S, G, J)
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"invalid step plan: {msg}")
+
+
+def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
+                  intra_node_replicas: bool = False) -> None:
+    """Check a plan's invariants; raise ``ValueError`` naming the first violation.
+
+    Checks: shapes and dtypes match the topology; the placement is a bijection onto the
+    ``E`` native slots; native slots ``j < El`` hold the GPU's native experts or are
+    overridden consistently (any expert, but at most one instance of an expert per GPU);
+    every expert has at least one instance; empty slots carry no tokens; quotas are
+    non-negative; with ``loads_MLSE``, every expert's quotas sum to its load. With
+    ``intra_node_replicas``, every slot holding an expert not owned by its GPU lies in the
+    owner's node (relibra's replication rule), and native slots hold the native experts.
+    """
+    topo = plan.topology
+    L, E = plan.placement_LE.shape if plan.placement_LE.dim() == 2 else (None, None)
+    if plan.placement_LE.dim() != 2 or E != topo.num_experts:
+        _fail(f"placement_LE has shape {tuple(plan.placement_LE.shape)}, expected [L, {topo.num_experts}]")
+    G, J, El = topo.num_gpus, topo.slots_per_gpu, topo.experts_per_gpu
+    for name in ("placement_LE", "slot_expert_MLGJ", "slot_tokens_MLGJ"):
+        t = getattr(plan, name)
+        if t.dtype != torch.int64:
+            _fail(f"{name} has dtype {t.dtype}, expected torch.int64")
+    if plan.slot_expert_MLGJ.dim() != 4 or tuple(plan.slot_expert_MLGJ.shape[1:]) != (L, G, J):
+        _fail(f"slot_expert_MLGJ has shape {tuple(plan.slot_expert_MLGJ.shape)}, expected [M, {L}, {G}, {J}]")
+    if plan.slot_tokens_MLGJ.shape != plan.slot_expert_MLGJ.shape:
+        _fail(f"slot_tokens_MLGJ has shape {tuple(plan.slot_tokens_MLGJ.shape)}, expected "
+              f"{tuple(plan.slot_expert_MLGJ.shape)}")
+    sorted_LE = plan.placement_LE.sort(dim=1).values
+    if not torch.equal(sorted_LE, torch.arange(E).expand(L, E)):
+        bad = int((sorted_LE != torch.arange(E)).any(dim=1).nonzero()[0])
+        _fail(f"placement_LE[{bad}] is not a permutation of 0..{E - 1}")
+    M = plan.slot_expert_MLGJ.shape[0]
+    se = plan.slot_expert_MLGJ
+    if (se < -1).any() or (se >= E).any():
+        _fail(f"slot_expert_MLGJ has values outside [-1, {E - 1}]")
+    if (plan.slot_tokens_MLGJ < 0).any():
+        _fail("slot_tokens_MLGJ has negative quotas")
+    if ((se < 0) & (plan.slot_tokens_MLGJ != 0)).any():
+        _fail("an empty slot (-1) carries tokens")
+    # At most one instance of an expert per GPU: sort each GPU's slots and look for repeats.
+    s_sorted = se.sort(dim=-1).values
+    dup = (s_sorted[..., 1:] == s_sorted[..., :-1]) & (s_sorted[..., 1:] >= 0)
+    if dup.any():
+        m, l, g, _ = dup.nonzero()[0].tolist()
+        _fail(f"micro-batch {m}, layer {l}: GPU {g} holds two instances of one expert")
+    count_MLE = torch.zeros(M, L, E + 1, dtype=torch.int64)
+    count_MLE.scatter_add_(2, (se + 1).view(M, L, -1), torch.ones_like(se).view(M, L, -1))
+    if (count_MLE[..., 1:] == 0).any():
+        m, l, e = (count_MLE[..., 1:] == 0).nonzero()[0].tolist()
+        _fail(f"micro-batch {m}, layer {l}: expert {e} has no instance")
+    if intra_node_replicas:
+        native_LGl = plan.native_experts_LGl()
+        if not torch.equal(se[..., :El], native_LGl.expand(M, L, G, El)):
+            _fail("native slots (j < experts_per_gpu) do not hold the placement's experts")
+        owner_node_LE = plan.owner_gpu_LE() // topo.gpus_per_node
+        rep = se[..., El:]
+        owner_node = owner_node_LE.unsqueeze(0).unsqueeze(2).expand(M, L, G, E).gather(
+            3, rep.clamp(min=0))
+        slot_node = topo.node_of_gpu().view(1, 1, G, 1)
+        if ((rep >= 0) & (owner_node != slot_node)).any():
+            _fail("a replica slot holds an expert owned by another node")
+    if loads_MLSE is not None:
+        if loads_MLSE.dim() != 4 or tuple(loads_MLSE.shape) != (M, L, G, E):
+            _fail(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}, expected [{M}, {L}, {G}, {E}]")
+        quota_MLE = torch.zeros(M, L, E + 1, dtype=torch.int64)
+        quota_MLE.scatter_add_(2, (se + 1).view(M, L, -1), plan.slot_tokens_MLGJ.view(M, L, -1))
+        load_MLE = loads_MLSE.to(torch.int64).sum(2)
+        if not torch.equal(quota_MLE[..., 1:], load_MLE):
+            m, l, e = (quota_MLE[..., 1:] != load_MLE).nonzero()[0].tolist()
+            _fail(f"micro-batch {m}, layer {l}, expert {e}: slot quotas sum to "
+                  f"{int(quota_MLE[m, l, e + 1])} but the expert's load is {int(load_MLE[m, l, e])}")
+
+
+def plan_digest(plan: StepPlan) -> str:
+    """A short hash of the plan's tensors, for cross-rank agreement checks."""
+    h = hashlib.sha256()
+    h.update(repr(plan.topology).encode())
+    for t in (plan.placement_LE, plan.slot_expert_MLGJ, plan.slot_tokens_MLGJ):
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]

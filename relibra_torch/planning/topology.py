@@ -1,0 +1,71 @@
+"""Cluster topology for expert parallelism.
+
+Legend: E experts, G = N * g GPUs (EP ranks, node-major), El = E / G native experts per
+GPU, R replica slots per GPU, J = El + R slots per GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Topology"]
+
+
+def _check_int(name: str, value: object, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """``num_nodes`` x ``gpus_per_node`` EP ranks hosting ``num_experts`` experts.
+
+    Ranks are node-major: GPU ``r`` lives on node ``r // gpus_per_node``. Each GPU natively
+    hosts ``experts_per_gpu = E / G`` experts (their parameters and optimizer state) and has
+    ``replica_slots`` extra expert buffers filled per micro-batch.
+    """
+
+    num_nodes: int
+    gpus_per_node: int
+    num_experts: int
+    replica_slots: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("num_nodes", self.num_nodes, 1)
+        _check_int("gpus_per_node", self.gpus_per_node, 1)
+        _check_int("num_experts", self.num_experts, 1)
+        _check_int("replica_slots", self.replica_slots, 0)
+        if self.num_experts % self.num_gpus:
+            raise ValueError(
+                f"num_experts={self.num_experts} is not divisible by the EP world size "
+                f"num_nodes*gpus_per_node={self.num_gpus}; choose a world size that divides "
+                f"the expert count"
+            )
+
+    @property
+    def num_gpus(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+    @property
+    def experts_per_gpu(self) -> int:
+        return self.num_experts // self.num_gpus
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return self.experts_per_gpu + self.replica_slots
+
+    @property
+    def experts_per_node(self) -> int:
+        return self.experts_per_gpu * self.gpus_per_node
+
+    def node_of_gpu(self) -> torch.Tensor:
+        """``[G]`` int64: the node of every GPU."""
+        return torch.arange(self.num_gpus) // self.gpus_per_node
+
+    def static_placement(self, num_layers: int) -> torch.Tensor:
+        """``[L, E]`` int64: contiguous placement, expert ``e`` at native slot ``e``."""
+        return torch.arange(self.num_experts).expand(num_layers, -1).clone()
