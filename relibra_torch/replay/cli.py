@@ -1,0 +1,147 @@
+"""Summarise a routing replay file (relibra.routing/1) or a loads file (relibra.loads/1).
+
+Prints the sizes (samples, tokens, layers, experts, top-k) and, per MoE layer, the max and
+mean expert load and their ratio next to the uniform-routing baseline: the expected
+max/mean if every token picked top-k distinct experts uniformly at random at the same token
+count (seeded Monte-Carlo of that process for small counts, a moment-matched normal
+approximation otherwise; the output says which).
+
+For a loads file, ratios are computed per (step, micro-batch) on loads summed over source
+ranks, then averaged (and the worst shown) over the non-empty micro-batches.
+
+The file kind is detected from its metadata ``format``. A bad file prints one line and
+exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ._io import _one_line, read_header
+from .baseline import uniform_max_over_mean
+from .loads import LOADS_FORMAT, LoadsFile, load_loads
+from .routing import ROUTING_FORMAT, RoutingReplay, load_routing
+
+HELP = "summarise a routing replay or loads file (sizes, per-layer max/mean load vs uniform routing)"
+
+_METHOD = {
+    "exact-mc": "seeded Monte-Carlo of uniform top-k routing, 64 trials",
+    "normal": "normal approximation with the exact mean/covariance of uniform top-k routing",
+    "exact": "top_k == num_experts: every expert gets every token",
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="a .safetensors file in relibra.routing/1 or relibra.loads/1 format")
+
+
+def _print_routing(path: str, replay: RoutingReplay) -> None:
+    lengths = replay.sample_lengths
+    counts_LE = replay.expert_counts()
+    T, L, K, E = replay.num_tokens, replay.num_layers, replay.top_k, replay.num_experts
+    mean = T * K / E
+    base, method = uniform_max_over_mean(T, K, E)
+    print(f"routing replay {path}")
+    print(f"  format       {ROUTING_FORMAT}")
+    if replay.model is not None:
+        print(f"  model        {replay.model}")
+    extra = []
+    if replay.sample_step is not None:
+        extra.append(f"steps {torch.unique(replay.sample_step).numel()}")
+    if replay.sample_task is not None:
+        extra.append(f"tasks {torch.unique(replay.sample_task).numel()}")
+    print(f"  samples      {replay.num_samples}" + (f" ({', '.join(extra)})" if extra else ""))
+    print(
+        f"  tokens       {T} (per sample min {int(lengths.min())}, mean {lengths.double().mean().item():.1f}, "
+        f"max {int(lengths.max())})"
+    )
+    print(f"  layers       {L}")
+    print(f"  experts      {E}")
+    print(f"  top-k        {K}")
+    print(f"  uniform      expected max/mean at {T} tokens = {base:.4f} ({_METHOD[method]})")
+    print("per layer, loads over the whole file:")
+    print(f"{'layer':>5} {'max load':>10} {'mean load':>12} {'max/mean':>9} {'uniform':>9}")
+    max_L = counts_LE.max(dim=1).values
+    ratio_L = max_L.double() / mean
+    for layer in range(L):
+        print(f"{layer:>5} {int(max_L[layer]):>10} {mean:>12.1f} {ratio_L[layer].item():>9.3f} {base:>9.3f}")
+    worst = int(ratio_L.argmax())
+    print(
+        f"all layers: max/mean mean {ratio_L.mean().item():.3f}, worst {ratio_L[worst].item():.3f} "
+        f"(layer {worst}); uniform {base:.3f}"
+    )
+
+
+def _print_loads(path: str, loads: LoadsFile) -> None:
+    X, M, L, S, E = loads.shape
+    K = loads.top_k
+    tokens_XM = loads.tokens().sum(dim=-1)
+    expert_XMLE = loads.loads_XMLSE.sum(dim=3, dtype=torch.int64)
+    nonempty_XM = tokens_XM > 0
+    n_nonempty = int(nonempty_XM.sum())
+    print(f"loads file {path}")
+    print(f"  format         {LOADS_FORMAT}")
+    if loads.model is not None:
+        print(f"  model          {loads.model}")
+    print(f"  steps          {X}")
+    print(f"  micro-batches  {M} per step ({X * M - n_nonempty} empty)")
+    print(f"  layers         {L}")
+    print(f"  source ranks   {S}")
+    print(f"  experts        {E}")
+    print(f"  top-k          {K}")
+    t = tokens_XM[nonempty_XM]
+    if n_nonempty == 0:
+        print(f"  tokens         0")
+        print("no tokens: no per-layer loads to report")
+        return
+    print(
+        f"  tokens         {int(tokens_XM.sum())} (per micro-batch min {int(t.min())}, "
+        f"mean {t.double().mean().item():.1f}, max {int(t.max())})"
+    )
+    # Baseline per distinct token count, then averaged over the same micro-batches.
+    methods = set()
+    base_cache = {}
+    for value in torch.unique(t).tolist():
+        base_cache[value], method = uniform_max_over_mean(int(value), K, E)
+        methods.add(method)
+    base_mean = sum(base_cache[v] for v in t.tolist()) / n_nonempty
+    mean_XM = tokens_XM.double() * K / E
+    ratio_XML = expert_XMLE.max(dim=-1).values.double() / mean_XM.clamp(min=1e-300)[..., None]
+    ratio_NL = ratio_XML[nonempty_XM]  # [non-empty micro-batches, L]
+    print(
+        f"  uniform        expected max/mean, mean over micro-batches = {base_mean:.4f} "
+        f"({'; '.join(_METHOD[m] for m in sorted(methods))})"
+    )
+    print("per layer, loads per (step, micro-batch) summed over source ranks:")
+    print(f"{'layer':>5} {'mean max/mean':>14} {'worst max/mean':>15} {'uniform':>9}")
+    for layer in range(L):
+        col = ratio_NL[:, layer]
+        print(f"{layer:>5} {col.mean().item():>14.3f} {col.max().item():>15.3f} {base_mean:>9.3f}")
+    worst = int(ratio_NL.mean(dim=0).argmax())
+    print(
+        f"all layers: max/mean mean {ratio_NL.mean().item():.3f}, worst layer {worst} "
+        f"({ratio_NL[:, worst].mean().item():.3f}); uniform {base_mean:.3f}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Print the summary of ``args.file``; errors propagate as ValueError/FileNotFoundError."""
+    path = args.file
+    try:
+        header = read_header(path)
+        fmt = header.metadata.get("format")
+        if fmt == ROUTING_FORMAT:
+            _print_routing(path, load_routing(path))
+        elif fmt == LOADS_FORMAT:
+            _print_loads(path, load_loads(path))
+        else:
+            shown = "missing" if fmt is None else _one_line(fmt)
+            raise ValueError(
+                f"file {path!r}: metadata format is {shown}; allowed: {ROUTING_FORMAT!r} or {LOADS_FORMAT!r}"
+            )
+    except (ValueError, TypeError) as exc:
+        # cli.main prints the message on one line; make sure it is one line.
+        raise type(exc)(" ".join(str(exc).split())) from None
+    return 0
