@@ -1,0 +1,341 @@
+"""The ReLibra planner: expert reordering per step, intra-node replication per micro-batch.
+
+Reordering (once per step and layer) chooses each expert's node, then its GPU inside the
+node. It minimises, summed over the step's micro-batches,
+
+    node_weight * max_n node_load[m, n]  +  cross_weight * cross_node_tokens[m]
+
+plus ``migration_weight`` per expert that changes node (and ``intra_migration_weight`` per
+expert that changes GPU inside its node), so it moves only what pays. The busiest node sets
+the time because replication inside the node spreads its load over its ``g`` GPUs. Search:
+two starts (the previous placement, and a greedy assignment of experts in decreasing load
+to the node with the smallest objective increase), the better one refined by steepest-
+descent swaps between nodes over a deterministic candidate set, all layers at once.
+
+Replication (per micro-batch, layer and node) moves load from the busiest GPU to the least
+busy GPU that still has a free replica slot, by copying the busiest GPU's largest remaining
+native expert there with a quota of exactly what both sides can take, until every GPU is at
+``ceil(node_load / g)`` or the slots run out. Vectorised over every (micro-batch, layer,
+node) at once; at most ``g * R`` rounds.
+
+Every quantity is an integer until the final weighted objective (float64, elementwise), so
+the same loads give bit-identical plans on any machine.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs,
+g GPUs per node, El native experts per GPU, R replica slots per GPU, J = El + R,
+B batched problems (M * L * N), P candidate swaps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Planner, check_loads
+from .plan import StepPlan
+from .topology import Topology
+
+__all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
+
+
+@dataclass(frozen=True)
+class ReLibraConfig:
+    """Weights of the reordering objective, in seconds, and search limits.
+
+    The defaults are Qwen3-30B-A3B on H200 (see ``relibra_torch.sim.presets``); the
+    simulator passes the weights of the model and hardware it simulates.
+
+    Attributes:
+        compute_s_per_token: expert compute (fwd + bwd) of one token-expert pair on one GPU.
+        cross_node_s_per_token: moving one token-expert pair across nodes (dispatch +
+            combine, fwd + bwd) at one GPU's inter-node bandwidth.
+        migration_s_per_expert: moving one expert (weights + optimizer state) across nodes.
+        intra_migration_s_per_expert: moving one expert to another GPU of its node.
+        reorder: choose a new placement each step (False: keep the previous one).
+        max_swap_rounds: bound on local-search rounds.
+        swap_candidates: experts per node considered for swaps each round (the busiest
+            node's heaviest against every other node's lightest, and vice versa).
+    """
+
+    compute_s_per_token: float = 5.7e-8
+    cross_node_s_per_token: float = 3.3e-7
+    migration_s_per_expert: float = 1.3e-3
+    intra_migration_s_per_expert: float = 1.5e-4
+    reorder: bool = True
+    max_swap_rounds: int = 64
+    swap_candidates: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
+                     "intra_migration_s_per_expert"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
+        if self.max_swap_rounds < 0 or self.swap_candidates < 1:
+            raise ValueError("max_swap_rounds must be >= 0 and swap_candidates >= 1, got "
+                             f"{self.max_swap_rounds}, {self.swap_candidates}")
+
+
+def _objective(node_load_LMN, cross_L, moved_L, cfg: ReLibraConfig, g: int) -> torch.Tensor:
+    """float64 ``[...]`` objective from integer parts (see module docstring)."""
+    node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
+    return (node_load_LMN.max(-1).values.sum(-1).to(torch.float64) * node_w
+            + cross_L.to(torch.float64) * cfg.cross_node_s_per_token / g
+            + moved_L.to(torch.float64) * cfg.migration_s_per_expert)
+
+
+def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
+            config: ReLibraConfig = ReLibraConfig()) -> torch.Tensor:
+    """Choose the step's placement ``[L, E]`` (int64 physical native slot per expert)."""
+    M, L, S, E = loads_MLSE.shape
+    N, g, El = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu
+    per_node = E // N
+    loads_MLSE = loads_MLSE.to(torch.int64)
+    load_LME = loads_MLSE.sum(2).transpose(0, 1).contiguous()            # [L, M, E]
+    # tokens for e coming from sources on node n, summed over the step
+    src_node_LNE = loads_MLSE.sum(0).view(L, N, g, E).sum(2)              # [L, N, E]
+    total_LE = load_LME.sum(1)
+    prev_gpu_LE = previous_placement_LE // El
+    prev_node_LE = prev_gpu_LE // g
+    rows = torch.arange(L)
+
+    def node_loads(node_LE: torch.Tensor) -> torch.Tensor:
+        onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
+        return torch.bmm(load_LME, onehot_LEN)                             # [L, M, N]
+
+    def cross(node_LE: torch.Tensor) -> torch.Tensor:
+        return (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
+
+    def full_objective(node_LE: torch.Tensor) -> torch.Tensor:
+        moved_L = (node_LE != prev_node_LE).sum(1)
+        return _objective(node_loads(node_LE), cross(node_LE), moved_L, config, g)
+
+    # Start 1: keep the previous nodes. Start 2: greedy in decreasing load.
+    best_node_LE = prev_node_LE.clone()
+    if N > 1:
+        greedy_LE = torch.empty(L, E, dtype=torch.int64)
+        nl_LMN = torch.zeros(L, M, N, dtype=torch.int64)
+        count_LN = torch.zeros(L, N, dtype=torch.int64)
+        order_LE = total_LE.sort(dim=1, descending=True, stable=True).indices
+        node_w = (config.compute_s_per_token + config.cross_node_s_per_token) / g
+        for i in range(E):
+            e_L = order_LE[:, i]
+            add_LM = load_LME[rows, :, e_L]                                # [L, M]
+            new_max_LN = torch.maximum(nl_LMN.max(-1, keepdim=True).values,
+                                       nl_LMN + add_LM.unsqueeze(-1)).sum(1)   # [L, N]
+            cross_LN = total_LE[rows, e_L].unsqueeze(1) - src_node_LNE[rows, :, e_L]
+            moved_LN = (torch.arange(N) != prev_node_LE[rows, e_L].unsqueeze(1)).to(torch.int64)
+            cost_LN = (new_max_LN.to(torch.float64) * node_w
+                       + cross_LN.to(torch.float64) * config.cross_node_s_per_token / g
+                       + moved_LN.to(torch.float64) * config.migration_s_per_expert)
+            cost_LN = cost_LN.masked_fill(count_LN >= per_node, float("inf"))
+            n_L = cost_LN.argmin(1)
+            greedy_LE[rows, e_L] = n_L
+            nl_LMN[rows, :, n_L] += add_LM
+            count_LN[rows, n_L] += 1
+        use_greedy_L = full_objective(greedy_LE) < full_objective(best_node_LE)
+        best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
+        best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
+                                    prev_node_LE, config, N, g, full_objective)
+    return _assign_gpus(best_node_LE, total_LE, prev_gpu_LE, topology)
+
+
+def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective):
+    """Steepest-descent node swaps, all layers at once, until no layer improves.
+
+    Candidates per round: on every node its ``C`` heaviest and ``C`` lightest experts (by
+    step load); every pair of candidates on two different nodes is scored exactly. Only the
+    two nodes of a swap change, so the new per-micro-batch maximum is
+    ``max(max over the other nodes, new load of node a, new load of node b)``.
+    """
+    L, M, E = load_LME.shape
+    C = min(cfg.swap_candidates, E // N // 2) or 1
+    current_L = full_objective(node_LE)
+    rows = torch.arange(L)
+    # Pair structure (constant): node pairs (i < j) x candidate positions (ci, cj).
+    ni, nj = torch.triu_indices(N, N, offset=1)
+    K = 2 * C
+    ci, cj = torch.meshgrid(torch.arange(K), torch.arange(K), indexing="ij")
+    pos_a = (ni.view(-1, 1) * K + ci.reshape(1, -1)).reshape(-1)       # [P] into cand [N*K]
+    pos_b = (nj.view(-1, 1) * K + cj.reshape(1, -1)).reshape(-1)
+    na_P = ni.repeat_interleave(K * K)
+    nb_P = nj.repeat_interleave(K * K)
+    P = pos_a.numel()
+    # max over nodes other than (i, j), for every node pair: [.., N, N]
+    others = torch.ones(N, N, N, dtype=torch.bool)
+    idx = torch.arange(N)
+    others[idx, :, idx] = False
+    others[:, idx, idx] = False
+    for _ in range(cfg.max_swap_rounds):
+        onehot = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
+        nl_LMN = torch.bmm(load_LME, onehot)
+        key_LE = total_LE + node_LE * (total_LE.max() + 1)   # group by node, then load
+        order_LNE = key_LE.sort(dim=1, stable=True).indices.view(L, N, E // N)
+        cand_LNK = torch.cat([order_LNE[:, :, :C], order_LNE[:, :, -C:]], 2).reshape(L, N * K)
+        a_LP, b_LP = cand_LNK[:, pos_a], cand_LNK[:, pos_b]
+        masked = nl_LMN.unsqueeze(2).unsqueeze(2).expand(L, M, N, N, N).masked_fill(~others, -1)
+        other_max_LMNN = masked.max(-1).values                          # [L, M, N, N]
+        other_max_LMP = other_max_LMNN[:, :, na_P, nb_P]
+        d_LMP = (load_LME.gather(2, b_LP.unsqueeze(1).expand(L, M, P))
+                 - load_LME.gather(2, a_LP.unsqueeze(1).expand(L, M, P)))
+        new_a = nl_LMN[:, :, na_P] + d_LMP
+        new_b = nl_LMN[:, :, nb_P] - d_LMP
+        max_sum_LP = torch.maximum(torch.maximum(new_a, new_b), other_max_LMP).sum(1)
+        src_a, src_b = src_node_LNE.gather(2, a_LP.unsqueeze(1).expand(L, N, P)), \
+            src_node_LNE.gather(2, b_LP.unsqueeze(1).expand(L, N, P))
+        # tokens kept inside their node: a leaves na for nb, b leaves nb for na
+        local_delta_LP = (src_a[:, nb_P, torch.arange(P)] + src_b[:, na_P, torch.arange(P)]
+                          - src_a[:, na_P, torch.arange(P)] - src_b[:, nb_P, torch.arange(P)])
+        cross_now_L = (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
+        pa, pb = prev_node_LE.gather(1, a_LP), prev_node_LE.gather(1, b_LP)
+        moved_delta_LP = ((nb_P != pa).to(torch.int64) - (na_P != pa).to(torch.int64)
+                          + (na_P != pb).to(torch.int64) - (nb_P != pb).to(torch.int64))
+        moved_now_L = (node_LE != prev_node_LE).sum(1)
+        obj_LP = _objective_from_parts(max_sum_LP, cross_now_L.unsqueeze(1) - local_delta_LP,
+                                       moved_now_L.unsqueeze(1) + moved_delta_LP, cfg, g)
+        best_P = obj_LP.argmin(1)
+        best_obj_L = obj_LP[rows, best_P]
+        improve_L = best_obj_L < current_L * (1 - 1e-12)
+        if not improve_L.any():
+            break
+        a_L, b_L = a_LP[rows, best_P], b_LP[rows, best_P]
+        na_L, nb_L = node_LE[rows, a_L], node_LE[rows, b_L]
+        node_LE = node_LE.clone()
+        node_LE[rows, a_L] = torch.where(improve_L, nb_L, na_L)
+        node_LE[rows, b_L] = torch.where(improve_L, na_L, nb_L)
+        current_L = torch.where(improve_L, best_obj_L, current_L)
+    return node_LE
+
+
+def _objective_from_parts(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:
+    node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
+    return (max_sum.to(torch.float64) * node_w
+            + cross.to(torch.float64) * cfg.cross_node_s_per_token / g
+            + moved.to(torch.float64) * cfg.migration_s_per_expert)
+
+
+def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: torch.Tensor,
+                 topology: Topology) -> torch.Tensor:
+    """GPUs inside each node: experts stay on their previous GPU when it is in their node and
+    has room; the rest go, heaviest first, to the node's GPU with the least step load."""
+    L, E = node_LE.shape
+    g, El = topology.gpus_per_node, topology.experts_per_gpu
+    G = topology.num_gpus
+    node, total, prev = node_LE.tolist(), total_LE.tolist(), prev_gpu_LE.tolist()
+    placement = []
+    for l in range(L):
+        room = [El] * G
+        gpu_load = [0] * G
+        gpu_of = [-1] * E
+        order = sorted(range(E), key=lambda e: (-total[l][e], e))
+        for e in order:
+            p = prev[l][e]
+            if p // g == node[l][e] and room[p] > 0:
+                gpu_of[e] = p
+                room[p] -= 1
+                gpu_load[p] += total[l][e]
+        for e in order:
+            if gpu_of[e] < 0:
+                gpus = range(node[l][e] * g, node[l][e] * g + g)
+                p = min((q for q in gpus if room[q] > 0), key=lambda q: (gpu_load[q], q))
+                gpu_of[e] = p
+                room[p] -= 1
+                gpu_load[p] += total[l][e]
+        next_local = [0] * G
+        place = [0] * E
+        for e in range(E):  # native slots in logical order inside a GPU: deterministic
+            place[e] = gpu_of[e] * El + next_local[gpu_of[e]]
+            next_local[gpu_of[e]] += 1
+        placement.append(place)
+    return torch.tensor(placement, dtype=torch.int64)
+
+
+def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-micro-batch intra-node replication under a fixed placement.
+
+    Returns:
+        ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
+    """
+    M, L, S, E = loads_MLSE.shape
+    N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
+    G, J = topology.num_gpus, topology.slots_per_gpu
+    inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
+    native_LGl = inverse_LE.view(L, G, El)
+    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    rem_MLGl = load_MLE.gather(2, native_LGl.reshape(1, L, -1).expand(M, L, G * El)).view(M, L, G, El)
+    B = M * L * N
+    rem = rem_MLGl.reshape(B, g, El).clone()
+    experts = native_LGl.view(1, L, N, g, El).expand(M, L, N, g, El).reshape(B, g, El)
+    rep_expert = torch.full((B, g, max(R, 1)), -1, dtype=torch.int64)
+    rep_quota = torch.zeros(B, g, max(R, 1), dtype=torch.int64)
+    used = torch.zeros(B, g, dtype=torch.int64)
+    load = rem.sum(-1)
+    target = (load.sum(-1) + g - 1) // g
+    rows = torch.arange(B)
+    for _ in range(g * R):
+        h = load.argmax(-1)                       # busiest GPU (first on ties)
+        excess = load[rows, h] - target
+        can_take = (used < R) & (load < target.unsqueeze(1))
+        u = load.masked_fill(~can_take, torch.iinfo(torch.int64).max).argmin(-1)
+        idx = rem[rows, h].argmax(-1)             # busiest GPU's largest remaining expert
+        deficit = target - load[rows, u]
+        # A receiver's last free slot takes all it can, even past the giver's excess (the
+        # giver then becomes a receiver with its own free slots): per-GPU slots, not total
+        # slots, are what run out first.
+        last_slot = used[rows, u] == R - 1
+        give = torch.where(last_slot, deficit, torch.minimum(excess, deficit))
+        amount = torch.minimum(give, rem[rows, h, idx])
+        active = (excess > 0) & can_take.any(-1) & (amount > 0)
+        if not active.any():
+            break
+        amount = amount * active
+        r, hh, uu, ii = rows[active], h[active], u[active], idx[active]
+        amt = amount[active]
+        slot = used[r, uu]
+        rep_expert[r, uu, slot] = experts[r, hh, ii]
+        rep_quota[r, uu, slot] = amt
+        used[r, uu] += 1
+        rem[r, hh, ii] -= amt
+        load[r, hh] -= amt
+        load[r, uu] += amt
+    slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
+    slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
+    return slot_expert.contiguous(), slot_tokens.contiguous()
+
+
+def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
+                 previous_placement_LE: torch.Tensor | None = None,
+                 config: ReLibraConfig = ReLibraConfig()) -> StepPlan:
+    """Reorder (if ``config.reorder``) then replicate per micro-batch. See the module docstring.
+
+    Args:
+        loads_MLSE: int ``[M, L, S, E]`` the step's known loads (from routing replay).
+        previous_placement_LE: int64 ``[L, E]`` placement in force (static if ``None``).
+    """
+    check_loads(loads_MLSE, topology)
+    L = loads_MLSE.shape[1]
+    if previous_placement_LE is None:
+        previous_placement_LE = topology.static_placement(L)
+    if config.reorder:
+        placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config)
+    else:
+        placement_LE = previous_placement_LE.clone()
+    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE)
+    return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
+                    previous_placement_LE.clone())
+
+
+class ReLibraPlanner(Planner):
+    """Stateful wrapper: plans each step from the previous step's placement."""
+
+    name = "relibra"
+
+    def __init__(self, topology: Topology, config: ReLibraConfig = ReLibraConfig()):
+        super().__init__(topology)
+        self.config = config
+
+    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
+        return relibra_plan(loads_MLSE, self.topology,
+                            self.previous_placement(loads_MLSE.shape[1]), self.config)
