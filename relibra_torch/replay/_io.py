@@ -85,6 +85,15 @@ def _one_line(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _short_json(value, limit: int = 80) -> str:
+    """Compact JSON of an untrusted header value, cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value)
+    except RecursionError:
+        return "<deeply nested JSON>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _no_duplicates(pairs):
     obj = {}
     for key, value in pairs:
@@ -154,7 +163,7 @@ def read_header(path) -> SafetensorsHeader:
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
         raise ValueError(
-            f"file {path!r}: __metadata__ is {_one_line(json.dumps(metadata))}; "
+            f"file {path!r}: __metadata__ is {_short_json(metadata)}; "
             "allowed: an object of string keys and string values"
         )
 
@@ -163,7 +172,7 @@ def read_header(path) -> SafetensorsHeader:
         where = f"file {path!r}: tensor {_one_line(name)}"
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(
-                f"{where}: entry {_one_line(json.dumps(info))}; allowed: an object with exactly "
+                f"{where}: entry {_short_json(info)}; allowed: an object with exactly "
                 "'dtype', 'shape' and 'data_offsets'"
             )
         dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
@@ -173,7 +182,7 @@ def read_header(path) -> SafetensorsHeader:
             )
         if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
             raise ValueError(
-                f"{where}: shape {_one_line(json.dumps(shape))}; allowed: a list of integers in [0, 2**48]"
+                f"{where}: shape {_short_json(shape)}; allowed: a list of integers in [0, 2**48]"
             )
         if (
             not isinstance(offsets, list)
@@ -182,7 +191,7 @@ def read_header(path) -> SafetensorsHeader:
             or offsets[0] > offsets[1]
         ):
             raise ValueError(
-                f"{where}: data_offsets {_one_line(json.dumps(offsets))}; allowed: [begin, end] "
+                f"{where}: data_offsets {_short_json(offsets)}; allowed: [begin, end] "
                 f"with 0 <= begin <= end <= {size - 8 - header_len}"
             )
         dtype, itemsize = _DTYPES[dtype_name]
