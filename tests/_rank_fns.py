@@ -17,3 +17,12 @@ def fail_on_rank_one():
     t = torch.ones(1)
     dist.all_reduce(t)
     return t.item()
+
+
+def relibra_plan_digest():
+    from relibra_torch.planning import Topology, plan_digest, relibra_plan
+
+    topo = Topology(2, 2, 16, 2)
+    gen = torch.Generator().manual_seed(7)
+    loads = (torch.rand(3, 2, 4, 16, generator=gen) ** 4 * 100).long()
+    return plan_digest(relibra_plan(loads, topo))

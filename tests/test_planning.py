@@ -1,0 +1,244 @@
+"""Planner invariants (hypothesis), hand-checked examples and error messages.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU.
+"""
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import _rank_fns
+from relibra_torch.planning import (
+    PLANNER_NAMES, EPLBPlanner, ReLibraConfig, ReLibraPlanner, Topology, balanced_packing,
+    eplb_plan, evaluate, make_planner, plan_digest, relibra_plan, replicate,
+    replicate_experts, static_plan, token_split, validate_plan,
+)
+from relibra_torch.planning.relibra import reorder
+from relibra_torch.testing import run_on_ranks
+
+SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def problems(draw):
+    """A topology and loads ``[M, L, S, E]`` with skew, empty experts and empty ranks."""
+    nodes = draw(st.integers(1, 3))
+    gpus = draw(st.integers(1, 4))
+    per_gpu = draw(st.integers(1, 3))
+    replicas = draw(st.integers(0, 2))
+    topo = Topology(nodes, gpus, nodes * gpus * per_gpu, replicas)
+    M, L = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    seed = draw(st.integers(0, 2**31 - 1))
+    shape = draw(st.sampled_from(["uniform", "skewed", "one_expert", "zeros"]))
+    gen = torch.Generator().manual_seed(seed)
+    G, E = topo.num_gpus, topo.num_experts
+    if shape == "uniform":
+        loads = torch.randint(0, 20, (M, L, G, E), generator=gen)
+    elif shape == "skewed":
+        loads = (torch.rand(M, L, G, E, generator=gen) ** 6 * 200).long()
+    elif shape == "one_expert":
+        loads = torch.zeros(M, L, G, E, dtype=torch.int64)
+        loads[..., int(torch.randint(0, E, (1,), generator=gen))] = 37
+    else:
+        loads = torch.zeros(M, L, G, E, dtype=torch.int64)
+    return topo, loads
+
+
+def _plans(topo, loads):
+    plans = {
+        "static": static_plan(loads, topo),
+        "eplb-oracle": eplb_plan(loads, topo, loads.double().sum((0, 2))),
+        "relibra": relibra_plan(loads, topo),
+        "relibra-no-reorder": relibra_plan(loads, topo, config=ReLibraConfig(reorder=False)),
+    }
+    return plans
+
+
+def _check_split(plan, loads):
+    """Every (source, expert) count is assigned exactly once, only to instances of it."""
+    split_MLSGJ = token_split(plan, loads)
+    M, L, S, E = loads.shape
+    se = plan.slot_expert_MLGJ
+    # tokens landing on a slot holding another expert (or an empty slot)
+    per_expert = torch.zeros(M, L, S, E + 1, dtype=torch.int64)
+    idx = (se + 1).view(M, L, 1, -1).expand(M, L, S, -1)
+    per_expert.scatter_add_(3, idx, split_MLSGJ.view(M, L, S, -1))
+    assert torch.equal(per_expert[..., 1:], loads)
+    assert per_expert[..., 0].sum() == 0
+    # receivers get exactly their quotas
+    assert torch.equal(split_MLSGJ.sum(2), plan.slot_tokens_MLGJ)
+
+
+@SETTINGS
+@given(problems())
+def test_every_planner_produces_a_valid_plan(problem):
+    topo, loads = problem
+    for name, plan in _plans(topo, loads).items():
+        validate_plan(plan, loads, intra_node_replicas=name.startswith("relibra") or name == "static")
+        _check_split(plan, loads)
+        assert plan.slot_expert_MLGJ.shape[-1] == topo.experts_per_gpu + topo.replica_slots
+
+
+@SETTINGS
+@given(problems())
+def test_planners_are_deterministic(problem):
+    topo, loads = problem
+    first = {k: plan_digest(p) for k, p in _plans(topo, loads).items()}
+    second = {k: plan_digest(p) for k, p in _plans(topo, loads.clone()).items()}
+    assert first == second
+
+
+@SETTINGS
+@given(problems())
+def test_replication_never_raises_the_max_load(problem):
+    """Under the same placement, relibra's busiest GPU is never busier than static's."""
+    topo, loads = problem
+    static = evaluate(static_plan(loads, topo), loads).gpu_load_MLG.max(-1).values
+    plan = relibra_plan(loads, topo, config=ReLibraConfig(reorder=False))
+    ours = evaluate(plan, loads)
+    assert (ours.gpu_load_MLG.max(-1).values <= static).all()
+    # with enough slots the node lower bound is reached exactly
+    if topo.replica_slots >= 1 and topo.gpus_per_node <= 2:
+        assert torch.equal(ours.gpu_load_MLG.max(-1).values, ours.node_lower_bound_ML)
+
+
+@SETTINGS
+@given(problems())
+def test_reordering_never_worsens_its_balance_term(problem):
+    """With only the balance term weighted, the chosen placement's summed busiest-node load
+    is never above the previous (static) placement's."""
+    topo, loads = problem
+    cfg = ReLibraConfig(cross_node_s_per_token=0.0, migration_s_per_expert=0.0)
+    placement = reorder(loads, topo, topo.static_placement(loads.shape[1]), cfg)
+    g, El = topo.gpus_per_node, topo.experts_per_gpu
+
+    def node_max_sum(placement_LE):
+        node_LE = placement_LE // El // g
+        onehot = torch.nn.functional.one_hot(node_LE, topo.num_nodes)
+        return torch.einsum("mle,len->mln", loads.sum(2), onehot).max(-1).values.sum(0)
+
+    assert (node_max_sum(placement) <= node_max_sum(topo.static_placement(loads.shape[1]))).all()
+
+
+def test_token_split_matches_brute_force():
+    topo = Topology(1, 2, 4, 1)
+    loads = torch.tensor([[[[3, 0, 1, 2], [2, 5, 0, 0]]]])            # [1, 1, 2, 4]
+    plan = static_plan(loads, topo)
+    # put a replica of expert 1 on GPU 1 and give it 4 of expert 1's 5 tokens
+    plan.slot_expert_MLGJ[0, 0, 1, 2] = 1
+    plan.slot_tokens_MLGJ[0, 0, 0, 1] = 1
+    plan.slot_tokens_MLGJ[0, 0, 1, 2] = 4
+    validate_plan(plan, loads, intra_node_replicas=True)
+    split = token_split(plan, loads)[0, 0]                              # [S, G, J]
+    # expert 1: source 0 has 0 tokens, source 1 has 5; the native (GPU 0) takes the first
+    # token of the stream, the replica the next 4.
+    assert split[1, 0, 1] == 1 and split[1, 1, 2] == 4 and split[0, :, :].sum() == 6
+    metrics = evaluate(plan, loads)
+    assert metrics.gpu_load_MLG.tolist() == [[[6, 7]]]
+    assert metrics.fill_MLGJ[0, 0, 1, 2] and metrics.fill_MLGJ.sum() == 1
+    # source 1 (GPU 1) sends expert 0 (2 tokens) and 1 token of expert 1 to GPU 0
+    assert metrics.intra_send_MLG.tolist() == [[[3, 3]]]
+
+
+def test_replicate_hand_example():
+    """One node of two GPUs, one native expert each, one replica slot: split 10/2 into 6/6."""
+    topo = Topology(1, 2, 2, 1)
+    loads = torch.tensor([[[[10, 2], [0, 0]]]])
+    se, st_ = replicate(loads, topo, topo.static_placement(1))
+    assert se.tolist() == [[[[0, -1], [1, 0]]]]
+    assert st_.tolist() == [[[[6, 0], [2, 4]]]]
+
+
+def test_eplb_building_blocks():
+    w = torch.tensor([[9.0, 1.0, 5.0, 5.0, 3.0, 7.0]])
+    pack, rank = balanced_packing(w, 2)
+    assert torch.bincount(pack[0]).tolist() == [3, 3]
+    # LPT: 9->p0, 7->p1, 5->p1, 5->p0, 3->p1, 1->p0 : packs 15 / 15
+    sums = torch.zeros(2).scatter_add_(0, pack[0], w[0])
+    assert sums.tolist() == [15.0, 15.0]
+    assert sorted(rank[0, pack[0] == 0].tolist()) == [0, 1, 2]
+    phy2log, count = replicate_experts(torch.tensor([[8.0, 1.0, 3.0]]), 5)
+    assert phy2log.tolist() == [[0, 1, 2, 0, 0]] and count.tolist() == [[3, 1, 1]]
+
+
+def test_eplb_planner_uses_history_and_oracle():
+    topo = Topology(2, 2, 8, 1)
+    gen = torch.Generator().manual_seed(0)
+    loads = torch.randint(0, 5, (2, 1, 4, 8), generator=gen)
+    loads[..., 3] += 100
+    oracle = EPLBPlanner(topo, oracle=True).plan(loads)
+    assert (oracle.slot_expert_MLGJ[0, 0] == 3).sum() > 1          # hot expert replicated
+    hist = EPLBPlanner(topo)
+    first = hist.plan(loads)                                           # uniform estimate
+    assert (first.slot_expert_MLGJ[0, 0] == 3).sum() == 1
+    hist.commit(first, loads)
+    second = hist.plan(loads)
+    assert (second.slot_expert_MLGJ[0, 0] == 3).sum() > 1
+
+
+def test_relibra_balances_a_skewed_step():
+    topo = Topology(2, 4, 16, 2)
+    gen = torch.Generator().manual_seed(1)
+    pop = torch.rand(16, generator=gen) ** 4
+    loads = torch.poisson((pop / pop.sum()).expand(4, 2, 8, 16) * 400, generator=gen).long()
+    static = evaluate(static_plan(loads, topo), loads).imbalance_ML.mean()
+    # 3,200 tokens a micro-batch: moving an expert (1.3 ms at the default weights) costs
+    # more than it saves, so the placement stays and only replication acts ...
+    expensive = relibra_plan(loads, topo)
+    assert torch.equal(expensive.placement_LE, topo.static_placement(2))
+    # ... while cheap migration lets reordering balance the nodes too.
+    cheap = relibra_plan(loads, topo, config=ReLibraConfig(migration_s_per_expert=1e-9))
+    ours = evaluate(cheap, loads)
+    assert static > 1.3 and ours.imbalance_ML.mean() < 1.05
+    assert (ours.migrated_L > 0).all()
+
+
+def test_planner_objects_advance_state():
+    topo = Topology(2, 2, 8, 1)
+    loads = torch.randint(0, 9, (2, 1, 4, 8), generator=torch.Generator().manual_seed(3))
+    for name in PLANNER_NAMES:
+        planner = make_planner(name, topo)
+        plan = planner.plan(loads)
+        planner.commit(plan, loads)
+        assert torch.equal(planner.previous_placement(1), plan.placement_LE)
+    relibra = ReLibraPlanner(topo)
+    p1 = relibra.plan(loads)
+    relibra.commit(p1, loads)
+    p2 = relibra.plan(loads)
+    assert torch.equal(p2.previous_placement_LE, p1.placement_LE)
+
+
+def test_plans_identical_in_two_processes():
+    digests = run_on_ranks(_rank_fns.relibra_plan_digest, 2)
+    assert digests[0] == digests[1] == _rank_fns.relibra_plan_digest()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda: Topology(0, 2, 4), "num_nodes must be >= 1"),
+    (lambda: Topology(2, 2, 6), "not divisible"),
+    (lambda: Topology(1, 2, 4, -1), "replica_slots must be >= 0"),
+    (lambda: static_plan(torch.zeros(1, 1, 3, 4, dtype=torch.int64), Topology(1, 2, 4)), "S=3"),
+    (lambda: static_plan(-torch.ones(1, 1, 2, 4, dtype=torch.int64), Topology(1, 2, 4)), "negative"),
+    (lambda: static_plan(torch.zeros(1, 1, 2, 4), Topology(1, 2, 4)), "int32 or int64"),
+    (lambda: make_planner("bogus", Topology(1, 2, 4)), "allowed: static"),
+])
+def test_bad_input_names_the_problem(bad, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        bad()
+
+
+def test_validate_plan_catches_broken_plans():
+    topo = Topology(2, 1, 2, 1)
+    loads = torch.ones(1, 1, 2, 2, dtype=torch.int64)
+    plan = static_plan(loads, topo)
+    plan.slot_tokens_MLGJ[0, 0, 0, 0] += 1
+    with pytest.raises(ValueError, match="quotas sum to 3"):
+        validate_plan(plan, loads)
+    plan = static_plan(loads, topo)
+    plan.slot_expert_MLGJ[0, 0, 0, 1] = 1                                # replica from node 1
+    with pytest.raises(ValueError, match="another node"):
+        validate_plan(plan, loads, intra_node_replicas=True)
+    plan.slot_expert_MLGJ[0, 0, 0, 1] = 0                                # duplicate on GPU 0
+    with pytest.raises(ValueError, match="two instances"):
+        validate_plan(plan, loads)
