@@ -228,7 +228,7 @@ def _header_edit(fn):
 @pytest.mark.parametrize(
     "edit, match",
     [
-        (_header_edit(lambda h: h["routed_experts"].update(dtype="F99")), r"tensor 'routed_experts': dtype 'F99'; allowed: one of"),
+        (_header_edit(lambda h: h["routed_experts"].update(dtype="F99")), r"tensor 'routed_experts': dtype \"F99\"; allowed: one of"),
         (_header_edit(lambda h: h["routed_experts"].update(shape=[30, 3, 3])), r"shape \[30, 3, 3\] of I16 needs 540 bytes but data_offsets \[\d+, \d+\] span 360"),
         (_header_edit(lambda h: h["routed_experts"].update(shape=[30, -3, 2])), r"shape \[30, -3, 2\]; allowed: a list of integers"),
         (_header_edit(lambda h: h["routed_experts"].update(shape=[30, 3.0, 2])), r"shape \[30, 3.0, 2\]; allowed: a list of integers"),

@@ -176,9 +176,9 @@ def read_header(path) -> SafetensorsHeader:
                 "'dtype', 'shape' and 'data_offsets'"
             )
         dtype_name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype_name not in _DTYPES:
+        if not isinstance(dtype_name, str) or dtype_name not in _DTYPES:
             raise ValueError(
-                f"{where}: dtype {_one_line(str(dtype_name))}; allowed: one of {sorted(_DTYPES)}"
+                f"{where}: dtype {_short_json(dtype_name)}; allowed: one of {sorted(_DTYPES)}"
             )
         if not isinstance(shape, list) or not all(_is_int(d) and 0 <= d <= _MAX_DIM for d in shape):
             raise ValueError(
