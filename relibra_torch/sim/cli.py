@@ -1,0 +1,209 @@
+"""relibra simulate: how much faster is a training step with relibra than with static
+placement or DeepSeek EPLB, on your model, cluster and RL data?
+
+Runs every requested balancing system on the same expert loads and prints, per system,
+imbalance, MoE-layer and step time, speedup over static and over oracle EPLB, fraction of
+the ideal step time, traffic and planner time. With no file it generates the default
+synthetic RL trace (seeded, mixed tasks). A routing replay file (relibra.routing/1) is
+batched into ranks and micro-batches by relibra_torch.replay.batch_samples (see
+docs/simulator.md); a loads file (relibra.loads/1) is used as batched.
+
+Precedence of settings: command-line options > --config FILE > built-in defaults; --set
+SECTION.FIELD=VALUE overrides single preset fields (e.g. --set hardware.inter_node_gbps=25).
+
+examples:
+  relibra simulate
+  relibra simulate --model qwen3-235b-a22b --nodes 2 --systems static,eplb-oracle,relibra
+  relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..planning.topology import Topology
+from .cost import CostOptions
+from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, get_model, load_config_file,
+                      parse_override)
+from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
+from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_file
+
+HELP = "compare step times of static, EPLB and relibra balancing on a simulated cluster"
+
+DEFAULTS = {
+    "model": "qwen3-30b-a3b",
+    "hardware": "h200",
+    "nodes": 4,
+    "gpus_per_node": 8,
+    "replica_slots": 2,
+    "micro_batch_tokens": 8192,
+    "micro_batches": 32,
+    "steps": 3,
+    "warmup_steps": None,  # 1 when steps > 1 (EPLB needs a step of history), else 0
+    "systems": ",".join(SYSTEMS),
+    "seed": 0,
+    "sample_tokens": DEFAULT_SAMPLE_TOKENS,
+    "overlap_replication": False,
+    "json": None,
+    "plot": None,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``relibra simulate``'s options (defaults resolved in :func:`resolve`)."""
+    d = DEFAULTS
+    parser.add_argument("file", nargs="?", metavar="REPLAY_OR_LOADS_FILE",
+                        help="routing replay or loads file (safetensors); default: synthetic RL trace")
+    parser.add_argument("--model", help=f"model preset: {', '.join(MODELS)} (default {d['model']})")
+    parser.add_argument("--hardware", help=f"GPU preset: {', '.join(HARDWARE)} (default {d['hardware']})")
+    parser.add_argument("--nodes", type=int, help=f"nodes (default {d['nodes']})")
+    parser.add_argument("--gpus-per-node", type=int, help=f"GPUs per node (default {d['gpus_per_node']})")
+    parser.add_argument("--replica-slots", type=int,
+                        help=f"replica slots per GPU, R (default {d['replica_slots']})")
+    parser.add_argument("--micro-batch-tokens", type=int,
+                        help=f"tokens per micro-batch per GPU, synthetic trace (default {d['micro_batch_tokens']})")
+    parser.add_argument("--micro-batches", type=int,
+                        help=f"micro-batches per step (default {d['micro_batches']})")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps, synthetic trace (default {d['steps']})")
+    parser.add_argument("--warmup-steps", type=int,
+                        help="leading steps run but not reported (default 1 if --steps > 1, else 0)")
+    parser.add_argument("--systems", help=f"comma-separated, from {','.join(SYSTEMS)} "
+                        f"(static and ideal always run; default all)")
+    parser.add_argument("--seed", type=int, help=f"synthetic trace seed (default {d['seed']})")
+    parser.add_argument("--sample-tokens", type=int,
+                        help=f"sample length assumed for the attention term when the source has no "
+                             f"sample lengths (default {d['sample_tokens']})")
+    parser.add_argument("--overlap-replication", action="store_true", default=None,
+                        help="hide replica fill / gradient return behind attention compute")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                        help="override a preset field, e.g. hardware.nvlink_gbps=300 (repeatable)")
+    parser.add_argument("--config", metavar="FILE", help="JSON or TOML file with model/hardware/simulate sections")
+    parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
+    parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _int_option(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def resolve(args: argparse.Namespace) -> dict:
+    """Merge command line, config file and defaults; build and validate every setting.
+
+    Returns a dict with ``model``, ``hardware``, ``topology``, ``cost_options`` and the
+    plain options. Raises ``ValueError`` naming the option and what is allowed.
+    """
+    file_cfg = load_config_file(args.config) if args.config else {}
+    sim_cfg = file_cfg.get("simulate", {}) or {}
+    if not isinstance(sim_cfg, dict):
+        raise ValueError("--config: 'simulate' must be an object of option: value")
+    unknown = set(sim_cfg) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"--config: unknown simulate options {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
+    opts = {}
+    for key, default in DEFAULTS.items():
+        cli = getattr(args, key, None)
+        opts[key] = cli if cli is not None else sim_cfg.get(key, default)
+
+    def spec(section: str, getter):
+        raw = file_cfg.get(section)
+        fields_from_file: dict = {}
+        preset = opts[section]
+        if isinstance(raw, str):
+            preset = raw if getattr(args, section) is None else preset
+        elif isinstance(raw, dict):
+            fields_from_file = {k: v for k, v in raw.items() if k != "preset"}
+            if "preset" in raw and getattr(args, section) is None:
+                preset = raw["preset"]
+        elif raw is not None:
+            raise ValueError(f"--config: '{section}' must be a preset name or an object of fields")
+        base = apply_overrides(getter(preset), section, fields_from_file)
+        sets = {}
+        for text in args.set or []:
+            sec, name, value = parse_override(text)
+            if sec == section:
+                sets[name] = value
+        return apply_overrides(base, section, sets)
+
+    model = spec("model", get_model)
+    hardware = spec("hardware", get_hardware)
+    opts["model"], opts["hardware"] = model.name, hardware.name
+
+    nodes = _int_option("nodes", opts["nodes"], 1)
+    gpn = _int_option("gpus_per_node", opts["gpus_per_node"], 1)
+    replica_slots = _int_option("replica_slots", opts["replica_slots"], 0)
+    for name in ("micro_batch_tokens", "micro_batches", "steps", "sample_tokens"):
+        _int_option(name, opts[name], 1)
+    _int_option("seed", opts["seed"], 0)
+    G = nodes * gpn
+    if model.num_experts % G:
+        sizes = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
+        raise ValueError(f"--nodes {nodes} x --gpus-per-node {gpn} = {G} GPUs does not divide the "
+                         f"{model.num_experts} experts of --model {model.name}; allowed EP sizes: "
+                         f"{', '.join(map(str, sizes))}")
+    topology = Topology(nodes, gpn, model.num_experts, replica_slots)
+    if opts["warmup_steps"] is None:
+        opts["warmup_steps"] = 1 if opts["steps"] > 1 and not args.file else 0
+    _int_option("warmup_steps", opts["warmup_steps"], 0)
+    systems = parse_systems(opts["systems"])
+    overlap = opts["overlap_replication"]
+    if not isinstance(overlap, bool):
+        raise ValueError(f"overlap_replication must be true or false, got {overlap!r}")
+    return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
+            "systems": systems, "cost_options": CostOptions(overlap_replication=overlap)}
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``relibra simulate``; returns the exit code (bad input raises ``ValueError``)."""
+    from rich.console import Console
+
+    from .report import print_table, result_json, write_json, write_plot
+
+    s = resolve(args)
+    model, topo = s["model_spec"], s["topology"]
+    if args.file:
+        workload = workload_from_file(args.file, model, topo, s["micro_batches"], s["sample_tokens"])
+        if s["warmup_steps"] >= workload.num_steps:
+            raise ValueError(f"--warmup-steps {s['warmup_steps']} leaves no measured step: the file "
+                             f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
+    else:
+        workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
+                                      s["steps"], s["seed"], s["sample_tokens"])
+    config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"])
+
+    err = Console(stderr=True)
+    show = not args.no_progress and err.is_terminal
+    if show:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        total = len(config.systems) * workload.num_steps
+        with Progress(TextColumn("planning {task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("", total=total)
+
+            def progress(system: str, done: int, steps: int) -> None:
+                bar.update(task, advance=1, description=system)
+
+            result = simulate(workload, config, progress=progress)
+    else:
+        result = simulate(workload, config)
+
+    extra = {"micro_batch_tokens": s["micro_batch_tokens"] if not args.file else None,
+             "seed": s["seed"] if not args.file else None, "file": args.file,
+             "command": "relibra simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None}
+    doc = result_json(result, extra)
+    out = Console()
+    if not out.is_terminal:
+        out = Console(width=200)
+    print_table(doc, out)
+    if s["json"]:
+        write_json(doc, s["json"])
+        out.print(f"wrote {s['json']}")
+    if s["plot"]:
+        write_plot(result, s["plot"])
+        out.print(f"wrote {s['plot']}")
+    return 0

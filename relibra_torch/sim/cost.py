@@ -1,0 +1,359 @@
+"""The cost model of one training step under a step plan (ARCHITECTURE.md, "Cost model").
+
+Legend (shape suffixes): M micro-batches, L MoE layers, S source ranks (= G), E experts,
+G GPUs (EP ranks, node-major), J slots per GPU.
+
+Every term is a small pure function so that tests can check it against hand-computed
+numbers. Times are seconds, sizes bytes, throughputs FLOP/s and bytes/s. A *token* here is a
+token-expert pair, the unit of ``loads_MLSE`` (a token routed to ``k`` experts counts ``k``).
+
+Per micro-batch ``m`` and MoE layer ``l``:
+
+* expert compute: a SwiGLU expert runs three ``D x F`` GEMMs, ``6 * D * F`` FLOPs per token
+  forward and twice that backward (gradients w.r.t. inputs and weights); the layer waits
+  for the most loaded GPU, at ``bf16_tflops * grouped_gemm_efficiency``.
+* all-to-all: dispatch and combine each move ``D * activation_bytes`` per token; backward
+  repeats both with gradients. Per GPU, one all-to-all takes
+  ``max(cross_send, cross_recv) / inter_node_bw + max(intra_send, intra_recv) / nvlink_bw``
+  (the two links are summed, not overlapped: the GPU's copy engines/SMs drive both and
+  DeepEP-style kernels forward RDMA traffic over NVLink); the slowest GPU sets the time.
+* replica fill and gradient return: each *residency* of a replica (a slot whose expert
+  changed from the previous micro-batch, ``PlanMetrics.slot_changed_MLGJ``) moves the
+  expert's ``3 * D * F`` weights from the owner forward and the same number of gradient
+  values back in backward, over NVLink (inter-node bandwidth if the owner is on another
+  node). Per GPU, received and sent bytes are both counted (an owner feeding three
+  replicas sends three copies). With ``overlap_replication`` the transfer of layer ``l``
+  hides behind that layer's attention compute and only the excess is charged.
+* migration, once per step: experts whose owner changed carry weights, an fp32 master
+  copy (``master_weights``) and Adam's two fp32 moments over the inter-node network (NVLink
+  when the move stays inside a node).
+* attention and dense parts, the same for every system: per rank and layer,
+  ``2 * P_attn * T`` FLOPs for the Q/K/V/O projections (``P_attn`` their weights, ``T`` the
+  rank's tokens) plus ``2 * (d_qk + d_v) * pairs`` for the causal score and value products,
+  ``pairs = sum_i n_i (n_i + 1) / 2`` over the rank's samples of length ``n_i`` (Megatron-LM's
+  FLOP count, Narayanan et al. 2021, eq. 3: ``4 * s^2 * h`` per layer for non-causal
+  attention, halved for the causal mask that FlashAttention skips); the router
+  ``2 * D * E * T``; shared experts ``6 * D * F_shared * T``; dense layers' FFN
+  ``6 * D * F_dense * T``; the LM head ``2 * D * V * T``. Backward is twice forward. Ranks
+  synchronise at every MoE all-to-all, so each layer's attention takes the slowest rank's
+  time, at ``bf16_tflops * dense_efficiency``. Norms, embeddings, the loss and the
+  optimizer step are the same for every system and are left out.
+
+The ideal system gets the mean expert load on every GPU, the all-to-all traffic of uniform
+routing (each source sends ``(G - g) / G`` of its tokens to other nodes and ``(g - 1) / G`` to
+the other GPUs of its node, and every GPU receives the mean), no replicas and no migration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..planning.evaluate import PlanMetrics
+from ..planning.plan import StepPlan
+from .presets import HardwareSpec, ModelSpec
+
+__all__ = ["CostOptions", "CostModel", "StepCost", "ReorderWeights"]
+
+
+@dataclass(frozen=True)
+class CostOptions:
+    """Knobs of the cost model that are not properties of the hardware or the model.
+
+    Attributes:
+        overlap_replication: hide replica fill (forward) and gradient return (backward)
+            behind the same layer's attention compute; only the excess is charged.
+        activation_bytes: bytes per hidden value in dispatch/combine (2 = bf16).
+        param_bytes: bytes per expert weight in a replica fill (2 = bf16).
+        grad_bytes: bytes per gradient value returned from a replica (2 = bf16).
+        master_weights: migration also moves an fp32 master copy of the weights.
+        optimizer_state_bytes: bytes of optimizer state per parameter moved by migration
+            (8 = Adam's two fp32 moments).
+    """
+
+    overlap_replication: bool = False
+    activation_bytes: int = 2
+    param_bytes: int = 2
+    grad_bytes: int = 2
+    master_weights: bool = True
+    optimizer_state_bytes: int = 8
+
+    def __post_init__(self) -> None:
+        for f in ("activation_bytes", "param_bytes", "grad_bytes"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{f} must be a positive int, got {v!r}")
+        v = self.optimizer_state_bytes
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"optimizer_state_bytes must be an int >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class ReorderWeights:
+    """Cost weights for a planner objective (seconds; a token is a token-expert pair).
+
+    Attributes:
+        compute_s_per_token: forward + backward expert compute of one token on one GPU.
+        cross_node_s_per_token: forward + backward all-to-all time of one token sent to
+            another node (dispatch and combine, both passes), per GPU link.
+        intra_node_s_per_token: the same over NVLink, to another GPU of the node.
+        migration_s_per_expert: moving one expert (weights, master copy, optimizer state)
+            to another node, once per step.
+        intra_migration_s_per_expert: the same move to another GPU of the same node.
+        replica_fill_s_per_expert: one replica residency: weights in, gradients back, NVLink.
+    """
+
+    compute_s_per_token: float
+    cross_node_s_per_token: float
+    intra_node_s_per_token: float
+    migration_s_per_expert: float
+    intra_migration_s_per_expert: float
+    replica_fill_s_per_expert: float
+
+
+@dataclass
+class StepCost:
+    """What one step costs under one plan (seconds unless noted).
+
+    ``*_ML`` tensors are float64 ``[M, L]``: forward + backward of that micro-batch and MoE
+    layer. Scalars are totals over the step.
+    """
+
+    moe_layer_s_ML: torch.Tensor  # expert + all-to-all + exposed replica time
+    expert_s_ML: torch.Tensor
+    all_to_all_s_ML: torch.Tensor
+    replica_s_ML: torch.Tensor  # raw transfer time
+    replica_exposed_s_ML: torch.Tensor  # charged to the step (== raw without overlap)
+    attention_dense_s: float  # every system pays alike
+    migration_s: float
+    step_s: float
+    cross_node_bytes: float
+    intra_node_bytes: float
+    replica_bytes: float
+    migrated_experts: int
+    migrated_bytes: float
+
+    @property
+    def moe_s(self) -> float:
+        return float(self.moe_layer_s_ML.sum())
+
+
+class CostModel:
+    """Times for the terms of ARCHITECTURE.md's cost model on one (model, hardware)."""
+
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, options: CostOptions | None = None):
+        self.model = model
+        self.hardware = hardware
+        self.options = options or CostOptions()
+        self.expert_flops_per_s = hardware.bf16_tflops * 1e12 * hardware.grouped_gemm_efficiency
+        self.dense_flops_per_s = hardware.bf16_tflops * 1e12 * hardware.dense_efficiency
+        self.nvlink_bytes_per_s = hardware.nvlink_gbps * 1e9
+        self.inter_node_bytes_per_s = hardware.inter_node_gbps * 1e9
+        self.token_bytes = model.hidden_size * self.options.activation_bytes
+        self.expert_fwd_flops_per_token = 6 * model.hidden_size * model.moe_ffn
+        self.expert_weight_bytes = model.expert_params() * self.options.param_bytes
+        self.expert_grad_bytes = model.expert_params() * self.options.grad_bytes
+        o = self.options
+        self.migration_bytes_per_expert = model.expert_params() * (
+            o.param_bytes + (4 if o.master_weights else 0) + o.optimizer_state_bytes)
+
+    # --- single terms ------------------------------------------------------------------
+    def expert_compute_s(self, max_gpu_tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward expert compute time of a layer whose busiest GPU has
+        ``max_gpu_tokens`` tokens (any shape); returns two float64 tensors of that shape."""
+        fwd = max_gpu_tokens.to(torch.float64) * self.expert_fwd_flops_per_token / self.expert_flops_per_s
+        return fwd, 2.0 * fwd
+
+    def all_to_all_s(self, cross_send_G: torch.Tensor, cross_recv_G: torch.Tensor,
+                     intra_send_G: torch.Tensor, intra_recv_G: torch.Tensor) -> torch.Tensor:
+        """One all-to-all (a dispatch, or a combine) in seconds.
+
+        Args: token counts per GPU, shape ``[..., G]`` (tokens sent to / received from other
+            nodes, and to / from other GPUs of the node).
+        Returns: float64 ``[...]``, the slowest GPU's time.
+        """
+        cross = torch.maximum(cross_send_G, cross_recv_G).to(torch.float64)
+        intra = torch.maximum(intra_send_G, intra_recv_G).to(torch.float64)
+        per_gpu = self.token_bytes * (cross / self.inter_node_bytes_per_s + intra / self.nvlink_bytes_per_s)
+        return per_gpu.max(-1).values
+
+    def transfer_s(self, cross_send_G: torch.Tensor, cross_recv_G: torch.Tensor,
+                   intra_send_G: torch.Tensor, intra_recv_G: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`all_to_all_s` but the inputs are bytes, not tokens."""
+        cross = torch.maximum(cross_send_G, cross_recv_G).to(torch.float64)
+        intra = torch.maximum(intra_send_G, intra_recv_G).to(torch.float64)
+        return (cross / self.inter_node_bytes_per_s + intra / self.nvlink_bytes_per_s).max(-1).values
+
+    def replica_counts(self, plan: StepPlan, metrics: PlanMetrics) -> dict[str, torch.Tensor]:
+        """Replica residencies started per GPU, as receiver and as owner (sender).
+
+        Returns int64 ``[M, L, G]`` tensors ``recv_intra``, ``recv_cross``, ``send_intra``,
+        ``send_cross``: new residencies (``slot_changed_MLGJ``) whose owner is on the same /
+        another node, counted at the replica's GPU (recv) and at the owner (send).
+        """
+        topo = plan.topology
+        M, L, G, J = plan.slot_expert_MLGJ.shape
+        E = topo.num_experts
+        se = plan.slot_expert_MLGJ
+        new = metrics.slot_changed_MLGJ
+        cross = new & metrics.fill_cross_node_MLGJ
+        intra = new & ~metrics.fill_cross_node_MLGJ
+        owner_MLGJ = plan.owner_gpu_LE().view(1, L, 1, E).expand(M, L, G, E).gather(3, se.clamp(min=0))
+        out = {"recv_intra": intra.sum(-1), "recv_cross": cross.sum(-1)}
+        for name, mask in (("send_intra", intra), ("send_cross", cross)):
+            sent = torch.zeros(M, L, G, dtype=torch.int64)
+            sent.scatter_add_(2, owner_MLGJ.reshape(M, L, G * J), mask.reshape(M, L, G * J).to(torch.int64))
+            out[name] = sent
+        return out
+
+    def replica_s(self, counts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward fill and backward gradient-return time ``[M, L]`` from :meth:`replica_counts`."""
+        def t(nbytes: int) -> torch.Tensor:
+            return self.transfer_s(counts["send_cross"] * nbytes, counts["recv_cross"] * nbytes,
+                                   counts["send_intra"] * nbytes, counts["recv_intra"] * nbytes)
+        return t(self.expert_weight_bytes), t(self.expert_grad_bytes)
+
+    def migration(self, plan: StepPlan) -> tuple[float, int, float]:
+        """``(seconds, migrated experts, bytes)`` of moving experts to ``plan``'s placement.
+
+        All layers move at once; each GPU's sent and received bytes are bounded by its links.
+        No previous placement (``None``) means nothing moves.
+        """
+        if plan.previous_placement_LE is None:
+            return 0.0, 0, 0.0
+        topo = plan.topology
+        G, g, El = topo.num_gpus, topo.gpus_per_node, topo.experts_per_gpu
+        old_LE = plan.previous_placement_LE // El
+        new_LE = plan.owner_gpu_LE()
+        moved = old_LE != new_LE
+        cross = moved & (old_LE // g != new_LE // g)
+        intra = moved & ~cross
+        b = self.migration_bytes_per_expert
+
+        def per_gpu(idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(G, dtype=torch.int64).scatter_add_(0, idx[mask], torch.ones_like(idx[mask]))
+
+        secs = float(self.transfer_s(per_gpu(old_LE, cross) * b, per_gpu(new_LE, cross) * b,
+                                     per_gpu(old_LE, intra) * b, per_gpu(new_LE, intra) * b))
+        n = int(moved.sum())
+        return secs, n, float(n * b)
+
+    def dense_flops(self, tokens_S: torch.Tensor, attn_pairs_S: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Forward FLOPs per rank of the parts every system pays alike.
+
+        Args:
+            tokens_S: tokens per rank (``[..., S]``; real tokens, not token-expert pairs).
+            attn_pairs_S: causal (query, key) pairs per rank, ``sum_i n_i (n_i + 1) / 2``.
+        Returns float64 tensors of that shape: ``attention`` (one layer), ``moe_extra``
+        (router + shared experts of one MoE layer), ``dense_ffn`` (one dense layer's FFN),
+        ``head`` (LM head).
+        """
+        m = self.model
+        t = tokens_S.to(torch.float64)
+        p = attn_pairs_S.to(torch.float64)
+        attention = 2.0 * m.attention_projection_params() * t + 2.0 * (m.attention_qk_dim() + m.attention_v_dim()) * p
+        moe_extra = (2.0 * m.hidden_size * m.num_experts
+                     + 6.0 * m.hidden_size * m.shared_ffn * m.num_shared_experts) * t
+        dense_ffn = 6.0 * m.hidden_size * m.dense_ffn * t
+        head = 2.0 * m.hidden_size * m.vocab_size * t
+        return {"attention": attention, "moe_extra": moe_extra, "dense_ffn": dense_ffn, "head": head}
+
+    def dense_s(self, tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per micro-batch times (float64 ``[M]``, forward + backward) of the shared parts.
+
+        Returns ``attention_layer_fwd``/``attention_layer_bwd`` (one MoE layer's attention,
+        router and shared experts, slowest rank) and ``total`` (all layers, dense layers
+        and LM head, forward + backward).
+        """
+        f = self.dense_flops(tokens_MS, attn_pairs_MS)
+        m = self.model
+        rate = self.dense_flops_per_s
+        moe_layer_fwd = (f["attention"] + f["moe_extra"]).max(-1).values / rate
+        dense_layer_fwd = (f["attention"] + f["dense_ffn"]).max(-1).values / rate
+        head_fwd = f["head"].max(-1).values / rate
+        total_fwd = m.num_moe_layers * moe_layer_fwd + m.num_dense_layers * dense_layer_fwd + head_fwd
+        return {"attention_layer_fwd": moe_layer_fwd, "attention_layer_bwd": 2.0 * moe_layer_fwd,
+                "total": 3.0 * total_fwd}
+
+    # --- whole step --------------------------------------------------------------------
+    def _combine(self, expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, migration_s,
+                 migrated, migrated_bytes, cross_tokens, intra_tokens, replica_bytes) -> StepCost:
+        attn_fwd = dense["attention_layer_fwd"].unsqueeze(1)
+        attn_bwd = dense["attention_layer_bwd"].unsqueeze(1)
+        replica = fill_fwd + grad_bwd
+        if self.options.overlap_replication:
+            exposed = (fill_fwd - attn_fwd).clamp(min=0) + (grad_bwd - attn_bwd).clamp(min=0)
+        else:
+            exposed = replica
+        expert = expert_fwd + expert_bwd
+        a2a = 4.0 * a2a_one  # dispatch + combine, forward and backward
+        moe = expert + a2a + exposed
+        attention_dense_s = float(dense["total"].sum())
+        step = float(moe.sum()) + attention_dense_s + migration_s
+        return StepCost(moe_layer_s_ML=moe, expert_s_ML=expert, all_to_all_s_ML=a2a,
+                        replica_s_ML=replica, replica_exposed_s_ML=exposed,
+                        attention_dense_s=attention_dense_s, migration_s=migration_s, step_s=step,
+                        cross_node_bytes=4.0 * self.token_bytes * float(cross_tokens),
+                        intra_node_bytes=4.0 * self.token_bytes * float(intra_tokens),
+                        replica_bytes=float(replica_bytes), migrated_experts=migrated,
+                        migrated_bytes=migrated_bytes)
+
+    def step_cost(self, plan: StepPlan, metrics: PlanMetrics, tokens_MS: torch.Tensor,
+                  attn_pairs_MS: torch.Tensor) -> StepCost:
+        """The step's cost under ``plan``.
+
+        Args:
+            plan: the step plan; metrics: ``evaluate(plan, loads_MLSE)``.
+            tokens_MS: int ``[M, S]`` tokens per micro-batch and rank.
+            attn_pairs_MS: ``[M, S]`` causal attention pairs per micro-batch and rank.
+        """
+        expert_fwd, expert_bwd = self.expert_compute_s(metrics.gpu_load_MLG.max(-1).values)
+        a2a_one = self.all_to_all_s(metrics.cross_send_MLG, metrics.cross_recv_MLG,
+                                    metrics.intra_send_MLG, metrics.intra_recv_MLG)
+        counts = self.replica_counts(plan, metrics)
+        fill_fwd, grad_bwd = self.replica_s(counts)
+        n_res = int(counts["recv_intra"].sum() + counts["recv_cross"].sum())
+        replica_bytes = n_res * (self.expert_weight_bytes + self.expert_grad_bytes)
+        mig_s, migrated, mig_bytes = self.migration(plan)
+        dense = self.dense_s(tokens_MS, attn_pairs_MS)
+        return self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s,
+                             migrated, mig_bytes, metrics.cross_send_MLG.sum(),
+                             metrics.intra_send_MLG.sum(), replica_bytes)
+
+    def ideal_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,
+                        tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> StepCost:
+        """The ideal system's cost: mean load everywhere, uniform traffic, nothing moved."""
+        M, L, S, E = loads_MLSE.shape
+        G, g = num_nodes * gpus_per_node, gpus_per_node
+        loads = loads_MLSE.to(torch.float64)
+        mean_ML = loads.sum((2, 3)) / G
+        expert_fwd, expert_bwd = self.expert_compute_s(mean_ML)
+        send_MLS = loads.sum(3)
+        cross_send = send_MLS * (G - g) / G
+        intra_send = send_MLS * (g - 1) / G
+        cross_recv = cross_send.mean(-1, keepdim=True).expand_as(cross_send)
+        intra_recv = intra_send.mean(-1, keepdim=True).expand_as(intra_send)
+        a2a_one = self.all_to_all_s(cross_send, cross_recv, intra_send, intra_recv)
+        zero = torch.zeros(M, L, dtype=torch.float64)
+        dense = self.dense_s(tokens_MS, attn_pairs_MS)
+        return self._combine(expert_fwd, expert_bwd, a2a_one, zero, zero, dense, 0.0, 0, 0.0,
+                             cross_send.sum(), intra_send.sum(), 0.0)
+
+    def reorder_weights(self) -> ReorderWeights:
+        """Per-unit costs for a planner's objective, from the same terms as :meth:`step_cost`.
+
+        A planner that minimises ``compute_s_per_token * max_gpu_tokens +
+        cross_node_s_per_token * max_gpu_cross_tokens + ...`` summed over micro-batches and
+        layers, plus ``migration_s_per_expert * moved_experts`` once per step, is minimising
+        this cost model's step time (to first order: the model takes maxima per GPU).
+        """
+        fwd_bwd_passes = 4.0  # dispatch + combine, forward and backward
+        return ReorderWeights(
+            compute_s_per_token=3.0 * self.expert_fwd_flops_per_token / self.expert_flops_per_s,
+            cross_node_s_per_token=fwd_bwd_passes * self.token_bytes / self.inter_node_bytes_per_s,
+            intra_node_s_per_token=fwd_bwd_passes * self.token_bytes / self.nvlink_bytes_per_s,
+            migration_s_per_expert=self.migration_bytes_per_expert / self.inter_node_bytes_per_s,
+            intra_migration_s_per_expert=self.migration_bytes_per_expert / self.nvlink_bytes_per_s,
+            replica_fill_s_per_expert=(self.expert_weight_bytes + self.expert_grad_bytes) / self.nvlink_bytes_per_s,
+        )

@@ -1,0 +1,159 @@
+"""Reports of a simulation: the JSON document, a terminal table and a PNG.
+
+Legend: X steps, M micro-batches, L MoE layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+from .simulator import SimResult
+
+__all__ = ["result_json", "write_json", "format_table", "print_table", "write_plot"]
+
+# colours per system, shared by the table and the plot
+COLOURS = {"static": "#7f7f7f", "eplb": "#ff7f0e", "eplb-oracle": "#d62728",
+           "relibra": "#1f77b4", "ideal": "#2ca02c"}
+
+
+def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
+    """``{"config": {...}, "systems": {NAME: figures}}`` (figures: see ``SimResult.figures``)."""
+    cfg = result.config
+    topo = cfg.topology
+    wl = result.workload
+    config = {
+        "model": dataclasses.asdict(cfg.model),
+        "hardware": dataclasses.asdict(cfg.hardware),
+        "nodes": topo.num_nodes,
+        "gpus_per_node": topo.gpus_per_node,
+        "ep_size": topo.num_gpus,
+        "replica_slots": topo.replica_slots,
+        "micro_batches": wl.num_micro_batches,
+        "steps": wl.num_steps,
+        "warmup_steps": cfg.warmup_steps,
+        "measured_steps": wl.num_steps - cfg.warmup_steps,
+        "tokens_per_step": int(wl.tokens_XMS.sum() // wl.num_steps),
+        "systems": list(cfg.systems),
+        "cost_options": dataclasses.asdict(cfg.cost_options),
+        "source": wl.source,
+        "notes": dict(wl.notes),
+    }
+    if extra_config:
+        config.update(extra_config)
+    return {"config": config, "systems": result.figures()}
+
+
+def write_json(doc: dict, path: str) -> None:
+    """Write ``doc`` to ``path`` (parent folders created)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    with open(path, "w") as fh:
+        json.dump(doc, fh, indent=2, allow_nan=False)
+        fh.write("\n")
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:,.1f}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}x"
+
+
+COLUMNS = ("system", "imb mean", "imb p50", "imb p99", "MoE s", "step s", "vs static",
+           "vs eplb-oracle", "of ideal", "cross-node GB", "replica GB", "migrated", "planner s")
+
+
+def table_rows(figures: dict[str, dict]) -> list[list[str]]:
+    """One row of strings per system, in :data:`COLUMNS` order."""
+    rows = []
+    for name, f in figures.items():
+        rows.append([
+            name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p50']:.3f}", f"{f['imbalance_p99']:.3f}",
+            f"{f['moe_layer_time_s']:.2f}", f"{f['step_time_s']:.2f}", _ratio(f["speedup_vs_static"]),
+            _ratio(f["speedup_vs_eplb_oracle"]), f"{f['fraction_of_ideal']:.3f}",
+            _gb(f["cross_node_bytes"]), _gb(f["replica_bytes"]),
+            f"{f['migrated_experts']:.0f} ({_gb(f['migrated_bytes'])} GB)",
+            f"{f['planner_s']:.2f}",
+        ])
+    return rows
+
+
+def format_table(figures: dict[str, dict]) -> str:
+    """A plain-text table (for logs and docs)."""
+    rows = [list(COLUMNS)] + table_rows(figures)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_table(doc: dict, console=None) -> None:
+    """Print the systems table and a one-line summary with rich."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    cfg = doc["config"]
+    title = (f"{cfg['model']['name']} on {cfg['nodes']} x {cfg['gpus_per_node']} {cfg['hardware']['name']}"
+             f" (EP {cfg['ep_size']}, R={cfg['replica_slots']}), {cfg['micro_batches']} micro-batches,"
+             f" {cfg['measured_steps']} measured step(s); per step")
+    table = Table(title=title, title_justify="left")
+    for i, col in enumerate(COLUMNS):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    for row in table_rows(doc["systems"]):
+        table.add_row(*row, style=COLOURS.get(row[0]))
+    console.print(table)
+    console.print(f"source: {cfg['source']}" + (f"; assumptions: {cfg['notes']}" if cfg["notes"] else ""))
+
+
+def write_plot(result: SimResult, path: str) -> None:
+    """PNG: per-micro-batch imbalance of each system over the first measured step (mean and
+    max over layers), and step-time bars split into MoE and attention/dense time."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = result.figures()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    for name, r in result.systems.items():
+        imb_ML = r.imbalance_XML[0]
+        m = range(imb_ML.shape[0])
+        colour = COLOURS.get(name)
+        ax1.plot(m, imb_ML.mean(1).tolist(), color=colour, label=f"{name} (mean over layers)")
+        if name != "ideal":
+            ax1.plot(m, imb_ML.max(1).values.tolist(), color=colour, linestyle=":", linewidth=1)
+    ax1.set_xlabel("micro-batch")
+    ax1.set_ylabel("max / mean GPU load")
+    ax1.set_title("per-micro-batch imbalance (dotted: worst layer)")
+    ax1.set_ylim(bottom=0.95)
+    ax1.grid(alpha=0.3)
+    ax1.legend(fontsize=8)
+
+    names = list(figures)
+    moe = [figures[n]["moe_layer_time_s"] for n in names]
+    rest = [figures[n]["step_time_s"] - figures[n]["moe_layer_time_s"] for n in names]
+    colours = [COLOURS.get(n, "#333333") for n in names]
+    ax2.bar(names, rest, color="#cccccc", label="attention, dense, migration")
+    ax2.bar(names, moe, bottom=rest, color=colours, label="MoE layers")
+    for i, n in enumerate(names):
+        ax2.text(i, figures[n]["step_time_s"], f"{figures[n]['speedup_vs_static']:.2f}x",
+                 ha="center", va="bottom", fontsize=9)
+    ax2.set_ylabel("step time (s)")
+    ax2.set_title("step time (label: speedup over static)")
+    ax2.tick_params(axis="x", labelrotation=20)
+    ax2.legend(fontsize=8, loc="lower right")
+    cfg = result.config
+    fig.suptitle(f"{cfg.model.name}, {cfg.topology.num_nodes} x {cfg.topology.gpus_per_node} "
+                 f"{cfg.hardware.name}, R={cfg.topology.replica_slots}", fontsize=11)
+    fig.tight_layout()
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,208 @@
+"""Run balancing systems on the same loads and compare their step times.
+
+Legend (shape suffixes): X steps, M micro-batches, L MoE layers, S source ranks, E experts,
+G GPUs.
+
+For each system the simulator walks the steps in order: ``plan = planner.plan(loads)``
+(timed: that is the planner's wall time), ``evaluate(plan, loads)``, the cost model, then
+``planner.commit(plan, loads)`` so that history-based planners (EPLB) learn and the next
+step's migration is counted from the placement actually in force. The first
+``warmup_steps`` steps are run but left out of the figures (EPLB has no history yet).
+
+"static" and "ideal" are always computed, because the speedup and fraction-of-ideal
+figures are relative to them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..planning.base import Planner, StaticPlanner
+from ..planning.evaluate import evaluate
+from ..planning.plan import validate_plan
+from ..planning.topology import Topology
+from .cost import CostModel, CostOptions, StepCost
+from .presets import HardwareSpec, ModelSpec
+from .workload import Workload
+
+__all__ = ["SYSTEMS", "SimConfig", "SystemResult", "SimResult", "simulate", "default_planner_factory",
+           "parse_systems"]
+
+SYSTEMS = ("static", "eplb", "eplb-oracle", "relibra", "ideal")
+
+PlannerFactory = Callable[[str, Topology, CostModel], Planner]
+
+
+def parse_systems(text: str) -> tuple[str, ...]:
+    """``"static,relibra"`` -> the systems to run, in the canonical order, static and ideal added."""
+    names = [s.strip().lower() for s in str(text).split(",") if s.strip()]
+    if not names:
+        raise ValueError(f"--systems is empty; allowed: {','.join(SYSTEMS)}")
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad:
+        raise ValueError(f"--systems has unknown {','.join(bad)}; allowed: {','.join(SYSTEMS)}")
+    wanted = set(names) | {"static", "ideal"}
+    return tuple(s for s in SYSTEMS if s in wanted)
+
+
+def default_planner_factory(name: str, topology: Topology, cost: CostModel) -> Planner:
+    """The project's planner ``name``; the ReLibra planner gets the cost model's weights."""
+    if name == "static":
+        return StaticPlanner(topology)
+    try:
+        from ..planning import make_planner
+    except ImportError:
+        raise ValueError(f"--systems {name}: this build has no planner {name!r} "
+                         f"(relibra_torch.planning.make_planner is missing)") from None
+    if name == "relibra":
+        import dataclasses
+        from ..planning import ReLibraConfig
+        weights = cost.reorder_weights()
+        names = {f.name for f in dataclasses.fields(ReLibraConfig)}
+        config = ReLibraConfig(**{k: v for k, v in dataclasses.asdict(weights).items() if k in names})
+        return make_planner(name, topology, config=config)
+    return make_planner(name, topology)
+
+
+@dataclass
+class SimConfig:
+    """What to simulate (the workload is passed separately)."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    topology: Topology
+    systems: tuple[str, ...] = SYSTEMS
+    cost_options: CostOptions = field(default_factory=CostOptions)
+    warmup_steps: int = 0
+    validate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.topology.num_experts != self.model.num_experts:
+            raise ValueError(f"the topology has {self.topology.num_experts} experts but --model "
+                             f"{self.model.name} has {self.model.num_experts}")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"--warmup-steps must be an int >= 0, got {self.warmup_steps!r}")
+
+
+@dataclass
+class SystemResult:
+    """One system's results over the measured steps.
+
+    Attributes:
+        name: the system.
+        imbalance_XML: float64 ``[X, M, L]`` per measured step, micro-batch and layer.
+        costs: one :class:`StepCost` per measured step.
+        planner_s: wall seconds of ``plan()`` per measured step (empty for ideal).
+    """
+
+    name: str
+    imbalance_XML: torch.Tensor
+    costs: list[StepCost]
+    planner_s: list[float]
+
+    def mean(self, attr: str) -> float:
+        return sum(float(getattr(c, attr)) for c in self.costs) / len(self.costs)
+
+    def figures(self) -> dict:
+        """The per-system figures (means per step over the measured steps)."""
+        imb = self.imbalance_XML.flatten()
+        return {
+            "imbalance_mean": float(imb.mean()),
+            "imbalance_p50": float(imb.quantile(0.5)),
+            "imbalance_p99": float(imb.quantile(0.99)),
+            "imbalance_max": float(imb.max()),
+            "moe_layer_time_s": self.mean("moe_s"),
+            "expert_compute_s": sum(float(c.expert_s_ML.sum()) for c in self.costs) / len(self.costs),
+            "all_to_all_s": sum(float(c.all_to_all_s_ML.sum()) for c in self.costs) / len(self.costs),
+            "replica_transfer_s": sum(float(c.replica_s_ML.sum()) for c in self.costs) / len(self.costs),
+            "replica_exposed_s": sum(float(c.replica_exposed_s_ML.sum()) for c in self.costs) / len(self.costs),
+            "attention_dense_s": self.mean("attention_dense_s"),
+            "migration_s": self.mean("migration_s"),
+            "step_time_s": self.mean("step_s"),
+            "cross_node_bytes": self.mean("cross_node_bytes"),
+            "intra_node_bytes": self.mean("intra_node_bytes"),
+            "replica_bytes": self.mean("replica_bytes"),
+            "migrated_experts": self.mean("migrated_experts"),
+            "migrated_bytes": self.mean("migrated_bytes"),
+            "planner_s": sum(self.planner_s) / len(self.planner_s) if self.planner_s else 0.0,
+        }
+
+
+@dataclass
+class SimResult:
+    """All systems' results plus the configuration that produced them."""
+
+    config: SimConfig
+    workload: Workload
+    systems: dict[str, SystemResult]
+
+    def figures(self) -> dict[str, dict]:
+        """Per-system figures with the ratios: ``speedup_vs_static``, ``speedup_vs_eplb_oracle``
+        (when that system ran) and ``fraction_of_ideal`` (ideal step time / the system's)."""
+        out = {name: r.figures() for name, r in self.systems.items()}
+        static = out["static"]["step_time_s"]
+        ideal = out["ideal"]["step_time_s"]
+        oracle = out.get("eplb-oracle", {}).get("step_time_s")
+        for fig in out.values():
+            fig["speedup_vs_static"] = static / fig["step_time_s"]
+            fig["speedup_vs_eplb_oracle"] = oracle / fig["step_time_s"] if oracle else None
+            fig["fraction_of_ideal"] = ideal / fig["step_time_s"]
+        return out
+
+
+def simulate(workload: Workload, config: SimConfig,
+             planner_factory: PlannerFactory = default_planner_factory,
+             progress: Callable[[str, int, int], None] | None = None) -> SimResult:
+    """Run every system of ``config`` on ``workload``.
+
+    Args:
+        workload: loads ``[X, M, L, S, E]`` and token counts.
+        config: model, hardware, topology, systems, cost options, warm-up steps.
+        planner_factory: ``(name, topology, cost_model) -> Planner`` for every system but ideal.
+        progress: called as ``progress(system, steps_done, steps_total)`` after each step.
+    Returns:
+        :class:`SimResult`.
+    """
+    X = workload.num_steps
+    if config.warmup_steps >= X:
+        raise ValueError(f"--warmup-steps={config.warmup_steps} leaves no measured step out of "
+                         f"--steps={X}; allowed: 0..{X - 1}")
+    topo = config.topology
+    if workload.loads_XMLSE.shape[3] != topo.num_gpus or workload.loads_XMLSE.shape[4] != topo.num_experts:
+        raise ValueError(f"the workload's loads {tuple(workload.loads_XMLSE.shape)} do not fit "
+                         f"{topo.num_gpus} GPUs x {topo.num_experts} experts")
+    cost = CostModel(config.model, config.hardware, config.cost_options)
+    results: dict[str, SystemResult] = {}
+    for name in config.systems:
+        imb, costs, planner_s = [], [], []
+        planner = None if name == "ideal" else planner_factory(name, topo, cost)
+        for x in range(X):
+            loads_MLSE = workload.loads_XMLSE[x]
+            tokens_MS, pairs_MS = workload.tokens_XMS[x], workload.attn_pairs_XMS[x]
+            if planner is None:
+                step = cost.ideal_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node, tokens_MS, pairs_MS)
+                imbalance_ML = torch.ones(loads_MLSE.shape[:2], dtype=torch.float64)
+                secs = None
+            else:
+                t0 = time.perf_counter()
+                plan = planner.plan(loads_MLSE)
+                secs = time.perf_counter() - t0
+                if config.validate:
+                    validate_plan(plan, loads_MLSE)
+                metrics = evaluate(plan, loads_MLSE)
+                step = cost.step_cost(plan, metrics, tokens_MS, pairs_MS)
+                imbalance_ML = metrics.imbalance_ML
+                planner.commit(plan, loads_MLSE)
+            if x >= config.warmup_steps:
+                imb.append(imbalance_ML)
+                costs.append(step)
+                if secs is not None:
+                    planner_s.append(secs)
+            if progress is not None:
+                progress(name, x + 1, X)
+        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s)
+    return SimResult(config, workload, results)

@@ -1,0 +1,211 @@
+"""The loads a simulation runs on, with the per-rank token counts the dense cost needs.
+
+Legend (shape suffixes): X steps, M micro-batches, L MoE layers, S source ranks (= G EP
+ranks), E experts.
+
+A :class:`Workload` comes from the synthetic RL trace generator
+(:mod:`relibra_torch.sim.traces`), from a loads file (used as batched) or from a routing
+replay file (batched into ranks and micro-batches by :mod:`relibra_torch.replay`'s
+deterministic rule). The attention cost needs sample lengths; when the source has none
+(synthetic loads, loads files) every rank's micro-batch is taken as packed samples of
+``sample_tokens`` tokens, and the report says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..planning.topology import Topology
+from .presets import ModelSpec
+
+__all__ = ["Workload", "causal_pairs", "packed_pairs", "workload_from_loads", "synthetic_workload",
+           "workload_from_file", "DEFAULT_SAMPLE_TOKENS"]
+
+# RL post-training responses run from a few hundred to tens of thousands of tokens (long
+# chain-of-thought); 4096 is a middle value for the quadratic attention term when a source
+# carries no sample lengths. Override with --sample-tokens.
+DEFAULT_SAMPLE_TOKENS = 4096
+
+
+@dataclass
+class Workload:
+    """Loads of ``X`` steps plus the per-rank token and attention-pair counts.
+
+    Attributes:
+        loads_XMLSE: int64 ``[X, M, L, S, E]`` token-expert pairs.
+        tokens_XMS: int64 ``[X, M, S]`` tokens per rank and micro-batch.
+        attn_pairs_XMS: float64 ``[X, M, S]`` causal attention (query, key) pairs.
+        source: a short description for reports.
+        notes: assumptions made while building it (for the report's config section).
+    """
+
+    loads_XMLSE: torch.Tensor
+    tokens_XMS: torch.Tensor
+    attn_pairs_XMS: torch.Tensor
+    source: str
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def num_steps(self) -> int:
+        return self.loads_XMLSE.shape[0]
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.loads_XMLSE.shape[1]
+
+
+def causal_pairs(lengths: torch.Tensor) -> torch.Tensor:
+    """``n (n + 1) / 2`` per sample length ``n`` (int64, any shape): the causal attention pairs."""
+    n = lengths.to(torch.int64)
+    return n * (n + 1) // 2
+
+
+def packed_pairs(tokens: torch.Tensor, sample_tokens: int) -> torch.Tensor:
+    """Causal pairs of ``tokens`` packed as samples of ``sample_tokens`` (last one shorter).
+
+    Args: tokens: int ``[...]``. Returns float64 ``[...]``.
+    """
+    if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 1:
+        raise ValueError(f"--sample-tokens must be an int >= 1, got {sample_tokens!r}")
+    t = tokens.to(torch.int64)
+    full, rest = t // sample_tokens, t % sample_tokens
+    return (full * causal_pairs(torch.tensor(sample_tokens)) + causal_pairs(rest)).to(torch.float64)
+
+
+def _check_loads(loads: torch.Tensor, model: ModelSpec, topology: Topology, what: str) -> torch.Tensor:
+    if loads.dtype not in (torch.int16, torch.int32, torch.int64):
+        raise TypeError(f"{what}: loads must be an integer tensor, got {loads.dtype}")
+    if loads.dim() == 4:
+        loads = loads.unsqueeze(0)
+    if loads.dim() != 5:
+        raise ValueError(f"{what}: loads must be [M, L, S, E] or [steps, M, L, S, E], "
+                         f"got shape {tuple(loads.shape)}")
+    X, M, L, S, E = loads.shape
+    if E != model.num_experts:
+        raise ValueError(f"{what}: the loads have {E} experts but --model {model.name} has "
+                         f"{model.num_experts}; pass the matching --model")
+    if L != model.num_moe_layers:
+        raise ValueError(f"{what}: the loads have {L} MoE layers but --model {model.name} has "
+                         f"{model.num_moe_layers}; pass the matching --model")
+    if S != topology.num_gpus:
+        raise ValueError(f"{what}: the loads were batched for {S} ranks but --nodes x "
+                         f"--gpus-per-node = {topology.num_gpus}; a loads file is used as batched")
+    if X == 0 or M == 0:
+        raise ValueError(f"{what}: the loads have no steps or micro-batches (shape {tuple(loads.shape)})")
+    if (loads < 0).any():
+        raise ValueError(f"{what}: the loads have negative counts")
+    return loads.to(torch.int64)
+
+
+def workload_from_loads(loads: torch.Tensor, model: ModelSpec, topology: Topology,
+                        sample_tokens: int = DEFAULT_SAMPLE_TOKENS, source: str = "loads",
+                        tokens_XMS: torch.Tensor | None = None,
+                        attn_pairs_XMS: torch.Tensor | None = None) -> Workload:
+    """Build a :class:`Workload` from ``[X, M, L, S, E]`` (or ``[M, L, S, E]``) loads.
+
+    Without ``tokens_XMS``, a rank's tokens are its layer-0 load divided by ``top_k`` (each
+    token picks ``top_k`` distinct experts); a load not divisible by ``top_k`` is an error,
+    since then the counts cannot come from this model. Without ``attn_pairs_XMS``, tokens
+    are packed into samples of ``sample_tokens``.
+    """
+    loads = _check_loads(loads, model, topology, source)
+    notes: dict = {}
+    if tokens_XMS is None:
+        per_rank_XMLS = loads.sum(-1)
+        if (per_rank_XMLS % model.top_k).any():
+            raise ValueError(f"{source}: a rank's load is not a multiple of top_k={model.top_k} "
+                             f"of --model {model.name}; the file's top-k disagrees with the model")
+        if not torch.equal(per_rank_XMLS, per_rank_XMLS[:, :, :1].expand_as(per_rank_XMLS)):
+            raise ValueError(f"{source}: a rank's load differs between layers; every layer "
+                             f"routes the same tokens, so this cannot be a loads tensor")
+        tokens_XMS = per_rank_XMLS[:, :, 0] // model.top_k
+    if attn_pairs_XMS is None:
+        attn_pairs_XMS = packed_pairs(tokens_XMS, sample_tokens)
+        notes["sample_tokens_assumed"] = sample_tokens
+    return Workload(loads, tokens_XMS.to(torch.int64), attn_pairs_XMS.to(torch.float64), source, notes)
+
+
+def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: int,
+                       tokens_per_rank: int, steps: int, seed: int,
+                       sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> Workload:
+    """The default synthetic RL trace (seeded, mixed tasks) from :mod:`relibra_torch.sim.traces`."""
+    try:
+        from . import traces
+    except ImportError as exc:  # the trace generator ships separately
+        raise ValueError("the synthetic trace generator (relibra_torch.sim.traces) is not "
+                         f"available ({exc}); pass a loads or routing replay file") from None
+    cfg = _trace_config(traces, model, seed)
+    loads = traces.generate_loads(cfg, num_micro_batches, topology.num_gpus, tokens_per_rank, steps=steps)
+    return workload_from_loads(loads, model, topology, sample_tokens,
+                               source=f"synthetic RL trace (seed {seed})")
+
+
+def _trace_config(traces, model: ModelSpec, seed: int):
+    """A ``TraceConfig`` for ``model``: fills the fields the generator has by their names."""
+    import dataclasses
+    wanted = {"num_experts": model.num_experts, "top_k": model.top_k,
+              "num_layers": model.num_moe_layers, "seed": seed}
+    names = {f.name for f in dataclasses.fields(traces.TraceConfig)}
+    missing = {"num_experts", "top_k", "num_layers"} - names
+    if missing:
+        raise ValueError(f"relibra_torch.sim.traces.TraceConfig lacks fields {sorted(missing)}")
+    return traces.TraceConfig(**{k: v for k, v in wanted.items() if k in names})
+
+
+def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micro_batches: int,
+                       sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> Workload:
+    """A ``relibra.loads/1`` file (used as batched) or a ``relibra.routing/1`` replay file.
+
+    Replay files are batched by :func:`relibra_torch.replay.batch_samples` with
+    ``num_ranks = G`` and ``num_micro_batches`` (samples in file order go to the rank with
+    the fewest tokens so far; on each rank, each sample goes to the micro-batch where its
+    midpoint falls when the rank's tokens are cut into equal parts). With a ``sample_step``
+    tensor each recorded step is batched separately, in increasing step order; without one
+    the whole file is one step. Sample lengths are known, so the attention term uses them.
+    """
+    import os
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"REPLAY_OR_LOADS_FILE {path!r} does not exist")
+    from .. import replay
+    from ..replay._io import read_header
+    fmt = read_header(path).metadata.get("format")
+    name = os.path.basename(path)
+    if fmt == replay.LOADS_FORMAT:
+        lf = replay.load_loads(path)
+        if lf.top_k != model.top_k:
+            raise ValueError(f"{path!r} has top_k={lf.top_k} but --model {model.name} has top_k="
+                             f"{model.top_k}; pass the matching --model")
+        return workload_from_loads(lf.loads_XMLSE, model, topology, sample_tokens,
+                                   source=f"loads file {name}", tokens_XMS=lf.tokens())
+    if fmt != replay.ROUTING_FORMAT:
+        raise ValueError(f"{path!r} has format {fmt!r}; allowed: {replay.ROUTING_FORMAT!r} or "
+                         f"{replay.LOADS_FORMAT!r}")
+    rr = replay.load_routing(path)
+    for what, got, want in (("num_experts", rr.num_experts, model.num_experts),
+                            ("top_k", rr.top_k, model.top_k),
+                            ("num_layers", rr.num_layers, model.num_moe_layers)):
+        if got != want:
+            raise ValueError(f"{path!r} has {what}={got} but --model {model.name} has {want}; "
+                             f"pass the matching --model")
+    if rr.sample_step is not None:
+        step_ids = torch.unique(rr.sample_step).tolist()
+        groups = [(rr.sample_step == s).nonzero().flatten() for s in step_ids]
+    else:
+        groups = [torch.arange(rr.num_samples)]
+    G = topology.num_gpus
+    loads, tokens, pairs = [], [], []
+    for ids in groups:
+        part = rr.select(ids) if len(groups) > 1 else rr
+        lengths = part.sample_lengths
+        assign = replay.batch_samples(lengths, G, num_micro_batches=num_micro_batches)
+        loads.append(part.counts(assign))
+        flat = assign.micro_batch_N * G + assign.rank_N
+        M = assign.num_micro_batches
+        tokens.append(torch.zeros(M * G, dtype=torch.int64).scatter_add_(0, flat, lengths).view(M, G))
+        pairs.append(torch.zeros(M * G, dtype=torch.int64).scatter_add_(0, flat, causal_pairs(lengths))
+                     .view(M, G).to(torch.float64))
+    return workload_from_loads(torch.stack(loads), model, topology, sample_tokens,
+                               source=f"routing replay {name} ({rr.num_samples} samples)",
+                               tokens_XMS=torch.stack(tokens), attn_pairs_XMS=torch.stack(pairs))
