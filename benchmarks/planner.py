@@ -1,0 +1,107 @@
+"""Planner benchmark: balance and speed of every planner on one synthetic RL step.
+
+All systems run on the same loads in one process. Default: 128 experts, top-8, 48 layers,
+4 nodes x 8 GPUs, R = 2, 32 micro-batches of 16,384 tokens per GPU (the foundation issue's
+setting). EPLB (history) gets ``--warmup`` earlier steps of the same trace as history; the
+measured step is the last one.
+
+Prints a table (imbalance = max GPU tokens / mean, per micro-batch and layer) and the
+planning time of a whole step on one CPU core, and writes JSON.
+
+    python benchmarks/planner.py [--json out/planner.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from relibra_torch.planning import ReLibraConfig, Topology, evaluate, make_planner
+from relibra_torch.sim.traces import TraceConfig, generate_loads, uniform_max_over_mean
+
+
+def _quantile(x: torch.Tensor, q: float) -> float:
+    return float(torch.quantile(x.flatten().to(torch.float64), q))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nodes", type=int, default=4)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--replica-slots", type=int, default=2)
+    parser.add_argument("--micro-batches", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=16384, help="tokens per GPU per micro-batch")
+    parser.add_argument("--warmup", type=int, default=3, help="earlier steps (EPLB history)")
+    parser.add_argument("--repeats", type=int, default=3, help="timing repeats (best is kept)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("out/planner.json"))
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)  # the target is one CPU core
+
+    topo = Topology(args.nodes, args.gpus_per_node, args.experts, args.replica_slots)
+    cfg = TraceConfig(num_layers=args.layers, num_experts=args.experts, top_k=args.top_k, seed=args.seed)
+    t0 = time.perf_counter()
+    loads_XMLSE = generate_loads(cfg, args.micro_batches, topo.num_gpus, args.tokens, steps=args.warmup + 1)
+    print(f"trace: {tuple(loads_XMLSE.shape)} [steps, M, L, S, E] in {time.perf_counter() - t0:.1f} s")
+    loads_MLSE = loads_XMLSE[-1]
+
+    rows = {}
+    for name in ("static", "eplb", "eplb-oracle", "relibra"):
+        planner = make_planner(name, topo)
+        for step in range(args.warmup):  # history and placement from earlier steps
+            planner.commit(planner.plan(loads_XMLSE[step]), loads_XMLSE[step])
+        best = float("inf")
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            plan = planner.plan(loads_MLSE)
+            best = min(best, time.perf_counter() - t0)
+        m = evaluate(plan, loads_MLSE)
+        layer_plans = args.layers * args.micro_batches
+        rows[name] = {
+            "imbalance_mean": float(m.imbalance_ML.mean()),
+            "imbalance_p50": _quantile(m.imbalance_ML, 0.5),
+            "imbalance_p99": _quantile(m.imbalance_ML, 0.99),
+            "imbalance_max": float(m.imbalance_ML.max()),
+            "plan_s": best,
+            "layer_plans_per_s": layer_plans / best,
+            "fills_per_micro_batch_layer": float(m.fill_MLGJ.sum() / layer_plans),
+            "migrated_experts": int(m.migrated_L.sum()),
+        }
+    mean = loads_MLSE.to(torch.float64).sum((2, 3)) / topo.num_gpus
+    lb = m.lower_bound_ML / mean
+    rows["lower-bound"] = {"imbalance_mean": float(lb.mean()), "imbalance_p50": _quantile(lb, 0.5),
+                           "imbalance_p99": _quantile(lb, 0.99), "imbalance_max": float(lb.max())}
+    uniform = uniform_max_over_mean(args.tokens * topo.num_gpus, args.experts, args.top_k, seed=args.seed)
+
+    print(f"\n{args.nodes} nodes x {args.gpus_per_node} GPUs, E={args.experts}, top-{args.top_k}, "
+          f"L={args.layers}, R={args.replica_slots}, M={args.micro_batches} x {args.tokens} tokens/GPU")
+    header = f"{'system':<12} {'imb mean':>9} {'p50':>7} {'p99':>7} {'max':>7} {'plan s':>8} {'layer-plans/s':>14} {'fills':>7} {'migrated':>9}"
+    print(header)
+    print("-" * len(header))
+    for name, r in rows.items():
+        extra = (f" {r['plan_s']:>8.3f} {r['layer_plans_per_s']:>14.0f} {r['fills_per_micro_batch_layer']:>7.1f}"
+                 f" {r['migrated_experts']:>9d}") if "plan_s" in r else ""
+        print(f"{name:<12} {r['imbalance_mean']:>9.3f} {r['imbalance_p50']:>7.3f} {r['imbalance_p99']:>7.3f} "
+              f"{r['imbalance_max']:>7.3f}{extra}")
+    print(f"\nuniform-routing expert max/mean at {args.tokens * topo.num_gpus} tokens: {uniform:.3f} "
+          "(sampling noise alone, for scale)")
+    print(f"relibra vs static imbalance: {rows['static']['imbalance_mean'] / rows['relibra']['imbalance_mean']:.2f}x lower; "
+          f"relibra planning {rows['relibra']['layer_plans_per_s'] / rows['eplb']['layer_plans_per_s']:.2f}x "
+          f"the layer-plans/s of eplb")
+    result = {"config": vars(args) | {"json": str(args.json)}, "systems": rows,
+              "uniform_expert_max_over_mean": uniform}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
