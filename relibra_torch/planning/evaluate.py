@@ -12,7 +12,15 @@ import torch
 
 from .plan import StepPlan, token_split
 
-__all__ = ["PlanMetrics", "evaluate"]
+__all__ = ["PlanMetrics", "evaluate", "imbalance"]
+
+
+def imbalance(gpu_load_MLG: torch.Tensor) -> torch.Tensor:
+    """float64 ``[M, L]``: max over GPUs / mean over GPUs of ``gpu_load_MLG`` (1.0 if empty)."""
+    load = gpu_load_MLG.to(torch.float64)
+    mean_ML = load.mean(-1)
+    return torch.where(mean_ML > 0, load.max(-1).values / mean_ML.clamp(min=1e-12),
+                       torch.ones_like(mean_ML))
 
 
 @dataclass
@@ -65,9 +73,7 @@ def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:
     if S != G:
         raise ValueError(f"loads_MLSE has {S} source ranks but the topology has {G} GPUs")
     gpu_load_MLG = plan.slot_tokens_MLGJ.sum(-1)
-    mean_ML = loads_MLSE.to(torch.float64).sum((2, 3)) / G
-    imbalance_ML = torch.where(mean_ML > 0, gpu_load_MLG.max(-1).values / mean_ML.clamp(min=1e-12),
-                               torch.ones_like(mean_ML))
+    imbalance_ML = imbalance(gpu_load_MLG)
     total_ML = loads_MLSE.to(torch.int64).sum((2, 3))
     lower_bound_ML = (total_ML + G - 1) // G
 
