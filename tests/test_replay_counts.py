@@ -28,7 +28,7 @@ from relibra_torch.replay import (
 from relibra_torch.replay import baseline as baseline_mod
 from relibra_torch.replay import routing as routing_mod
 
-SETTINGS = settings(max_examples=40, deadline=None)
+SETTINGS = settings(max_examples=100, deadline=None)
 
 
 @st.composite

@@ -21,7 +21,7 @@ import time
 import pytest
 import torch
 from _replay_helpers import join_file, offsets_from_lengths, random_ids_TLK, split_file
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from relibra_torch.replay import (
@@ -39,7 +39,7 @@ from relibra_torch.replay import (
 from relibra_torch.replay import cli as replay_cli
 
 # RELIBRA_FUZZ_EXAMPLES=5000 for a deeper run by hand; the default keeps CI fast.
-FUZZ = settings(max_examples=int(os.environ.get("RELIBRA_FUZZ_EXAMPLES", "250")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FUZZ = settings(max_examples=int(os.environ.get("RELIBRA_FUZZ_EXAMPLES", "1000")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MAX_SECONDS = 5.0  # one small file; anything slower than this is a hang
 
 json_values = st.recursive(
@@ -131,6 +131,7 @@ def _check(path, reader, validate) -> str:
     else:
         validate(result)  # whatever loads must still be valid
     assert time.monotonic() - start < MAX_SECONDS
+    event(f"{reader.__name__}: {outcome}")  # shown by --hypothesis-show-statistics
     return outcome
 
 

@@ -18,7 +18,7 @@ import json
 import math
 import os
 import re
-import tempfile
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -246,8 +246,9 @@ def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, st
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    fd, tmp = tempfile.mkstemp(prefix=".relibra-", suffix=".safetensors.tmp", dir=folder)
-    os.close(fd)
+    # A fresh name in the same folder (rename stays atomic); created by save_file itself,
+    # so the final file gets the usual umask permissions, unlike mkstemp's 0600.
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         save_file(tensors, tmp, metadata=metadata)
         os.replace(tmp, path)

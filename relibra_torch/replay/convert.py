@@ -58,7 +58,7 @@ def from_verl(
         model, sample_step, sample_task: as in :func:`save_routing` (``[B]`` per-sample).
     """
     routed = _as_ids(routed_experts_BPLK, "routed_experts", keep_width=True)
-    mask = torch.as_tensor(attention_mask_BP)
+    mask = torch.as_tensor(attention_mask_BP).cpu()
     if routed.dim() != 4:
         raise ValueError(f"routed_experts has shape {tuple(routed.shape)}; allowed: [batch, max_seq_len, num_layers, top_k]")
     if tuple(mask.shape) != tuple(routed.shape[:2]):

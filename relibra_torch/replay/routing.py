@@ -231,8 +231,9 @@ def counts_for_tokens(expert_ids_TLK, num_experts: int) -> torch.Tensor:
         raise ValueError(f"expert_ids has shape {tuple(expert_ids_TLK.shape)}; allowed: [T, L, K]")
     validate_expert_ids(expert_ids_TLK, num_experts, name="expert_ids", check_duplicates=False)
     T, L, K = expert_ids_TLK.shape
-    layer_base_L = torch.arange(L, dtype=torch.int64) * num_experts
-    out = torch.zeros(L * num_experts, dtype=torch.int64)
+    device = expert_ids_TLK.device
+    layer_base_L = torch.arange(L, dtype=torch.int64, device=device) * num_experts
+    out = torch.zeros(L * num_experts, dtype=torch.int64, device=device)
     for start, stop in _token_chunks(T, L * K):
         idx = expert_ids_TLK[start:stop].long() + layer_base_L[None, :, None]
         out += torch.bincount(idx.reshape(-1), minlength=L * num_experts)
@@ -461,6 +462,7 @@ class RoutingReplay:
         ``s``, micro-batch ``m``) that layer ``l`` routes to expert ``e``. Each token counts
         once per expert of its top-k, so ``loads[m, l, s].sum() == K * tokens(m, s)``.
         Vectorised: one bincount per chunk of tokens over flattened (m, l, s, e) indices.
+        The result is on the device of ``routed_experts_TLK``.
         """
         if not isinstance(assignment, SampleAssignment):
             raise TypeError(f"assignment is {type(assignment).__name__}; allowed: SampleAssignment")
@@ -473,10 +475,11 @@ class RoutingReplay:
         E = self.num_experts
         # Flattened index of (m, l, s, e) = ((m * L + l) * S + s) * E + e, split into a
         # per-token part (m, s), a per-layer part (l) and the expert id.
-        base_N = assignment.micro_batch_N * (L * S * E) + assignment.rank_N * E
-        base_T = torch.repeat_interleave(base_N, self.sample_lengths)
-        layer_L = torch.arange(L, dtype=torch.int64) * (S * E)
-        out = torch.zeros(M * L * S * E, dtype=torch.int64)
+        device = self.routed_experts_TLK.device
+        base_N = (assignment.micro_batch_N * (L * S * E) + assignment.rank_N * E).to(device)
+        base_T = torch.repeat_interleave(base_N, self.sample_lengths.to(device))
+        layer_L = torch.arange(L, dtype=torch.int64, device=device) * (S * E)
+        out = torch.zeros(M * L * S * E, dtype=torch.int64, device=device)
         for start, stop in _token_chunks(T, L * K):
             idx = base_T[start:stop, None, None] + layer_L[None, :, None] + self.routed_experts_TLK[start:stop].long()
             out += torch.bincount(idx.reshape(-1), minlength=out.numel())
