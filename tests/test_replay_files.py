@@ -89,6 +89,13 @@ def test_replay_save_method_and_select(tmp_path):
     assert torch.equal(again.routed_experts_TLK, sub.routed_experts_TLK)
     with pytest.raises(ValueError, match=r"sample_ids contains 3; allowed: \[0, 3\)"):
         replay.select([3])
+    steps = replay.split_by_step()
+    assert list(steps) == [0, 1]
+    assert torch.equal(steps[0].routed_experts_TLK, t["routed_experts"][:15])
+    assert torch.equal(steps[1].routed_experts_TLK, t["routed_experts"][15:])
+    assert steps[0].sample_offsets.tolist() == [0, 5, 15]
+    with pytest.raises(ValueError, match="sample_step is absent"):
+        RoutingReplay(t["routed_experts"], t["sample_offsets"], E).split_by_step()
 
 
 def test_loads_round_trip(tmp_path):

@@ -53,7 +53,6 @@ _DTYPES = {
 # Keeps every size computation far from the 64-bit limits of the Rust reader.
 _MAX_DIM = 2**48
 
-DTYPE_NAMES = {dtype: name for name, (dtype, _) in _DTYPES.items()}
 
 
 @dataclass(frozen=True)

@@ -451,6 +451,18 @@ class RoutingReplay:
             sample_task=None if self.sample_task is None else self.sample_task[ids],
         )
 
+    def split_by_step(self) -> dict[int, "RoutingReplay"]:
+        """``{step: replay of that step's samples}`` in ascending step order, file order inside.
+
+        Raises ``ValueError`` when the file has no ``sample_step``.
+        """
+        if self.sample_step is None:
+            raise ValueError("sample_step is absent; allowed: split_by_step needs per-sample steps")
+        return {
+            int(step): self.select((self.sample_step == step).nonzero().squeeze(1))
+            for step in torch.unique(self.sample_step).tolist()
+        }
+
     def expert_counts(self) -> torch.Tensor:
         """int64 ``[L, E]``: tokens routed to each expert in each layer, over all samples."""
         return counts_for_tokens(self.routed_experts_TLK, self.num_experts)
