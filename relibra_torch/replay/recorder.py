@@ -308,6 +308,8 @@ class RoutingRecorder:
             self._layout, self._pending = None, []
             return
         if missing:
+            # Drop the broken forward so the error is reported once, not again on exit.
+            self._layout, self._pending = None, []
             raise ValueError(
                 f"MoE layers {missing} did not run in the last declared forward; allowed: every MoE layer runs "
                 "once per forward"
