@@ -39,7 +39,7 @@ DEFAULTS = {
     "replica_slots": 2,
     "micro_batch_tokens": 8192,
     "micro_batches": 32,
-    "steps": 3,
+    "steps": 2,
     "warmup_steps": None,  # 1 when steps > 1 (EPLB needs a step of history), else 0
     "systems": ",".join(SYSTEMS),
     "seed": 0,

@@ -134,7 +134,7 @@ def write_plot(result: SimResult, path: str) -> None:
     ax1.set_title("per-micro-batch imbalance (dotted: worst layer)")
     ax1.set_ylim(bottom=0.95)
     ax1.grid(alpha=0.3)
-    ax1.legend(fontsize=8)
+    ax1.legend(fontsize=8, loc="center right", framealpha=0.85)
 
     names = list(figures)
     moe = [figures[n]["moe_layer_time_s"] for n in names]

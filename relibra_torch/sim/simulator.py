@@ -183,25 +183,24 @@ def simulate(workload: Workload, config: SimConfig,
         for x in range(X):
             loads_MLSE = workload.loads_XMLSE[x]
             tokens_MS, pairs_MS = workload.tokens_XMS[x], workload.attn_pairs_XMS[x]
+            measured = x >= config.warmup_steps
             if planner is None:
-                step = cost.ideal_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node, tokens_MS, pairs_MS)
-                imbalance_ML = torch.ones(loads_MLSE.shape[:2], dtype=torch.float64)
-                secs = None
+                if measured:
+                    costs.append(cost.ideal_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
+                                                      tokens_MS, pairs_MS))
+                    imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
             else:
                 t0 = time.perf_counter()
                 plan = planner.plan(loads_MLSE)
                 secs = time.perf_counter() - t0
                 if config.validate:
                     validate_plan(plan, loads_MLSE)
-                metrics = evaluate(plan, loads_MLSE)
-                step = cost.step_cost(plan, metrics, tokens_MS, pairs_MS)
-                imbalance_ML = metrics.imbalance_ML
-                planner.commit(plan, loads_MLSE)
-            if x >= config.warmup_steps:
-                imb.append(imbalance_ML)
-                costs.append(step)
-                if secs is not None:
+                if measured:  # a warm-up step only advances the planner's state
+                    metrics = evaluate(plan, loads_MLSE)
+                    costs.append(cost.step_cost(plan, metrics, tokens_MS, pairs_MS))
+                    imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
+                planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
         results[name] = SystemResult(name, torch.stack(imb), costs, planner_s)

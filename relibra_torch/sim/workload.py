@@ -137,9 +137,14 @@ def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: 
         raise ValueError("the synthetic trace generator (relibra_torch.sim.traces) is not "
                          f"available ({exc}); pass a loads or routing replay file") from None
     cfg = _trace_config(traces, model, seed)
-    loads = traces.generate_loads(cfg, num_micro_batches, topology.num_gpus, tokens_per_rank, steps=steps)
-    return workload_from_loads(loads, model, topology, sample_tokens,
-                               source=f"synthetic RL trace (seed {seed})")
+    trace = traces.generate_load_trace(cfg, num_micro_batches, topology.num_gpus, tokens_per_rank,
+                                       steps=steps)
+    X, M, S = trace.tokens_XMS.shape
+    pairs_XMS = torch.zeros(X * M * S, dtype=torch.int64).index_add_(
+        0, trace.sample_bin_N, causal_pairs(trace.sample_length_N)).view(X, M, S)
+    return workload_from_loads(trace.loads_XMLSE, model, topology, sample_tokens,
+                               source=f"synthetic RL trace (seed {seed}, tasks {','.join(trace.tasks)})",
+                               tokens_XMS=trace.tokens_XMS, attn_pairs_XMS=pairs_XMS.to(torch.float64))
 
 
 def _trace_config(traces, model: ModelSpec, seed: int):

@@ -1,0 +1,144 @@
+"""`relibra simulate`: files, JSON/PNG outputs, config precedence and one-line bad-input errors.
+
+Shapes: qwen3-30b-a3b (48 layers, 128 experts, top-8) on 1 node x 4 GPUs, a few hundred
+tokens per micro-batch, so each run takes about a second (the synthetic one longer: the
+trace generator calibrates once per process).
+Legend: X steps, M micro-batches, L layers, S source ranks, E experts, T tokens, K top-k.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from _replay_helpers import offsets_from_lengths, random_ids_TLK
+
+from relibra_torch.cli import main
+from relibra_torch.replay import save_loads, save_routing
+
+L, E, K = 48, 128, 8
+
+
+def loads_file(path, S=4, M=2, X=1, tokens=64, top_k=K, experts=E, layers=L, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(X, M, layers, S, tokens, experts, generator=g) ** 0.3
+    scores[..., : experts // 8] += 0.3  # a few hot experts
+    picks = scores.topk(top_k, dim=-1).indices
+    loads = torch.zeros(X, M, layers, S, experts, dtype=torch.int64)
+    loads.scatter_add_(-1, picks.flatten(-2), torch.ones_like(picks.flatten(-2)))
+    save_loads(str(path), loads, top_k)
+    return loads
+
+
+def routing_file(path, top_k=K, experts=E, layers=L, lengths=(30, 50, 20, 40, 60, 10, 25, 35), steps=None):
+    ids = random_ids_TLK(sum(lengths), layers, top_k, experts, seed=1, skew=0.5)
+    save_routing(str(path), ids, offsets_from_lengths(lengths), experts, sample_step=steps)
+
+
+SMALL = ["--nodes", "1", "--gpus-per-node", "4", "--no-progress"]
+
+
+def run(capsys, *argv):
+    rc = main(["simulate", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_loads_file_json_and_plot(tmp_path, capsys):
+    f = tmp_path / "loads.safetensors"
+    loads_file(f)
+    rc, out, err = run(capsys, str(f), *SMALL, "--systems", "relibra",
+                       "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"))
+    assert rc == 0, err
+    assert "relibra" in out and "static" in out and "ideal" in out and "eplb " not in out
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["config"]["ep_size"] == 4 and doc["config"]["micro_batches"] == 2
+    assert doc["config"]["file"] == str(f) and doc["config"]["warmup_steps"] == 0
+    assert doc["config"]["notes"] == {"sample_tokens_assumed": 4096}
+    assert set(doc["systems"]) == {"static", "relibra", "ideal"}
+    for key in ("imbalance_mean", "imbalance_p99", "step_time_s", "speedup_vs_static", "fraction_of_ideal",
+                "cross_node_bytes", "replica_bytes", "migrated_experts", "planner_s"):
+        assert isinstance(doc["systems"]["relibra"][key], (int, float))
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_routing_file_is_batched_with_known_sample_lengths(tmp_path, capsys):
+    f = tmp_path / "routing.safetensors"
+    routing_file(f, steps=[0, 0, 0, 0, 1, 1, 1, 1])
+    rc, out, err = run(capsys, str(f), *SMALL, "--micro-batches", "1", "--systems", "static",
+                       "--warmup-steps", "1", "--json", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["config"]["steps"] == 2 and doc["config"]["measured_steps"] == 1
+    assert doc["config"]["notes"] == {}  # attention pairs from the real sample lengths
+    assert "routing replay" in doc["config"]["source"]
+
+
+def test_synthetic_default_trace(tmp_path, capsys):
+    rc, out, err = run(capsys, *SMALL, "--micro-batches", "2", "--micro-batch-tokens", "256",
+                       "--steps", "2", "--systems", "static,eplb,relibra", "--json", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["config"]["warmup_steps"] == 1 and doc["config"]["seed"] == 0
+    assert "synthetic RL trace" in doc["config"]["source"]
+    assert doc["systems"]["static"]["imbalance_mean"] > 1.0
+
+
+def test_config_file_and_set_precedence(tmp_path, capsys):
+    f = tmp_path / "loads.safetensors"
+    loads_file(f)
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"hardware": {"preset": "h100", "nvlink_gbps": 200},
+                               "simulate": {"nodes": 2, "gpus_per_node": 2, "systems": "static"}}))
+    rc, out, err = run(capsys, str(f), "--config", str(cfg), "--nodes", "1", "--gpus-per-node", "4",
+                       "--set", "hardware.inter_node_gbps=20", "--no-progress", "--json", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    c = json.loads((tmp_path / "r.json").read_text())["config"]
+    assert c["nodes"] == 1 and c["gpus_per_node"] == 4  # command line beats the file
+    assert c["hardware"]["name"] == "h100" and c["hardware"]["nvlink_gbps"] == 200.0
+    assert c["hardware"]["inter_node_gbps"] == 20.0
+    assert c["systems"] == ["static", "ideal"]
+
+
+@pytest.mark.parametrize("make,argv,match", [
+    (lambda p: loads_file(p, experts=64), [], r"64 experts but --model qwen3-30b-a3b has 128"),
+    (lambda p: loads_file(p, top_k=4), [], r"top_k=4 but --model qwen3-30b-a3b has top_k=8"),
+    (lambda p: loads_file(p, layers=47), [], r"47 MoE layers but --model qwen3-30b-a3b has 48"),
+    (lambda p: loads_file(p, S=2), [], r"batched for 2 ranks but --nodes x --gpus-per-node = 4"),
+    (lambda p: routing_file(p, top_k=6), [], r"has top_k=6 but --model qwen3-30b-a3b has 8"),
+    (lambda p: routing_file(p, experts=64), [], r"has num_experts=64 but --model qwen3-30b-a3b has 128"),
+    (lambda p: routing_file(p), ["--model", "glm-4.5-air"], r"num_layers=48 but --model glm-4.5-air has 45"),
+    (None, ["--nodes", "0"], r"--nodes must be an integer >= 1, got 0"),
+    (None, ["--nodes", "3"], r"--nodes 3 x --gpus-per-node 4 = 12 GPUs does not divide the 128 experts.*"
+                             r"allowed EP sizes: 1, 2, 4, 8, 16, 32, 64, 128"),
+    (None, ["--replica-slots", "-1"], r"--replica-slots must be an integer >= 0, got -1"),
+    (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps must be a finite number > 0, got -3"),
+    (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps must be a finite number > 0"),
+    (None, ["--model", "mixtral"], r"--model 'mixtral' is unknown; choose one of qwen3-30b-a3b"),
+    (None, ["--systems", "static,megatron"], r"--systems has unknown megatron; allowed"),
+    (None, ["--micro-batches", "0"], r"--micro-batches must be an integer >= 1, got 0"),
+    (None, ["--steps", "2", "--warmup-steps", "2"], r"--warmup-steps 2 leaves no measured step"),
+])
+def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, make, argv, match):
+    f = tmp_path / "in.safetensors"
+    if make is not None:
+        make(f)
+    else:
+        loads_file(f)
+    rc, out, err = run(capsys, str(f), "--nodes", "1", "--gpus-per-node", "4", "--no-progress", *argv)
+    assert rc == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("relibra simulate: error: ")
+    import re
+    assert re.search(match, lines[0]), lines[0]
+
+
+def test_missing_file_and_wrong_format(tmp_path, capsys):
+    rc, _, err = run(capsys, str(tmp_path / "nope.safetensors"), *SMALL)
+    assert rc == 2 and "does not exist" in err
+    bad = tmp_path / "x.safetensors"
+    bad.write_bytes(b"not a safetensors file at all")
+    rc, _, err = run(capsys, str(bad), *SMALL)
+    assert rc == 2 and len(err.strip().splitlines()) == 1
