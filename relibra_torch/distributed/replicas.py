@@ -1,0 +1,159 @@
+"""Fill replica slots with their owners' expert weights; send replica gradients home.
+
+Legend: El native experts per GPU, Fs fills this rank serves (weight rows it sends), Fr
+fills it receives, G ranks of the EP group.
+
+A fill copies an owner's expert weights into another GPU's slot for one micro-batch. The
+copy is a plain buffer, never a parameter: the backward of the fill sends the buffer's
+gradient back to the owner, which sums it into the parameter's gradient (``index_add``, so
+an expert replicated to several GPUs gets all contributions). Plans from relibra fill only
+inside a node (NVLink); any plan is executed, across nodes too.
+
+:class:`ReplicaMemory` measures how many replica-buffer bytes are alive on this GPU (its
+finalizers run when the buffers are freed, i.e. after the backward that used them, or right
+after the forward when replicas are re-fetched in backward or autograd is off).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_to_all_rows
+
+__all__ = ["FillSpec", "ReplicaMemory", "fetch_replica_weights", "fill_replicas",
+           "return_replica_grads"]
+
+
+@dataclass(frozen=True)
+class FillSpec:
+    """Who sends which native rows where (from :class:`RankSchedule`).
+
+    Attributes:
+        send_idx: int64 ``[Fs]`` local native rows this rank sends, in send order.
+        send_sizes / recv_sizes: ``[G]`` weight rows sent to / received from every rank.
+        group: EP process group (``None``: single rank, no fills possible).
+    """
+
+    send_idx: torch.Tensor
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    group: dist.ProcessGroup | None
+
+
+class ReplicaMemory:
+    """Live and peak bytes of replica buffers on this GPU; share one across layers.
+
+    ``live_bytes`` rises when a fill allocates buffers and falls when they are freed;
+    ``peak_bytes`` is the maximum since construction or :meth:`reset_peak`.
+    """
+
+    def __init__(self) -> None:
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def track(self, tensor: torch.Tensor) -> None:
+        """Count ``tensor``'s bytes until it is freed."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            return
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        weakref.finalize(tensor, self._release, nbytes)
+
+    def _release(self, nbytes: int) -> None:
+        self.live_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        """Start a new peak measurement from the bytes alive now."""
+        self.peak_bytes = self.live_bytes
+
+
+def _flat_rows(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(t.shape[0], t[0].numel() if t.shape[0] else int(torch.Size(t.shape[1:]).numel()))
+                      for t in tensors], dim=1)
+
+
+def _split_rows(flat_RX: torch.Tensor, shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    sizes = [int(torch.Size(s[1:]).numel()) for s in shapes]
+    parts = flat_RX.split(sizes, dim=1)
+    return [p.reshape(flat_RX.shape[0], *s[1:]) for p, s in zip(parts, shapes)]
+
+
+def fetch_replica_weights(weights: Sequence[torch.Tensor], spec: FillSpec,
+                          memory: ReplicaMemory | None = None) -> list[torch.Tensor]:
+    """Send this rank's served rows and receive its fills (not differentiable).
+
+    Args:
+        weights: local native weights, each ``[El, ...]``, one dtype.
+        spec: the fill exchange.
+        memory: optional tracker the received buffers are counted in.
+
+    Returns:
+        one buffer ``[Fr, ...]`` per weight, rows in receive order (owner, slot).
+    """
+    shapes = [w.shape for w in weights]
+    send = _flat_rows([w.detach().index_select(0, spec.send_idx) for w in weights])
+    recv = all_to_all_rows(send, spec.send_sizes, spec.recv_sizes, spec.group)
+    # Separate contiguous buffers: the GEMMs save them for backward, and the memory tracker
+    # follows each one's lifetime.
+    bufs = [b.contiguous() for b in _split_rows(recv, shapes)]
+    if memory is not None:
+        for b in bufs:
+            memory.track(b)
+    return bufs
+
+
+def return_replica_grads(grads: Sequence[torch.Tensor], spec: FillSpec,
+                         local_shapes: Sequence[torch.Size]) -> list[torch.Tensor]:
+    """Send fill gradients to their owners; return each owner's summed native gradients.
+
+    Args:
+        grads: gradients of the received buffers, each ``[Fr, ...]``.
+        spec: the same exchange the fill used (run in reverse).
+        local_shapes: ``[El, ...]`` shapes of the native weights.
+
+    Returns:
+        ``[El, ...]`` gradients (zero for rows nobody replicated), one per weight.
+    """
+    send = _flat_rows(grads)
+    recv = all_to_all_rows(send.contiguous(), spec.recv_sizes, spec.send_sizes, spec.group)
+    out = []
+    for part, shape in zip(_split_rows(recv, local_shapes), local_shapes):
+        out.append(part.new_zeros(shape).index_add_(0, spec.send_idx.to(part.device), part))
+    return out
+
+
+class _FillReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec, memory, x_pass, *weights):
+        ctx.spec = spec
+        ctx.shapes = [w.shape for w in weights]
+        bufs = fetch_replica_weights(weights, spec, memory)
+        # x_pass comes back unchanged: routing the token gradient through this node makes
+        # every rank send replica gradients home before the dispatch's backward exchange,
+        # a fixed collective order whatever each rank's fill pattern is.
+        return (x_pass.view_as(x_pass), *bufs)
+
+    @staticmethod
+    def backward(ctx, grad_x, *grad_bufs):
+        if not any(ctx.needs_input_grad[3:]):
+            return (None, None, grad_x, *([None] * len(ctx.shapes)))
+        grads = return_replica_grads(grad_bufs, ctx.spec, ctx.shapes)
+        return (None, None, grad_x, *grads)
+
+
+def fill_replicas(x_pass: torch.Tensor, weights: Sequence[torch.Tensor], spec: FillSpec,
+                  memory: ReplicaMemory | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Autograd-aware fill: returns ``(x_pass, buffers)``.
+
+    ``x_pass`` (the rank's grouped tokens) is passed through unchanged so that the backward
+    of the fill runs before the backward of whatever produced ``x_pass`` on every rank.
+    Every rank of the group must call this when any rank receives a fill.
+    """
+    out = _FillReplicas.apply(spec, memory, x_pass, *weights)
+    return out[0], list(out[1:])
