@@ -64,6 +64,8 @@ _HEAT_FLOOR = 0.5
 # expert in every token's top-k has infinite Plackett-Luce weight).
 _PI_CAP = 0.95
 _LOG_W_MIN = -60.0
+# Buckets of the per-(sample, layer) lookup that finds a systematic draw's interval.
+_LUT_BUCKETS = 2048
 
 
 # --------------------------------------------------------------------------------------
@@ -304,7 +306,7 @@ def _cap_inclusion(pi_LE: torch.Tensor, K: int, cap: float) -> torch.Tensor:
         if not (pi_LE > cap * (1 + 1e-12)).any():
             break
         free = torch.where(capped, torch.zeros_like(pi_LE), pi_LE)
-        room = K - cap * capped.sum(-1, keepdim=True)
+        room = K - cap * capped.sum(-1, keepdim=True).to(pi_LE.dtype)
         pi_LE = torch.where(capped, torch.full_like(pi_LE, cap),
                             free * room / free.sum(-1, keepdim=True).clamp_min(1e-300))
     return pi_LE
@@ -447,30 +449,41 @@ class _StepState:
     tau_AL: torch.Tensor     # float64: noise-averaged Rosen tau per task and layer
 
 
-def _iter_step_states(cfg: TraceConfig, num_steps: int) -> Iterator[_StepState]:
-    """States of steps ``0 .. num_steps-1`` (AR(1) drift of task multipliers and mix)."""
-    m = _model(cfg)
-    A, L, E, K = cfg.num_tasks, cfg.num_layers, cfg.num_experts, cfg.top_k
+def _iter_drift(cfg: TraceConfig, num_steps: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """AR(1) drift ``(d_ALE, d_A)`` of steps ``0 .. num_steps-1`` (zero at step 0, unit
+    stationary variance; step ``x`` draws its innovations from its own seeded stream)."""
+    A, L, E = cfg.num_tasks, cfg.num_layers, cfg.num_experts
     rho = cfg.drift_correlation
     innov = math.sqrt(max(0.0, 1 - rho * rho))
-    drift_ALE = torch.zeros(A, L, E, dtype=torch.float64)
-    drift_A = torch.zeros(A, dtype=torch.float64)
+    d_ALE = torch.zeros(A, L, E, dtype=torch.float64)
+    d_A = torch.zeros(A, dtype=torch.float64)
     for x in range(num_steps):
         if x > 0:
             g = _generator(cfg.seed, "drift", x)
-            drift_ALE = rho * drift_ALE + innov * torch.randn(A, L, E, generator=g, dtype=torch.float64)
-            drift_A = rho * drift_A + innov * torch.randn(A, generator=g, dtype=torch.float64)
-        log_w = m.log_base_LE + m.log_mult_ALE + cfg.drift_sigma * drift_ALE
-        mix = m.mix_A * torch.exp(cfg.mix_drift_sigma * drift_A)
-        tau = _solve_tau(log_w.exp().view(A * L, E), K, m.eps_Q, m.g_Q).view(A, L)
-        yield _StepState(log_w, mix / mix.sum(), tau)
+            d_ALE = rho * d_ALE + innov * torch.randn(A, L, E, generator=g, dtype=torch.float64)
+            d_A = rho * d_A + innov * torch.randn(A, generator=g, dtype=torch.float64)
+        yield d_ALE, d_A
+
+
+def _state(cfg: TraceConfig, d_ALE: torch.Tensor, d_A: torch.Tensor) -> _StepState:
+    m = _model(cfg)
+    A, L, E = d_ALE.shape
+    log_w = m.log_base_LE + m.log_mult_ALE + cfg.drift_sigma * d_ALE
+    mix = m.mix_A * torch.exp(cfg.mix_drift_sigma * d_A)
+    tau = _solve_tau(log_w.exp().view(A * L, E), cfg.top_k, m.eps_Q, m.g_Q, tol=1e-10 * cfg.top_k)
+    return _StepState(log_w, mix / mix.sum(), tau.view(A, L))
+
+
+def _iter_step_states(cfg: TraceConfig, num_steps: int) -> Iterator[_StepState]:
+    """Model states of steps ``0 .. num_steps-1``."""
+    for d_ALE, d_A in _iter_drift(cfg, num_steps):
+        yield _state(cfg, d_ALE, d_A)
 
 
 def _step_state(cfg: TraceConfig, step: int) -> _StepState:
-    state = None
-    for state in _iter_step_states(cfg, step + 1):
+    for d_ALE, d_A in _iter_drift(cfg, step + 1):
         pass
-    return state
+    return _state(cfg, d_ALE, d_A)
 
 
 def task_inclusion_ALE(cfg: TraceConfig, step: int = 0) -> torch.Tensor:
@@ -561,6 +574,7 @@ class SyntheticRouting:
         tasks: task names.
         num_experts: E.
         step: optimizer step whose drift state was used.
+        method: per-token sampler (``"gumbel"`` or ``"systematic"``).
     """
 
     routed_experts_TLK: torch.Tensor
@@ -571,6 +585,7 @@ class SyntheticRouting:
     tasks: tuple[str, ...]
     num_experts: int
     step: int
+    method: str = "gumbel"
 
     def loads_LE(self) -> torch.Tensor:
         """int64 ``[L, E]``: tokens per (layer, expert) over the whole trace."""
@@ -580,28 +595,91 @@ class SyntheticRouting:
         return torch.bincount(flat.reshape(-1), minlength=L * E).view(L, E)
 
 
+_ROUTING_METHODS = ("gumbel", "systematic")
+
+
+def _systematic_tables(pi_RE: torch.Tensor, K: int, g: torch.Generator
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lookup tables for systematic top-k sampling from inclusion probabilities ``pi_RE``.
+
+    Experts are laid on ``[0, K)`` in a random order (one per row), expert ``e`` covering a
+    segment of length ``pi_e <= 1``; a token draws ``u ~ U(0, 1)`` and takes the experts
+    under the points ``u, u + 1, ..., u + K - 1``. A segment no longer than 1 holds at most
+    one point, so the K experts are distinct, and expert ``e`` is taken with probability
+    exactly ``pi_e``. The map ``u -> experts`` is constant between the fractional parts of the
+    segment ends, so it is tabulated once per row.
+
+    Returns:
+        ``starts_RE`` float64 (sorted interval starts in ``[0, 1)``, the first is 0) and
+        ``table_REK`` int64 (the K experts of each interval).
+    """
+    R, E = pi_RE.shape
+    # 1 - 1e-6: rounding must never let a segment hold two points 1 apart.
+    pi_RE = _cap_inclusion(pi_RE.to(torch.float64), K, 1.0 - 1e-6)
+    perm_RE = torch.rand(R, E, generator=g, dtype=torch.float64).argsort(-1)
+    ends_RE = pi_RE.gather(-1, perm_RE).cumsum(-1)
+    ends_RE[:, -1] = K
+    starts_RE = torch.cat([torch.zeros(R, 1, dtype=torch.float64), torch.frac(ends_RE[:, :-1])], -1)
+    starts_RE = starts_RE.sort(-1).values
+    nxt_RE = torch.cat([starts_RE[:, 1:], torch.ones(R, 1, dtype=torch.float64)], -1)
+    points = ((starts_RE + nxt_RE) / 2).unsqueeze(-1) + torch.arange(K, dtype=torch.float64)
+    slot = torch.searchsorted(ends_RE, points.view(R, E * K), right=True).clamp_(max=E - 1)
+    return starts_RE, perm_RE.gather(-1, slot).view(R, E, K)
+
+
+def _interval_lut(starts_LE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bucket lookup for sorted interval starts (float32 ``[L, E]``, first 0).
+
+    Returns ``lut_LQ`` (int64: the last interval starting at or before ``b / Q``) and
+    ``next_LE`` (float32: each interval's end, 2.0 for the last), so the interval of ``u`` is
+    ``lut[floor(u Q)]`` advanced while ``next <= u``.
+    """
+    L, E = starts_LE.shape
+    Q = _LUT_BUCKETS
+    first_bucket = torch.ceil(starts_LE * Q).long()  # start s <= b / Q  <=>  ceil(s Q) <= b
+    hist = torch.zeros(L, Q + 1, dtype=torch.int64, device=starts_LE.device)
+    hist.scatter_add_(1, first_bucket, torch.ones_like(first_bucket))
+    lut_LQ = hist.cumsum_(1)[:, :Q].sub_(1)
+    next_LE = torch.cat([starts_LE[:, 1:], torch.full((L, 1), 2.0, device=starts_LE.device)], 1)
+    return lut_LQ, next_LE
+
+
 def generate_routing(cfg: TraceConfig, num_samples: int, *, step: int = 0,
+                     method: str = "gumbel",
                      device: torch.device | str | None = None) -> SyntheticRouting:
     """Per-token top-k routing of ``num_samples`` synthetic samples at optimizer ``step``.
 
-    Each sample draws its task, lengths and noisy expert weights ``w[L, E]``; each token then
-    takes, per layer, the top-k of ``log(U) / w`` over experts (``U ~ U(0, 1)``), which is
-    the Gumbel-top-k trick in exponential-race form: an exact Plackett-Luce draw of k
-    distinct experts (top-k of ``log w + Gumbel``). Memory: ``T * L * K * 2`` bytes for the
-    ids plus a fixed 16 MiB key buffer.
+    Each sample draws its task, lengths and noisy expert weights ``w[L, E]`` (the same model
+    as :func:`generate_loads`); tokens of a sample are independent given ``w``. Per token and
+    layer, ``method`` picks k distinct experts:
+
+    * ``"gumbel"`` (exact Plackett-Luce): the top-k of ``log(U) / w`` over experts,
+      ``U ~ U(0, 1)``, i.e. the Gumbel-top-k trick (top-k of ``log w + Gumbel``) in
+      exponential-race form; E random numbers and a top-k per token and layer.
+    * ``"systematic"`` (fast): systematic sampling from the sample's inclusion vector
+      ``pi = 1 - exp(-tau w)`` (Rosen's approximation of the Plackett-Luce marginals, within
+      ~2%): one random number, a binary search and a table lookup per token and layer; each
+      expert's count in a sample is exactly ``Binomial(tokens, pi_e)``. The experts of one
+      token are less clustered than under Plackett-Luce (co-activation differs, loads not).
+
+    Memory: ``T * L * K * 2`` bytes for the ids plus fixed ~16-64 MiB buffers.
 
     Args:
         cfg: trace model.
         num_samples: samples to generate (>= 1).
         step: drift state to use (>= 0).
-        device: where the keys are drawn (``"cuda"`` is much faster); sample structure is
-            always drawn on CPU. Results are bit-identical per device type, not across them.
+        method: ``"gumbel"`` or ``"systematic"``.
+        device: where the per-token work runs (``"cuda"`` is much faster); the sample
+            structure is always drawn on CPU. Results are bit-identical per device type,
+            not across them.
     Returns:
         :class:`SyntheticRouting` (CPU tensors).
     """
     _check_cfg(cfg)
     _check_int("num_samples", num_samples, 1)
     _check_int("step", step, 0)
+    if method not in _ROUTING_METHODS:
+        raise ValueError(f"method={method!r} is invalid; allowed: {_ROUTING_METHODS}")
     device = torch.device("cpu" if device is None else device)
     L, E, K = cfg.num_layers, cfg.num_experts, cfg.top_k
     state = _step_state(cfg, step)
@@ -616,26 +694,55 @@ def generate_routing(cfg: TraceConfig, num_samples: int, *, step: int = 0,
     out_TLK = torch.empty(T, L, K, dtype=torch.int16)
 
     g_noise = _generator(cfg.seed, "routing-noise", step)
-    g_keys = _generator(cfg.seed, "routing-tokens", step, device=device)
-    chunk_tokens = max(1, _KEY_CHUNK_ELEMS // (L * E))
+    g_tables = _generator(cfg.seed, "routing-tables", step)
+    g_tokens = _generator(cfg.seed, "routing-tokens", method, step, device=device)
+    if method == "gumbel":
+        chunk_tokens = max(1, _KEY_CHUNK_ELEMS // (L * E))
+    else:
+        chunk_tokens = max(1, _KEY_CHUNK_ELEMS // (L * K))
+    tau_AL = state.tau_AL.to(torch.float32)
     lengths = length_N.tolist()
     offsets = offsets_N1.tolist()
     i = 0
     # Noise is drawn for whole groups (drawn_task_N); members past num_samples are unused.
     for log_w_nLE in _sample_log_weights(cfg, state, drawn_task_N, g_noise):
-        inv_w_nLE = torch.exp(-log_w_nLE).to(device)
-        for j in range(min(log_w_nLE.shape[0], num_samples - i)):
+        n_here = min(log_w_nLE.shape[0], num_samples - i)
+        if n_here <= 0:
+            break
+        log_w_nLE = log_w_nLE[:n_here]
+        if method == "gumbel":
+            inv_w_nLE = torch.exp(-log_w_nLE).to(device)
+        else:
+            pi_nLE = _sample_inclusion(log_w_nLE.exp(), K, tau_AL[task_N[i:i + n_here]])
+            starts, table = _systematic_tables(pi_nLE.view(n_here * L, E), K, g_tables)
+            starts = starts.to(torch.float32).view(n_here, L, E).to(device)
+            table = table.to(torch.int16).view(n_here, L, E, K).to(device)
+        for j in range(n_here):
             n, off = lengths[i], offsets[i]
-            inv_w_LE = inv_w_nLE[j]
+            if method == "systematic":
+                lut_LQ, next_LE = _interval_lut(starts[j])
             for c0 in range(0, n, chunk_tokens):
                 c = min(chunk_tokens, n - c0)
-                keys = torch.empty(c, L, E, device=device, dtype=torch.float32)
-                keys.uniform_(generator=g_keys).log_().mul_(inv_w_LE)
-                idx = keys.topk(K, dim=-1, sorted=False).indices
+                if method == "gumbel":
+                    keys = torch.empty(c, L, E, device=device, dtype=torch.float32)
+                    keys.uniform_(generator=g_tokens).log_().mul_(inv_w_nLE[j])
+                    idx = keys.topk(K, dim=-1, sorted=False).indices
+                else:
+                    u_Lc = torch.empty(L, c, device=device, dtype=torch.float32)
+                    u_Lc.uniform_(generator=g_tokens)
+                    # Interval of u: the bucket's first interval, then step past the (rare)
+                    # interval starts inside the bucket.
+                    interval_Lc = lut_LQ.gather(1, (u_Lc * _LUT_BUCKETS).long())
+                    while True:
+                        step_Lc = next_LE.gather(1, interval_Lc) <= u_Lc
+                        if not bool(step_Lc.any()):
+                            break
+                        interval_Lc += step_Lc
+                    idx = table[j].gather(1, interval_Lc.unsqueeze(-1).expand(L, c, K)).transpose(0, 1)
                 out_TLK[off + c0:off + c0 + c] = idx.to(torch.int16).cpu()
             i += 1
     return SyntheticRouting(out_TLK, offsets_N1, task_N.clone(), length_N, prompt_N.clone(),
-                            cfg.tasks, E, step)
+                            cfg.tasks, E, step, method)
 
 
 # --------------------------------------------------------------------------------------
