@@ -259,3 +259,15 @@ def test_expert_swiglu_triton_matches_torch(dtype):
         else:
             rel = float((a.float() - b.float()).norm() / b.float().norm())
             assert rel < 1e-2, f"{name}: relative Frobenius error {rel:.3g} >= 1e-2"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_outputs_round_to_nearest_even(dtype):
+    # K = 1: each output is one product, exact in fp32, so the kernel's store must equal
+    # torch's round-to-nearest-even cast bit for bit (the interpreter alone would truncate).
+    x = _rand((40, 1), dtype, 40)
+    w = _rand((2, 1, 35), dtype, 41)
+    offsets = _offsets([15, 25])
+    y = ops.grouped_gemm(x, w, offsets)
+    want = torch.cat([x[:15].float() * w[0].float(), x[15:].float() * w[1].float()]).to(dtype)
+    assert torch.equal(y, want)
