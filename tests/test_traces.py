@@ -205,6 +205,8 @@ def test_routing_shapes_determinism_distinct(method):
     assert not torch.equal(c.sample_length_N, a.sample_length_N)
     loads = a.loads_LE()
     assert torch.equal(loads.sum(-1), torch.full((4,), T * 4))
+    replay = a.to_replay(model="synthetic")  # validates against the replay file format
+    assert replay.num_layers == 4 and replay.top_k == 4 and int(replay.sample_step.max()) == 1
 
 
 def test_routing_methods_agree_on_loads():
@@ -332,7 +334,8 @@ def test_hot_experts_shift_between_micro_batches():
 
 def test_steps_drift_a_little():
     cfg = TraceConfig(num_layers=8)
-    t = generate_load_trace(cfg, num_micro_batches=4, num_ranks=4, tokens_per_micro_batch_per_rank=16384, steps=4)
+    t = generate_load_trace(cfg, num_micro_batches=4, num_ranks=4,
+                            tokens_per_micro_batch_per_rank=16384, steps=4)
     agg_XLE = t.loads_XMLSE.sum((1, 3)).double()
     for x in range(1, 4):
         c = sum(float(torch.corrcoef(agg_XLE[[x - 1, x], l])[0, 1]) for l in range(8)) / 8

@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -54,6 +54,8 @@ _KEY_CHUNK_ELEMS = 1 << 22
 _SAMPLE_CHUNK = 256
 # Samples drawn per block while packing micro-batches (a multiple of group_size is used).
 _DRAW_BLOCK = 4096
+# Rows (bin x layer) per block of the count draw: bounds the float64 temporaries.
+_COUNT_ROWS = 8192
 # Newton steps for the per-sample inclusion solve, started from the task-level solution.
 _SAMPLE_NEWTON_ITERS = 2
 # Gauss-Hermite nodes for averaging over the lognormal per-sample noise in calibration.
@@ -587,6 +589,15 @@ class SyntheticRouting:
     step: int
     method: str = "gumbel"
 
+    def to_replay(self, model: str | None = None):
+        """A validated :class:`relibra_torch.replay.RoutingReplay` (``save_routing`` writes it
+        as a ``relibra.routing/1`` file), with ``sample_step`` and ``sample_task`` set."""
+        from ..replay import RoutingReplay
+        N = self.sample_task_N.numel()
+        return RoutingReplay(self.routed_experts_TLK, self.sample_offsets_N1, self.num_experts,
+                             model=model, sample_step=torch.full((N,), self.step, dtype=torch.int64),
+                             sample_task=self.sample_task_N)
+
     def loads_LE(self) -> torch.Tensor:
         """int64 ``[L, E]``: tokens per (layer, expert) over the whole trace."""
         T, L, K = self.routed_experts_TLK.shape
@@ -922,7 +933,9 @@ def generate_load_trace(cfg: TraceConfig, num_micro_batches: int, num_ranks: int
         task_BA = torch.zeros(B * A, dtype=torch.int64).index_add_(
             0, bin_N[keep] * A + task_N[keep], length_N[keep]).view(B, A)
         g_counts = _generator(cfg.seed, "loads-counts", x)
-        counts = _bin_counts(acc_BLE.view(B * L, E), tok_B.repeat_interleave(L), K, g_counts)
+        p_RE, tok_R = acc_BLE.view(B * L, E), tok_B.repeat_interleave(L)
+        counts = torch.cat([_bin_counts(p_RE[r:r + _COUNT_ROWS], tok_R[r:r + _COUNT_ROWS], K, g_counts)
+                            for r in range(0, B * L, _COUNT_ROWS)])
         # rank-major bins [S, M, L, E] -> [M, L, S, E]
         loads[x] = counts.view(S, M, L, E).permute(1, 2, 0, 3)
         tokens_XMS[x] = tok_B.view(S, M).t()
