@@ -335,12 +335,13 @@ def _maybe_autotune(configs, key):
 
 
 @_maybe_autotune(_gemm_configs(), key=["N", "K", "S_PAD", "HAS_S2W", "TRANS_W"])
+@triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BK"] == 0})
 @triton.jit
 def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, s2w_ptr, R, N, K, S,
                        sxm, sxk, swg, swk, swn, sym, syn,
                        HAS_S2W: tl.constexpr, S_PAD: tl.constexpr, TRANS_W: tl.constexpr,
                        UPCAST: tl.constexpr, IEEE: tl.constexpr, FIX_BF16: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, EVEN_K: tl.constexpr):
     # y[rows of slot s] = x[rows of slot s] @ w[s2w[s]]. The grid is an upper bound on the
     # number of (row tile, column tile) pairs, cdiv(R, BM) + S, known on the host; each
     # program finds its slot from the offsets, and the tiles past the last slot write the
@@ -384,9 +385,13 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, s2w_ptr, R, N, K, S,
     w_base = w_ptr + widx * swg + rn[None, :] * swn
     for k0 in range(0, k_lim, BK):
         rk = k0 + tl.arange(0, BK)
-        k_mask = rk < K
-        a = tl.load(x_base + rk[None, :] * sxk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_base + rk[:, None] * swk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        if EVEN_K:  # no K mask: keeps the loads vectorised along K
+            a = tl.load(x_base + rk[None, :] * sxk, mask=m_mask[:, None], other=0.0)
+            b = tl.load(w_base + rk[:, None] * swk, mask=n_mask[None, :], other=0.0)
+        else:
+            k_mask = rk < K
+            a = tl.load(x_base + rk[None, :] * sxk, mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_base + rk[:, None] * swk, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
