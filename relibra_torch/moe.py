@@ -34,8 +34,9 @@ from .distributed.mesh import EPGroup, ep_group_from_mesh
 from .distributed.migration import move_expert_rows, native_experts
 from .distributed.replicas import (FillSpec, ReplicaMemory, fetch_replica_weights, fill_replicas,
                                    return_replica_grads)
-from .distributed.schedule import (LayerPlan, RankSchedule, build_rank_schedule, check_layer_plan,
-                                   check_placement, layer_plans, native_layer_plan)
+from .distributed.schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule,
+                                   check_layer_plan, check_placement, group_permutation, layer_plans,
+                                   native_layer_plan)
 from .planning.topology import Topology
 
 __all__ = ["LayerPlan", "ReplayBalancedMoE", "ReplicaMemory", "layer_plans", "load_expert_safetensors",
@@ -299,6 +300,8 @@ class ReplayBalancedMoE(nn.Module):
             raise ValueError(f"x has last dim {x.shape[-1]}, expected dim={self.dim}")
         x_TD = x.reshape(-1, self.dim)
         ids_TK, gates_TK = self._route(x, x_TD, routed_experts)
+        #: int64 ``[T, K]`` expert ids of the last forward (read by the routing recorder).
+        self.last_expert_ids_TK = ids_TK.detach()
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.scatter_add_(
@@ -370,27 +373,16 @@ class ReplayBalancedMoE(nn.Module):
             counts_E = torch.bincount(flat_ids, minlength=E).cpu()
         if sched is None:
             sched = self._native_schedule(counts_E, device)
-        elif self.check_plan and not torch.equal(counts_E, sched.expected_counts_E):
-            bad = int((counts_E != sched.expected_counts_E).nonzero()[0])
-            raise ValueError(
-                f"routed experts do not match the installed plan on EP rank {ep.rank}: expert "
-                f"{bad} has {int(counts_E[bad])} token-expert pairs here but the plan's "
-                f"split_SGJ[{ep.rank}] sends {int(sched.expected_counts_E[bad])}; install the "
-                f"plan made from these routed experts' counts")
+        elif self.check_plan:
+            self._check_counts(counts_E, sched, device)
 
-        # (token, k) pairs -> destination slot g * J + j, following the token_split rule:
-        # pairs of expert e in flat order fill e's instances in slot order.
-        order = flat_ids.argsort(stable=True)
-        pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
-        q = torch.searchsorted(sched.slot_cum_end_X.to(device), pos, right=True)
-        dest_TK = sched.slot_order_X.to(device)[q].view_as(ids_TK)
+        # (token, k) pairs -> destination slot g * J + j, by the token_split rule.
+        dest_TK = assign_slots(ids_TK, sched)
         x_send, row_of_TK, _ = ops.permute(dest_TK, x_TD, topo.num_gpus * J)
         x_recv = all_to_all_autograd(x_send, sched.send_sizes, sched.recv_sizes, ep.group)
 
         # Group the received rows: native experts first (local row order), then fills.
-        group_of_row = torch.repeat_interleave(sched.chunk_group_C.to(device), sched.chunk_count_C.to(device),
-                                               output_size=sched.num_recv_rows)
-        perm = group_of_row.argsort(stable=True)
+        perm = group_permutation(sched, device)
         x_grp = x_recv.index_select(0, perm)
         w = self.local_expert_weights()
         wl = (w["w1_EFD"], w["w2_EDF"], w["w3_EFD"])
@@ -418,6 +410,32 @@ class ReplayBalancedMoE(nn.Module):
         self.last_expert_tokens = int(x_recv.shape[0])
         self.last_fills = list(zip(sched.fill_slots, sched.fill_experts))
         return ops.unpermute(y_send, row_of_TK, gates_TK)
+
+    def _check_counts(self, counts_E: torch.Tensor, sched: RankSchedule, device: torch.device) -> None:
+        """Raise on every rank if any rank's routed ids disagree with the plan.
+
+        The ranks agree first (one all-reduce of a flag) so that a mismatch on one rank
+        cannot leave the others waiting in the token exchange.
+        """
+        ep = self._ep
+        diff = (counts_E != sched.expected_counts_E).nonzero().flatten()
+        bad = int(diff[0]) if len(diff) else -1
+        flags = torch.zeros(max(ep.size, 1), dtype=torch.int64)
+        flags[ep.rank] = bad + 1
+        if ep.group is not None:
+            flags = flags.to(device)
+            dist.all_reduce(flags, group=ep.group)
+            flags = flags.cpu()
+        if not flags.any():
+            return
+        ranks = flags.nonzero().flatten().tolist()
+        if bad >= 0:
+            detail = (f"here (EP rank {ep.rank}) expert {bad} has {int(counts_E[bad])} token-expert "
+                      f"pairs but the plan's split_SGJ[{ep.rank}] sends {int(sched.expected_counts_E[bad])}")
+        else:
+            detail = f"this rank (EP rank {ep.rank}) matches"
+        raise ValueError(f"routed experts do not match the installed plan on EP ranks {ranks}: {detail}; "
+                         f"install the plan made from these routed experts' counts")
 
     def _native_schedule(self, counts_E: torch.Tensor, device: torch.device) -> RankSchedule:
         """No plan installed: gather every rank's counts and run the native placement."""

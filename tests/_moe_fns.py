@@ -286,12 +286,17 @@ def assemble_logical(results: list[dict], name: str, num_experts: int) -> np.nda
     return out
 
 
-def close(a: np.ndarray, b: np.ndarray, what: str, rel: float = 1e-5) -> None:
-    """fp32 check: max |a - b| <= rel * max |b| (relative to the tensor's scale)."""
+def close(a: np.ndarray, b: np.ndarray, what: str, rel: float = 1e-5, floor: float = 1e-6) -> None:
+    """fp32 check: max |a - b| <= rel * max |b| + floor.
+
+    Relative to the tensor's scale; the absolute ``floor`` (far below ``rel`` for the O(1)
+    tensors of these tests) only matters for tensors that are zero in exact arithmetic
+    (e.g. the router gradient with top_k = 1 and route_norm, where the gate is always 1).
+    """
     assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
     scale = float(np.abs(b).max()) if b.size else 0.0
     err = float(np.abs(a - b).max()) if b.size else 0.0
-    assert err <= rel * scale + 1e-30, f"{what}: max abs error {err:.3g} > {rel:g} x scale {scale:.3g}"
+    assert err <= rel * scale + floor, f"{what}: max abs error {err:.3g} > {rel:g} x scale {scale:.3g} + {floor:g}"
 
 
 def check_case(case: Case, results: list[dict]) -> None:
@@ -303,7 +308,12 @@ def check_case(case: Case, results: list[dict]) -> None:
         close(res["out"], ref["out"][start : start + T], f"rank {r} output")
         close(res["x_grad"], ref["x_grad"][start : start + T], f"rank {r} input gradient")
         start += T
-    close(sum(res["gate_grad"] for res in results), ref["gate_grad"], "router gradient")
+    gate_grad = sum(res["gate_grad"] for res in results)
+    if case.top_k == 1 and case.route_norm:
+        # Gates are always 1: zero in exact arithmetic, rounding noise on both sides.
+        assert np.abs(gate_grad).max() <= 1e-5 * np.abs(ref["x_grad"]).max()
+    else:
+        close(gate_grad, ref["gate_grad"], "router gradient")
     for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
         close(assemble_logical(results, n, case.num_experts), ref[n], f"expert gradient {n}")
     if case.shared:
@@ -320,3 +330,32 @@ def with_plan(case: Case, plan: StepPlan | None) -> Case:
 
 def ping() -> int:
     return dist.get_rank()
+
+
+# ---------------------------------------------------------------------------- naive reference
+
+def naive_moe(sd: dict, x_TD: torch.Tensor, ids_TK: torch.Tensor | None, top_k: int,
+              score_func: str = "softmax", route_norm: bool = False, route_scale: float = 1.0) -> torch.Tensor:
+    """Token-by-token MoE from a logical state dict: the independent reference."""
+    scores = x_TD.float() @ sd["gate.weight"].float().t()
+    scores = scores.softmax(-1) if score_func == "softmax" else scores.sigmoid()
+    if ids_TK is None:
+        choice = scores + sd["expert_bias_E"] if "expert_bias_E" in sd else scores
+        ids_TK = choice.topk(top_k, dim=-1).indices
+    gates = scores.gather(1, ids_TK)
+    if route_norm:
+        gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+    gates = gates * route_scale
+    rows = []
+    for t in range(x_TD.shape[0]):
+        acc = torch.zeros(x_TD.shape[1])
+        for k in range(ids_TK.shape[1]):
+            e = int(ids_TK[t, k])
+            h = torch.nn.functional.silu(sd["w1_EFD"][e] @ x_TD[t]) * (sd["w3_EFD"][e] @ x_TD[t])
+            acc = acc + gates[t, k] * (sd["w2_EDF"][e] @ h)
+        if "shared_experts.w1.weight" in sd:
+            h = (torch.nn.functional.silu(sd["shared_experts.w1.weight"] @ x_TD[t])
+                 * (sd["shared_experts.w3.weight"] @ x_TD[t]))
+            acc = acc + sd["shared_experts.w2.weight"] @ h
+        rows.append(acc)
+    return torch.stack(rows) if rows else x_TD.new_zeros(0, x_TD.shape[1])

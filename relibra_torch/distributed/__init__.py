@@ -13,12 +13,12 @@ from .collectives import all_to_all_autograd, all_to_all_rows
 from .mesh import EPGroup, ep_group_from_mesh
 from .migration import move_expert_rows, native_experts
 from .replicas import FillSpec, ReplicaMemory, fetch_replica_weights, fill_replicas, return_replica_grads
-from .schedule import (LayerPlan, RankSchedule, build_rank_schedule, check_layer_plan, check_placement,
-                       layer_plans, native_layer_plan)
+from .schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan,
+                       check_placement, group_permutation, layer_plans, native_layer_plan)
 
 __all__ = [
     "EPGroup", "FillSpec", "LayerPlan", "RankSchedule", "ReplicaMemory", "all_to_all_autograd",
-    "all_to_all_rows", "build_rank_schedule", "check_layer_plan", "check_placement",
-    "ep_group_from_mesh", "fetch_replica_weights", "fill_replicas", "layer_plans",
+    "all_to_all_rows", "assign_slots", "build_rank_schedule", "check_layer_plan", "check_placement",
+    "ep_group_from_mesh", "fetch_replica_weights", "fill_replicas", "group_permutation", "layer_plans",
     "move_expert_rows", "native_experts", "native_layer_plan", "return_replica_grads",
 ]

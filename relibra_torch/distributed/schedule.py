@@ -28,8 +28,8 @@ import torch
 from ..planning.plan import StepPlan, token_split
 from ..planning.topology import Topology
 
-__all__ = ["LayerPlan", "RankSchedule", "build_rank_schedule", "check_layer_plan",
-           "layer_plans", "native_layer_plan", "check_placement"]
+__all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
+           "check_placement", "group_permutation", "layer_plans", "native_layer_plan"]
 
 
 @dataclass(frozen=True)
@@ -278,3 +278,36 @@ def build_rank_schedule(topology: Topology, placement_E: torch.Tensor, layer_pla
         fill_slots=fill_slots,
         fill_experts=fill_experts,
     )
+
+
+def assign_slots(ids_TK: torch.Tensor, schedule: RankSchedule) -> torch.Tensor:
+    """Destination slot ``g * J + j`` of every (token, k) pair of this rank, on ids' device.
+
+    Follows the :func:`~relibra_torch.planning.token_split` rule: the pairs of expert ``e``,
+    in flat ``t * K + k`` order, fill ``e``'s instances in slot order, each with its quota.
+    Requires this rank's counts to equal ``schedule.expected_counts_E``.
+
+    Args:
+        ids_TK: int64 ``[T, K]`` expert ids.
+    Returns:
+        int64 ``[T, K]`` destination slots.
+    """
+    device = ids_TK.device
+    flat = ids_TK.reshape(-1)
+    order = flat.argsort(stable=True)
+    # Position of every pair in (expert, flat index) order ...
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
+    # ... falls in the run of one slot of the slots sorted by (expert, slot).
+    q = torch.searchsorted(schedule.slot_cum_end_X.to(device), pos, right=True)
+    return schedule.slot_order_X.to(device)[q].view_as(ids_TK)
+
+
+def group_permutation(schedule: RankSchedule, device: torch.device) -> torch.Tensor:
+    """int64 ``[Rr]``: received row order -> grouped order (native groups, then fills).
+
+    ``x_grouped = x_received[perm]``; stable, so inside a group rows stay source-major.
+    """
+    group_of_row = torch.repeat_interleave(schedule.chunk_group_C.to(device),
+                                           schedule.chunk_count_C.to(device),
+                                           output_size=schedule.num_recv_rows)
+    return group_of_row.argsort(stable=True)
