@@ -105,6 +105,8 @@ def test_permute_many_blocks_top_k_equals_num_slots():
     x_sorted, row_of, offsets = ops.permute(slots_TK, x_TD, S)
     assert offsets.tolist() == [T * (s + 1) for s in range(S)]
     assert torch.equal(row_of, oracle.permute_index(slots_TK, S)[0])
+    for narrow in (torch.int32, torch.int16):  # replay files store int16/int32 ids
+        assert torch.equal(ops.permute_index(slots_TK.to(narrow), S)[0], row_of)
     grad = _rand((T * S, 5), torch.float32, 3)
     x_sorted.backward(grad)
     exact, bound = oracle.unpermute(grad, row_of, None)

@@ -154,8 +154,8 @@ def permute_index(expert_slot_TK: torch.Tensor, num_slots: int) -> tuple[torch.T
 def _row_tiles(K: int, D: int) -> tuple[int, int, int]:
     """(BT, K_PAD, BD) with BT*K_PAD*BD bounded so one 3-D tile stays in registers."""
     k_pad = _next_pow2(K)
-    bd = min(256, _next_pow2(D))
     budget = 8192
+    bd = max(16, min(256, _next_pow2(D), budget // k_pad))
     bt = max(1, min(32, budget // (k_pad * bd)))
     bt = 1 << (bt.bit_length() - 1)
     return bt, k_pad, bd
