@@ -139,15 +139,21 @@ def test_unpermute_reference_forward_backward(dtype):
 # ---------------------------------------------------------------------------- grouped GEMM
 
 
-@settings(max_examples=40, deadline=None, derandomize=True)
-@given(case=grouped_case(), dtype=st.sampled_from(DTYPES), tail=st.integers(0, 3))
-def test_grouped_gemm_reference_matches_oracle(case, dtype, tail):
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(case=grouped_case(), dtype=st.sampled_from(DTYPES), tail=st.integers(0, 3), w_t=st.booleans(),
+       aligned=st.booleans())
+def test_grouped_gemm_reference_matches_oracle(case, dtype, tail, w_t, aligned):
     sizes, s2w, G, Kd, N = case
+    if aligned:  # the no-padding path of the reference
+        Kd, N = 8 * ((Kd + 7) // 8), 8 * ((N + 7) // 8)
     offsets = _offsets(sizes)
     R = sum(sizes) + tail  # tail rows belong to no slot and must come out 0
     s2w_t = None if s2w is None else torch.tensor(s2w)
     x = torch.randn(R, Kd).to(dtype).requires_grad_()
-    w = torch.randn(G, Kd, N).to(dtype).requires_grad_()
+    if w_t:  # a transposed parameter, as the MoE layer passes torchtitan-layout weights
+        w = torch.randn(G, N, Kd).to(dtype).transpose(1, 2).requires_grad_()
+    else:
+        w = torch.randn(G, Kd, N).to(dtype).requires_grad_()
     y = ops.grouped_gemm(x, w, offsets, s2w_t)
     oracle.check_within(y, *oracle.grouped_mm(x.detach(), w.detach(), offsets, s2w_t), dtype, "y")
     dy = torch.randn(R, N).to(dtype)

@@ -96,6 +96,17 @@ def test_permute_exact_and_inverse(case, dtype, D):
         assert torch.equal(ops.unpermute(x_sorted, row_of, None), x_TD * K)
 
 
+def test_permute_top1_over_several_blocks():
+    T, S = 300, 11  # n = 300 token-slots: three 128-blocks, the last one partial
+    slots_TK = torch.randint(0, S, (T, 1), generator=_gen(5))
+    slots_TK[::7] = 3  # a hot slot
+    x_TD = _rand((T, 3), torch.float16, 6)
+    x_sorted, row_of, offsets = ops.permute(slots_TK, x_TD, S)
+    want_row_of, want_offsets = oracle.permute_index(slots_TK, S)
+    assert torch.equal(row_of, want_row_of) and torch.equal(offsets, want_offsets)
+    assert torch.equal(x_sorted[row_of[:, 0]], x_TD)
+
+
 def test_permute_many_blocks_top_k_equals_num_slots():
     # n = T*K spans several 128-token-slot blocks and every token picks every slot once.
     T, S = 70, 7

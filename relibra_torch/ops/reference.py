@@ -102,9 +102,15 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, offsets_S: torch.Tensor,
         return x_RK.new_zeros((R, N))
     w_SKN = w_GKN.index_select(0, slot_to_weight_S) if slot_to_weight_S is not None else w_GKN
     a = _align(x_RK.dtype)
-    x_pad = _pad_last(x_RK, a)
-    w_pad = _pad_last(F.pad(w_SKN, (0, 0, 0, x_pad.shape[1] - Kd)), a).contiguous()
-    y_RN = torch._grouped_mm(x_pad.contiguous(), w_pad, offs=offsets_S)[:, :N]
+    if Kd % a or N % a:
+        x_in = _pad_last(x_RK, a).contiguous()
+        w_in = _pad_last(F.pad(w_SKN, (0, 0, 0, x_in.shape[1] - Kd)), a).contiguous()
+    else:
+        # Aligned: torch._grouped_mm takes w row- or column-major (e.g. a transposed
+        # parameter), so no copy of the weights.
+        x_in = x_RK.contiguous()
+        w_in = w_SKN if 1 in (w_SKN.stride(1), w_SKN.stride(2)) else w_SKN.contiguous()
+    y_RN = torch._grouped_mm(x_in, w_in, offs=offsets_S)[:, :N]
     return torch.where(_row_mask(R, offsets_S).unsqueeze(1), y_RN, 0).contiguous()
 
 
