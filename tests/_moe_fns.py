@@ -44,6 +44,7 @@ class Case:
     route_scale: float = 1.0
     expert_bias: bool = False
     flat_mesh: bool = False
+    self_route: bool = False  # route with the layer's own router (ids_per_rank only give T)
     module_kwargs: dict = field(default_factory=dict)
 
     @property
@@ -213,7 +214,7 @@ def reference(case: Case) -> dict[str, np.ndarray]:
     m.load_state_dict(logical_state(case))
     xs, gs = inputs(case)
     x = torch.cat(xs).requires_grad_()
-    ids = torch.cat(case.ids_per_rank)
+    ids = None if case.self_route else torch.cat(case.ids_per_rank)
     out = m(x, ids)
     out.backward(torch.cat(gs))
     res = {"out": out.detach().numpy(), "x_grad": x.grad.numpy(), "gate_grad": m.gate.weight.grad.numpy()}
@@ -260,7 +261,7 @@ def run_case(case: Case) -> dict:
     m.set_plan(case.plan)
     xs, gs = inputs(case)
     x = xs[r].clone().requires_grad_()
-    out = m(x, case.ids_per_rank[r])
+    out = m(x, None if case.self_route else case.ids_per_rank[r])
     out.backward(gs[r])
     res = {"out": out.detach().numpy(), "x_grad": x.grad.numpy(), "gate_grad": m.gate.weight.grad.numpy(),
            "native": m.native_experts().numpy(), "expert_tokens": m.last_expert_tokens,
@@ -359,3 +360,183 @@ def naive_moe(sd: dict, x_TD: torch.Tensor, ids_TK: torch.Tensor | None, top_k: 
             acc = acc + sd["shared_experts.w2.weight"] @ h
         rows.append(acc)
     return torch.stack(rows) if rows else x_TD.new_zeros(0, x_TD.shape[1])
+
+
+# ---------------------------------------------------------------------------- more rank functions
+
+def _full(v):
+    from torch.distributed.tensor import DTensor
+    return v.full_tensor() if isinstance(v, DTensor) else v
+
+
+def run_stack(cases: list[Case]) -> dict:
+    """Two (or more) layers with residuals, one plan each: backward collectives of several
+    layers interleave. Returns this rank's output and input gradient."""
+    r = dist.get_rank()
+    mods = []
+    for case in cases:
+        m = build(case, case_mesh(case))
+        if case.placement_E is not None:
+            m.apply_placement(case.placement_E)
+        m.load_state_dict(logical_state(case))
+        m.set_plan(case.plan)
+        mods.append(m)
+    xs, gs = inputs(cases[0])
+    x = xs[r].clone().requires_grad_()
+    h = x
+    for m, case in zip(mods, cases):
+        h = h + m(h, case.ids_per_rank[r])
+    h.backward(gs[r])
+    res = {"out": h.detach().numpy(), "x_grad": x.grad.numpy(),
+           "gate_grad": [m.gate.weight.grad.numpy() for m in mods],
+           "native": [m.native_experts().numpy() for m in mods]}
+    for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        res[n] = [m.get_parameter(n).grad.to_local().numpy() for m in mods]
+    return res
+
+
+def reference_stack(cases: list[Case]) -> dict:
+    mods = []
+    for case in cases:
+        m = build(case, None)
+        m.load_state_dict(logical_state(case))
+        mods.append(m)
+    xs, gs = inputs(cases[0])
+    x = torch.cat(xs).requires_grad_()
+    h = x
+    for m, case in zip(mods, cases):
+        h = h + m(h, torch.cat(case.ids_per_rank))
+    h.backward(torch.cat(gs))
+    res = {"out": h.detach().numpy(), "x_grad": x.grad.numpy(),
+           "gate_grad": [m.gate.weight.grad.numpy() for m in mods]}
+    for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        res[n] = [m.get_parameter(n).grad.numpy() for m in mods]
+    return res
+
+
+def run_balance(case: Case, plans: list[LayerPlan], ids_m: list[list[torch.Tensor]]) -> list[int]:
+    """Run every micro-batch's plan; return the executed expert tokens of this rank per micro-batch."""
+    r = dist.get_rank()
+    m = build(case, case_mesh(case))
+    m.apply_placement(case.placement_E)
+    m.load_state_dict(logical_state(case))
+    out = []
+    gen = torch.Generator().manual_seed(case.seed)
+    for plan, ids in zip(plans, ids_m):
+        m.set_plan(plan)
+        x = torch.randn(ids[r].shape[0], DIM, generator=gen)
+        m(x, ids[r])
+        out.append((m.last_expert_tokens, int(m.last_slot_tokens_J.sum())))
+    return out
+
+
+def run_training(case: Case, placements: list, lr: float = 1e-2) -> dict:
+    """AdamW steps on this rank's tokens; after step ``i``, ``apply_placement(placements[i])``
+    moves the experts and their optimizer state. Replicated grads are summed over ranks
+    (as data parallelism would). Returns logical weights and logical Adam state."""
+    r = dist.get_rank()
+    m = build(case, case_mesh(case))
+    m.load_state_dict(logical_state(case))
+    opt = torch.optim.AdamW(m.parameters(), lr=lr, foreach=False)
+    xs, gs = inputs(case)
+    for pl in placements:
+        opt.zero_grad()
+        m.set_plan(None)
+        m(xs[r], case.ids_per_rank[r]).backward(gs[r])
+        for p in m.parameters():
+            if not hasattr(p, "to_local"):
+                dist.all_reduce(p.grad)
+        opt.step()
+        if pl is not None:
+            m.apply_placement(pl, opt)
+    res = {k: _full(v).numpy() for k, v in m.state_dict().items()}
+    native = m.native_experts()
+    for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        for key in ("exp_avg", "exp_avg_sq"):
+            local = opt.state[m.get_parameter(n)][key].to_local()
+            parts = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+            dist.all_gather(parts, local.contiguous())
+            nat = [torch.empty_like(native) for _ in range(dist.get_world_size())]
+            dist.all_gather(nat, native)
+            logical = torch.empty(case.num_experts, *local.shape[1:])
+            logical[torch.cat(nat)] = torch.cat(parts)
+            res[f"{n}.{key}"] = logical.numpy()
+    return res
+
+
+def reference_training(case: Case, steps: int, lr: float = 1e-2) -> dict:
+    m = build(case, None)
+    m.load_state_dict(logical_state(case))
+    opt = torch.optim.AdamW(m.parameters(), lr=lr, foreach=False)
+    xs, gs = inputs(case)
+    for _ in range(steps):
+        opt.zero_grad()
+        m(torch.cat(xs), torch.cat(case.ids_per_rank)).backward(torch.cat(gs))
+        opt.step()
+    res = {k: v.numpy() for k, v in m.state_dict().items()}
+    for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        for key in ("exp_avg", "exp_avg_sq"):
+            res[f"{n}.{key}"] = opt.state[m.get_parameter(n)][key].numpy()
+    return res
+
+
+def run_checkpoint(case: Case, placement_a: torch.Tensor, placement_b: torch.Tensor, path: str) -> dict:
+    """State dicts across placements on one mesh, DTensor reload, safetensors export/import."""
+    from relibra_torch.moe import load_expert_safetensors, save_expert_safetensors
+    r = dist.get_rank()
+    mesh = case_mesh(case)
+    a = build(case, mesh)
+    a.apply_placement(placement_a)
+    a.load_state_dict(logical_state(case))
+    sd_a = a.state_dict()
+    b = build(case, mesh)
+    b.apply_placement(placement_b)
+    b.load_state_dict(sd_a)  # logical DTensors on the same mesh: moved by all-to-all
+    sd_b = b.state_dict()
+    xs, _ = inputs(case)
+    out_a = a(xs[r], case.ids_per_rank[r]).detach()
+    out_b = b(xs[r], case.ids_per_rank[r]).detach()
+    save_expert_safetensors(a, path)
+    dist.barrier()
+    c = build(case, mesh)
+    c.apply_placement(placement_b.flip(0))
+    load_expert_safetensors(c, path)
+    return {"sd_a": {k: _full(v).numpy() for k, v in sd_a.items()},
+            "sd_b": {k: _full(v).numpy() for k, v in sd_b.items()},
+            "logical_c": {k: v.numpy() for k, v in c.logical_expert_weights().items()},
+            "out_a": out_a.numpy(), "out_b": out_b.numpy(),
+            "dtensor": type(sd_a["w1_EFD"]).__name__}
+
+
+def run_errors(num_nodes: int, gpus_per_node: int) -> dict:
+    """Bad input on ranks: every rank raises ValueError with a message (never a hang)."""
+    r = dist.get_rank()
+    mesh = get_mesh(num_nodes, gpus_per_node)
+    msgs = {}
+    try:
+        ReplayBalancedMoE(DIM, HIDDEN, 6, 2, mesh=mesh)
+    except ValueError as e:
+        msgs["divide"] = str(e)
+    m = ReplayBalancedMoE(DIM, HIDDEN, 8, 2, mesh=mesh, replica_slots=1)
+    flat = Topology(1, num_nodes * gpus_per_node, 8, 1)
+    G = num_nodes * gpus_per_node
+    ids = [torch.randint(0, 8, (3, 2), generator=torch.Generator().manual_seed(s)) for s in range(G)]
+    loads = loads_of(ids, 8)
+    try:
+        m.set_plan(layer_plans(static_plan(loads, flat), loads, 0)[0])
+    except ValueError as e:
+        msgs["topology"] = str(e)
+    m.set_plan(layer_plans(static_plan(loads, m.topology), loads, 0)[0])
+    mine = ids[r] if r != 1 else (ids[r] + 1) % 8  # only rank 1 replays other ids
+    try:
+        m(torch.randn(3, DIM), mine)
+    except ValueError as e:
+        msgs["mismatch"] = str(e)
+    try:
+        m(torch.randn(3, DIM), torch.full((3, 2), 9))
+    except ValueError as e:
+        msgs["range"] = str(e)
+    # The layer still works after the errors (no collective was left half done).
+    out = m(torch.randn(3, DIM), ids[r])
+    msgs["after"] = tuple(out.shape)
+    return msgs

@@ -43,11 +43,14 @@ class LayerPlan:
             column ``[:, g]`` rank ``g``'s receive sizes).
         placement_E: optional int64 ``[E]`` placement the plan was made for; when given,
             the layer checks that it is the placement in force.
+        topology: optional topology the plan was made for; when given, the layer checks
+            that it is its own (shapes alone cannot tell 1 x 4 GPUs from 2 x 2).
     """
 
     slot_expert_GJ: torch.Tensor
     split_SGJ: torch.Tensor
     placement_E: torch.Tensor | None = None
+    topology: Topology | None = None
 
 
 def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> list[LayerPlan]:
@@ -71,7 +74,7 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
     split_LSGJ = token_split(plan.micro_batch(micro_batch),
                              loads_MLSE[micro_batch : micro_batch + 1])[0]
     return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),
-                      plan.placement_LE[l].clone())
+                      plan.placement_LE[l].clone(), plan.topology)
             for l in range(plan.num_layers)]
 
 
@@ -102,6 +105,9 @@ def check_layer_plan(layer_plan: object, topology: Topology,
     if not isinstance(layer_plan, LayerPlan):
         raise TypeError(f"plan must be a LayerPlan or None, got {type(layer_plan).__name__}")
     G, J, E = topology.num_gpus, topology.slots_per_gpu, topology.num_experts
+    if layer_plan.topology is not None and layer_plan.topology != topology:
+        raise ValueError(f"the plan is for another topology: {layer_plan.topology}, but this layer "
+                         f"runs on {topology}")
     se, sp = layer_plan.slot_expert_GJ, layer_plan.split_SGJ
     for name, t in (("slot_expert_GJ", se), ("split_SGJ", sp)):
         if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
@@ -136,7 +142,7 @@ def check_layer_plan(layer_plan: object, topology: Topology,
             raise ValueError(f"LayerPlan.placement_E {pl.tolist()} is not the layer's placement "
                              f"{placement_E.tolist()}: apply the step's placement "
                              f"(apply_placement) before installing its plans")
-    return LayerPlan(se, sp, pl)
+    return LayerPlan(se, sp, pl, layer_plan.topology)
 
 
 def native_layer_plan(topology: Topology, placement_E: torch.Tensor,
@@ -154,7 +160,7 @@ def native_layer_plan(topology: Topology, placement_E: torch.Tensor,
     slot_expert_GJ[:, :El] = native_E.view(G, El)
     split_SGJ = torch.zeros(G, G, J, dtype=torch.int64)
     split_SGJ[:, :, :El] = counts_SE.to(torch.int64)[:, native_E].view(G, G, El)
-    return LayerPlan(slot_expert_GJ, split_SGJ, placement_E.clone())
+    return LayerPlan(slot_expert_GJ, split_SGJ, placement_E.clone(), topology)
 
 
 @dataclass
