@@ -22,6 +22,8 @@ from relibra_torch.replay import (
     save_routing,
     uniform_max_over_mean,
 )
+from relibra_torch.replay.baseline import _mean_over_token_counts
+from relibra_torch.replay.cli import BASELINE_TRIALS
 
 
 @pytest.fixture
@@ -60,8 +62,8 @@ def test_inspect_routing(tmp_path, capsys, cli_main):
     assert re.search(r"samples\s+3 \(steps 2, tasks 1\)", out)
     assert re.search(r"tokens\s+400 \(per sample min 100, mean 133.3, max 180\)", out)
     assert re.search(r"layers\s+3\n", out) and re.search(r"experts\s+8\n", out) and re.search(r"top-k\s+2\n", out)
-    base, method = uniform_max_over_mean(T, K, E)
-    assert method == "exact-mc" and f"= {base:.4f} (seeded Monte-Carlo" in out
+    base = uniform_max_over_mean(T, E, K, trials=BASELINE_TRIALS)
+    assert f"at {T} tokens = {base:.4f} (exact simulation, {BASELINE_TRIALS} trials)" in out
     rows = _table_rows(out, 5)
     assert len(rows) == L
     counts_LE = torch.zeros(L, E, dtype=torch.int64)
@@ -99,7 +101,14 @@ def test_inspect_loads(tmp_path, capsys, cli_main):
     expert_XMLE = loads.sum(dim=3)
     ratio_XML = expert_XMLE.max(dim=-1).values.double() / (tokens_XM.double() * K / E).clamp(min=1e-9)[..., None]
     ratio_NL = ratio_XML[nonempty]
-    base = sum(uniform_max_over_mean(int(t), K, E)[0] for t in tokens_XM[nonempty]) / int(nonempty.sum())
+    base, trials = _mean_over_token_counts(tokens_XM[nonempty].tolist(), E, K, max_trials=BASELINE_TRIALS)
+    assert trials == BASELINE_TRIALS  # few distinct counts: full precision
+    assert f"= {base:.4f} (exact simulation, {trials} trials per distinct token count)" in out  # trials > 1 here
+    # the same as averaging the one-count baseline over the micro-batches, up to Monte-Carlo
+    # noise: counts 110 and 190 (per-trial sd of max/mean 0.09 / 0.07), 256 vs 4000 trials,
+    # standard error of the difference ~0.004; the tolerance is 4.5 of them
+    direct = sum(uniform_max_over_mean(int(t), E, K, trials=4000) for t in tokens_XM[nonempty]) / int(nonempty.sum())
+    assert abs(base - direct) < 0.017, (base, direct)
     for layer, row in enumerate(rows):
         assert float(row[1]) == pytest.approx(ratio_NL[:, layer].mean().item(), abs=5e-4)
         assert float(row[2]) == pytest.approx(ratio_NL[:, layer].max().item(), abs=5e-4)
@@ -143,3 +152,4 @@ def test_inspect_errors(tmp_path, capsys, cli_main):
         {"format": "relibra.routing/1", "num_experts": "2", "top_k": "1", "num_layers": "1", "model": "two\nlines"},
     )
     _assert_one_line_error(capsys, cli_main(["inspect", str(bad_model)]), "metadata model")
+

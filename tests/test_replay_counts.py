@@ -6,6 +6,7 @@ S source ranks, B batch rows, P padded positions.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -237,35 +238,128 @@ def test_from_per_sample_errors_and_dtypes():
 
 
 # ---------------------------------------------------------------- uniform baseline
+# uniform_max_over_mean(num_tokens, num_experts, top_k, seed=0, trials=256) is the package's
+# only implementation (sim.traces re-exports it). Agreement tolerances are ~4.5 standard
+# errors of the compared means (the per-trial standard deviation of max/mean is stated
+# next to each); every draw is seeded, so the comparisons are deterministic.
 
 
-def test_expected_max_of_normals_closed_forms():
-    # E[max of 2] = 1/sqrt(pi), E[max of 3] = 3/(2 sqrt(pi)); 1e-9 covers the quadrature error.
-    assert baseline_mod.expected_max_of_normals(1) == 0.0
-    assert abs(baseline_mod.expected_max_of_normals(2) - 1 / math.sqrt(math.pi)) < 1e-9
-    assert abs(baseline_mod.expected_max_of_normals(3) - 1.5 / math.sqrt(math.pi)) < 1e-9
-    # Tabulated value for n = 100 (Harter 1961): 2.50759.
-    assert abs(baseline_mod.expected_max_of_normals(100) - 2.50759) < 1e-4
+def _brute_force(T: int, E: int, K: int, trials: int, seed: int) -> float:
+    """Mean max/mean of ``trials`` token-by-token draws (a uniform K-subset = top-k of iid uniforms)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.rand(trials, T, E, generator=g).topk(K, dim=-1).indices
+    counts_RE = torch.zeros(trials, E, dtype=torch.int64).scatter_add_(
+        1, ids.reshape(trials, -1), torch.ones(trials, T * K, dtype=torch.int64))
+    return float((counts_RE.amax(-1) / (T * K / E)).mean())
 
 
-def test_uniform_baseline_methods_agree():
-    # At a size where both are cheap, the normal formula is within 2% of exact Monte-Carlo
-    # (256 trials: MC standard error of the mean max/mean is ~0.3% here).
-    T, K, E = 3000, 2, 16
-    exact = baseline_mod._exact_mc(T, K, E, trials=256, seed=1)
-    normal = baseline_mod._normal(T, K, E)
-    assert abs(exact - normal) / exact < 0.02, (exact, normal)
-    assert exact > 1.05  # finite token counts are never perfectly balanced
+def test_uniform_baseline_matches_exact_enumeration():
+    # 3 tokens, 2 of 5 experts: all 10^3 equally likely routings give the exact expectation.
+    T, E, K = 3, 5, 2
+    subsets = list(itertools.combinations(range(E), K))
+    ratios = []
+    for choice in itertools.product(subsets, repeat=T):
+        counts = [0] * E
+        for subset in choice:
+            for e in subset:
+                counts[e] += 1
+        ratios.append(max(counts) / (T * K / E))
+    exact = sum(ratios) / len(ratios)
+    sd = math.sqrt(sum((r - exact) ** 2 for r in ratios) / len(ratios))  # 0.385
+    trials = 20_000
+    got = uniform_max_over_mean(T, E, K, trials=trials)
+    assert abs(got - exact) < 4.5 * sd / math.sqrt(trials), (got, exact)
 
 
-def test_uniform_baseline_api():
-    value, method = uniform_max_over_mean(100, 2, 8)
-    assert method == "exact-mc" and 1.0 < value <= 4.0
-    assert uniform_max_over_mean(100, 2, 8) == (value, method)  # seeded: deterministic
-    value, method = uniform_max_over_mean(10**6, 8, 128)
-    assert method == "normal" and 1.0 < value < 1.02
-    assert uniform_max_over_mean(5, 4, 4) == (1.0, "exact")
-    # One token, top-1 of 4 experts: the only expert used gets 1 token, mean 1/4.
-    assert uniform_max_over_mean(1, 1, 4) == (4.0, "exact-mc")
-    with pytest.raises(ValueError, match="top_k = 5 exceeds num_experts = 4"):
-        uniform_max_over_mean(10, 5, 4)
+@pytest.mark.parametrize(
+    "T,E,K,brute_trials,tol",
+    [
+        (512, 16, 4, 1000, 0.006),  # per-trial sd 0.039: 4.3 standard errors
+        (20, 8, 3, 4000, 0.016),  # per-trial sd 0.16: 4.5 standard errors
+    ],
+)
+def test_uniform_baseline_matches_brute_force(T, E, K, brute_trials, tol):
+    got = uniform_max_over_mean(T, E, K, trials=4000)
+    brute = _brute_force(T, E, K, brute_trials, seed=5)
+    assert abs(got - brute) < tol, (got, brute)
+
+
+def test_uniform_baseline_values_and_determinism():
+    # README: 64 experts, top-8, 4,096 tokens, uniform routing: max/mean near 1.1.
+    u = uniform_max_over_mean(4096, 64, 8)
+    assert 1.05 < u < 1.15
+    assert uniform_max_over_mean(4096, 64, 8, seed=0) == u  # seeded: deterministic
+    baseline_mod._cached.cache_clear()
+    assert uniform_max_over_mean(4096, 64, 8) == u  # recomputed, not only cached
+    assert uniform_max_over_mean(4096, 64, 8, seed=1) != u  # the seed matters
+    # Every token takes every expert.
+    assert uniform_max_over_mean(100, 8, 8) == 1.0
+    assert uniform_max_over_mean(5, 4, 4, trials=3) == 1.0
+    # One token, top-1 of 4 experts: the expert used gets 1 token, the mean is 1/4.
+    assert uniform_max_over_mean(1, 4, 1) == 4.0
+    # Fewer than 128/8 tokens cannot cover 128 experts: max >= 1 > mean.
+    assert uniform_max_over_mean(10, 128, 8) > 1.0
+    # Decreasing with tokens (here far beyond the Monte-Carlo noise).
+    values = [uniform_max_over_mean(t, 64, 8) for t in (100, 1000, 10_000, 10**6)]
+    assert all(a > b for a, b in zip(values, values[1:])), values
+    assert 1.0 < uniform_max_over_mean(10**6, 128, 8) < 1.02
+    assert uniform_max_over_mean(3000, 16, 2) > 1.05  # finite token counts are never balanced
+
+
+@SETTINGS
+@given(T=st.integers(1, 10**7), E=st.integers(1, 40), data=st.data())
+def test_uniform_baseline_bounds(T, E, data):
+    # 1 <= max/mean <= E/K: no expert gets more than every token.
+    K = data.draw(st.integers(1, E))
+    value = uniform_max_over_mean(T, E, K, seed=data.draw(st.integers(0, 3)), trials=4)
+    assert 1.0 - 1e-12 <= value <= E / K + 1e-12
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,exc,fragment",
+    [
+        ((10, 4, 5), {}, ValueError, "top_k=5 is invalid; allowed: 1 <= top_k <= num_experts=4"),
+        ((0, 4, 2), {}, ValueError, "num_tokens=0 is invalid; allowed: an int >= 1"),
+        ((10, 0, 1), {}, ValueError, "num_experts=0 is invalid; allowed: an int >= 1"),
+        ((10, 4, 0), {}, ValueError, "top_k=0 is invalid; allowed: an int >= 1"),
+        ((10, 4, 2), {"seed": -1}, ValueError, "seed=-1 is invalid; allowed: an int >= 0"),
+        ((10, 4, 2), {"trials": 0}, ValueError, "trials=0 is invalid; allowed: an int >= 1"),
+        ((10.0, 4, 2), {}, TypeError, "num_tokens=10.0 is invalid; allowed: an int >= 1"),
+        ((10, True, 1), {}, TypeError, "num_experts=True is invalid; allowed: an int >= 1"),
+        ((True, 4, 1), {}, TypeError, "num_tokens=True is invalid; allowed: an int >= 1"),
+        ((10, 4, 2), {"trials": [4]}, TypeError, "trials=[4] is invalid; allowed: an int >= 1"),
+    ],
+)
+def test_uniform_baseline_validation(args, kwargs, exc, fragment):
+    uniform_max_over_mean(1, 4, 1)  # an equal-valued valid call is cached; it must not leak
+    with pytest.raises(exc) as info:
+        uniform_max_over_mean(*args, **kwargs)
+    assert fragment in str(info.value)
+
+
+def test_mean_over_token_counts():
+    # `relibra inspect` on a loads file: the baseline averaged over micro-batches.
+    mean_over = baseline_mod._mean_over_token_counts
+    # Weighted by occurrences: one token of top-1 of 4 gives exactly 4.0; K == E gives 1.0.
+    assert mean_over([1, 1, 1], 4, 1) == (4.0, 256)
+    assert mean_over([7, 1000], 4, 4, max_trials=5) == (1.0, 5)
+    value, trials = mean_over([1, 1, 1, 10**6], 4, 1)
+    big = uniform_max_over_mean(10**6, 4, 1)
+    assert abs(value - (3 * 4.0 + big) / 4) < 0.01 and big < 1.01  # not (4.0 + big) / 2
+    # Agrees with averaging the one-count function: per-trial sd of max/mean 0.22 / 0.10 /
+    # 0.044 at 50 / 200 / 1000 tokens, 256 vs 4000 trials per count, so the difference has a
+    # standard error of ~0.005; the tolerance is 4.5 of them.
+    tokens = [50, 50, 200, 1000, 1000, 1000]
+    value, trials = mean_over(tokens, 16, 2)
+    direct = sum(uniform_max_over_mean(t, 16, 2, trials=4000) for t in tokens) / len(tokens)
+    assert trials == 256 and abs(value - direct) < 0.023, (value, direct)
+    assert mean_over(tokens, 16, 2) == (value, trials)  # deterministic
+    # Many distinct counts: fewer trials each, total work bounded (about 2^22 binomials).
+    value, trials = mean_over(list(range(1000, 2024)), 128, 8)
+    assert trials == 4 and 1.0 < value < 1.5
+    with pytest.raises(ValueError, match=r"num_tokens\[...\]=0 is invalid; allowed: an int >= 1"):
+        mean_over([5, 0], 4, 2)
+    with pytest.raises(ValueError, match="num_tokens=\\[\\] is invalid"):
+        mean_over([], 4, 2)
+    with pytest.raises(ValueError, match="top_k=5 is invalid"):
+        mean_over([5], 4, 5)
