@@ -110,7 +110,10 @@ def print_table(doc: dict, console=None) -> None:
     for row in table_rows(doc["systems"]):
         table.add_row(*row, style=COLOURS.get(row[0]))
     console.print(table)
+    overlap = cfg["cost_options"]["overlap_replication"]
     console.print(f"source: {cfg['source']}" + (f"; assumptions: {cfg['notes']}" if cfg["notes"] else ""))
+    console.print("replica fill / gradient return: " + ("hidden behind attention where it fits"
+                  if overlap else "not overlapped (--overlap-replication hides it behind attention)"))
 
 
 def write_plot(result: SimResult, path: str) -> None:
