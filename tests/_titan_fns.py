@@ -1,0 +1,109 @@
+"""Module-level functions the torchtitan integration tests run in one process or on gloo ranks.
+
+Legend: S sequence length, B batch (micro-batch rows), N MoE layers, K top-k, M micro-batches.
+
+A *workload* is ``steps x ranks x micro-batches`` of ``(tokens_BS, labels_BS, ids_BSNK)``:
+every rank trains on its own micro-batches with their replayed routing. The one-process
+reference runs all ranks' micro-batches of a step one after the other (gradient
+accumulation), which is the same sum of gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import titan_fixtures as tf
+
+
+def make_workload(name: str, *, steps: int, ranks: int, micro_batches: int, batch: int, seq: int,
+                  seed: int, skew: float = 3.0, n_layers: int = 2):
+    """Random tokens and skewed replayed routing (a few hot experts per layer and step)."""
+    cfg = tf.model_config(name, n_layers=n_layers)
+    moe = next(layer.moe for layer in cfg.layers if getattr(layer, "moe", None) is not None)
+    E, K, N = moe.num_experts, moe.router.top_k, tf.num_moe_layers(cfg)
+    gen = torch.Generator().manual_seed(seed)
+    work = []
+    for _ in range(steps):
+        # Hot experts shift from step to step and layer to layer.
+        logits_NE = torch.randn(N, E, generator=gen) * skew
+        per_rank = []
+        for _ in range(ranks):
+            mbs = []
+            for _ in range(micro_batches):
+                x, y = tf.tokens(batch, seq, cfg.vocab_size, int(torch.randint(0, 2**31, (1,), generator=gen)))
+                noise = torch.rand(batch * seq, N, E, generator=gen)
+                # Gumbel top-k without replacement: distinct experts per token.
+                keys = logits_NE.unsqueeze(0) - torch.log(-torch.log(noise.clamp(1e-9, 1 - 1e-9)))
+                ids = keys.topk(K, dim=-1).indices.view(batch, seq, N, K)
+                mbs.append((x, y, ids))
+            per_rank.append(mbs)
+        work.append(per_rank)
+    return work
+
+
+def _optimizer(model):
+    # A large eps keeps the update a smooth function of the gradient: with eps=1e-8, entries whose
+    # gradient is ~1e-8 turn fp32 summation-order noise into O(lr) differences.
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-3, weight_decay=0.1, foreach=False)
+
+
+def reference_train(name: str, model_kwargs: dict, full_params: dict, work) -> dict:
+    """One process: the swapped model, all ranks' micro-batches accumulated per step."""
+    from integrations.torchtitan import set_routing_replay
+
+    torch.set_num_threads(1)
+    model = tf.build(tf.relibra_config(name, **model_kwargs))
+    tf.load_full_params(model, full_params)
+    opt = _optimizer(model)
+    losses = []
+    for per_rank in work:
+        total = sum(y.numel() for mbs in per_rank for _, y, _ in mbs)
+        opt.zero_grad()
+        step_loss = 0.0
+        for mbs in per_rank:
+            for x, y, ids in mbs:
+                set_routing_replay(model, ids)
+                loss = tf.loss_fn(model(x), y) / total
+                loss.backward()
+                step_loss += loss.item()
+        opt.step()
+        losses.append(step_loss)
+    return {"losses": losses, "params": tf.gather_full_params(model)}
+
+
+def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwargs: dict | None = None):
+    """On every rank of an EP group of the world size: the same steps, balanced by the planner."""
+    from integrations.torchtitan import relibra_moe_layers, set_routing_replay
+    from integrations.torchtitan.balancer import TitanBalancer
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    rank = dist.get_rank()
+    dims = tf.parallel_dims(world, ep=world)
+    cfg = tf.relibra_config(name, ep=world, **model_kwargs)
+    model = tf.build_parallel(name, cfg, dims, full_params)
+    opt = _optimizer(model)
+    balancer = TitanBalancer(model, planner_kwargs=planner_kwargs)
+    losses, reports = [], []
+    for per_rank in work:
+        mbs = per_rank[rank]
+        total = sum(y.numel() for m in per_rank for _, y, _ in m)
+        opt.zero_grad()
+        balancer.plan_step([ids for _, _, ids in mbs], opt)
+        step_loss = torch.zeros(())
+        for m, (x, y, ids) in enumerate(mbs):
+            balancer.install(m)
+            set_routing_replay(model, ids)
+            loss = tf.loss_fn(model(x), y) / total
+            loss.backward()
+            step_loss += loss.detach()
+        opt.step()
+        dist.all_reduce(step_loss)
+        losses.append(float(step_loss))
+        reports.append(balancer.metrics())
+    layers = relibra_moe_layers(model)
+    placements = [layer.routed_experts.placement_E.clone() for layer in layers]
+    params = tf.gather_full_params(model)
+    return {"losses": losses, "params": params if rank == 0 else None, "reports": reports,
+            "placements": placements}
