@@ -9,8 +9,10 @@ Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots pe
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from relibra_torch.planning import StepPlan, Topology, evaluate, static_plan
+from relibra_torch.planning import StepPlan, Topology, evaluate, make_planner, static_plan
 from relibra_torch.sim.cost import CostModel, CostOptions
 from relibra_torch.sim.presets import HardwareSpec, ModelSpec, get_model
 
@@ -239,3 +241,49 @@ def test_cost_options_reject_bad_values():
         CostOptions(activation_bytes=0)
     with pytest.raises(ValueError, match="optimizer_state_bytes"):
         CostOptions(optimizer_state_bytes=-1)
+
+
+# --- invariants over random problems (hypothesis) -------------------------------------
+@st.composite
+def problems(draw):
+    nodes, gpus = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    per_gpu, R = draw(st.integers(1, 2)), draw(st.integers(0, 2))
+    topo = Topology(nodes, gpus, nodes * gpus * per_gpu, R)
+    M, L = draw(st.integers(1, 3)), draw(st.integers(1, 2))
+    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    loads = (torch.rand(M, L, topo.num_gpus, topo.num_experts, generator=gen) ** 4 * 300).long()
+    name = draw(st.sampled_from(["static", "eplb-oracle", "relibra"]))
+    return topo, loads, name
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_invariants_ideal_bounds_compute_slower_links_never_help_and_parts_add_up(problem):
+    topo, loads, name = problem
+    model = ModelSpec("inv", num_layers=loads.shape[1], num_moe_layers=loads.shape[1], hidden_size=64,
+                      moe_ffn=32, num_experts=topo.num_experts, top_k=1, num_heads=2, num_kv_heads=1,
+                      head_dim=8, vocab_size=50)
+    plan = make_planner(name, topo).plan(loads)
+    metrics = evaluate(plan, loads)
+    M, G = loads.shape[0], topo.num_gpus
+    tokens, pairs = loads[:, 0].sum(-1), loads[:, 0].sum(-1).double() * 3
+    fast = CostModel(model, HW)
+    step = fast.step_cost(plan, metrics, tokens, pairs)
+    ideal = fast.ideal_step_cost(loads, topo.num_nodes, topo.gpus_per_node, tokens, pairs)
+    # the busiest GPU carries at least the mean
+    assert (step.expert_s_ML >= ideal.expert_s_ML * (1 - 1e-12)).all()
+    # parts add up to the step
+    total = float(step.moe_layer_s_ML.sum()) + step.attention_dense_s + step.migration_s
+    assert step.step_s == pytest.approx(total, rel=1e-12)
+    assert torch.allclose(step.moe_layer_s_ML, step.expert_s_ML + step.all_to_all_s_ML
+                          + step.replica_exposed_s_ML, rtol=1e-12, atol=0)
+    # halving either bandwidth never makes the step faster
+    for field in ("nvlink_gbps", "inter_node_gbps"):
+        slow_hw = HardwareSpec("slow", HW.bf16_tflops, HW.grouped_gemm_efficiency, HW.dense_efficiency,
+                               **{"nvlink_gbps": HW.nvlink_gbps, "inter_node_gbps": HW.inter_node_gbps,
+                                  field: getattr(HW, field) / 2})
+        slow = CostModel(model, slow_hw).step_cost(plan, metrics, tokens, pairs)
+        assert slow.step_s >= step.step_s * (1 - 1e-12)
+    # overlap never costs more than no overlap
+    hidden = CostModel(model, HW, CostOptions(overlap_replication=True)).step_cost(plan, metrics, tokens, pairs)
+    assert hidden.step_s <= step.step_s * (1 + 1e-12)
