@@ -1,0 +1,202 @@
+"""torchtitan integration, one process: the swap is exact, replay works, checkpoints are logical.
+
+Budget: ~25 s on one core (two small model pairs, a handful of forward/backward passes).
+Tolerance: fp32 everywhere, 1e-5 relative to each tensor's largest magnitude.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import titan_fixtures as tf
+from integrations.torchtitan import (OVERRIDE_TARGET, RelibraMoE, RelibraRoutedExperts, apply_relibra,
+                                     clear_routing_replay, record_routing, relibra_moe_config,
+                                     relibra_moe_layers, replay_router_scores, set_routing_replay)
+
+RTOL = 1e-5  # fp32
+FLAVOR_LAYERS = {"qwen3": 2, "deepseek_v3": 3}  # deepseek_v3's layer 0 is dense
+
+
+def _pair(name: str, seed: int = 1, **options):
+    """(original fp32-reference model, swapped model) with the same weights."""
+    n = FLAVOR_LAYERS[name]
+    ref = tf.build(tf.model_config(name, n_layers=n, fp32_reference=True), seed=seed)
+    sw = tf.build(tf.relibra_config(name, n_layers=n, **options), seed=seed + 1)
+    sw.load_state_dict(ref.state_dict(), strict=True)
+    return ref, sw
+
+
+def _fwd_bwd(model, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = tf.loss_fn(model(x), y)
+    loss.backward()
+    return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_swap_matches_original_loss_and_grads(name):
+    ref, sw = _pair(name)
+    assert {k: v.shape for k, v in ref.state_dict().items()} == {k: v.shape for k, v in sw.state_dict().items()}
+    layers = relibra_moe_layers(sw)
+    assert layers and all(isinstance(m.routed_experts, RelibraRoutedExperts) for m in layers)
+    x, y = tf.tokens(2, 16, ref.config.vocab_size, seed=0)
+
+    loss_ref, grads_ref = _fwd_bwd(ref, x, y)
+    with record_routing(sw) as rec:
+        loss_sw, grads_sw = _fwd_bwd(sw, x, y)
+    tf.assert_close(loss_sw, loss_ref, RTOL, "loss")
+    assert grads_ref.keys() == grads_sw.keys()
+    for k in grads_ref:
+        tf.assert_close(grads_sw[k], grads_ref[k], RTOL, f"grad {k}")
+    # The aux-loss-free balancing counters see the same routing.
+    bufs_sw = dict(sw.named_buffers())
+    counters = [k for k, _ in ref.named_buffers() if k.endswith("tokens_per_expert_E")]
+    assert counters
+    for k in counters:
+        assert torch.equal(dict(ref.named_buffers())[k], bufs_sw[k]), k
+
+    # Replaying the routing the model chose gives the same loss and gradients.
+    ids_BSNK = torch.stack([r[0] for r in rec], dim=2)
+    assert ids_BSNK.shape == (2, 16, len(layers), layers[0].router.top_k)
+    set_routing_replay(sw, ids_BSNK)
+    loss_rp, grads_rp = _fwd_bwd(sw, x, y)
+    tf.assert_close(loss_rp, loss_ref, RTOL, "replayed loss")
+    for k in grads_ref:
+        tf.assert_close(grads_rp[k], grads_ref[k], RTOL, f"replayed grad {k}")
+
+
+def test_replay_changes_routing_and_can_be_cleared():
+    _, sw = _pair("deepseek_v3")
+    x, y = tf.tokens(1, 8, sw.config.vocab_size, seed=1)
+    with torch.no_grad(), record_routing(sw) as rec:
+        own = sw(x)
+        E = relibra_moe_layers(sw)[0].routed_experts.num_experts
+        K = relibra_moe_layers(sw)[0].router.top_k
+        ids = torch.stack([r[0] for r in rec], dim=2)
+        other = (ids + 1) % E  # still K distinct experts per token
+        set_routing_replay(sw, other)
+        replayed = sw(x)
+        clear_routing_replay(sw)
+        again = sw(x)
+    assert torch.equal(rec[0][1], other[:, :, 0]) and rec[0][1].shape[-1] == K
+    assert not torch.allclose(replayed, own)
+    assert torch.equal(again, own)
+
+
+@settings(max_examples=25, deadline=None)
+@given(score_func=st.sampled_from(["softmax", "sigmoid"]), route_norm=st.booleans(),
+       route_scale=st.sampled_from([1.0, 2.5]), with_bias=st.booleans(), seed=st.integers(0, 1000))
+def test_replayed_router_reproduces_router_on_its_own_choice(score_func, route_norm, route_scale,
+                                                            with_bias, seed):
+    from torchtitan.models.common.config_utils import make_router_config
+    torch.manual_seed(seed)
+    cfg = make_router_config(dim=16, num_experts=8, gate_param_init={}, top_k=3, score_func=score_func,
+                             route_norm=route_norm, route_scale=route_scale)
+    router = cfg.build()
+    torch.nn.init.normal_(router.gate.weight)
+    x = torch.randn(2, 5, 16)
+    bias = torch.randn(8) * 0.3 if with_bias else None
+    scores, ids, full = router(x, bias)
+    r_scores, r_ids, r_full = replay_router_scores(router, x, ids)
+    assert torch.equal(r_ids, ids)
+    torch.testing.assert_close(r_scores, scores, rtol=0, atol=0)
+    torch.testing.assert_close(r_full, full, rtol=0, atol=0)
+
+
+def test_override_options_and_errors():
+    cfg = tf.model_config("deepseek_v3", n_layers=3)
+    moe_cfg = cfg.layers[1].moe
+    new = relibra_moe_config(moe_cfg, planner="eplb", replica_slots=2, reorder=False, gpus_per_node=4,
+                             planner_options={"window": 3})
+    assert isinstance(new, RelibraMoE.Config)
+    assert (new.planner, new.reorder, new.planner_options) == ("eplb", False, {"window": 3})
+    assert (new.routed_experts.replica_slots, new.routed_experts.gpus_per_node) == (2, 4)
+    # Everything else is the original's: router, experts, shared experts, init, sharding.
+    assert new.router is moe_cfg.router and new.shared_experts is moe_cfg.shared_experts
+    assert new.routed_experts.inner_experts is moe_cfg.routed_experts.inner_experts
+    assert "placement_E" in new.routed_experts.sharding_config.state_shardings
+    with pytest.raises(ValueError, match="planner='greedy'"):
+        relibra_moe_config(moe_cfg, planner="greedy")
+    with pytest.raises(ValueError, match="expert_dtype='int8'"):
+        relibra_moe_config(moe_cfg, expert_dtype="int8")
+    with pytest.raises(ValueError, match="replica_slots=-1"):
+        relibra_moe_config(moe_cfg, replica_slots=-1).routed_experts.build()
+    with pytest.raises(TypeError, match="MoE.Config"):
+        relibra_moe_config(cfg.layers[0].feed_forward)
+    # Through torchtitan's override machinery, as a Trainer would apply it.
+    lines = apply_relibra(cfg, replica_slots=3)
+    assert len(lines) == 2 and all(OVERRIDE_TARGET in line for line in lines)
+    assert cfg.layers[0].moe is None and isinstance(cfg.layers[2].moe, RelibraMoE.Config)
+    assert cfg.layers[2].moe.routed_experts.replica_slots == 3
+
+
+def test_replay_input_errors():
+    _, sw = _pair("deepseek_v3")
+    N, E, K = 2, 8, 3
+    with pytest.raises(ValueError, match="MoE layers"):
+        set_routing_replay(sw, torch.zeros(1, 8, N + 1, K, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\[B, L, K=3\]"):
+        set_routing_replay(sw, torch.zeros(1, 8, N, K + 1, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"\[0, 7\]"):
+        set_routing_replay(sw, torch.full((1, 8, N, K), E, dtype=torch.int64))
+    set_routing_replay(sw, torch.zeros(1, 4, N, K, dtype=torch.int64))
+    x, _ = tf.tokens(1, 8, sw.config.vocab_size, seed=2)
+    with pytest.raises(ValueError, match="this micro-batch is"):
+        sw(x)
+    with pytest.raises(ValueError, match="no RelibraMoE"):
+        set_routing_replay(tf.build(tf.model_config("deepseek_v3", n_layers=2)), None)
+
+
+def _shuffle_placements(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for m in relibra_moe_layers(model):
+        m.routed_experts.apply_placement(torch.randperm(m.routed_experts.num_experts, generator=gen))
+
+
+@pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
+def test_dcp_checkpoint_swapped_to_original_and_back(name, tmp_path):
+    ref, sw = _pair(name, seed=5)
+    x, y = tf.tokens(1, 8, ref.config.vocab_size, seed=3)
+    with torch.no_grad():
+        expected = ref(x)
+    # Rows stored in a non-trivial placement; the checkpoint must still be logical.
+    _shuffle_placements(sw, seed=0)
+    assert any(not torch.equal(m.routed_experts.placement_E, torch.arange(m.routed_experts.num_experts))
+               for m in relibra_moe_layers(sw))
+    with torch.no_grad():
+        tf.assert_close(sw(x), expected, RTOL, "swapped output under a shuffled placement")
+    dcp.save(sw.state_dict(), checkpoint_id=str(tmp_path / "swapped"))
+
+    fresh = tf.build(tf.model_config(name, n_layers=FLAVOR_LAYERS[name], fp32_reference=True), seed=9)
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "swapped"))
+    fresh.load_state_dict(sd, strict=True)
+    for (k, a), (_, b) in zip(fresh.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), f"{k} differs after swapped -> original"
+
+    # And back: the original's checkpoint into a swapped model with another placement.
+    dcp.save(fresh.state_dict(), checkpoint_id=str(tmp_path / "original"))
+    back = tf.build(tf.relibra_config(name, n_layers=FLAVOR_LAYERS[name]), seed=11)
+    _shuffle_placements(back, seed=1)
+    sd = back.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "original"))
+    back.load_state_dict(sd, strict=True)
+    for (k, a), (_, b) in zip(back.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), f"{k} differs after original -> swapped"
+    with torch.no_grad():
+        tf.assert_close(back(x), expected, RTOL, "output after the round trip")
+
+
+def test_hf_adapter_sees_the_original_keys():
+    from torchtitan.models.qwen3.state_dict_adapter import Qwen3StateDictAdapter
+    ref, sw = _pair("qwen3")
+    _shuffle_placements(sw, seed=3)
+    adapter = Qwen3StateDictAdapter(tf.model_config("qwen3", n_layers=2), None)
+    hf_ref, hf_sw = adapter.to_hf(ref.state_dict()), adapter.to_hf(sw.state_dict())
+    assert hf_ref.keys() == hf_sw.keys()
+    for k in hf_ref:
+        assert torch.equal(hf_ref[k], hf_sw[k]), k
