@@ -540,3 +540,34 @@ def run_errors(num_nodes: int, gpus_per_node: int) -> dict:
     out = m(torch.randn(3, DIM), ids[r])
     msgs["after"] = tuple(out.shape)
     return msgs
+
+
+def run_compiled_ep() -> dict:
+    """One node of 2 ranks with replicas: aot_eager-compiled layer vs eager (same rank)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+    torch._dynamo.reset()
+    r, G = dist.get_rank(), dist.get_world_size()
+    gen = torch.Generator().manual_seed(5)
+    ids = make_routing("one", [9, 3], 4, 2, gen)  # expert 0 hot: relibra replicates it
+    case = Case(1, G, 4, 2, 1, 9, ids, shared=True)
+    case = with_plan(case, planner_plan("relibra", case.topology(), loads_of(ids, 4), gen))
+    m = build(case, case_mesh(case))
+    m.apply_placement(case.placement_E)
+    m.load_state_dict(logical_state(case))
+    m.set_plan(case.plan)
+    xs, gs = inputs(case)
+
+    def run(fn):
+        m.zero_grad()
+        x = xs[r].clone().requires_grad_()
+        out = fn(x, ids[r])
+        out.backward(gs[r])
+        return [out.detach().numpy(), x.grad.numpy(), m.gate.weight.grad.numpy().copy(),
+                m.w1_EFD.grad.to_local().numpy().copy()]
+
+    eager = run(m)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = run(torch.compile(m, backend=counter))
+    names = ["out", "x grad", "router grad", "w1 grad"]
+    return {"pairs": {n: (a, b) for n, a, b in zip(names, compiled, eager)},
+            "graphs": counter.frame_count, "fills": m.last_fills}

@@ -1,0 +1,83 @@
+"""ReplayBalancedMoE on 8 gloo ranks as 2 nodes x 4 GPUs, against one process.
+
+Same checks as test_moe_dist4 at the larger layout (fewer random cases: 8 processes share
+2 cores). fp32 tolerance: max |error| <= 1e-5 x max |reference|. Budget: ~90 s, most of it
+process start-up.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import event, given, settings
+
+import _moe_fns as fns
+from relibra_torch.moe import layer_plans
+from relibra_torch.planning import evaluate, make_planner
+from relibra_torch.testing import RankPool
+from test_moe_dist4 import PLANS, cases
+
+pytestmark = pytest.mark.slow
+
+N, GPN = 2, 4
+G = N * GPN
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(G, timeout_s=300, grace_s=5) as p:
+        yield p
+
+
+@settings(max_examples=14, deadline=None, derandomize=True, database=None)
+@given(case=cases(num_nodes=N, gpus_per_node=GPN, max_tokens=6))
+def test_numerics_match_one_process(pool, case):
+    results = pool.run(fns.run_case, case)
+    event(f"fills={any(res['fills'] for res in results)} refetch={case.refetch}")
+    fns.check_case(case, results)
+
+
+def test_every_planner_with_replicas(pool):
+    gen = torch.Generator().manual_seed(8)
+    for i, kind in enumerate(PLANS[1:]):
+        ids = fns.make_routing("skewed", [7, 0, 3, 9, 2, 5, 1, 6], 16, 2, gen)
+        case = fns.Case(N, GPN, 16, 2, 1 + i % 2, 60 + i, ids, refetch=bool(i % 2), shared=i % 3 == 0)
+        case = fns.with_plan(case, fns.planner_plan(kind, case.topology(), fns.loads_of(ids, 16), gen))
+        results = pool.run(fns.run_case, case)
+        fns.check_case(case, results)
+        if kind in ("random-intra", "random-general", "relibra"):
+            assert any(res["fills"] for res in results), kind
+
+
+def test_counters_show_the_predicted_balance(pool):
+    gen = torch.Generator().manual_seed(17)
+    E, K, M = 16, 2, 2
+    ids_m = [fns.make_routing("skewed", [20, 9, 31, 12, 0, 25, 14, 18], E, K, gen) for _ in range(M)]
+    loads = torch.cat([fns.loads_of(ids, E) for ids in ids_m])
+    base = fns.Case(N, GPN, E, K, 2, 6, ids_m[0])
+    plan = make_planner("relibra", base.topology()).plan(loads)
+    metrics = evaluate(plan, loads)
+    case = dataclasses.replace(base, placement_E=plan.placement_LE[0])
+    results = pool.run(fns.run_balance, case, [layer_plans(plan, loads, m)[0] for m in range(M)], ids_m)
+    executed = torch.tensor([[res[m][0] for res in results] for m in range(M)])
+    assert torch.equal(executed, metrics.gpu_load_MLG[:, 0])
+    assert torch.equal(executed.max(1).values.double() / executed.double().mean(1), metrics.imbalance_ML[:, 0])
+
+
+def test_training_with_reordering_matches_one_process(pool):
+    gen = torch.Generator().manual_seed(19)
+    ids = fns.make_routing("random", [4, 2, 3, 5, 1, 0, 3, 2], 16, 2, gen)
+    case = fns.Case(N, GPN, 16, 2, 0, 33, ids)
+    placements = [torch.randperm(16, generator=gen), None]
+    results = pool.run(fns.run_training, case, placements)
+    ref = fns.reference_training(case, len(placements))
+    for res in results:
+        for k in ref:
+            fns.close(res[k], ref[k], k)
+
+
+def test_bad_input_raises_on_every_rank(pool):
+    for msgs in pool.run(fns.run_errors, N, GPN):
+        assert "not divisible by the EP mesh size 8" in msgs["divide"]
+        assert "another topology" in msgs["topology"]
+        assert "do not match the installed plan on EP ranks [1]" in msgs["mismatch"]
