@@ -73,7 +73,7 @@ class AdditionTask:
     ``max_operand`` bounds ``a`` and ``b``; prompt lengths vary with the number of digits.
     """
 
-    max_operand: int = 19
+    max_operand: int = 9
     ops: str = "+"
 
     def sample(self, rng: random.Random) -> tuple[str, str]:
@@ -85,10 +85,8 @@ class AdditionTask:
         return f"{a}+{b}=", str(a + b)
 
     def reward(self, answer: str, completion: str) -> float:
-        """1 for the exact answer, 0.1 for a well-formed wrong number, 0 otherwise."""
-        if completion == answer:
-            return 1.0
-        return 0.1 if completion.isdigit() and len(completion) <= len(answer) + 1 else 0.0
+        """1 for the exact answer (the completion up to ``<eos>``), else 0."""
+        return float(completion == answer)
 
 
 # ---------------------------------------------------------------------------- model
