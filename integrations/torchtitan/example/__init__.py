@@ -1,0 +1,1 @@
+"""Runnable example: qwen3 ``debugmodel_moe`` with relibra on CPU ranks (see README.md)."""
