@@ -571,3 +571,26 @@ def run_compiled_ep() -> dict:
     names = ["out", "x grad", "router grad", "w1 grad"]
     return {"pairs": {n: (a, b) for n, a, b in zip(names, compiled, eager)},
             "graphs": counter.frame_count, "fills": m.last_fills}
+
+
+def run_memory(cases: list[Case]) -> dict:
+    """A stack of layers sharing one ReplicaMemory: peak replica bytes over forward+backward,
+    bytes alive at the end of forward, and every layer's fill count on this rank."""
+    from relibra_torch.moe import share_replica_memory
+    r = dist.get_rank()
+    model = torch.nn.ModuleList()
+    for case in cases:
+        m = build(case, case_mesh(case))
+        m.apply_placement(case.placement_E)
+        m.load_state_dict(logical_state(case))
+        m.set_plan(case.plan)
+        model.append(m)
+    mem = share_replica_memory(model)
+    xs, gs = inputs(cases[0])
+    h = xs[r].clone().requires_grad_()
+    for m, case in zip(model, cases):
+        h = h + m(h, case.ids_per_rank[r])
+    after_forward = mem.live_bytes
+    h.backward(gs[r])
+    return {"peak": mem.peak_bytes, "after_forward": after_forward, "live": mem.live_bytes,
+            "fills": [len(m.last_fills) for m in model]}

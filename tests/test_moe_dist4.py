@@ -120,6 +120,31 @@ def test_two_layers_interleave_backward_collectives(pool):
             fns.close(fns.assemble_logical(per_rank, n, 8), ref[n][l], f"layer {l} {n}")
 
 
+@pytest.mark.parametrize("refetch", [False, True])
+def test_replica_memory_peak_keep_vs_refetch(pool, refetch):
+    """Kept replicas live until their layer's backward (peak = sum over layers); re-fetched
+    ones live only inside one layer's forward or backward (peak = max over layers)."""
+    gen = torch.Generator().manual_seed(13)
+    layers = []
+    for l in range(3):
+        ids = fns.make_routing("one", [8, 6, 7, 5], 8, 2, gen)
+        case = fns.Case(N, GPN, 8, 2, 2, 200 + l, ids, refetch=refetch)
+        layers.append(fns.with_plan(case, fns.planner_plan("random-intra", case.topology(),
+                                                           fns.loads_of(ids, 8), gen)))
+    per_fill = 3 * fns.DIM * fns.HIDDEN * 4  # w1, w2, w3 rows in fp32
+    results = pool.run(fns.run_memory, layers)
+    assert sum(sum(res["fills"]) for res in results) > 0
+    for res in results:
+        per_layer = [f * per_fill for f in res["fills"]]
+        assert res["live"] == 0
+        if refetch:
+            assert res["after_forward"] == 0
+            assert res["peak"] == max(per_layer)
+        else:
+            assert res["after_forward"] == sum(per_layer)
+            assert res["peak"] == sum(per_layer)
+
+
 def test_counters_show_the_predicted_balance(pool):
     """Skewed replayed routing, relibra plan over 3 micro-batches: executed per-GPU expert
     tokens equal evaluate()'s prediction exactly, so max/mean does too."""

@@ -57,13 +57,18 @@ class ReplicaMemory:
         self.peak_bytes = 0
 
     def track(self, tensor: torch.Tensor) -> None:
-        """Count ``tensor``'s bytes until it is freed."""
-        nbytes = tensor.numel() * tensor.element_size()
+        """Count the bytes of ``tensor``'s storage until the storage is freed.
+
+        The storage, not the tensor object, is followed: views of it saved for backward
+        keep it alive until the backward that used them has run.
+        """
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
         if nbytes == 0:
             return
         self.live_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        weakref.finalize(tensor, self._release, nbytes)
+        weakref.finalize(storage, self._release, nbytes)
 
     def _release(self, nbytes: int) -> None:
         self.live_bytes -= nbytes
@@ -91,21 +96,18 @@ def fetch_replica_weights(weights: Sequence[torch.Tensor], spec: FillSpec,
     Args:
         weights: local native weights, each ``[El, ...]``, one dtype.
         spec: the fill exchange.
-        memory: optional tracker the received buffers are counted in.
+        memory: optional tracker the received buffers are counted in (until freed).
 
     Returns:
-        one buffer ``[Fr, ...]`` per weight, rows in receive order (owner, slot).
+        one buffer ``[Fr, ...]`` per weight, rows in receive order (owner, slot): views into
+        one received block (no copy; the expert GEMMs take strided weights).
     """
     shapes = [w.shape for w in weights]
     send = _flat_rows([w.detach().index_select(0, spec.send_idx) for w in weights])
     recv = all_to_all_rows(send, spec.send_sizes, spec.recv_sizes, spec.group)
-    # Separate contiguous buffers: the GEMMs save them for backward, and the memory tracker
-    # follows each one's lifetime.
-    bufs = [b.contiguous() for b in _split_rows(recv, shapes)]
     if memory is not None:
-        for b in bufs:
-            memory.track(b)
-    return bufs
+        memory.track(recv)
+    return _split_rows(recv, shapes)
 
 
 def return_replica_grads(grads: Sequence[torch.Tensor], spec: FillSpec,
