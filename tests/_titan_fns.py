@@ -72,7 +72,8 @@ def reference_train(name: str, model_kwargs: dict, full_params: dict, work) -> d
     return {"losses": losses, "params": tf.gather_full_params(model)}
 
 
-def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwargs: dict | None = None):
+def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwargs: dict | None = None,
+             keep_model: bool = False):
     """On every rank of an EP group of the world size: the same steps, balanced by the planner."""
     from integrations.torchtitan import relibra_moe_layers, set_routing_replay
     from integrations.torchtitan.balancer import TitanBalancer
@@ -85,7 +86,7 @@ def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwa
     model = tf.build_parallel(name, cfg, dims, full_params)
     opt = _optimizer(model)
     balancer = TitanBalancer(model, planner_kwargs=planner_kwargs)
-    losses, reports = [], []
+    losses, reports, fills = [], [], 0
     for per_rank in work:
         mbs = per_rank[rank]
         total = sum(y.numel() for m in per_rank for _, y, _ in m)
@@ -98,6 +99,7 @@ def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwa
             loss = tf.loss_fn(model(x), y) / total
             loss.backward()
             step_loss += loss.detach()
+            fills += sum(len(layer.routed_experts.last_fills) for layer in balancer.moe_layers)
         opt.step()
         dist.all_reduce(step_loss)
         losses.append(float(step_loss))
@@ -105,5 +107,93 @@ def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwa
     layers = relibra_moe_layers(model)
     placements = [layer.routed_experts.placement_E.clone() for layer in layers]
     params = tf.gather_full_params(model)
-    return {"losses": losses, "params": params if rank == 0 else None, "reports": reports,
-            "placements": placements}
+    out = {"losses": losses, "params": params if rank == 0 else None, "reports": reports,
+           "placements": placements, "fills": fills}
+    if keep_model:
+        out["model"] = model
+    return out
+
+
+def ep_dcp_roundtrip(name: str, model_kwargs: dict, full_params: dict, work, ckpt_dir: str,
+                     planner_kwargs: dict | None = None):
+    """Train (reordering the experts), write a DCP checkpoint of the swapped EP model, then
+    (after the caller rewrote it through the original model) load it back into a swapped
+    EP model with another placement."""
+    import torch.distributed.checkpoint as dcp
+
+    out = ep_train(name, model_kwargs, full_params, work, planner_kwargs, keep_model=True)
+    model = out.pop("model")
+    dcp.save(model.state_dict(), checkpoint_id=ckpt_dir)
+    dist.barrier()
+    return out
+
+
+def ep_load_checkpoint(name: str, model_kwargs: dict, full_params: dict, ckpt_dir: str, seed: int):
+    """A swapped EP model with a random placement, loaded from ``ckpt_dir``: its logical
+    parameters (rank 0) and the placements it used."""
+    import torch.distributed.checkpoint as dcp
+    from integrations.torchtitan import relibra_moe_layers
+
+    torch.set_num_threads(1)
+    world = dist.get_world_size()
+    dims = tf.parallel_dims(world, ep=world)
+    model = tf.build_parallel(name, tf.relibra_config(name, ep=world, **model_kwargs), dims, full_params)
+    gen = torch.Generator().manual_seed(seed)
+    placements = []
+    for layer in relibra_moe_layers(model):
+        p = torch.randperm(layer.routed_experts.num_experts, generator=gen)
+        layer.routed_experts.apply_placement(p)
+        placements.append(p)
+    sd = model.state_dict()
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    model.load_state_dict(sd)
+    params = tf.gather_full_params(model)
+    return {"params": params if dist.get_rank() == 0 else None, "placements": placements}
+
+
+def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
+    """torchtitan's training loop (RelibraTrainer) on the pool's ranks, EP = world size."""
+    import os
+
+    from integrations.torchtitan.data import SyntheticDataLoader
+    from integrations.torchtitan.example import config_registry as example
+    from integrations.torchtitan.example.cpu import enable_cpu, force_sum_reduction
+    from integrations.torchtitan.override import OVERRIDE_TARGET
+    from integrations.torchtitan.trainer import RelibraTrainerConfig
+    from torchtitan.config.override import OverrideConfig
+
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    enable_cpu()
+    world = dist.get_world_size()
+    config = example.relibra_qwen3_cpu(n_layers=2, moe_hidden_dim=32)
+    model = config.model_spec.model
+    config.dataloader = SyntheticDataLoader.Config(vocab_size=model.vocab_size, seed=1, num_moe_layers=2,
+                                                   num_experts=64, top_k=8, skew=2.5)
+    config.relibra = RelibraTrainerConfig(source="dataloader")
+    config.parallelism.expert_parallel_degree = world
+    config.training.seq_len = 16
+    config.training.steps = steps
+    config.training.global_batch_size = world * 2  # two micro-batches per rank and step
+    config.dump_folder = dump_folder
+    config.override = OverrideConfig(imports=[(OVERRIDE_TARGET, override)])
+    trainer = config.build()
+    for part in trainer.model_parts:
+        force_sum_reduction(part)
+    logged = []
+    inner = trainer.metrics_processor.log
+
+    def record(step, loss, max_loss, grad_norm, extra_metrics=None):
+        logged.append((step, loss))
+        return inner(step, loss, max_loss, grad_norm, extra_metrics=extra_metrics)
+
+    trainer.metrics_processor.log = record
+    metrics = []
+    data = trainer.batch_generator(trainer.dataloader)
+    while trainer.should_continue_training():
+        trainer.step += 1
+        trainer.train_step(data)
+        metrics.append(dict(trainer.relibra_metrics))
+    return {"losses": [loss for _, loss in logged], "metrics": metrics,
+            "placement": [layer.routed_experts.placement_E.tolist()
+                          for layer in trainer.balancer.moe_layers]}
