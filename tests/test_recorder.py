@@ -218,43 +218,45 @@ def test_layout_for_batch():
     assert s.tolist() == [2, 2, 0, 0] and p.tolist() == [3, 4, 0, 1]
 
 
-def test_torchtitan_moe_router_hook():
+def _titan_moe_config():
     from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
     from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
 
-    def titan_moe():
-        return MoE.Config(
-            num_experts=E,
-            routed_experts=RoutedExperts.Config(
-                inner_experts=GroupedExperts.Config(dim=D, hidden_dim=16, num_experts=E),
-                token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K),
-            ),
-            router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=D, out_features=E),
-                                                top_k=K, score_func="softmax"),
-            load_balance_coeff=None,
-        ).build()
+    return MoE.Config(
+        num_experts=E,
+        routed_experts=RoutedExperts.Config(
+            inner_experts=GroupedExperts.Config(dim=D, hidden_dim=16, num_experts=E),
+            token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K),
+        ),
+        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=D, out_features=E),
+                                            top_k=K, score_func="softmax"),
+        load_balance_coeff=None,
+    )
 
-    class TitanToy(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layers = torch.nn.ModuleList([titan_moe(), titan_moe()])
 
-        def forward(self, x_BSD):
-            outs = []
-            for layer in self.layers:
-                outs.append(x_BSD)
-                x_BSD = x_BSD + layer(x_BSD)
-            return x_BSD, outs
+class _TitanToy(torch.nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([make(), make()])
+
+    def forward(self, x_BSD):
+        ins = []
+        for layer in self.layers:
+            ins.append(x_BSD)
+            x_BSD = x_BSD + layer(x_BSD)
+        return x_BSD, ins
+
+
+def test_torchtitan_moe_layers():
+    import warnings
 
     torch.manual_seed(4)
-    model = TitanToy()
+    model = _TitanToy(lambda: _titan_moe_config().build())
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.3)
     refs = find_moe_layers(model)
     assert [(r.name, r.kind) for r in refs] == [("layers.0", "torchtitan"), ("layers.1", "torchtitan")]
-    import warnings
-
     x1, x2 = torch.randn(2, 3, D), torch.randn(2, 1, D)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torchtitan's CPU autocast notice
@@ -263,6 +265,7 @@ def test_torchtitan_moe_router_hook():
             _, ins1 = model(x1)
             rec.next_forward(*layout_for_batch([0, 1], [3, 3], 1))  # one decoding step
             _, ins2 = model(x2)
+        # Independent truth: each layer's router on the input that layer saw.
         expected = []
         for ins in (ins1, ins2):
             per_layer = [model.layers[l].router(ins[l])[1].reshape(-1, K) for l in range(2)]
@@ -272,3 +275,26 @@ def test_torchtitan_moe_router_hook():
     e2 = expected[1].view(2, 1, 2, K)
     for b in range(2):
         assert torch.equal(replay.sample(b).long(), torch.cat([e1[b], e2[b]]))
+
+
+def test_torchtitan_relibra_moe_records_replayed_ids():
+    # integrations.torchtitan.RelibraMoE replays without calling router.forward: the
+    # recorder must still see the ids the experts ran with.
+    from integrations.torchtitan import RelibraMoE, relibra_moe_config
+
+    torch.manual_seed(5)
+    model = _TitanToy(lambda: relibra_moe_config(_titan_moe_config(), expert_dtype=None).build())
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    assert all(isinstance(m, RelibraMoE) for m in model.layers)
+    assert [r.kind for r in find_moe_layers(model)] == ["torchtitan", "torchtitan"]
+    gen = torch.Generator().manual_seed(0)
+    forced_BSLK = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(2 * 3 * 2)]).view(2, 3, 2, K)
+    for l, layer in enumerate(model.layers):
+        layer.set_replay(forced_BSLK[:, :, l])
+    with RoutingRecorder(model) as rec:
+        rec.next_forward(*layout_for_batch([0, 1], [0, 0], 3))
+        model(torch.randn(2, 3, D))
+    replay = rec.replay([3, 3])
+    for b in range(2):
+        assert torch.equal(replay.sample(b).long(), forced_BSLK[b])

@@ -18,9 +18,11 @@ Layers it understands (found in ``model.modules()`` order, which is the replay's
   reads it in a forward hook. With ``routed_experts`` given (replay, or exploration ids
   from the rollout loop) the layer reports those ids, so the recorder also checks that a
   training forward used exactly the recorded experts.
-* torchtitan 0.3.0 MoE layers (``torchtitan.models.common.moe.MoE``): a forward hook on the
-  ``router`` submodule reads ``topk_expert_ids_BLK`` from its output
-  ``(topk_scores_BLK, topk_expert_ids_BLK, scores_BLE)``.
+* torchtitan 0.3.0 MoE layers (``torchtitan.models.common.moe.MoE``, and subclasses such as
+  ``integrations.torchtitan.RelibraMoE``): a forward pre-hook on the ``routed_experts``
+  submodule reads the ``topk_expert_ids_BLK`` it is called with, i.e. the router's choice,
+  or the replayed ids when the layer replays (then the router's ``forward`` is not called,
+  so a hook on the ``router`` would miss them).
 
 A sequence's last token must also pass through the model once (its routing is part of the
 sequence the trainer runs, even though its logits are not needed): a generation loop feeds
@@ -54,7 +56,7 @@ class MoELayerRef:
     """One recorded MoE layer: its name in the model, the module, and how it is read.
 
     ``kind`` is ``"relibra"`` (reads ``module.last_expert_ids_TK`` after forward) or
-    ``"torchtitan"`` (reads the ``router`` submodule's output).
+    ``"torchtitan"`` (reads the ids passed to its ``routed_experts`` submodule).
     """
 
     name: str
@@ -218,8 +220,10 @@ class RoutingRecorder:
             raise RuntimeError("RoutingRecorder is already active; nested use of one recorder is not allowed")
         for index, ref in enumerate(self.layers):
             if ref.kind == "torchtitan":
-                hook = self._make_router_hook(index)
-                self._handles.append(ref.module.router.register_forward_hook(hook))
+                # The ids the experts receive: also right when the router is bypassed (replay
+                # in integrations.torchtitan's RelibraMoE calls the gate, not router.forward).
+                hook = self._make_experts_hook(index)
+                self._handles.append(ref.module.routed_experts.register_forward_pre_hook(hook, with_kwargs=True))
             else:
                 self._handles.append(ref.module.register_forward_hook(self._make_layer_hook(index)))
         return self
@@ -271,7 +275,7 @@ class RoutingRecorder:
                 f"MoE layer {ref.name!r} did not provide its expert ids (got {type(ids).__name__}); "
                 f"a relibra layer must set {RELIBRA_ATTR} in forward"
             )
-        if hasattr(ids, "full_tensor"):  # DTensor router output under tensor parallelism
+        if hasattr(ids, "full_tensor"):  # DTensor ids under tensor parallelism
             ids = ids.full_tensor()
         ids_TK = ids.detach().reshape(-1, ids.shape[-1])
         T = self._layout[0].numel()
@@ -292,9 +296,10 @@ class RoutingRecorder:
 
         return hook
 
-    def _make_router_hook(self, index: int):
-        def hook(module, args, output):
-            ids = output[1] if isinstance(output, (tuple, list)) and len(output) >= 2 else None
+    def _make_experts_hook(self, index: int):
+        def hook(module, args, kwargs):
+            # torchtitan RoutedExperts.forward(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, ...)
+            ids = args[2] if len(args) >= 3 else kwargs.get("topk_expert_ids_BLK")
             self._store(index, ids)
 
         return hook
