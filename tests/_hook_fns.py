@@ -1,0 +1,94 @@
+"""Rank functions and planners for the planner-hook tests (imported by spawned ranks).
+
+Legend: M micro-batches, L layers, S source ranks, E experts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+
+import custom_loop  # noqa: E402  (examples/custom_loop.py: the loop under test)
+from relibra_torch.planning import Planner, StepPlan, replicate  # noqa: E402
+
+
+class ShufflePlanner(Planner):
+    """A new random placement every step (seeded by the step), then intra-node replication:
+    forces a migration of experts and optimizer state before every step."""
+
+    name = "shuffle"
+
+    def __init__(self, topology, seed: int = 0):
+        super().__init__(topology)
+        self.seed, self.steps = seed, 0
+
+    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
+        L, E = loads_MLSE.shape[1], self.topology.num_experts
+        gen = torch.Generator().manual_seed(self.seed + self.steps)
+        placement_LE = torch.stack([torch.randperm(E, generator=gen) for _ in range(L)])
+        slot_expert, slot_tokens = replicate(loads_MLSE, self.topology, placement_LE)
+        return StepPlan(self.topology, placement_LE, slot_expert, slot_tokens, self.name,
+                        self.previous_placement(L).clone())
+
+    def commit(self, plan, loads_MLSE):
+        super().commit(plan, loads_MLSE)
+        self.steps += 1
+
+
+class FailOnRankOne(ShufflePlanner):
+    """Raises on EP rank 1 only: every rank must fall back together."""
+
+    def plan(self, loads_MLSE):
+        if dist.get_rank() == 1:
+            raise RuntimeError("planner exploded on rank 1")
+        return super().plan(loads_MLSE)
+
+
+class RankDependent(ShufflePlanner):
+    """Non-deterministic across ranks (seeded by the rank): must be caught, not hang."""
+
+    def plan(self, loads_MLSE):
+        self.seed = 1000 * dist.get_rank()
+        return super().plan(loads_MLSE)
+
+
+def train(cfg, planner, planner_kwargs=None):
+    return custom_loop.train_rank(cfg, planner, planner_kwargs)
+
+
+def train_catching_warnings(cfg, planner):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = custom_loop.train_rank(cfg, planner)
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return out
+
+
+def reference_single_process(cfg) -> dict:
+    """The same training on one process without a mesh: every rank's micro-batch ``m``
+    concatenated into one micro-batch (the EP loss is the sum over ranks)."""
+    torch.manual_seed(cfg.seed)
+    model = custom_loop.MoEStack(cfg)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=False)
+    world = cfg.nodes * cfg.gpus_per_node
+    losses = []
+    for step in range(cfg.steps):
+        per_rank = [custom_loop.make_data(cfg, step, r) for r in range(world)]
+        total = 0.0
+        for m in range(cfg.micro_batches):
+            x = torch.cat([per_rank[r][m][0] for r in range(world)])
+            t = torch.cat([per_rank[r][m][1] for r in range(world)])
+            ids = torch.cat([per_rank[r][m][2] for r in range(world)])
+            loss = ((model(x, ids) - t) ** 2).sum()
+            loss.backward()
+            total += float(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
