@@ -104,7 +104,7 @@ def test_save_round_trip(tmp_path):
     model = TwoLayer(D, E, K)
     rec, _ = run_schedule(model, [([0, 0, 1], [0, 1, 0]), ([1, 0], [1, 2])])
     path = tmp_path / "rollout.safetensors"
-    replay = RoutingRecorder.save(rec, path, [3, 2], sample_step=[4, 4], sample_task=[0, 1])
+    replay = rec.save(path, [3, 2], sample_step=[4, 4], sample_task=[0, 1])
     loaded = load_routing(path)
     assert torch.equal(loaded.routed_experts_TLK.long(), replay.routed_experts_TLK.long())
     assert loaded.sample_offsets.tolist() == [0, 3, 5]

@@ -46,7 +46,7 @@ from torch import nn
 
 from .routing import RoutingReplay
 
-__all__ = ["MoELayerRef", "RoutingRecorder", "find_moe_layers"]
+__all__ = ["MoELayerRef", "RoutingRecorder", "find_moe_layers", "layout_for_batch"]
 
 RELIBRA_ATTR = "last_expert_ids_TK"
 
@@ -420,5 +420,3 @@ def layout_for_batch(sample_B: Iterable[int], start_B: Iterable[int], seq_len: i
     pos_BS = start_B[:, None] + torch.arange(seq_len, dtype=torch.int64)[None, :]
     return sample_B[:, None].expand(-1, seq_len).reshape(-1), pos_BS.reshape(-1)
 
-
-__all__.append("layout_for_batch")
