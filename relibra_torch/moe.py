@@ -58,10 +58,6 @@ def _expert_ffn(x_RD: torch.Tensor, w1_GFD: torch.Tensor, w2_GDF: torch.Tensor, 
                              w3_GFD.to(dt).transpose(-2, -1), offsets_G)
 
 
-def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
-
-
 class _RefetchReplicaFFN(torch.autograd.Function):
     """Replica-slot experts that keep no replica weights between forward and backward.
 
@@ -243,6 +239,11 @@ class ReplayBalancedMoE(nn.Module):
         """The installed :class:`LayerPlan` (``None``: native placement, no replicas)."""
         return self._plan
 
+    @property
+    def placement_cpu(self) -> torch.Tensor:
+        """int64 CPU ``[E]`` placement in force (a copy; ``placement_E`` is the device buffer)."""
+        return self._placement_cpu.clone()
+
     def native_experts(self) -> torch.Tensor:
         """int64 ``[El]``: logical expert at each local row of this rank's expert weights."""
         return native_experts(self._placement_cpu, self.topology.experts_per_gpu, self._ep.rank)
@@ -279,7 +280,8 @@ class ReplayBalancedMoE(nn.Module):
             self._plan, self._schedule, self._has_plan = None, None, False
             return
         plan = check_layer_plan(plan, self.topology, self._placement_cpu)
-        self._schedule = build_rank_schedule(self.topology, self._placement_cpu, plan, self._ep.rank)
+        self._schedule = build_rank_schedule(self.topology, self._placement_cpu, plan,
+                                             self._ep.rank).to(self.placement_E.device)
         self._plan, self._has_plan = plan, True
 
     # ------------------------------------------------------------------ forward
@@ -387,11 +389,10 @@ class ReplayBalancedMoE(nn.Module):
         w = self.local_expert_weights()
         wl = (w["w1_EFD"], w["w2_EDF"], w["w3_EFD"])
         n_own = sched.num_own_rows
-        offs_own = _offsets(sched.own_counts, device)
+        offs_own = sched.own_offsets
         if sched.any_fill:
-            spec = FillSpec(sched.fill_send_idx.to(device), sched.fill_send_sizes, sched.fill_recv_sizes,
-                            ep.group)
-            offs_fill = _offsets(sched.fill_counts, device)
+            spec = FillSpec(sched.fill_send_idx, sched.fill_send_sizes, sched.fill_recv_sizes, ep.group)
+            offs_fill = sched.fill_offsets
             if self.refetch_replicas:
                 y_own = _expert_ffn(x_grp[:n_own], *wl, offs_own)
                 y_fill = _RefetchReplicaFFN.apply(x_grp[n_own:], offs_fill, spec, self.replica_memory, *wl)
@@ -448,7 +449,7 @@ class ReplayBalancedMoE(nn.Module):
             dist.all_gather(gathered, local, group=ep.group)
             counts_SE = torch.stack(gathered).cpu()
         plan = native_layer_plan(self.topology, self._placement_cpu, counts_SE)
-        return build_rank_schedule(self.topology, self._placement_cpu, plan, ep.rank)
+        return build_rank_schedule(self.topology, self._placement_cpu, plan, ep.rank).to(device)
 
     # ------------------------------------------------------------------ placement
 

@@ -594,3 +594,53 @@ def run_memory(cases: list[Case]) -> dict:
     h.backward(gs[r])
     return {"peak": mem.peak_bytes, "after_forward": after_forward, "live": mem.live_bytes,
             "fills": [len(m.last_fills) for m in model]}
+
+
+# ---------------------------------------------------------------------------- measurement
+
+def bench_replica_modes(layers: int = 4, dim: int = 256, hidden: int = 512, tokens: int = 256,
+                        iters: int = 6, seed: int = 0) -> dict:
+    """Keep vs re-fetch replicas on the ranks of the calling pool (2 nodes x G/2 GPUs):
+    median forward+backward seconds and peak replica bytes per mode. Modes alternate per
+    iteration so machine load hits both alike. Not a test; see docs/moe.md."""
+    import time
+    import statistics
+    from relibra_torch.moe import share_replica_memory
+    r, G = dist.get_rank(), dist.get_world_size()
+    N = 2 if G % 2 == 0 and G > 2 else 1
+    gen = torch.Generator().manual_seed(seed)
+    E, K = 2 * G, 2
+    topo = Topology(N, G // N, E, 2)
+    ids_l = [make_routing("skewed", [tokens] * G, E, K, gen) for _ in range(layers)]
+    loads = torch.cat([loads_of(ids, E) for ids in ids_l], dim=1)  # [1, L, S, E]
+    plan = make_planner("relibra", topo).plan(loads)
+    lps = layer_plans(plan, loads, 0)
+    mesh = get_mesh(N, G // N)
+    models = {}
+    for refetch in (False, True):
+        mods = torch.nn.ModuleList()
+        for l in range(layers):
+            m = ReplayBalancedMoE(dim, hidden, E, K, mesh=mesh, replica_slots=2, refetch_replicas=refetch)
+            m.apply_placement(plan.placement_LE[l])
+            m.set_plan(lps[l])
+            mods.append(m)
+        models[refetch] = (mods, share_replica_memory(mods))
+    x = torch.randn(tokens, dim, generator=gen)
+    g = torch.randn(tokens, dim, generator=gen)
+    times = {False: [], True: []}
+    for it in range(iters + 1):
+        for refetch in ((False, True) if it % 2 else (True, False)):
+            mods, mem = models[refetch]
+            dist.barrier()
+            t0 = time.perf_counter()
+            h = x.clone().requires_grad_()
+            for m, ids in zip(mods, ids_l):
+                h = h + m(h, ids[r])
+            h.backward(g)
+            dist.barrier()
+            if it:  # the first round warms up
+                times[refetch].append(time.perf_counter() - t0)
+    fills = sum(len(m.last_fills) for m in models[False][0])
+    return {"keep_s": statistics.median(times[False]), "refetch_s": statistics.median(times[True]),
+            "keep_peak": models[False][1].peak_bytes, "refetch_peak": models[True][1].peak_bytes,
+            "fills": fills, "fill_bytes": fills * 3 * dim * hidden * 4}

@@ -21,6 +21,7 @@ uses the local parameter.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -184,6 +185,11 @@ class RankSchedule:
         fill_send_idx: int64 ``[Fs]`` local native rows to send, ordered by (dest rank, slot).
         fill_send_sizes / fill_recv_sizes: ``[G]`` weight rows sent to / received from every rank.
         fill_slots / fill_experts: ``[Fr]`` slot and logical expert of every received fill.
+        own_offsets / fill_offsets: int32 cumulative ends of the native / fill groups.
+
+    The tensors the forward indexes with live on the layer's device after :meth:`to`;
+    ``expected_counts_E`` and ``slot_tokens_J`` stay on the CPU (host-side checks and
+    counters).
     """
 
     rank: int
@@ -203,6 +209,16 @@ class RankSchedule:
     fill_recv_sizes: list[int]
     fill_slots: list[int]
     fill_experts: list[int]
+    own_offsets: torch.Tensor
+    fill_offsets: torch.Tensor
+
+    _DEVICE_FIELDS = ("slot_order_X", "slot_cum_end_X", "chunk_group_C", "chunk_count_C",
+                      "fill_send_idx", "own_offsets", "fill_offsets")
+
+    def to(self, device: torch.device | str) -> "RankSchedule":
+        """A copy whose index tensors live on ``device`` (moved once per plan, not per call)."""
+        moved = {f: getattr(self, f).to(device) for f in self._DEVICE_FIELDS}
+        return dataclasses.replace(self, **moved)
 
     @property
     def num_own_rows(self) -> int:
@@ -283,6 +299,8 @@ def build_rank_schedule(topology: Topology, placement_E: torch.Tensor, layer_pla
         fill_recv_sizes=fill_recv_sizes,
         fill_slots=fill_slots,
         fill_experts=fill_experts,
+        own_offsets=own_counts.cumsum(0).to(torch.int32),
+        fill_offsets=slot_tokens_J[fill_slots_t].cumsum(0).to(torch.int32),
     )
 
 
