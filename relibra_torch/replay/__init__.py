@@ -7,14 +7,26 @@
   (:func:`save_loads`, :func:`load_loads`, :func:`validate_loads`);
 * converters from verl and slime/SGLang layouts (:func:`from_verl`, :func:`from_per_sample`);
 * token counts for an assignment of samples to (source rank, micro-batch)
-  (:meth:`RoutingReplay.counts`, :func:`batch_samples`, :func:`counts_for_tokens`).
+  (:meth:`RoutingReplay.counts`, :func:`batch_samples`, :func:`counts_for_tokens`);
+* the rollout side: :class:`RoutingRecorder` records every MoE layer's expert ids during
+  generation (KV-cache decoding included) and writes replay files; exploration routing
+  (:class:`ExplorationConfig`, :func:`explore_topk`) picks ESRL-style paths for rollouts.
 
 See docs/replay.md.
 """
 
 from .baseline import uniform_max_over_mean
+from .explore import (
+    ExplorationConfig,
+    ExplorationPolicy,
+    exploration_sigma,
+    explore_topk,
+    resolve_pool,
+    routing_entropy,
+)
 from .convert import from_per_sample, from_sglang, from_slime, from_verl
 from .loads import LOADS_FORMAT, LoadsFile, load_loads, save_loads, tokens_from_loads, validate_loads
+from .recorder import MoELayerRef, RoutingRecorder, find_moe_layers, layout_for_batch
 from .routing import (
     ROUTING_FORMAT,
     RoutingReplay,
@@ -28,6 +40,16 @@ from .routing import (
 )
 
 __all__ = [
+    "ExplorationConfig",
+    "ExplorationPolicy",
+    "MoELayerRef",
+    "RoutingRecorder",
+    "exploration_sigma",
+    "explore_topk",
+    "find_moe_layers",
+    "layout_for_batch",
+    "resolve_pool",
+    "routing_entropy",
     "LOADS_FORMAT",
     "ROUTING_FORMAT",
     "LoadsFile",
