@@ -197,3 +197,19 @@ def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
     return {"losses": [loss for _, loss in logged], "metrics": metrics,
             "placement": [layer.routed_experts.placement_E.tolist()
                           for layer in trainer.balancer.moe_layers]}
+
+
+def efsdp_reorder_error(name: str, n_layers: int, ep: int) -> str:
+    """EP smaller than the data-parallel world: the experts are FSDP-sharded inside the EP
+    group, and reordering must refuse with a clear error (rather than move wrong rows)."""
+    from integrations.torchtitan import relibra_moe_layers
+
+    torch.set_num_threads(1)
+    dims = tf.parallel_dims(dist.get_world_size(), ep=ep)
+    model = tf.build_parallel(name, tf.relibra_config(name, n_layers=n_layers, ep=ep), dims)
+    layer = relibra_moe_layers(model)[0].routed_experts
+    try:
+        layer.apply_placement(torch.randperm(layer.num_experts, generator=torch.Generator().manual_seed(0)))
+    except ValueError as exc:
+        return str(exc)
+    return ""

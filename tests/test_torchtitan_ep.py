@@ -122,12 +122,23 @@ def test_relibra_trainer_on_two_ranks(pool2, tmp_path):
         assert m["relibra/imbalance_after/mean"] == m["relibra/imbalance_before/mean"]
 
 
-def test_ep4_two_nodes_of_two_matches_one_process():
+@pytest.fixture(scope="module")
+def pool4():
+    with RankPool(4, timeout_s=600) as pool:
+        yield pool
+
+
+def test_ep4_two_nodes_of_two_matches_one_process(pool4):
     """EP 4 as 2 nodes x 2 GPUs: reordering across nodes and replicas inside them."""
     work, full, kwargs = _setup("qwen3", 2, ranks=4, steps=2, seed=4, replica_slots=1, gpus_per_node=2,
                                 planner_options=FREE_MIGRATION)
-    with RankPool(4, timeout_s=600) as pool:
-        outs = pool.run(fns.ep_train, "qwen3", kwargs, full, work)
+    outs = pool4.run(fns.ep_train, "qwen3", kwargs, full, work)
     assert sum(r["relibra/migrated_experts"] for r in outs[0]["reports"]) > 0
     assert sum(o["fills"] for o in outs) > 0
     _check_against_reference("qwen3", kwargs, full, work, outs)
+
+
+def test_reordering_refuses_experts_fsdp_sharded_inside_ep(pool4):
+    """4 ranks with EP 2: each expert row is also FSDP-sharded (efsdp = 2)."""
+    messages = pool4.run(fns.efsdp_reorder_error, "deepseek_v3", 3, 2)
+    assert all("cannot reorder experts" in m and "FSDP-sharded" in m for m in messages), messages

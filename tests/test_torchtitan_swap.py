@@ -200,3 +200,57 @@ def test_hf_adapter_sees_the_original_keys():
     assert hf_ref.keys() == hf_sw.keys()
     for k in hf_ref:
         assert torch.equal(hf_ref[k], hf_sw[k]), k
+
+
+def test_step_file_routing_slices_and_errors(tmp_path):
+    from relibra_torch.replay import save_routing
+    from integrations.torchtitan.trainer import micro_batch_routing_from_file, step_file
+
+    M, P, B, S, N, K, E = 2, 2, 2, 4, 3, 2, 8
+    samples = M * P * B
+    ids = torch.stack([torch.stack([torch.arange(K) + (i * 3 + n) % (E - K) for n in range(N)])
+                       for i in range(samples) for _ in range(S)])  # [samples*S, N, K], sample-coded
+    path = step_file(str(tmp_path), 7)
+    assert path.endswith("step_000007.safetensors")
+    save_routing(path, ids, torch.arange(samples + 1) * S, E)
+    for p in range(P):
+        mbs = micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=p, batch=B,
+                                            seq_len=S, num_layers=N)
+        assert len(mbs) == M and all(t.shape == (B, S, N, K) for t in mbs)
+        for m in range(M):
+            for b in range(B):
+                i = (m * P + p) * B + b
+                assert torch.equal(mbs[m][b], ids[i * S:(i + 1) * S].long())
+    with pytest.raises(ValueError, match="8 samples, expected .* = 16"):
+        micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=0, batch=B + 2,
+                                      seq_len=S, num_layers=N)
+    with pytest.raises(ValueError, match="expected seq_len=2"):
+        micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=0, batch=B,
+                                      seq_len=2, num_layers=N)
+    with pytest.raises(ValueError, match="the model has 2 MoE layers"):
+        micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=0, batch=B,
+                                      seq_len=S, num_layers=2)
+
+
+def test_planner_options_and_synthetic_data():
+    from relibra_torch.planning import ReLibraConfig
+    from integrations.torchtitan.balancer import planner_kwargs_for
+    from integrations.torchtitan.data import SyntheticDataLoader
+
+    layer = relibra_moe_layers(tf.build(tf.relibra_config("deepseek_v3", n_layers=2, reorder=False,
+                                                          planner_options={"max_swap_rounds": 3})))[0]
+    kw = planner_kwargs_for(layer)
+    assert kw == {"config": ReLibraConfig(reorder=False, max_swap_rounds=3)}
+    layer.planner = "eplb"
+    with pytest.raises(ValueError, match="reorder=False"):
+        planner_kwargs_for(layer)
+
+    cfg = SyntheticDataLoader.Config(vocab_size=50, num_moe_layers=2, num_experts=8, top_k=3, skew=2.0)
+    a = iter(SyntheticDataLoader(cfg, dp_rank=1, seq_len=6, local_batch_size=2))
+    b = iter(SyntheticDataLoader(cfg, dp_rank=1, seq_len=6, local_batch_size=2))
+    (xa, ya), (xb, yb) = next(a), next(b)
+    assert torch.equal(xa["input"], xb["input"]) and torch.equal(xa["routed_experts"], xb["routed_experts"])
+    ids = xa["routed_experts"]
+    assert ids.shape == (2, 6, 2, 3) and int(ids.min()) >= 0 and int(ids.max()) < 8
+    assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct experts per token
+    assert torch.equal(xa["input"][:, 1:], ya[:, :-1])

@@ -193,6 +193,22 @@ class RelibraRoutedExperts(ReplayBalancedMoE, RoutedExperts):
         self.last_slot_tokens_J = torch.zeros(self.topology.slots_per_gpu, dtype=torch.int64)
         self.set_plan(None)
 
+    def apply_placement(self, new_placement_E: torch.Tensor, optimizer=None) -> int:
+        """Move expert rows (weights, gradients, optimizer state) to ``new_placement_E``.
+
+        See :meth:`ReplayBalancedMoE.apply_placement`. Needs every EP rank to hold its
+        ``E / EP`` expert rows whole, i.e. no FSDP sharding of the experts inside the EP
+        group (``data_parallel_shard_degree * context_parallel_degree == expert_parallel_degree``).
+        """
+        rows = _local(self.inner_experts.w1_EFD).shape[0]
+        if rows != self.topology.experts_per_gpu:
+            raise ValueError(
+                f"cannot reorder experts: this rank holds {rows} rows of w1_EFD, expected "
+                f"E/EP = {self.topology.experts_per_gpu}; the experts are also FSDP-sharded inside "
+                f"the EP group. Use data_parallel_shard_degree * context_parallel_degree == "
+                f"expert_parallel_degree, or reorder=False / planner='static'")
+        return super().apply_placement(new_placement_E, optimizer)
+
     def forward(  # noqa: D401 - torchtitan RoutedExperts signature
         self,
         x_BLD: torch.Tensor,
