@@ -644,3 +644,16 @@ def bench_replica_modes(layers: int = 4, dim: int = 256, hidden: int = 512, toke
     return {"keep_s": statistics.median(times[False]), "refetch_s": statistics.median(times[True]),
             "keep_peak": models[False][1].peak_bytes, "refetch_peak": models[True][1].peak_bytes,
             "fills": fills, "fill_bytes": fills * 3 * dim * hidden * 4}
+
+
+def run_reshard(case: Case, placement_a: torch.Tensor, placement_b: torch.Tensor) -> dict:
+    """Save on a flat 1 x G mesh (logical DTensors), load into the case's 2-D mesh layout."""
+    G = dist.get_world_size()
+    a = build(case, get_mesh(1, G, True))
+    a.apply_placement(placement_a)
+    a.load_state_dict(logical_state(case))
+    sd = a.state_dict()
+    b = build(case, case_mesh(case))
+    b.apply_placement(placement_b)
+    b.load_state_dict(sd)  # DTensors of another mesh: gathered, then this rank's rows taken
+    return {k: v.numpy() for k, v in b.logical_expert_weights().items()}

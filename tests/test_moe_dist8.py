@@ -81,3 +81,13 @@ def test_bad_input_raises_on_every_rank(pool):
         assert "not divisible by the EP mesh size 8" in msgs["divide"]
         assert "another topology" in msgs["topology"]
         assert "do not match the installed plan on EP ranks [1]" in msgs["mismatch"]
+
+
+def test_checkpoint_of_one_layout_loads_on_another(pool):
+    gen = torch.Generator().manual_seed(23)
+    case = fns.Case(N, GPN, 16, 2, 1, 35, [])
+    results = pool.run(fns.run_reshard, case, torch.randperm(16, generator=gen), torch.randperm(16, generator=gen))
+    logical = fns.logical_state(case)
+    for res in results:
+        for k, v in res.items():
+            assert torch.equal(torch.from_numpy(v), logical[k]), k
