@@ -39,7 +39,7 @@ from .distributed.schedule import (LayerPlan, RankSchedule, assign_slots, build_
                                    native_layer_plan)
 from .planning.topology import Topology
 
-__all__ = ["LayerPlan", "ReplayBalancedMoE", "ReplicaMemory", "layer_plans", "load_expert_safetensors",
+__all__ = ["EXPERT_PARAMS", "LayerPlan", "ReplayBalancedMoE", "ReplicaMemory", "layer_plans", "load_expert_safetensors",
            "moe_layers", "save_expert_safetensors", "share_replica_memory"]
 
 EXPERT_PARAMS = ("w1_EFD", "w2_EDF", "w3_EFD")
@@ -368,7 +368,7 @@ class ReplayBalancedMoE(nn.Module):
         """Plan-driven execution with exchanges (graph break under ``torch.compile``)."""
         topo, ep = self.topology, self._ep
         device = x_TD.device
-        E, J, El = topo.num_experts, topo.slots_per_gpu, topo.experts_per_gpu
+        E, J = topo.num_experts, topo.slots_per_gpu
         flat_ids = ids_TK.reshape(-1)
         sched = self._schedule
         if sched is None or self.check_plan:

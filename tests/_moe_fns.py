@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 
 from relibra_torch.moe import LayerPlan, ReplayBalancedMoE, layer_plans
-from relibra_torch.planning import (StepPlan, Topology, evaluate, make_planner, static_plan,
-                                    token_split, validate_plan)
+from relibra_torch.planning import StepPlan, Topology, make_planner, static_plan, validate_plan
 
 DIM, HIDDEN = 16, 8
 
