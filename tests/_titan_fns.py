@@ -73,7 +73,7 @@ def reference_train(name: str, model_kwargs: dict, full_params: dict, work) -> d
 
 
 def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwargs: dict | None = None,
-             keep_model: bool = False):
+             keep_model: bool = False, ac: str | None = None):
     """On every rank of an EP group of the world size: the same steps, balanced by the planner."""
     from integrations.torchtitan import relibra_moe_layers, set_routing_replay
     from integrations.torchtitan.balancer import TitanBalancer
@@ -83,7 +83,11 @@ def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwa
     rank = dist.get_rank()
     dims = tf.parallel_dims(world, ep=world)
     cfg = tf.relibra_config(name, ep=world, **model_kwargs)
-    model = tf.build_parallel(name, cfg, dims, full_params)
+    ac_config = None
+    if ac is not None:
+        from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+        ac_config = {"full": FullAC.Config(), "selective": SelectiveAC.Config()}[ac]
+    model = tf.build_parallel(name, cfg, dims, full_params, ac_config=ac_config)
     opt = _optimizer(model)
     balancer = TitanBalancer(model, planner_kwargs=planner_kwargs)
     losses, reports, fills = [], [], 0

@@ -139,11 +139,11 @@ def parallel_dims(world_size: int, ep: int) -> ParallelDims:
 
 
 def build_parallel(name: str, cfg, dims: ParallelDims, full_params: dict | None = None,
-                   fsdp: bool = True) -> torch.nn.Module:
+                   fsdp: bool = True, ac_config=None) -> torch.nn.Module:
     """Build ``cfg`` through the flavor's own parallelize function (EP, FSDP), in fp32.
 
     ``full_params``: full (unsharded, logical order) ``named_parameters`` values every rank
-    loads (see :func:`load_full_params`).
+    loads (see :func:`load_full_params`). ``ac_config``: torchtitan activation checkpointing.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -155,7 +155,7 @@ def build_parallel(name: str, cfg, dims: ParallelDims, full_params: dict | None 
     extra = {} if fsdp else {"skip_dp": True}
     model = spec.parallelize_fn(model, parallel_dims=dims, training=training,
                                 parallelism=parallelism(dims.ep), compile_config=CompileConfig(),
-                                ac_config=None, dump_folder="/tmp", **extra)
+                                ac_config=ac_config, dump_folder="/tmp", **extra)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
@@ -168,9 +168,14 @@ def build_parallel(name: str, cfg, dims: ParallelDims, full_params: dict | None 
     return model
 
 
+def _unwrapped(name: str) -> str:
+    """A parameter name without activation-checkpoint wrapper components."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
 def _expert_placements(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from integrations.torchtitan import RelibraRoutedExperts
-    return {f"{n}.inner_experts.": m.placement_E.cpu() for n, m in model.named_modules()
+    return {_unwrapped(f"{n}.inner_experts."): m.placement_E.cpu() for n, m in model.named_modules()
             if isinstance(m, RelibraRoutedExperts)}
 
 
@@ -185,7 +190,7 @@ def load_full_params(model: torch.nn.Module, full_params: dict[str, torch.Tensor
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     placements = _expert_placements(model)
-    params = dict(model.named_parameters())
+    params = {_unwrapped(k): p for k, p in model.named_parameters()}
     assert params.keys() == full_params.keys(), sorted(set(params) ^ set(full_params))
     for name, p in params.items():
         full = full_params[name].detach()
@@ -213,6 +218,7 @@ def gather_full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     placements = _expert_placements(model)
     out = {}
     for name, p in model.named_parameters():
+        name = _unwrapped(name)
         full = p.full_tensor() if isinstance(p, DTensor) else p.detach().clone()
         for prefix, placement_E in placements.items():
             if name.startswith(prefix):
