@@ -65,7 +65,9 @@ def routing(draw):
         slots = torch.randint(0, S, (T, K), generator=g)
     elif kind == "skewed":
         p = torch.rand(S, generator=g) ** 4 + 1e-3
-        slots = torch.multinomial(p, T * K, replacement=True, generator=g).view(T, K)
+        # multinomial refuses zero samples: T = 0 is drawn too
+        slots = (torch.multinomial(p, T * K, replacement=True, generator=g).view(T, K) if T
+                 else torch.zeros(0, K, dtype=torch.int64))
     elif kind == "one_slot":
         slots = torch.full((T, K), draw(st.integers(0, S - 1)), dtype=torch.int64)
     else:  # most slots empty
