@@ -56,7 +56,8 @@ def write_json(doc: dict, path: str) -> None:
 
 
 def _gb(x: float) -> str:
-    return f"{x / 1e9:,.1f}"
+    gb = x / 1e9
+    return f"{gb:,.0f}" if gb >= 100 else f"{gb:.1f}"
 
 
 def _ratio(x: float | None) -> str:
@@ -65,6 +66,7 @@ def _ratio(x: float | None) -> str:
 
 COLUMNS = ("system", "imb mean", "imb p50", "imb p99", "MoE s", "step s", "vs static",
            "vs eplb-oracle", "of ideal", "cross-node GB", "replica GB", "migrated", "planner s")
+"""Columns of :func:`format_table` (one wide plain-text table, for logs and docs)."""
 
 
 def table_rows(figures: dict[str, dict]) -> list[list[str]]:
@@ -94,26 +96,54 @@ def format_table(figures: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
+TIME_COLUMNS = ("system", "imbalance", "p99", "MoE s", "step s", "vs static", "vs oracle", "of ideal")
+TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migrated",
+                   "migr. GB", "plan s")
+
+
+def _time_row(name: str, f: dict) -> list[str]:
+    return [name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p99']:.3f}", f"{f['moe_layer_time_s']:.2f}",
+            f"{f['step_time_s']:.2f}", _ratio(f["speedup_vs_static"]), _ratio(f["speedup_vs_eplb_oracle"]),
+            f"{f['fraction_of_ideal']:.3f}"]
+
+
+def _traffic_row(name: str, f: dict) -> list[str]:
+    return [name, f"{f['imbalance_p50']:.3f}", _gb(f["cross_node_bytes"]), _gb(f["intra_node_bytes"]),
+            _gb(f["replica_bytes"]), f"{f['migrated_experts']:.0f}", _gb(f["migrated_bytes"]),
+            f"{f['planner_s']:.2f}"]
+
+
 def print_table(doc: dict, console=None) -> None:
-    """Print the systems table and a one-line summary with rich."""
+    """Print two rich tables (step time; traffic and planning) and the run's assumptions.
+
+    Two narrow tables instead of one wide one, so that an 80-column terminal shows every
+    figure (``vs oracle`` is the speedup over eplb-oracle).
+    """
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
     cfg = doc["config"]
-    title = (f"{cfg['model']['name']} on {cfg['nodes']} x {cfg['gpus_per_node']} {cfg['hardware']['name']}"
-             f" (EP {cfg['ep_size']}, R={cfg['replica_slots']}), {cfg['micro_batches']} micro-batches,"
-             f" {cfg['measured_steps']} measured step(s); per step")
-    table = Table(title=title, title_justify="left")
-    for i, col in enumerate(COLUMNS):
-        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
-    for row in table_rows(doc["systems"]):
-        table.add_row(*row, style=COLOURS.get(row[0]))
-    console.print(table)
+    console.print(f"[bold]{cfg['model']['name']}[/bold] on {cfg['nodes']} x {cfg['gpus_per_node']} "
+                  f"{cfg['hardware']['name']} (EP {cfg['ep_size']}, R={cfg['replica_slots']}), "
+                  f"{cfg['micro_batches']} micro-batches, {cfg['measured_steps']} measured step(s), "
+                  f"figures per step")
+    for title, columns, row in (("step time", TIME_COLUMNS, _time_row),
+                                ("traffic and planning", TRAFFIC_COLUMNS, _traffic_row)):
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                      collapse_padding=True)
+        for i, col in enumerate(columns):
+            table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+        for name, f in doc["systems"].items():
+            table.add_row(*row(name, f), style=COLOURS.get(name))
+        console.print(table)
     overlap = cfg["cost_options"]["overlap_replication"]
-    console.print(f"source: {cfg['source']}" + (f"; assumptions: {cfg['notes']}" if cfg["notes"] else ""))
+    console.print(f"source: {cfg['source']}" + (f"; assumptions: {cfg['notes']}" if cfg["notes"] else ""),
+                  highlight=False)
     console.print("replica fill / gradient return: " + ("hidden behind attention where it fits"
-                  if overlap else "not overlapped (--overlap-replication hides it behind attention)"))
+                  if overlap else "not overlapped (--overlap-replication hides it behind attention)"),
+                  highlight=False)
 
 
 def write_plot(result: SimResult, path: str) -> None:
