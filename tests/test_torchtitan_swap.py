@@ -254,3 +254,18 @@ def test_planner_options_and_synthetic_data():
     assert ids.shape == (2, 6, 2, 3) and int(ids.min()) >= 0 and int(ids.max()) < 8
     assert (ids.sort(-1).values.diff(dim=-1) > 0).all()  # K distinct experts per token
     assert torch.equal(xa["input"][:, 1:], ya[:, :-1])
+
+
+def test_config_functions_activate_the_override():
+    from torchtitan.config.override import apply_overrides
+    from integrations.torchtitan.config_registry import relibra_qwen3_debugmodel_moe
+    from integrations.torchtitan.example.config_registry import relibra_qwen3_cpu_small
+    from integrations.torchtitan.trainer import RelibraTrainer
+
+    for fn, source in ((relibra_qwen3_debugmodel_moe, "dataloader"), (relibra_qwen3_cpu_small, "files")):
+        config = fn()
+        assert isinstance(config, RelibraTrainer.Config) and config.relibra.source == source
+        assert [e[0] for e in config.override.imports] == [OVERRIDE_TARGET]
+        lines = apply_overrides(config.override, config)
+        moes = [layer.moe for layer in config.model_spec.model.layers]
+        assert len(lines) == len(moes) and all(isinstance(m, RelibraMoE.Config) for m in moes)

@@ -22,9 +22,13 @@ __all__ = ["relibra_qwen3_debugmodel_moe", "to_relibra_trainer_config"]
 
 def to_relibra_trainer_config(config, *, relibra: RelibraTrainerConfig | None = None,
                               **override_options) -> RelibraTrainer.Config:
-    """A torchtitan ``Trainer.Config`` as a ``RelibraTrainer.Config`` with the override on."""
+    """A torchtitan ``Trainer.Config`` as a ``RelibraTrainer.Config`` with the override on.
+
+    Also turns CUDA graphs off: the planned execution reads plan sizes on the host.
+    """
     import dataclasses
 
+    config.training.disable_cuda_graphs = True
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     new = RelibraTrainer.Config(**fields, relibra=relibra or RelibraTrainerConfig())
     imports = [e for e in new.override.imports if (e if isinstance(e, str) else e[0]) != OVERRIDE_TARGET]
