@@ -269,3 +269,17 @@ def test_config_functions_activate_the_override():
         lines = apply_overrides(config.override, config)
         moes = [layer.moe for layer in config.model_spec.model.layers]
         assert len(lines) == len(moes) and all(isinstance(m, RelibraMoE.Config) for m in moes)
+
+
+def test_engine_state_matches_replay_balanced_moe():
+    """RelibraRoutedExperts sets up ReplayBalancedMoE's engine state itself (its weights live
+    in torchtitan's inner_experts). If the engine gains state, this names what is missing."""
+    from relibra_torch.moe import ReplayBalancedMoE
+
+    engine = ReplayBalancedMoE(16, 8, 8, 2, replica_slots=1)
+    layer = relibra_moe_layers(tf.build(tf.relibra_config("deepseek_v3", n_layers=2)))[0].routed_experts
+    routing_only = {"expert_bias_E", "init_std", "route_norm", "route_scale", "score_func", "shared_experts"}
+    missing = set(vars(engine)) - set(vars(layer)) - routing_only
+    assert not missing, f"set these in RelibraRoutedExperts._init_engine: {sorted(missing)}"
+    assert set(engine._buffers) - set(layer._buffers) <= {"tokens_per_expert_E"}  # on RelibraMoE
+    assert isinstance(layer, ReplayBalancedMoE) and layer.topology.replica_slots == 1
