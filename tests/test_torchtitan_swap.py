@@ -18,14 +18,19 @@ from integrations.torchtitan import (OVERRIDE_TARGET, RelibraMoE, RelibraRoutedE
                                      relibra_moe_layers, replay_router_scores, set_routing_replay)
 
 RTOL = 1e-5  # fp32
-FLAVOR_LAYERS = {"qwen3": 2, "deepseek_v3": 3}  # deepseek_v3's layer 0 is dense
+# deepseek_v3 debugmodel at full size (6 layers, the first dense; 8 experts, top-3, 2 shared
+# experts); qwen3 debugmodel_moe with its structure (64 experts, top-8, softmax + norm) but
+# 2 of its 8 layers and expert hidden 32 instead of 768 (316 M parameters do not fit the
+# CPU test budget; every layer is built from the same config).
+FLAVOR_SIZE = {"qwen3": dict(n_layers=2, moe_hidden_dim=32),
+               "deepseek_v3": dict(n_layers=None, moe_hidden_dim=None)}
 
 
 def _pair(name: str, seed: int = 1, **options):
     """(original fp32-reference model, swapped model) with the same weights."""
-    n = FLAVOR_LAYERS[name]
-    ref = tf.build(tf.model_config(name, n_layers=n, fp32_reference=True), seed=seed)
-    sw = tf.build(tf.relibra_config(name, n_layers=n, **options), seed=seed + 1)
+    size = FLAVOR_SIZE[name]
+    ref = tf.build(tf.model_config(name, fp32_reference=True, **size), seed=seed)
+    sw = tf.build(tf.relibra_config(name, **size, **options), seed=seed + 1)
     sw.load_state_dict(ref.state_dict(), strict=True)
     return ref, sw
 
@@ -34,7 +39,8 @@ def _fwd_bwd(model, x, y):
     model.zero_grad(set_to_none=True)
     loss = tf.loss_fn(model(x), y)
     loss.backward()
-    return loss.detach(), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    # zero_grad(set_to_none=True) gives the next call new tensors: no copy needed.
+    return loss.detach(), {k: p.grad for k, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("name", ["qwen3", "deepseek_v3"])
@@ -67,6 +73,39 @@ def test_swap_matches_original_loss_and_grads(name):
     tf.assert_close(loss_rp, loss_ref, RTOL, "replayed loss")
     for k in grads_ref:
         tf.assert_close(grads_rp[k], grads_ref[k], RTOL, f"replayed grad {k}")
+
+
+def test_full_qwen3_debugmodel_moe_matches_original():
+    """The qwen3 flavor at full size (8 layers, 64 experts of hidden 768, 316 M parameters).
+
+    Memory: the original model shares the swapped model's parameter storage
+    (``assign=True``), and only the first and last MoE layers' expert weights collect
+    gradients (the other six would add 0.9 GB per model for the same check); every other
+    parameter's gradient is compared.
+    """
+    size = dict(n_layers=None, moe_hidden_dim=None)
+    sw = tf.build(tf.relibra_config("qwen3", **size), seed=3)
+    with torch.device("meta"):
+        ref = tf.model_config("qwen3", fp32_reference=True, **size).build()
+    ref.load_state_dict(sw.state_dict(), assign=True)
+    for m in ref.modules():  # non-persistent buffers (RoPE caches, MoE counters)
+        if hasattr(m, "_init_self_buffers"):
+            m._init_self_buffers(buffer_device=torch.device("cpu"))
+    assert not any(t.is_meta for t in [*ref.parameters(), *ref.buffers()])
+    frozen = [f"layers.{i}.moe.routed_experts.inner_experts." for i in range(1, 7)]
+    for model in (sw, ref):
+        for k, p in model.named_parameters():
+            p.requires_grad_(not any(k.startswith(f) for f in frozen))
+    x, y = tf.tokens(2, 16, ref.config.vocab_size, seed=4)
+    loss_ref, grads_ref = _fwd_bwd(ref, x, y)
+    loss_sw, grads_sw = _fwd_bwd(sw, x, y)
+    tf.assert_close(loss_sw, loss_ref, RTOL, "loss")
+    compared = 0
+    for k, g in grads_ref.items():
+        if g is not None:
+            tf.assert_close(grads_sw[k], g, RTOL, f"grad {k}")
+            compared += 1
+    assert compared == sum(p.requires_grad for p in ref.parameters()) > 60
 
 
 def test_replay_changes_routing_and_can_be_cleared():
@@ -136,7 +175,7 @@ def test_override_options_and_errors():
 
 def test_replay_input_errors():
     _, sw = _pair("deepseek_v3")
-    N, E, K = 2, 8, 3
+    N, E, K = 5, 8, 3  # full deepseek_v3 debugmodel: 5 MoE layers
     with pytest.raises(ValueError, match="MoE layers"):
         set_routing_replay(sw, torch.zeros(1, 8, N + 1, K, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"\[B, L, K=3\]"):
@@ -171,7 +210,7 @@ def test_dcp_checkpoint_swapped_to_original_and_back(name, tmp_path):
         tf.assert_close(sw(x), expected, RTOL, "swapped output under a shuffled placement")
     dcp.save(sw.state_dict(), checkpoint_id=str(tmp_path / "swapped"))
 
-    fresh = tf.build(tf.model_config(name, n_layers=FLAVOR_LAYERS[name], fp32_reference=True), seed=9)
+    fresh = tf.build(tf.model_config(name, fp32_reference=True, **FLAVOR_SIZE[name]), seed=9)
     sd = fresh.state_dict()
     dcp.load(sd, checkpoint_id=str(tmp_path / "swapped"))
     fresh.load_state_dict(sd, strict=True)
@@ -180,7 +219,7 @@ def test_dcp_checkpoint_swapped_to_original_and_back(name, tmp_path):
 
     # And back: the original's checkpoint into a swapped model with another placement.
     dcp.save(fresh.state_dict(), checkpoint_id=str(tmp_path / "original"))
-    back = tf.build(tf.relibra_config(name, n_layers=FLAVOR_LAYERS[name]), seed=11)
+    back = tf.build(tf.relibra_config(name, **FLAVOR_SIZE[name]), seed=11)
     _shuffle_placements(back, seed=1)
     sd = back.state_dict()
     dcp.load(sd, checkpoint_id=str(tmp_path / "original"))
