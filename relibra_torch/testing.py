@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import queue
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -61,14 +62,15 @@ def _worker(rank: int, world_size: int, port: int, timeout_s: float, tasks, resu
     while True:
         item = tasks.get()
         if item == _STOP:
-            break
+            # Exit without destroy_process_group: its gloo teardown takes seconds, and the
+            # process ends here anyway.
+            return
         fn, args, kwargs = item
         try:
             out = fn(*args, **kwargs)
             results.put((rank, True, out))
         except BaseException:  # noqa: BLE001 - reported to the parent, which raises
             results.put((rank, False, traceback.format_exc()))
-    dist.destroy_process_group()
 
 
 class RankPool:
@@ -152,8 +154,11 @@ class RankPool:
         if not kill:
             for q in self._tasks:
                 q.put(_STOP)
+            # Results are already received; a rank still tearing down (interpreter and
+            # gloo shutdown take seconds) is killed after a short wait.
+            deadline = time.monotonic() + 2.0
             for p in self._procs:
-                p.join(timeout=10)
+                p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
             if p.is_alive():
                 p.kill()
