@@ -36,10 +36,10 @@ import torch
 import torch.distributed as dist
 
 from .distributed.schedule import layer_plans
-from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
+from .planning import Planner, ReLibraConfig, StepPlan, make_planner, native_plan, plan_digest
 from .planning.evaluate import imbalance
 
-__all__ = ["PlanDivergence", "ReplayBalancer", "StepReport", "count_loads"]
+__all__ = ["PlanDivergence", "ReplayBalancer", "StepReport", "count_loads", "relibra_config_for"]
 
 
 class PlanDivergence(RuntimeError):
@@ -98,10 +98,15 @@ class ReplayBalancer:
         planner: a planner name (``static``, ``eplb``, ``eplb-oracle``, ``relibra``) or a
             :class:`~relibra_torch.planning.Planner` built for the layers' topology.
         planner_kwargs: extra arguments for :func:`~relibra_torch.planning.make_planner`.
+        hardware: hardware preset (``relibra_torch.sim.presets``) whose bandwidths and
+            throughput price the relibra planner's objective when ``planner_kwargs`` has no
+            ``config``: migrations and replica fills are then charged for the layers' real
+            expert size, so small models move and replicate freely and large ones only when
+            it pays.
     """
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], planner: str | Planner = "relibra",
-                 planner_kwargs: dict | None = None):
+                 planner_kwargs: dict | None = None, hardware: str = "h200"):
         from .moe import ReplayBalancedMoE  # the layer imports ops; keep this module light
 
         mods = list(model) if isinstance(model, (list, tuple)) else list(model.modules())
@@ -115,7 +120,10 @@ class ReplayBalancer:
                                  f"{self.topology}; all layers must share one EP layout")
         self.ep = self.layers[0]._ep  # the EP group the layers exchange over
         if isinstance(planner, str):
-            planner = make_planner(planner, self.topology, **(planner_kwargs or {}))
+            kwargs = dict(planner_kwargs or {})
+            if planner == "relibra" and "config" not in kwargs:
+                kwargs["config"] = relibra_config_for(self.layers[0], hardware)
+            planner = make_planner(planner, self.topology, **kwargs)
         elif planner.topology != self.topology:
             raise ValueError(f"planner topology {planner.topology} differs from the layers' {self.topology}")
         self.planner = planner
@@ -220,3 +228,10 @@ class ReplayBalancer:
         """Remove installed plans (layers then run on their placement without replicas)."""
         for layer in self.layers:
             layer.set_plan(None)
+
+
+def relibra_config_for(layer, hardware: str = "h200") -> ReLibraConfig:
+    """:class:`ReLibraConfig` priced for ``layer``'s expert shape on a hardware preset."""
+    from .sim.cost import expert_cost_model
+    cost = expert_cost_model(layer.dim, layer.hidden_dim, layer.num_experts, layer.top_k, hardware)
+    return ReLibraConfig.from_weights(cost.reorder_weights())

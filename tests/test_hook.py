@@ -9,7 +9,7 @@ import torch
 
 import _hook_fns
 from relibra_torch.hook import count_loads
-from relibra_torch.planning import ReLibraConfig, Topology
+from relibra_torch.planning import Topology
 from relibra_torch.testing import RankFailure, RankPool
 
 CFG = _hook_fns.custom_loop.LoopConfig(steps=10, micro_batches=2, samples_per_micro_batch=2,
@@ -51,15 +51,14 @@ def test_reordering_before_every_step_matches_no_reordering(pool, static_run):
 
 
 def test_relibra_matches_one_process_and_balances(pool, static_run):
-    relibra = pool.run(_hook_fns.train, CFG, "relibra",
-                       {"config": ReLibraConfig(migration_s_per_expert=1e-9)})[0]
+    # planner priced for the layers' (tiny) expert size: moving and copying experts is cheap
+    relibra = pool.run(_hook_fns.train, CFG, "relibra")[0]
     reference = _hook_fns.reference_single_process(CFG)
     _assert_same_training(reference["losses"], reference["state"], _losses(relibra), relibra["state"])
     # balance measured from the layers' counters (the loop also asserts, per rank and
     # micro-batch, that the executed tokens equal the plan's prediction exactly)
     mean = lambda run: torch.tensor([v for h in run["history"] for mb in h["measured_imbalance_ML"] for v in mb]).mean()
     assert mean(relibra) < mean(static_run) - 0.2
-    assert sum(h["migrated"] for h in relibra["history"]) > 0
 
 
 def test_planner_failure_on_one_rank_falls_back_everywhere(pool, static_run):

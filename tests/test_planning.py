@@ -95,7 +95,7 @@ def test_replication_never_raises_the_max_load(problem):
     """Under the same placement, relibra's busiest GPU is never busier than static's."""
     topo, loads = problem
     static = evaluate(static_plan(loads, topo), loads).gpu_load_MLG.max(-1).values
-    plan = relibra_plan(loads, topo, config=ReLibraConfig(reorder=False))
+    plan = relibra_plan(loads, topo, config=ReLibraConfig(reorder=False, replica_fill_s_per_expert=0.0))
     ours = evaluate(plan, loads)
     assert (ours.gpu_load_MLG.max(-1).values <= static).all()
     # with enough slots the node lower bound is reached exactly
@@ -150,6 +150,27 @@ def test_replicate_hand_example():
     assert st_.tolist() == [[[[6, 0], [2, 4]]]]
 
 
+def test_replicas_only_where_the_fill_pays():
+    """A replica must take at least min_replica_tokens tokens; tiny micro-batches get none."""
+    topo = Topology(1, 4, 8, 2)
+    gen = torch.Generator().manual_seed(5)
+    pop = torch.rand(8, generator=gen) ** 3
+    big = torch.poisson((pop / pop.sum()).expand(2, 1, 4, 8) * 4000, generator=gen).long()
+    tiny = torch.poisson((pop / pop.sum()).expand(2, 1, 4, 8) * 40, generator=gen).long()
+    cfg = ReLibraConfig(reorder=False)
+    threshold = cfg.min_replica_tokens
+    assert threshold == 109  # ceil(4.2e-5 s fill / (5.7e-8 + 3.3e-7) s per token)
+    for loads, expect_replicas in ((big, True), (tiny, False)):
+        plan = relibra_plan(loads, topo, config=cfg)
+        quotas = plan.slot_tokens_MLGJ[..., topo.experts_per_gpu:]
+        filled = plan.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0
+        assert ((quotas >= threshold) | ~filled).all()
+        assert bool(filled.any()) == expect_replicas
+    # free fills: the tiny batch is balanced too
+    free = relibra_plan(tiny, topo, config=ReLibraConfig(reorder=False, replica_fill_s_per_expert=0.0))
+    assert (free.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0).any()
+
+
 def test_eplb_building_blocks():
     w = torch.tensor([[9.0, 1.0, 5.0, 5.0, 3.0, 7.0]])
     pack, rank = balanced_packing(w, 2)
@@ -187,8 +208,9 @@ def test_relibra_balances_a_skewed_step():
     # more than it saves, so the placement stays and only replication acts ...
     expensive = relibra_plan(loads, topo)
     assert torch.equal(expensive.placement_LE, topo.static_placement(2))
-    # ... while cheap migration lets reordering balance the nodes too.
-    cheap = relibra_plan(loads, topo, config=ReLibraConfig(migration_s_per_expert=1e-9))
+    # ... while cheap migration (and fills) let reordering balance the nodes too.
+    cheap = relibra_plan(loads, topo, config=ReLibraConfig(migration_s_per_expert=1e-9,
+                                                           replica_fill_s_per_expert=0.0))
     ours = evaluate(cheap, loads)
     assert static > 1.3 and ours.imbalance_ML.mean() < 1.05
     assert (ours.migrated_L > 0).all()

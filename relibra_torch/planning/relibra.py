@@ -28,6 +28,8 @@ B batched problems (M * L * N), P candidate swaps.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +54,10 @@ class ReLibraConfig:
             combine, fwd + bwd) at one GPU's inter-node bandwidth.
         migration_s_per_expert: moving one expert (weights + optimizer state) across nodes.
         intra_migration_s_per_expert: moving one expert to another GPU of its node.
+        replica_fill_s_per_expert: filling one replica slot (weights in, gradients back over
+            NVLink). A replica is made only when the tokens it takes off the busiest GPU
+            save at least this much (``compute + cross-node`` seconds per token), so tiny
+            micro-batches are not slowed down by copies that cost more than they save.
         reorder: choose a new placement each step (False: keep the previous one).
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
@@ -62,13 +68,33 @@ class ReLibraConfig:
     cross_node_s_per_token: float = 3.3e-7
     migration_s_per_expert: float = 1.3e-3
     intra_migration_s_per_expert: float = 1.5e-4
+    replica_fill_s_per_expert: float = 4.2e-5
     reorder: bool = True
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
+    @classmethod
+    def from_weights(cls, weights, **overrides) -> "ReLibraConfig":
+        """A config whose cost weights are the same-named fields of ``weights`` (a dataclass
+        such as :meth:`relibra_torch.sim.cost.CostModel.reorder_weights`'s result, or a dict);
+        ``overrides`` win."""
+        items = weights if isinstance(weights, dict) else dataclasses.asdict(weights)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in items.items() if k in names}, **overrides})
+
+    @property
+    def min_replica_tokens(self) -> int:
+        """Fewest tokens a replica must take for its fill to pay (0 when fills are free)."""
+        per_token = self.compute_s_per_token + self.cross_node_s_per_token
+        if self.replica_fill_s_per_expert <= 0:
+            return 0
+        if per_token <= 0:
+            return torch.iinfo(torch.int64).max
+        return math.ceil(self.replica_fill_s_per_expert / per_token)
+
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
-                     "intra_migration_s_per_expert"):
+                     "intra_migration_s_per_expert", "replica_fill_s_per_expert"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v >= 0):
                 raise ValueError(f"{name} must be a number >= 0, got {v!r}")
@@ -251,9 +277,12 @@ def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: tor
     return torch.tensor(placement, dtype=torch.int64)
 
 
-def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+              min_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-micro-batch intra-node replication under a fixed placement.
+
+    ``min_tokens``: a replica is made only if it takes at least this many tokens (see
+    :attr:`ReLibraConfig.min_replica_tokens`).
 
     Returns:
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
@@ -287,7 +316,7 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         last_slot = used[rows, u] == R - 1
         give = torch.where(last_slot, deficit, torch.minimum(excess, deficit))
         amount = torch.minimum(give, rem[rows, h, idx])
-        active = (excess > 0) & can_take.any(-1) & (amount > 0)
+        active = (excess > 0) & can_take.any(-1) & (amount > 0) & (amount >= min_tokens)
         if not active.any():
             break
         amount = amount * active
@@ -322,7 +351,7 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config)
     else:
         placement_LE = previous_placement_LE.clone()
-    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE)
+    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE, config.min_replica_tokens)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
 

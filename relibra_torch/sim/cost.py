@@ -357,3 +357,20 @@ class CostModel:
             intra_migration_s_per_expert=self.migration_bytes_per_expert / self.nvlink_bytes_per_s,
             replica_fill_s_per_expert=(self.expert_weight_bytes + self.expert_grad_bytes) / self.nvlink_bytes_per_s,
         )
+
+
+def expert_cost_model(dim: int, hidden_dim: int, num_experts: int, top_k: int,
+                      hardware: str = "h200", options: CostOptions | None = None) -> CostModel:
+    """A :class:`CostModel` for an MoE layer of the given shape on a hardware preset.
+
+    For callers that have a layer rather than a model preset (the training hook): the
+    per-expert and per-token terms depend only on ``dim`` and ``hidden_dim``; the other
+    model fields are Qwen3-30B-A3B's and do not enter :meth:`CostModel.reorder_weights`.
+    """
+    import dataclasses
+
+    from .presets import get_hardware, get_model
+    spec = dataclasses.replace(get_model("qwen3-30b-a3b"), name=f"moe-{dim}x{hidden_dim}",
+                               hidden_size=dim, moe_ffn=hidden_dim, num_experts=num_experts,
+                               top_k=top_k)
+    return CostModel(spec, get_hardware(hardware), options)

@@ -53,18 +53,9 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel) -> P
     """The project's planner ``name``; the ReLibra planner gets the cost model's weights."""
     if name == "static":
         return StaticPlanner(topology)
-    try:
-        from ..planning import make_planner
-    except ImportError:
-        raise ValueError(f"--systems {name}: this build has no planner {name!r} "
-                         f"(relibra_torch.planning.make_planner is missing)") from None
+    from ..planning import ReLibraConfig, make_planner
     if name == "relibra":
-        import dataclasses
-        from ..planning import ReLibraConfig
-        weights = cost.reorder_weights()
-        names = {f.name for f in dataclasses.fields(ReLibraConfig)}
-        config = ReLibraConfig(**{k: v for k, v in dataclasses.asdict(weights).items() if k in names})
-        return make_planner(name, topology, config=config)
+        return make_planner(name, topology, config=ReLibraConfig.from_weights(cost.reorder_weights()))
     return make_planner(name, topology)
 
 
