@@ -33,7 +33,7 @@ from typing import Iterator
 
 import torch
 
-from ..replay.baseline import uniform_max_over_mean  # re-exported: the one implementation
+from ..replay.baseline import _check_int, uniform_max_over_mean  # re-exported: the one implementation
 from .data_refs import qwen3_expert_heat
 
 __all__ = [
@@ -216,12 +216,6 @@ class TraceConfig:
         return math.sqrt(self.group_noise ** 2 + self.sample_noise ** 2)
 
 
-def _check_int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} is invalid; allowed: an int >= {lo}")
-    if value < lo:
-        raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= {lo}")
-    return value
 
 
 def _check_cfg(cfg) -> None:
