@@ -31,7 +31,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from relibra_torch.hook import ReplayBalancer
 from relibra_torch.moe import ReplayBalancedMoE
-from relibra_torch.planning import Planner
+from relibra_torch.planning import Planner, ReLibraConfig
+from relibra_torch.sim.cost import expert_cost_model
 from relibra_torch.sim.traces import TraceConfig, generate_routing
 from relibra_torch.testing import run_on_ranks
 
@@ -156,9 +157,15 @@ def main(argv: list[str] | None = None) -> None:
     print(f"{world} gloo ranks as {cfg.nodes} nodes x {cfg.gpus_per_node} GPUs, {cfg.num_layers} MoE layers, "
           f"E={cfg.num_experts}, top-{cfg.top_k}, R={cfg.replica_slots}, {cfg.micro_batches} micro-batches/step")
     runs = {}
+    # The planner prices moves and copies for these (tiny) experts on H200. A toy step has
+    # ~1000x fewer tokens than a real one, so moving experts would never pay; make
+    # migration free here so that reordering shows (replica fills stay priced).
+    weights = expert_cost_model(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k).reorder_weights()
+    kwargs = {"relibra": {"config": ReLibraConfig.from_weights(
+        weights, migration_s_per_expert=0.0, intra_migration_s_per_expert=0.0)}}
     for name in ("static", "relibra"):
         t0 = time.perf_counter()
-        runs[name] = run_on_ranks(train_rank, world, cfg, name)[0]
+        runs[name] = run_on_ranks(train_rank, world, cfg, name, kwargs.get(name))[0]
         print(f"  {name}: {cfg.steps} steps in {time.perf_counter() - t0:.1f} s")
     print(f"\n{'step':>4} {'loss static':>14} {'loss relibra':>14} {'imb static':>11} {'imb relibra':>12} "
           f"{'moved':>6} {'plan ms':>8}")
