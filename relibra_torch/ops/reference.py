@@ -54,10 +54,13 @@ def unpermute(y_RD: torch.Tensor, row_of_TK: torch.Tensor, gates_TK: torch.Tenso
     ``gates_TK=None`` means all ones (the backward of :func:`permute_rows`).
     """
     T, K = row_of_TK.shape
-    rows_TKD = y_RD.index_select(0, row_of_TK.reshape(-1)).view(T, K, y_RD.shape[1]).float()
-    if gates_TK is not None:
-        rows_TKD = rows_TKD * gates_TK.float().unsqueeze(-1)
-    return rows_TKD.sum(1).to(y_RD.dtype)
+    rows_TKD = y_RD.index_select(0, row_of_TK.reshape(-1)).view(T, K, y_RD.shape[1])
+    if gates_TK is None:
+        return rows_TKD.sum(1, dtype=torch.float32).to(y_RD.dtype)
+    # [T, 1, K] @ [T, K, D]: the weighted sum over k in one fp32 batched product, with no
+    # [T, K, D] temporary for the products.
+    out_T1D = torch.bmm(gates_TK.float().unsqueeze(1), rows_TKD.float())
+    return out_T1D.squeeze(1).to(y_RD.dtype)
 
 
 def unpermute_backward(dout_TD: torch.Tensor, y_RD: torch.Tensor, row_of_TK: torch.Tensor,
@@ -68,10 +71,13 @@ def unpermute_backward(dout_TD: torch.Tensor, y_RD: torch.Tensor, row_of_TK: tor
     flat_n = row_of_TK.reshape(-1)
     dout32_TD = dout_TD.float()
     dy_nD = (gates_TK.float().unsqueeze(-1) * dout32_TD.unsqueeze(1)).reshape(T * K, D)
-    dy_RD = torch.zeros((R, D), dtype=y_RD.dtype, device=y_RD.device)
+    # Every row is read exactly once when R == T*K (row_of is then a permutation): no need
+    # to zero-fill first.
+    alloc = torch.empty if R == T * K else torch.zeros
+    dy_RD = alloc((R, D), dtype=y_RD.dtype, device=y_RD.device)
     dy_RD.index_copy_(0, flat_n, dy_nD.to(y_RD.dtype))
     y_TKD = y_RD.index_select(0, flat_n).view(T, K, D).float()
-    dgates_TK = (y_TKD * dout32_TD.unsqueeze(1)).sum(-1).to(gates_TK.dtype)
+    dgates_TK = torch.bmm(y_TKD, dout32_TD.unsqueeze(-1)).squeeze(-1).to(gates_TK.dtype)
     return dy_RD, dgates_TK
 
 
@@ -85,8 +91,18 @@ def _pad_last(t: torch.Tensor, mult: int) -> torch.Tensor:
     return F.pad(t, (0, extra)) if extra else t
 
 
-def _row_mask(R: int, offsets_S: torch.Tensor) -> torch.Tensor:
+def _row_mask(R: int, offsets_S: torch.Tensor) -> torch.Tensor | None:
+    """``[R]`` bool, rows inside the groups; ``None`` when every row is (checked on CPU only,
+    where reading ``offsets[-1]`` costs no device sync: the common case, all rows grouped,
+    then skips a masking pass over the whole output)."""
+    if offsets_S.device.type == "cpu" and int(offsets_S[-1]) == R:
+        return None
     return torch.arange(R, device=offsets_S.device) < offsets_S[-1].to(torch.int64)
+
+
+def _zero_rows_past_groups(t_RX: torch.Tensor, offsets_S: torch.Tensor) -> torch.Tensor:
+    mask_R = _row_mask(t_RX.shape[0], offsets_S)
+    return t_RX if mask_R is None else torch.where(mask_R.unsqueeze(1), t_RX, 0)
 
 
 def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, offsets_S: torch.Tensor,
@@ -111,7 +127,7 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, offsets_S: torch.Tensor,
         x_in = x_RK.contiguous()
         w_in = w_SKN if 1 in (w_SKN.stride(1), w_SKN.stride(2)) else w_SKN.contiguous()
     y_RN = torch._grouped_mm(x_in, w_in, offs=offsets_S)[:, :N]
-    return torch.where(_row_mask(R, offsets_S).unsqueeze(1), y_RN, 0).contiguous()
+    return _zero_rows_past_groups(y_RN, offsets_S).contiguous()
 
 
 def grouped_mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_S: torch.Tensor,
@@ -127,9 +143,8 @@ def grouped_mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_S: torch.T
     if S == 0 or R == 0:
         return x_RK.new_zeros((num_weights, Kd, N))
     a = _align(x_RK.dtype)
-    keep = _row_mask(R, offsets_S).unsqueeze(1)
-    x_pad = _pad_last(torch.where(keep, x_RK, 0), a)
-    dy_pad = _pad_last(torch.where(keep, dy_RN, 0), a)
+    x_pad = _pad_last(_zero_rows_past_groups(x_RK, offsets_S), a)
+    dy_pad = _pad_last(_zero_rows_past_groups(dy_RN, offsets_S), a)
     # Rows padded to a multiple of the alignment: the transposed operand's stride is R.
     extra_r = (-R) % a
     if extra_r:
