@@ -157,7 +157,7 @@ def test_replicas_only_where_the_fill_pays():
     pop = torch.rand(8, generator=gen) ** 3
     big = torch.poisson((pop / pop.sum()).expand(2, 1, 4, 8) * 4000, generator=gen).long()
     tiny = torch.poisson((pop / pop.sum()).expand(2, 1, 4, 8) * 40, generator=gen).long()
-    cfg = ReLibraConfig(reorder=False)
+    cfg = ReLibraConfig(reorder=False, replica_fill_s_per_expert=4.2e-5)
     threshold = cfg.min_replica_tokens
     assert threshold == 109  # ceil(4.2e-5 s fill / (5.7e-8 + 3.3e-7) s per token)
     for loads, expect_replicas in ((big, True), (tiny, False)):
@@ -166,8 +166,8 @@ def test_replicas_only_where_the_fill_pays():
         filled = plan.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0
         assert ((quotas >= threshold) | ~filled).all()
         assert bool(filled.any()) == expect_replicas
-    # free fills: the tiny batch is balanced too
-    free = relibra_plan(tiny, topo, config=ReLibraConfig(reorder=False, replica_fill_s_per_expert=0.0))
+    # free fills (the default): the tiny batch is balanced too
+    free = relibra_plan(tiny, topo, config=ReLibraConfig(reorder=False))
     assert (free.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0).any()
 
 
