@@ -196,7 +196,13 @@ def _grouped_mm_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         dx = grouped_mm(grad, w.transpose(1, 2), offsets, s2w)
     if ctx.needs_input_grad[1]:
-        dw = grouped_mm_wgrad(x, grad, offsets, s2w, ctx.num_weights)
+        if w.stride(1) == 1 and w.stride(2) != 1:
+            # w is a transposed view (the layer passes torchtitan-layout [G, N, K] weights
+            # as [G, K, N]): compute dw^T and return its transpose, so the gradient has the
+            # parameter's own layout and autograd does not copy it into place.
+            dw = grouped_mm_wgrad(grad, x, offsets, s2w, ctx.num_weights).transpose(1, 2)
+        else:
+            dw = grouped_mm_wgrad(x, grad, offsets, s2w, ctx.num_weights)
     return dx, dw, None, None
 
 
