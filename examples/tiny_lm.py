@@ -150,10 +150,8 @@ def make_moe(cfg: TinyLMConfig, **kwargs) -> nn.Module:
 
 
 def moe_router_scores(moe: nn.Module, x_TD: torch.Tensor) -> torch.Tensor:
-    """Live router scores ``[T, E]`` of ``moe`` for tokens ``x_TD``, computed as
-    ``ReplayBalancedMoE`` does (fp32 gate, softmax or sigmoid): the scores its gates use."""
-    logits_TE = F.linear(x_TD.float(), moe.gate.weight.float())
-    return logits_TE.softmax(-1) if moe.score_func == "softmax" else logits_TE.sigmoid()
+    """Live router scores ``[T, E]`` of ``moe`` for tokens ``x_TD``: the scores its gates use."""
+    return moe.router_scores(x_TD)
 
 
 class Block(nn.Module):

@@ -316,11 +316,16 @@ class ReplayBalancedMoE(nn.Module):
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view(x.shape)
 
+    def router_scores(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """float32 ``[T, E]`` live router scores of tokens ``x_TD`` ``[T, D]`` (softmax or
+        sigmoid of an fp32 gate, as torchtitan computes them): what the gates are taken from,
+        and what exploration routing perturbs at rollout."""
+        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
+        return logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
+
     def _route(self, x: torch.Tensor, x_TD: torch.Tensor,
                routed_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        # fp32 router for stable scores, as torchtitan does.
-        logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
-        scores_TE = logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
+        scores_TE = self.router_scores(x_TD)
         if routed_experts is None:
             choice_TE = scores_TE if self.expert_bias_E is None else scores_TE + self.expert_bias_E
             ids_TK = choice_TE.topk(self.top_k, dim=-1).indices
