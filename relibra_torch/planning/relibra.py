@@ -105,12 +105,13 @@ class ReLibraConfig:
                              f"{self.max_swap_rounds}, {self.swap_candidates}")
 
 
-def _objective(node_load_LMN, cross_L, moved_L, cfg: ReLibraConfig, g: int) -> torch.Tensor:
-    """float64 ``[...]`` objective from integer parts (see module docstring)."""
+def _objective(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:
+    """float64 objective (see module docstring) from integer parts of any matching shape:
+    the summed per-micro-batch busiest-node load, cross-node tokens, experts moved."""
     node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
-    return (node_load_LMN.max(-1).values.sum(-1).to(torch.float64) * node_w
-            + cross_L.to(torch.float64) * cfg.cross_node_s_per_token / g
-            + moved_L.to(torch.float64) * cfg.migration_s_per_expert)
+    return (max_sum.to(torch.float64) * node_w
+            + cross.to(torch.float64) * cfg.cross_node_s_per_token / g
+            + moved.to(torch.float64) * cfg.migration_s_per_expert)
 
 
 def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
@@ -137,7 +138,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 
     def full_objective(node_LE: torch.Tensor) -> torch.Tensor:
         moved_L = (node_LE != prev_node_LE).sum(1)
-        return _objective(node_loads(node_LE), cross(node_LE), moved_L, config, g)
+        return _objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g)
 
     # Start 1: keep the previous nodes. Start 2: greedy in decreasing load.
     best_node_LE = prev_node_LE.clone()
@@ -146,7 +147,6 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         nl_LMN = torch.zeros(L, M, N, dtype=torch.int64)
         count_LN = torch.zeros(L, N, dtype=torch.int64)
         order_LE = total_LE.sort(dim=1, descending=True, stable=True).indices
-        node_w = (config.compute_s_per_token + config.cross_node_s_per_token) / g
         for i in range(E):
             e_L = order_LE[:, i]
             add_LM = load_LME[rows, :, e_L]                                # [L, M]
@@ -154,9 +154,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
                                        nl_LMN + add_LM.unsqueeze(-1)).sum(1)   # [L, N]
             cross_LN = total_LE[rows, e_L].unsqueeze(1) - src_node_LNE[rows, :, e_L]
             moved_LN = (torch.arange(N) != prev_node_LE[rows, e_L].unsqueeze(1)).to(torch.int64)
-            cost_LN = (new_max_LN.to(torch.float64) * node_w
-                       + cross_LN.to(torch.float64) * config.cross_node_s_per_token / g
-                       + moved_LN.to(torch.float64) * config.migration_s_per_expert)
+            cost_LN = _objective(new_max_LN, cross_LN, moved_LN, config, g)
             cost_LN = cost_LN.masked_fill(count_LN >= per_node, float("inf"))
             n_L = cost_LN.argmin(1)
             greedy_LE[rows, e_L] = n_L
@@ -220,7 +218,7 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
         moved_delta_LP = ((nb_P != pa).to(torch.int64) - (na_P != pa).to(torch.int64)
                           + (na_P != pb).to(torch.int64) - (nb_P != pb).to(torch.int64))
         moved_now_L = (node_LE != prev_node_LE).sum(1)
-        obj_LP = _objective_from_parts(max_sum_LP, cross_now_L.unsqueeze(1) - local_delta_LP,
+        obj_LP = _objective(max_sum_LP, cross_now_L.unsqueeze(1) - local_delta_LP,
                                        moved_now_L.unsqueeze(1) + moved_delta_LP, cfg, g)
         best_P = obj_LP.argmin(1)
         best_obj_L = obj_LP[rows, best_P]
@@ -234,13 +232,6 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
         node_LE[rows, b_L] = torch.where(improve_L, na_L, nb_L)
         current_L = torch.where(improve_L, best_obj_L, current_L)
     return node_LE
-
-
-def _objective_from_parts(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:
-    node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
-    return (max_sum.to(torch.float64) * node_w
-            + cross.to(torch.float64) * cfg.cross_node_s_per_token / g
-            + moved.to(torch.float64) * cfg.migration_s_per_expert)
 
 
 def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: torch.Tensor,
