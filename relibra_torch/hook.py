@@ -107,10 +107,12 @@ class ReplayBalancer:
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], planner: str | Planner = "relibra",
                  planner_kwargs: dict | None = None, hardware: str = "h200"):
-        from .moe import ReplayBalancedMoE  # the layer imports ops; keep this module light
+        from .moe import ReplayBalancedMoE, moe_layers  # the layer imports ops; keep this module light
 
-        mods = list(model) if isinstance(model, (list, tuple)) else list(model.modules())
-        self.layers = [m for m in mods if isinstance(m, ReplayBalancedMoE)]
+        if isinstance(model, (list, tuple)):
+            self.layers = [m for m in model if isinstance(m, ReplayBalancedMoE)]
+        else:
+            self.layers = [layer for _, layer in moe_layers(model)]
         if not self.layers:
             raise ValueError("model contains no ReplayBalancedMoE layer; swap its MoE layers first")
         self.topology = self.layers[0].topology
