@@ -107,20 +107,21 @@ class ReplayBalancer:
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], planner: str | Planner = "relibra",
                  planner_kwargs: dict | None = None, hardware: str = "h200"):
-        from .moe import ReplayBalancedMoE, moe_layers  # the layer imports ops; keep this module light
+        from .moe import EngineHost, moe_layers  # the layer imports ops; keep this module light
 
         if isinstance(model, (list, tuple)):
-            self.layers = [m for m in model if isinstance(m, ReplayBalancedMoE)]
+            self.layers = [m for m in model if isinstance(m, EngineHost)]
         else:
             self.layers = [layer for _, layer in moe_layers(model)]
         if not self.layers:
-            raise ValueError("model contains no ReplayBalancedMoE layer; swap its MoE layers first")
+            raise ValueError("model contains no relibra MoE layer (ReplayBalancedMoE or torchtitan "
+                             "RelibraMoE); swap its MoE layers first")
         self.topology = self.layers[0].topology
         for i, layer in enumerate(self.layers):
             if layer.topology != self.topology:
                 raise ValueError(f"MoE layer {i} has topology {layer.topology}, layer 0 has "
                                  f"{self.topology}; all layers must share one EP layout")
-        self.ep = self.layers[0]._ep  # the EP group the layers exchange over
+        self.ep = self.layers[0].engine.ep  # the EP group the layers exchange over
         if isinstance(planner, str):
             kwargs = dict(planner_kwargs or {})
             if planner == "relibra" and "config" not in kwargs:
@@ -129,7 +130,7 @@ class ReplayBalancer:
         elif planner.topology != self.topology:
             raise ValueError(f"planner topology {planner.topology} differs from the layers' {self.topology}")
         self.planner = planner
-        self.planner.placement_LE = torch.stack([layer.placement_E.cpu() for layer in self.layers])
+        self.planner.placement_LE = torch.stack([layer.placement_cpu for layer in self.layers])
         self.plan: StepPlan | None = None
         self.loads_MLSE: torch.Tensor | None = None
         self.report = StepReport()

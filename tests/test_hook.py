@@ -93,5 +93,5 @@ def test_count_loads_and_its_errors():
 
 def test_balancer_needs_moe_layers():
     from relibra_torch.hook import ReplayBalancer
-    with pytest.raises(ValueError, match="no ReplayBalancedMoE"):
+    with pytest.raises(ValueError, match="no relibra MoE layer"):
         ReplayBalancer(torch.nn.Linear(2, 2))

@@ -192,8 +192,12 @@ def test_bad_input_raises_value_error_naming_the_problem():
         m.set_plan("plan")
     with pytest.raises(ValueError, match="permutation"):
         m.apply_placement(torch.zeros(8, dtype=torch.int64))
-    with pytest.raises(ValueError, match="top_k=9"):
+    with pytest.raises(ValueError, match=r"top_k = 9; allowed: an int in \[1, 8\]"):
         ReplayBalancedMoE(D, F, 8, 9)
+    with pytest.raises(TypeError, match=r"replica_slots is bool True; allowed: an int >= 0"):
+        ReplayBalancedMoE(D, F, 8, 2, replica_slots=True)
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['replica_slot'\]"):
+        ReplayBalancedMoE(D, F, 8, 2, replica_slot=1)
     with pytest.raises(ValueError, match="score_func"):
         ReplayBalancedMoE(D, F, 8, 2, score_func="relu")
     with pytest.raises(ValueError, match="placement"):

@@ -158,11 +158,11 @@ def test_override_options_and_errors():
     assert new.router is moe_cfg.router and new.shared_experts is moe_cfg.shared_experts
     assert new.routed_experts.inner_experts is moe_cfg.routed_experts.inner_experts
     assert "placement_E" in new.routed_experts.sharding_config.state_shardings
-    with pytest.raises(ValueError, match="planner='greedy'"):
+    with pytest.raises(ValueError, match="planner = 'greedy'; allowed: one of 'static'"):
         relibra_moe_config(moe_cfg, planner="greedy")
-    with pytest.raises(ValueError, match="expert_dtype='int8'"):
+    with pytest.raises(ValueError, match="expert_dtype = 'int8'; allowed: one of 'bfloat16'"):
         relibra_moe_config(moe_cfg, expert_dtype="int8")
-    with pytest.raises(ValueError, match="replica_slots=-1"):
+    with pytest.raises(ValueError, match="replica_slots = -1; allowed: an int >= 0"):
         relibra_moe_config(moe_cfg, replica_slots=-1).routed_experts.build()
     with pytest.raises(TypeError, match="MoE.Config"):
         relibra_moe_config(cfg.layers[0].feed_forward)
@@ -178,7 +178,7 @@ def test_replay_input_errors():
     N, E, K = 5, 8, 3  # full deepseek_v3 debugmodel: 5 MoE layers
     with pytest.raises(ValueError, match="MoE layers"):
         set_routing_replay(sw, torch.zeros(1, 8, N + 1, K, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"\[B, L, K=3\]"):
+    with pytest.raises(ValueError, match=r"\[B, Q, K=3\]"):
         set_routing_replay(sw, torch.zeros(1, 8, N, K + 1, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"\[0, 7\]"):
         set_routing_replay(sw, torch.full((1, 8, N, K), E, dtype=torch.int64))
@@ -310,15 +310,17 @@ def test_config_functions_activate_the_override():
         assert len(lines) == len(moes) and all(isinstance(m, RelibraMoE.Config) for m in moes)
 
 
-def test_engine_state_matches_replay_balanced_moe():
-    """RelibraRoutedExperts sets up ReplayBalancedMoE's engine state itself (its weights live
-    in torchtitan's inner_experts). If the engine gains state, this names what is missing."""
-    from relibra_torch.moe import ReplayBalancedMoE
+def test_routed_experts_hold_the_shared_engine():
+    """torchtitan's routed experts hold relibra's engine and share the layer's code (no copy
+    that could drift): the same ExpertEngine class, the same EngineHost methods and the same
+    checkpoint hooks as ReplayBalancedMoE, and no inheritance from the layer."""
+    from relibra_torch.moe import EngineHost, ExpertEngine, ReplayBalancedMoE
 
-    engine = ReplayBalancedMoE(16, 8, 8, 2, replica_slots=1)
     layer = relibra_moe_layers(tf.build(tf.relibra_config("deepseek_v3", n_layers=2)))[0].routed_experts
-    routing_only = {"expert_bias_E", "init_std", "route_norm", "route_scale", "score_func", "shared_experts"}
-    missing = set(vars(engine)) - set(vars(layer)) - routing_only
-    assert not missing, f"set these in RelibraRoutedExperts._init_engine: {sorted(missing)}"
-    assert set(engine._buffers) - set(layer._buffers) <= {"tokens_per_expert_E"}  # on RelibraMoE
-    assert isinstance(layer, ReplayBalancedMoE) and layer.topology.replica_slots == 1
+    assert isinstance(layer.engine, ExpertEngine) and layer.topology.replica_slots == 1
+    assert not isinstance(layer, ReplayBalancedMoE)
+    for name in ("set_plan", "native_experts", "logical_expert_weights", "load_logical_expert_weights",
+                 "_run_experts", "_register_logical_checkpoint"):
+        assert getattr(type(layer), name) is getattr(ReplayBalancedMoE, name) is getattr(EngineHost, name)
+    assert set(layer.expert_params()) == {"w1_EFD", "w2_EDF", "w3_EFD"}
+    assert all(p is getattr(layer.inner_experts, n) for n, p in layer.expert_params().items())

@@ -1,9 +1,9 @@
 """torchtitan-compatible MoE layer executed by relibra (replayed routing, step plans, EP).
 
-Legend (shape suffixes, torchtitan's convention):
-    B batch, L sequence length, D model dim, F expert hidden dim, E logical experts,
-    K top-k, T = B * L tokens of this rank, El = E / G native experts per EP rank,
-    G EP ranks.
+Legend (the package's, docs/architecture.md): B batch, Q sequence length, D model dim,
+F expert hidden dim, E logical experts, K top-k, L MoE layers, T = B * Q tokens of this
+rank, El = E / G native experts per EP rank, G EP ranks. (torchtitan writes L for the
+sequence length; relibra keeps L for MoE layers everywhere.)
 
 :class:`RelibraMoE` subclasses torchtitan's ``MoE`` and keeps its module tree and state
 names: ``router.gate``, ``routed_experts.inner_experts.{w1_EFD, w2_EDF, w3_EFD}``,
@@ -41,9 +41,9 @@ from torch.distributed.tensor import DTensor
 from torchtitan.models.common.decoder_sharding import dense_param_placement
 from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRouter
 
+from relibra_torch.checks import check_choice, check_int
 from relibra_torch.distributed.mesh import EPGroup
-from relibra_torch.distributed.migration import move_expert_rows
-from relibra_torch.moe import EXPERT_PARAMS, ReplayBalancedMoE, ReplicaMemory
+from relibra_torch.moe import EXPERT_PARAMS, EngineHost, ExpertEngine
 from relibra_torch.planning.topology import Topology
 
 __all__ = [
@@ -66,15 +66,10 @@ EXPERT_DTYPES = ("bfloat16", "float16", "float32", None)
 
 
 def _check_config(cfg: "RelibraRoutedExperts.Config") -> None:
-    if cfg.expert_dtype not in EXPERT_DTYPES:
-        raise ValueError(f"expert_dtype={cfg.expert_dtype!r} is not allowed; allowed: {EXPERT_DTYPES}")
-    if isinstance(cfg.replica_slots, bool) or not isinstance(cfg.replica_slots, int) or cfg.replica_slots < 0:
-        raise ValueError(f"replica_slots={cfg.replica_slots!r} must be an int >= 0")
-    if cfg.gpus_per_node is not None and (
-            isinstance(cfg.gpus_per_node, bool) or not isinstance(cfg.gpus_per_node, int)
-            or cfg.gpus_per_node < 1):
-        raise ValueError(f"gpus_per_node={cfg.gpus_per_node!r} must be None (the whole EP group is "
-                         f"one node) or an int >= 1")
+    check_choice("expert_dtype", cfg.expert_dtype, EXPERT_DTYPES)
+    check_int("replica_slots", cfg.replica_slots, 0)
+    if cfg.gpus_per_node is not None:
+        check_int("gpus_per_node", cfg.gpus_per_node, 1)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -93,15 +88,17 @@ def _ep_group(mesh, gpus_per_node: int | None) -> EPGroup:
     return EPGroup(G // g, g, mesh.get_local_rank(), mesh.get_group(), mesh)
 
 
-class RelibraRoutedExperts(ReplayBalancedMoE, RoutedExperts):
-    """torchtitan ``RoutedExperts`` executed by relibra's ``ReplayBalancedMoE`` engine.
+class RelibraRoutedExperts(EngineHost, RoutedExperts):
+    """torchtitan ``RoutedExperts`` executed by relibra's :class:`~relibra_torch.moe.ExpertEngine`.
 
     Same children as the original: ``inner_experts`` (torchtitan ``GroupedExperts``) holds
     the expert weights under their torchtitan names and shapes; the token-dispatcher config
-    is kept but unused. The engine methods of :class:`~relibra_torch.moe.ReplayBalancedMoE`
-    (``set_plan``, ``apply_placement``, the planned forward, replica fills) act on those
-    weights. Adds the non-persistent buffer ``placement_E`` (int64 ``[E]``, logical expert ->
-    physical native slot, identity at start), declared replicated in the sharding config.
+    is kept but unused. The module holds an engine (``self.engine``), the same one
+    :class:`~relibra_torch.moe.ReplayBalancedMoE` uses, and hands it those weights; the
+    shared :class:`~relibra_torch.moe.EngineHost` methods (``set_plan``,
+    ``apply_placement``, counters, logical weights, checkpoint hooks) act on them. Adds the
+    non-persistent buffer ``placement_E`` (int64 ``[E]``, logical expert -> physical native
+    slot, identity at start), declared replicated in the sharding config.
 
     Replica slots are not buffers of this module: a fill allocates them for one micro-batch
     (``relibra_torch.distributed.replicas``) and autograd frees them after the backward that
@@ -113,7 +110,7 @@ class RelibraRoutedExperts(ReplayBalancedMoE, RoutedExperts):
         replica_slots: int = 1
         """Extra expert slots per EP rank filled per micro-batch (``R``)."""
         gpus_per_node: int | None = None
-        """EP ranks per node (replication stays inside a node); ``None``: one node."""
+        """EP ranks per node (relibra's planner replicates inside a node); ``None``: one node."""
         expert_dtype: str | None = "bfloat16"
         """dtype of the expert GEMMs and token exchange, one of :data:`EXPERT_DTYPES`."""
         refetch_replicas: bool = False
@@ -123,45 +120,27 @@ class RelibraRoutedExperts(ReplayBalancedMoE, RoutedExperts):
 
     def __init__(self, config: Config):
         _check_config(config)
-        # ReplayBalancedMoE.__init__ would create its own parameters; the weights live in
-        # inner_experts here, so only the engine state is set up (see _init_engine).
-        RoutedExperts.__init__(self, config)
-        self.gpus_per_node = config.gpus_per_node
-        self.expert_dtype = None if config.expert_dtype is None else getattr(torch, config.expert_dtype)
-        self._init_engine(config)
-        self._register_state_dict_hook(_logical_state_dict_hook)
-        self._register_load_state_dict_pre_hook(_physical_load_pre_hook, with_module=True)
-
-    def _init_engine(self, config: Config) -> None:
+        super().__init__(config)
         ie = config.inner_experts
         self.dim, self.hidden_dim, self.num_experts = ie.dim, ie.hidden_dim, ie.num_experts
         self.top_k = config.token_dispatcher.top_k
-        self.refetch_replicas = bool(config.refetch_replicas)
-        self.check_plan = bool(config.check_plan)
-        self._ep = _ep_group(None, None)
-        self.topology = Topology(1, 1, self.num_experts, config.replica_slots)
+        self.gpus_per_node = config.gpus_per_node
+        self.expert_dtype = None if config.expert_dtype is None else getattr(torch, config.expert_dtype)
+        self.engine = ExpertEngine(Topology(1, 1, self.num_experts, config.replica_slots), _ep_group(None, None),
+                                   refetch_replicas=config.refetch_replicas, check_plan=config.check_plan)
         self.register_buffer("placement_E", torch.arange(self.num_experts), persistent=False)
-        self._placement_cpu = torch.arange(self.num_experts)
-        self._identity_placement = True
-        self.replica_memory = ReplicaMemory()
-        self._plan, self._schedule, self._has_plan = None, None, False
-        self.last_slot_tokens_J = torch.zeros(self.topology.slots_per_gpu, dtype=torch.int64)
-        self.last_expert_tokens = 0
-        self.last_fills = []
+        self._register_logical_checkpoint()
 
-    # The engine reads the expert weights by these names; they live in inner_experts.
-    w1_EFD = property(lambda self: self.inner_experts.w1_EFD)
-    w2_EDF = property(lambda self: self.inner_experts.w2_EDF)
-    w3_EFD = property(lambda self: self.inner_experts.w3_EFD)
+    def expert_params(self) -> dict[str, torch.Tensor]:
+        return {n: getattr(self.inner_experts, n) for n in EXPERT_PARAMS}
+
+    def expert_param_key(self, name: str) -> str:
+        return f"inner_experts.{name}"
 
     @property
     def ep(self) -> EPGroup:
         """This layer's EP group (one process: size 1, no process group)."""
-        return self._ep
-
-    def reset_parameters(self) -> None:
-        # No parameters of its own (torchtitan initialises inner_experts from its param_init).
-        return None
+        return self.engine.ep
 
     def _init_self_parameters(self) -> None:
         return None
@@ -172,9 +151,7 @@ class RelibraRoutedExperts(ReplayBalancedMoE, RoutedExperts):
         if buffer_device is None:
             buffer_device = self.placement_E.device
         self.placement_E = torch.arange(self.num_experts, device=buffer_device)
-        self._placement_cpu = torch.arange(self.num_experts)
-        self._identity_placement = True
-        self.set_plan(None)
+        self.engine.set_placement(torch.arange(self.num_experts), self.placement_E)
 
     def parallelize(self, parallel_dims) -> None:
         """Shard the expert rows over torchtitan's EP mesh and adopt it as the EP group."""
@@ -187,17 +164,17 @@ class RelibraRoutedExperts(ReplayBalancedMoE, RoutedExperts):
         ep = _ep_group(parallel_dims.get_optional_mesh("ep"), self.gpus_per_node)
         if self.num_experts % ep.size:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by the EP degree {ep.size}")
-        self._ep = ep
-        self.topology = Topology(ep.num_nodes, ep.gpus_per_node, self.num_experts,
-                                 self.topology.replica_slots)
-        self.last_slot_tokens_J = torch.zeros(self.topology.slots_per_gpu, dtype=torch.int64)
-        self.set_plan(None)
+        old = self.engine
+        self.engine = ExpertEngine(Topology(ep.num_nodes, ep.gpus_per_node, self.num_experts,
+                                            old.topology.replica_slots), ep,
+                                   refetch_replicas=old.refetch_replicas, check_plan=old.check_plan,
+                                   replica_memory=old.replica_memory)
 
     def apply_placement(self, new_placement_E: torch.Tensor, optimizer=None) -> int:
         """Move expert rows (weights, gradients, optimizer state) to ``new_placement_E``.
 
-        See :meth:`ReplayBalancedMoE.apply_placement`. Needs every EP rank to hold its
-        ``E / EP`` expert rows whole, i.e. no FSDP sharding of the experts inside the EP
+        See :meth:`relibra_torch.moe.EngineHost.apply_placement`. Needs every EP rank to hold
+        its ``E / EP`` expert rows whole, i.e. no FSDP sharding of the experts inside the EP
         group (``data_parallel_shard_degree * context_parallel_degree == expert_parallel_degree``).
         """
         rows = _local(self.inner_experts.w1_EFD).shape[0]
@@ -216,92 +193,46 @@ class RelibraRoutedExperts(ReplayBalancedMoE, RoutedExperts):
         topk_expert_ids_BLK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
     ) -> torch.Tensor:
-        x_BLD = _local(x_BLD)
-        B, L, D = x_BLD.shape
-        K = topk_scores_BLK.shape[-1]
-        x_TD = x_BLD.reshape(B * L, D)
+        # The argument names are torchtitan's (its sharding declarations key on them, and its
+        # L is the sequence length); inside, relibra's legend: Q sequence length.
+        x_BQD, topk_scores_BQK, topk_expert_ids_BQK = x_BLD, topk_scores_BLK, topk_expert_ids_BLK
+        x_BQD = _local(x_BQD)
+        B, Q, D = x_BQD.shape
+        K = topk_scores_BQK.shape[-1]
+        x_TD = x_BQD.reshape(B * Q, D)
         if self.expert_dtype is not None:
             x_TD = x_TD.to(self.expert_dtype)
-        ids_TK = _local(topk_expert_ids_BLK).reshape(B * L, K).to(torch.int64)
-        gates_TK = _local(topk_scores_BLK).reshape(B * L, K)
-        if self._ep.group is None and not self._has_plan:
-            out_TD = self._run_local(x_TD, ids_TK, gates_TK)
-        else:
-            out_TD = self._run_planned(x_TD, ids_TK, gates_TK)
-        return out_TD.to(x_BLD.dtype).view(B, L, D)
+        ids_TK = _local(topk_expert_ids_BQK).reshape(B * Q, K).to(torch.int64)
+        gates_TK = _local(topk_scores_BQK).reshape(B * Q, K)
+        out_TD = self._run_experts(x_TD, ids_TK, gates_TK)
+        return out_TD.to(x_BQD.dtype).view(B, Q, D)
 
 
-# State dict in logical expert order, under torchtitan's key names. The hooks run on every
-# EP rank with the same placement, so the exchange inside is a collective all ranks join.
-
-def _logical_state_dict_hook(module: RelibraRoutedExperts, state_dict, prefix, local_metadata):
-    if module._identity_placement:
-        return state_dict
-    identity_E = torch.arange(module.num_experts)
-    for name in EXPERT_PARAMS:
-        key = f"{prefix}inner_experts.{name}"
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
-        local = _local(value).detach()
-        if local.shape[0] != module.topology.experts_per_gpu:
-            raise ValueError(
-                f"{key}: local shard has {local.shape[0]} expert rows, expected E/EP = "
-                f"{module.topology.experts_per_gpu}; reordering needs the expert FSDP degree to be 1 "
-                f"(data_parallel_shard_degree * context_parallel_degree == expert_parallel_degree)")
-        moved = move_expert_rows(local, module._placement_cpu, identity_E, module._ep.rank, module._ep.group)
-        if isinstance(value, DTensor):
-            moved = DTensor.from_local(moved, value.device_mesh, value.placements, run_check=False,
-                                       shape=value.shape, stride=value.stride())
-        state_dict[key] = moved
-    return state_dict
-
-
-def _physical_load_pre_hook(module: RelibraRoutedExperts, state_dict, prefix, *args):
-    if module._identity_placement:
-        return
-    identity_E = torch.arange(module.num_experts)
-    for name in EXPERT_PARAMS:
-        key = f"{prefix}inner_experts.{name}"
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
-        if isinstance(value, DTensor):
-            local = move_expert_rows(value.to_local().detach(), identity_E, module._placement_cpu,
-                                     module._ep.rank, module._ep.group)
-            state_dict[key] = DTensor.from_local(local, value.device_mesh, value.placements,
-                                                 run_check=False, shape=value.shape, stride=value.stride())
-        else:
-            # A full logical tensor (one process): rows of this rank's physical slots.
-            rows = module.native_experts().to(value.device)
-            state_dict[key] = value.detach().index_select(0, rows)
-
-
-def replay_router_scores(router: TokenChoiceTopKRouter, x_BLD: torch.Tensor,
-                         expert_ids_BLK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torchtitan's router with the expert choice replaced by ``expert_ids_BLK``.
+def replay_router_scores(router: TokenChoiceTopKRouter, x_BQD: torch.Tensor,
+                         expert_ids_BQK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torchtitan's router with the expert choice replaced by ``expert_ids_BQK``.
 
     Computes the gate scores exactly as ``TokenChoiceTopKRouter.forward`` (fp32 gate,
     softmax or sigmoid), gathers them at the replayed experts, then applies ``route_norm``
     and ``route_scale``. The expert bias only steers the choice, so it plays no part.
 
     Returns:
-        ``(topk_scores_BLK, expert_ids_BLK, scores_BLE)`` like the router.
+        ``(topk_scores_BQK, expert_ids_BQK, scores_BQE)`` like the router.
     """
-    with torch.autocast(device_type=x_BLD.device.type, dtype=torch.float32):
-        scores_BLE = router.gate(x_BLD)
+    with torch.autocast(device_type=x_BQD.device.type, dtype=torch.float32):
+        scores_BQE = router.gate(x_BQD)
     if router.score_func == "sigmoid":
-        scores_BLE = torch.sigmoid(scores_BLE)
+        scores_BQE = torch.sigmoid(scores_BQE)
     elif router.score_func == "softmax":
-        scores_BLE = F.softmax(scores_BLE, dim=-1)
+        scores_BQE = F.softmax(scores_BQE, dim=-1)
     else:
         raise NotImplementedError(f"Unknown score function {router.score_func}")
-    ids_BLK = expert_ids_BLK.to(device=scores_BLE.device, dtype=torch.int64)
-    topk_scores_BLK = scores_BLE.gather(dim=-1, index=ids_BLK)
+    ids_BQK = expert_ids_BQK.to(device=scores_BQE.device, dtype=torch.int64)
+    topk_scores_BQK = scores_BQE.gather(dim=-1, index=ids_BQK)
     if router.route_norm:
-        topk_scores_BLK = topk_scores_BLK / (topk_scores_BLK.sum(dim=-1, keepdim=True) + 1e-20)
-    topk_scores_BLK = topk_scores_BLK * router.route_scale
-    return topk_scores_BLK, ids_BLK, scores_BLE
+        topk_scores_BQK = topk_scores_BQK / (topk_scores_BQK.sum(dim=-1, keepdim=True) + 1e-20)
+    topk_scores_BQK = topk_scores_BQK * router.route_scale
+    return topk_scores_BQK, ids_BQK, scores_BQE
 
 
 class RelibraMoE(MoE):
@@ -330,43 +261,43 @@ class RelibraMoE(MoE):
         self.planner = config.planner
         self.reorder = config.reorder
         self.planner_options = dict(config.planner_options) if config.planner_options else None
-        self._replay_ids_BLK: torch.Tensor | None = None
+        self._replay_ids_BQK: torch.Tensor | None = None
         self._recorded: list[torch.Tensor] | None = None
 
-    def set_replay(self, expert_ids_BLK: torch.Tensor | None) -> None:
+    def set_replay(self, expert_ids_BQK: torch.Tensor | None) -> None:
         """Route the next forward passes with these expert ids (``None``: own router)."""
-        if expert_ids_BLK is not None:
+        if expert_ids_BQK is not None:
             E, K = self.routed_experts.num_experts, self.router.top_k
-            if expert_ids_BLK.dim() != 3 or expert_ids_BLK.shape[-1] != K:
-                raise ValueError(f"replayed expert ids must be [B, L, K={K}], got shape "
-                                 f"{tuple(expert_ids_BLK.shape)}")
-            if expert_ids_BLK.numel() and (int(expert_ids_BLK.min()) < 0 or int(expert_ids_BLK.max()) >= E):
+            if expert_ids_BQK.dim() != 3 or expert_ids_BQK.shape[-1] != K:
+                raise ValueError(f"replayed expert ids must be [B, Q, K={K}], got shape "
+                                 f"{tuple(expert_ids_BQK.shape)}")
+            if expert_ids_BQK.numel() and (int(expert_ids_BQK.min()) < 0 or int(expert_ids_BQK.max()) >= E):
                 raise ValueError(f"replayed expert ids must lie in [0, {E - 1}], got values in "
-                                 f"[{int(expert_ids_BLK.min())}, {int(expert_ids_BLK.max())}]")
-        self._replay_ids_BLK = expert_ids_BLK
+                                 f"[{int(expert_ids_BQK.min())}, {int(expert_ids_BQK.max())}]")
+        self._replay_ids_BQK = expert_ids_BQK
 
-    def forward(self, x_BLD: torch.Tensor) -> torch.Tensor:
-        if self._replay_ids_BLK is not None:
-            ids_BLK = self._replay_ids_BLK
-            if tuple(ids_BLK.shape[:2]) != tuple(x_BLD.shape[:2]):
-                raise ValueError(f"replayed expert ids cover [B, L] = {tuple(ids_BLK.shape[:2])} tokens "
-                                 f"but this micro-batch is {tuple(x_BLD.shape[:2])}")
-            topk_scores_BLK, topk_expert_ids_BLK, scores_BLE = replay_router_scores(self.router, x_BLD, ids_BLK)
+    def forward(self, x_BQD: torch.Tensor) -> torch.Tensor:
+        if self._replay_ids_BQK is not None:
+            ids_BQK = self._replay_ids_BQK
+            if tuple(ids_BQK.shape[:2]) != tuple(x_BQD.shape[:2]):
+                raise ValueError(f"replayed expert ids cover [B, Q] = {tuple(ids_BQK.shape[:2])} tokens "
+                                 f"but this micro-batch is {tuple(x_BQD.shape[:2])}")
+            topk_scores_BQK, topk_expert_ids_BQK, scores_BQE = replay_router_scores(self.router, x_BQD, ids_BQK)
         else:
-            topk_scores_BLK, topk_expert_ids_BLK, scores_BLE = self.router(x_BLD, self.expert_bias_E)
+            topk_scores_BQK, topk_expert_ids_BQK, scores_BQE = self.router(x_BQD, self.expert_bias_E)
         if self._recorded is not None:
-            self._recorded.append(_local(topk_expert_ids_BLK).detach().clone())
+            self._recorded.append(_local(topk_expert_ids_BQK).detach().clone())
 
-        routing_map_BLE = torch.zeros_like(scores_BLE, dtype=torch.bool).scatter_(-1, topk_expert_ids_BLK, True)
-        num_local_tokens_per_expert_E = routing_map_BLE.sum(dim=(0, 1))
+        routing_map_BQE = torch.zeros_like(scores_BQE, dtype=torch.bool).scatter_(-1, topk_expert_ids_BQK, True)
+        num_local_tokens_per_expert_E = routing_map_BQE.sum(dim=(0, 1))
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(num_local_tokens_per_expert_E)
 
-        out_BLD = self.routed_experts(x_BLD, topk_scores_BLK, topk_expert_ids_BLK, num_local_tokens_per_expert_E)
+        out_BQD = self.routed_experts(x_BQD, topk_scores_BQK, topk_expert_ids_BQK, num_local_tokens_per_expert_E)
         if self.shared_experts is not None:
-            out_BLD = out_BLD + self.shared_experts(x_BLD)
-        return out_BLD
+            out_BQD = out_BQD + self.shared_experts(x_BQD)
+        return out_BQD
 
 
 def relibra_moe_layers(model: nn.Module) -> list[RelibraMoE]:
@@ -374,11 +305,11 @@ def relibra_moe_layers(model: nn.Module) -> list[RelibraMoE]:
     return [m for m in model.modules() if isinstance(m, RelibraMoE)]
 
 
-def set_routing_replay(model: nn.Module, expert_ids_BLNK: torch.Tensor | None) -> None:
+def set_routing_replay(model: nn.Module, expert_ids_BQLK: torch.Tensor | None) -> None:
     """Install one micro-batch's replayed routing into every MoE layer of ``model``.
 
     Args:
-        expert_ids_BLNK: int ``[B, L, N, K]`` expert ids per token and MoE layer (``N`` MoE
+        expert_ids_BQLK: int ``[B, Q, L, K]`` expert ids per token and MoE layer (``L`` MoE
             layers in model order, the ``num_layers`` of a ``relibra.routing/1`` file), or
             ``None`` to route with the model's own router again.
     """
@@ -386,18 +317,18 @@ def set_routing_replay(model: nn.Module, expert_ids_BLNK: torch.Tensor | None) -
     if not layers:
         raise ValueError("set_routing_replay: the model has no RelibraMoE layer; apply the "
                          "integrations.torchtitan.override.relibra_moe override first")
-    if expert_ids_BLNK is None:
+    if expert_ids_BQLK is None:
         for layer in layers:
             layer.set_replay(None)
         return
-    if not isinstance(expert_ids_BLNK, torch.Tensor) or expert_ids_BLNK.dim() != 4:
-        raise ValueError("expert_ids_BLNK must be a 4-D tensor [B, L, num_moe_layers, K], got "
-                         f"{getattr(expert_ids_BLNK, 'shape', type(expert_ids_BLNK).__name__)}")
-    if expert_ids_BLNK.shape[2] != len(layers):
-        raise ValueError(f"expert_ids_BLNK has {expert_ids_BLNK.shape[2]} MoE layers but the model has "
+    if not isinstance(expert_ids_BQLK, torch.Tensor) or expert_ids_BQLK.dim() != 4:
+        raise ValueError("expert_ids_BQLK must be a 4-D tensor [B, Q, num_moe_layers, K], got "
+                         f"{getattr(expert_ids_BQLK, 'shape', type(expert_ids_BQLK).__name__)}")
+    if expert_ids_BQLK.shape[2] != len(layers):
+        raise ValueError(f"expert_ids_BQLK has {expert_ids_BQLK.shape[2]} MoE layers but the model has "
                          f"{len(layers)}")
     for n, layer in enumerate(layers):
-        layer.set_replay(expert_ids_BLNK[:, :, n])
+        layer.set_replay(expert_ids_BQLK[:, :, n])
 
 
 def clear_routing_replay(model: nn.Module) -> None:
@@ -410,9 +341,9 @@ def clear_routing_replay(model: nn.Module) -> None:
 def record_routing(model: nn.Module) -> Iterator[list[list[torch.Tensor]]]:
     """Record the expert ids every MoE layer uses while the block runs.
 
-    Yields a list with one list per MoE layer (model order) of int64 ``[B, L, K]`` tensors,
+    Yields a list with one list per MoE layer (model order) of int64 ``[B, Q, K]`` tensors,
     one per forward. ``torch.stack([r[i] for r in rec], dim=2)`` is forward ``i``'s
-    ``[B, L, N, K]`` replay.
+    ``[B, Q, L, K]`` replay.
     """
     layers = relibra_moe_layers(model)
     records: list[list[torch.Tensor]] = [[] for _ in layers]

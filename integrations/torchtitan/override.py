@@ -18,6 +18,7 @@ from __future__ import annotations
 from torchtitan.config.override import OverrideConfig, apply_overrides, derive, override
 from torchtitan.models.common.moe import MoE
 
+from relibra_torch.checks import check_choice, describe
 from relibra_torch.planning import PLANNER_NAMES
 
 from .moe import EXPERT_DTYPES, RelibraMoE, RelibraRoutedExperts, declare_placement
@@ -45,19 +46,17 @@ def relibra_moe_config(cfg: MoE.Config, *, planner: str = "relibra", replica_slo
         planner_options: extra planner arguments (``ReLibraConfig`` fields for relibra).
     """
     if not isinstance(cfg, MoE.Config):
-        raise TypeError(f"relibra_moe replaces a MoE.Config, got {type(cfg).__name__}")
-    if planner not in PLANNER_NAMES:
-        raise ValueError(f"planner={planner!r} is not allowed; allowed: {', '.join(PLANNER_NAMES)}")
+        raise TypeError(f"relibra_moe replaces a MoE.Config; got {type(cfg).__name__}")
+    check_choice("planner", planner, PLANNER_NAMES)
     if not isinstance(reorder, bool):
-        raise TypeError(f"reorder must be a bool, got {reorder!r}")
-    if expert_dtype not in EXPERT_DTYPES:
-        raise ValueError(f"expert_dtype={expert_dtype!r} is not allowed; allowed: {EXPERT_DTYPES}")
+        raise TypeError(f"reorder is {describe(reorder)}; allowed: True or False")
+    check_choice("expert_dtype", expert_dtype, EXPERT_DTYPES)
     routed = derive(cfg.routed_experts, RelibraRoutedExperts.Config, replica_slots=replica_slots,
                     gpus_per_node=gpus_per_node, expert_dtype=expert_dtype,
                     refetch_replicas=refetch_replicas, check_plan=check_plan)
     routed.sharding_config = declare_placement(routed.sharding_config)
     if planner_options is not None and not isinstance(planner_options, dict):
-        raise TypeError(f"planner_options must be a dict or None, got {type(planner_options).__name__}")
+        raise TypeError(f"planner_options is {describe(planner_options)}; allowed: a dict or None")
     return derive(cfg, RelibraMoE.Config, routed_experts=routed, planner=planner, reorder=reorder,
                   planner_options=planner_options)
 

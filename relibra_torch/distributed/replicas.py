@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .collectives import all_to_all_rows
 
 __all__ = ["FillSpec", "ReplicaMemory", "fetch_replica_weights", "fill_replicas",
-           "return_replica_grads"]
+           "refetch_replica_ffn", "return_replica_grads"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,54 @@ def fill_replicas(x_pass: torch.Tensor, weights: Sequence[torch.Tensor], spec: F
     """
     out = _FillReplicas.apply(spec, memory, x_pass, *weights)
     return out[0], list(out[1:])
+
+
+class _RefetchReplicaFFN(torch.autograd.Function):
+    """Replica-slot experts that keep no replica weights between forward and backward.
+
+    Forward fetches the fill weights, computes, and frees them. Backward fetches them again,
+    recomputes the replica rows' forward (activation-checkpoint style) and sends the weight
+    gradients home. Costs one more weight transfer and one more forward of the replica rows
+    per micro-batch; saves the buffers' memory (and their activations) between passes.
+    """
+
+    @staticmethod
+    def forward(ctx, ffn, x_RD, offsets_G, spec, memory, *weights):
+        bufs = fetch_replica_weights(weights, spec, memory)
+        with torch.no_grad():
+            y_RD = ffn(x_RD, *bufs, offsets_G)
+        ctx.save_for_backward(x_RD, offsets_G, *weights)
+        ctx.ffn, ctx.spec, ctx.memory = ffn, spec, memory
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, grad_y_RD):
+        x_RD, offsets_G, *weights = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[1]
+        need_w = any(ctx.needs_input_grad[5:])
+        bufs = fetch_replica_weights(weights, ctx.spec, ctx.memory)
+        with torch.enable_grad():
+            xd = x_RD.detach().requires_grad_(need_x)
+            bd = [b.detach().requires_grad_(need_w) for b in bufs]
+            y = ctx.ffn(xd, *bd, offsets_G)
+            inputs = ([xd] if need_x else []) + (bd if need_w else [])
+            grads = torch.autograd.grad(y, inputs, grad_y_RD, allow_unused=True) if inputs else []
+        grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs)]
+        grad_x = grads.pop(0) if need_x else None
+        grad_w = [None] * len(weights)
+        if need_w:
+            grad_w = return_replica_grads(grads, ctx.spec, [w.shape for w in weights])
+        return (None, grad_x, None, None, None, *grad_w)
+
+
+def refetch_replica_ffn(ffn, x_RD: torch.Tensor, offsets_G: torch.Tensor, spec: FillSpec,
+                        memory: ReplicaMemory | None, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``ffn(x_RD, *fill buffers, offsets_G)`` with the fill buffers fetched again in backward.
+
+    Args:
+        ffn: the grouped expert function ``(x_RD, *weights_G, offsets_G) -> y_RD``.
+        x_RD: rows of the filled slots, grouped; offsets_G: int32 cumulative group ends.
+        weights: the layer's native expert weights (the owners' rows are sent from them).
+    Every rank of the group must call this when any rank receives a fill.
+    """
+    return _RefetchReplicaFFN.apply(ffn, x_RD, offsets_G, spec, memory, *weights)

@@ -1,0 +1,276 @@
+"""The execution engine shared by every relibra MoE layer.
+
+:class:`ExpertEngine` owns what happens between routing and combine: the installed plan and
+the rank's schedule derived from it, plan-driven or local execution (permute, exchange,
+replica fills, grouped SwiGLU, reverse exchange, combine), the placement in force and
+migration to a new one. It owns no parameters: each call is handed the expert weights (the
+layer's ``w1_EFD``, ``w2_EDF``, ``w3_EFD``, plain tensors or DTensors in physical order) and
+the layer's ``placement_E`` device buffer. :class:`~relibra_torch.moe.ReplayBalancedMoE` and
+the torchtitan routed experts each hold one engine; :class:`EngineHost` gives both the same
+public methods on top of it.
+
+Legend: see ``docs/architecture.md``. Here T tokens, D model dim, F expert hidden dim,
+E logical experts, K top-k, G EP ranks, S source ranks (= G), El = E / G native experts per
+rank, R replica slots, J = El + R slots per rank, X = G * J destination slots, Rr rows
+received by this rank.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from ..distributed.collectives import all_to_all_autograd
+from ..distributed.mesh import EPGroup
+from ..distributed.migration import move_expert_rows, native_experts
+from ..distributed.replicas import FillSpec, ReplicaMemory, fill_replicas, refetch_replica_ffn
+from ..planning.topology import Topology
+from .schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan,
+                       check_placement, group_permutation, native_layer_plan)
+
+__all__ = ["EXPERT_PARAMS", "ExpertEngine", "expert_ffn", "local_tensor"]
+
+#: Names of the expert weights, torchtitan's layout: ``w1``/``w3`` ``[E, F, D]``, ``w2`` ``[E, D, F]``.
+EXPERT_PARAMS = ("w1_EFD", "w2_EDF", "w3_EFD")
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view sharing storage), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def expert_ffn(x_RD: torch.Tensor, w1_GFD: torch.Tensor, w2_GDF: torch.Tensor, w3_GFD: torch.Tensor,
+               offsets_G: torch.Tensor) -> torch.Tensor:
+    """SwiGLU experts, group ``g`` = rows ``offsets[g-1]:offsets[g]`` with weight row ``g``.
+
+    Weights are stored torchtitan-style; the ops take ``[G, in, out]``, i.e. transposed views
+    (no copy). Computed in ``x_RD``'s dtype.
+    """
+    dt = x_RD.dtype
+    return ops.expert_swiglu(x_RD, w1_GFD.to(dt).transpose(-2, -1), w2_GDF.to(dt).transpose(-2, -1),
+                             w3_GFD.to(dt).transpose(-2, -1), offsets_G)
+
+
+class ExpertEngine:
+    """Plan install, planned and local execution, placement and migration of one MoE layer.
+
+    Args:
+        topology: the layer's EP layout and slot counts.
+        ep: the EP group the layer exchanges over (size 1, no group: one process).
+        refetch_replicas: fetch replica weights again in backward (and recompute the replica
+            rows' forward) instead of keeping the buffers alive.
+        check_plan: check every planned forward that this rank's routed ids match the plan.
+        replica_memory: replica-buffer tracker (one per layer unless shared).
+
+    State: ``placement_cpu`` (int64 ``[E]`` logical expert -> physical native slot), the
+    installed :class:`LayerPlan` and this rank's :class:`RankSchedule`, and the counters of
+    the last forward (``last_slot_tokens_J``, ``last_expert_tokens``, ``last_fills``).
+    """
+
+    def __init__(self, topology: Topology, ep: EPGroup, *, refetch_replicas: bool = False,
+                 check_plan: bool = True, replica_memory: ReplicaMemory | None = None):
+        if topology.num_gpus != ep.size:
+            raise ValueError(f"topology has {topology.num_gpus} GPUs but the EP group has {ep.size} ranks")
+        self.topology = topology
+        self.ep = ep
+        self.refetch_replicas = bool(refetch_replicas)
+        self.check_plan = bool(check_plan)
+        self.replica_memory = replica_memory if replica_memory is not None else ReplicaMemory()
+        self.placement_cpu = torch.arange(topology.num_experts)
+        self.identity_placement = True
+        self.plan: LayerPlan | None = None
+        self._schedule: RankSchedule | None = None
+        #: Expert rows (token-expert pairs) this GPU processed in the last forward, per slot
+        #: ``[J]`` and in total (taken from the executed exchange).
+        self.last_slot_tokens_J = torch.zeros(topology.slots_per_gpu, dtype=torch.int64)
+        self.last_expert_tokens = 0
+        #: ``(slot, logical expert)`` of every fill this GPU received in the last forward.
+        self.last_fills: list[tuple[int, int]] = []
+
+    @property
+    def num_experts(self) -> int:
+        return self.topology.num_experts
+
+    def native_experts(self) -> torch.Tensor:
+        """int64 ``[El]``: logical expert at each local row of this rank's expert weights."""
+        return native_experts(self.placement_cpu, self.topology.experts_per_gpu, self.ep.rank)
+
+    # ------------------------------------------------------------------ plans
+
+    def set_plan(self, plan: LayerPlan | None, device: torch.device) -> None:
+        """Install ``plan`` for the next forwards (``None``: native placement, no replicas).
+
+        The plan stays installed until replaced (activation recomputation in backward reuses
+        it). Raises ``ValueError`` for a plan of another topology or placement.
+        """
+        if plan is None:
+            self.plan, self._schedule = None, None
+            return
+        plan = check_layer_plan(plan, self.topology, self.placement_cpu)
+        self._schedule = build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank).to(device)
+        self.plan = plan
+
+    # ------------------------------------------------------------------ execution
+
+    def run(self, x_TD: torch.Tensor, ids_TK: torch.Tensor, gates_TK: torch.Tensor,
+            weights: Sequence[torch.Tensor], placement_E: torch.Tensor) -> torch.Tensor:
+        """Routed-expert output ``[T, D]`` (fp32-combined, in ``x_TD``'s dtype).
+
+        Args:
+            x_TD: tokens; ids_TK: int64 expert ids; gates_TK: their gate weights.
+            weights: the layer's ``(w1_EFD, w2_EDF, w3_EFD)`` in physical order.
+            placement_E: the layer's placement on ``x_TD``'s device (same values as
+                ``placement_cpu``; a buffer, so a local forward needs no host copy).
+        """
+        if self.ep.group is None and self.plan is None:
+            return self._run_local(x_TD, ids_TK, gates_TK, weights, placement_E)
+        return self._run_planned(x_TD, ids_TK, gates_TK, weights)
+
+    def _run_local(self, x_TD, ids_TK, gates_TK, weights, placement_E):
+        """One process, no plan: every expert local, slots = physical expert rows."""
+        E = self.num_experts
+        slot_TK = ids_TK if self.identity_placement else placement_E[ids_TK]
+        x_sorted_RD, row_of_TK, offsets_E = ops.permute(slot_TK, x_TD, E)
+        y_RD = expert_ffn(x_sorted_RD, *[local_tensor(w) for w in weights], offsets_E)
+        if not torch.compiler.is_compiling():
+            # Kept on the device: reading the counters is the only sync.
+            counts = torch.diff(offsets_E.to(torch.int64), prepend=offsets_E.new_zeros(1))
+            self.last_slot_tokens_J = torch.cat([counts, counts.new_zeros(self.topology.replica_slots)])
+            self.last_expert_tokens = int(x_sorted_RD.shape[0])
+            self.last_fills = []
+        return ops.unpermute(y_RD, row_of_TK, gates_TK)
+
+    @torch.compiler.disable
+    def _run_planned(self, x_TD, ids_TK, gates_TK, weights):
+        """Plan-driven execution with exchanges (graph break under ``torch.compile``)."""
+        topo, ep = self.topology, self.ep
+        device = x_TD.device
+        J = topo.slots_per_gpu
+        sched = self._schedule
+        if sched is None or self.check_plan:
+            counts_E = torch.bincount(ids_TK.reshape(-1), minlength=topo.num_experts).cpu()
+        if sched is None:
+            sched = self._native_schedule(counts_E, device)
+        elif self.check_plan:
+            self._check_counts(counts_E, sched, device)
+
+        # (token, k) pairs -> destination slot g * J + j, by the token_split rule.
+        dest_TK = assign_slots(ids_TK, sched)
+        x_send, row_of_TK, _ = ops.permute(dest_TK, x_TD, topo.num_gpus * J)
+        x_recv = all_to_all_autograd(x_send, sched.send_sizes, sched.recv_sizes, ep.group)
+
+        # Group the received rows: native experts first (local row order), then fills.
+        perm = group_permutation(sched, device)
+        x_grp = x_recv.index_select(0, perm)
+        wl = tuple(local_tensor(w) for w in weights)
+        n_own = sched.num_own_rows
+        if sched.any_fill:
+            spec = FillSpec(sched.fill_send_idx, sched.fill_send_sizes, sched.fill_recv_sizes, ep.group)
+            if self.refetch_replicas:
+                y_own = expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)
+                y_fill = refetch_replica_ffn(expert_ffn, x_grp[n_own:], sched.fill_offsets, spec,
+                                             self.replica_memory, wl)
+            else:
+                x_grp, bufs = fill_replicas(x_grp, wl, spec, self.replica_memory)
+                y_own = expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)
+                y_fill = expert_ffn(x_grp[n_own:], *bufs, sched.fill_offsets)
+            y_grp = torch.cat([y_own, y_fill])
+        else:
+            y_grp = expert_ffn(x_grp, *wl, sched.own_offsets)
+        inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=device))
+        y_recv = y_grp.index_select(0, inv)
+        y_send = all_to_all_autograd(y_recv, sched.recv_sizes, sched.send_sizes, ep.group)
+
+        self.last_slot_tokens_J = sched.slot_tokens_J.clone()
+        self.last_expert_tokens = int(x_recv.shape[0])
+        self.last_fills = list(zip(sched.fill_slots, sched.fill_experts))
+        return ops.unpermute(y_send, row_of_TK, gates_TK)
+
+    def _check_counts(self, counts_E: torch.Tensor, sched: RankSchedule, device: torch.device) -> None:
+        """Raise on every rank if any rank's routed ids disagree with the plan.
+
+        The ranks agree first (one all-reduce of a flag) so that a mismatch on one rank
+        cannot leave the others waiting in the token exchange.
+        """
+        ep = self.ep
+        diff = (counts_E != sched.expected_counts_E).nonzero().flatten()
+        bad = int(diff[0]) if len(diff) else -1
+        flags = torch.zeros(max(ep.size, 1), dtype=torch.int64)
+        flags[ep.rank] = bad + 1
+        if ep.group is not None:
+            flags = flags.to(device)
+            dist.all_reduce(flags, group=ep.group)
+            flags = flags.cpu()
+        if not flags.any():
+            return
+        ranks = flags.nonzero().flatten().tolist()
+        if bad >= 0:
+            detail = (f"here (EP rank {ep.rank}) expert {bad} has {int(counts_E[bad])} token-expert "
+                      f"pairs but the plan's split_SGJ[{ep.rank}] sends {int(sched.expected_counts_E[bad])}")
+        else:
+            detail = f"this rank (EP rank {ep.rank}) matches"
+        raise ValueError(f"routed experts do not match the installed plan on EP ranks {ranks}: {detail}; "
+                         f"install the plan made from these routed experts' counts")
+
+    def _native_schedule(self, counts_E: torch.Tensor, device: torch.device) -> RankSchedule:
+        """No plan installed: gather every rank's counts and run the native placement."""
+        ep = self.ep
+        if ep.group is None:
+            counts_SE = counts_E.unsqueeze(0)
+        else:
+            local = counts_E.to(device)
+            gathered = [torch.empty_like(local) for _ in range(ep.size)]
+            dist.all_gather(gathered, local, group=ep.group)
+            counts_SE = torch.stack(gathered).cpu()
+        plan = native_layer_plan(self.topology, self.placement_cpu, counts_SE)
+        return build_rank_schedule(self.topology, self.placement_cpu, plan, ep.rank).to(device)
+
+    # ------------------------------------------------------------------ placement
+
+    @torch.no_grad()
+    def apply_placement(self, new_placement_E: torch.Tensor, params: Sequence[torch.Tensor],
+                        placement_E: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """Move expert rows (weights, gradients, optimizer state) to ``new_placement_E``.
+
+        Every rank of the EP group must call it with the same placement (between optimizer
+        steps). Optimizer state tensors shaped like an expert parameter (Adam/AdamW
+        ``exp_avg``, ``exp_avg_sq``, ...) move with it; scalar state (``step``) stays. The
+        installed plan is dropped (it was made for the old placement).
+
+        Args:
+            new_placement_E: int ``[E]`` permutation, logical expert -> physical native slot.
+            params: the layer's expert parameters (``EXPERT_PARAMS`` order).
+            placement_E: the layer's device placement buffer, updated in place.
+            optimizer: the optimizer holding these parameters, if any.
+
+        Returns:
+            the number of experts whose owner GPU changed.
+        """
+        new = check_placement(new_placement_E, self.num_experts, "new_placement_E")
+        old = self.placement_cpu
+        El = self.topology.experts_per_gpu
+        if torch.equal(new, old):
+            return 0
+        moved = int((old // El != new // El).sum())
+        for p in params:
+            tensors = [p] + ([p.grad] if p.grad is not None else [])
+            if optimizer is not None:
+                for v in optimizer.state.get(p, {}).values():
+                    if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.shape) and v.dim() > 0:
+                        tensors.append(v)
+            for t in tensors:
+                local = local_tensor(t)
+                local.copy_(move_expert_rows(local, old, new, self.ep.rank, self.ep.group))
+        self.set_placement(new, placement_E)
+        return moved
+
+    def set_placement(self, placement_E_cpu: torch.Tensor, placement_E: torch.Tensor) -> None:
+        """Record ``placement_E_cpu`` as in force (no data moves); drops the installed plan."""
+        self.placement_cpu = placement_E_cpu.clone()
+        placement_E.copy_(placement_E_cpu.to(placement_E.device))
+        self.identity_placement = bool(torch.equal(placement_E_cpu, torch.arange(self.num_experts)))
+        self.plan, self._schedule = None, None

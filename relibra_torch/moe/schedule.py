@@ -1,0 +1,337 @@
+"""What one EP rank does in one MoE layer for one micro-batch, derived on the host.
+
+Legend (shape suffixes):
+    E logical experts, G EP ranks (node-major), S source ranks (= G), J = El + R slots per
+    GPU (El native, R replica), X = G * J destination slots, C = S * J received chunks,
+    Fs fills this rank serves (sends weights for), Fr fills this rank receives, M
+    micro-batches, L layers.
+
+A :class:`LayerPlan` is the per-layer, per-micro-batch slice of a
+:class:`~relibra_torch.planning.StepPlan` plus its token split. Every rank holds the same
+plan and turns it into a :class:`RankSchedule` without talking to the others: the sizes
+of every exchange follow from the plan.
+
+Local expert groups. A rank computes its experts as two grouped GEMMs: first one group
+per *native* expert (local parameter row ``i`` in ``[0, El)``; a native expert that sits
+in no slot of this GPU gets an empty group), then one group per *fill* (a slot holding an
+expert this GPU does not own, its weights received from the owner), in receive order
+(owner rank, then slot). A slot that holds an expert its GPU owns, replica slot or not,
+uses the local parameter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from ..planning.plan import StepPlan, token_split
+from ..planning.topology import Topology
+
+__all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
+           "check_placement", "group_permutation", "layer_plans", "native_layer_plan"]
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one MoE layer executes for one micro-batch (the same object on every rank).
+
+    Attributes:
+        slot_expert_GJ: int64 ``[G, J]`` logical expert in each slot, ``-1`` empty.
+        split_SGJ: int64 ``[S, G, J]`` token-expert pairs source rank ``s`` sends to slot
+            ``(g, j)`` (``token_split`` of the plan; row ``s`` is rank ``s``'s send sizes,
+            column ``[:, g]`` rank ``g``'s receive sizes).
+        placement_E: optional int64 ``[E]`` placement the plan was made for; when given,
+            the layer checks that it is the placement in force.
+        topology: optional topology the plan was made for; when given, the layer checks
+            that it is its own (shapes alone cannot tell 1 x 4 GPUs from 2 x 2).
+    """
+
+    slot_expert_GJ: torch.Tensor
+    split_SGJ: torch.Tensor
+    placement_E: torch.Tensor | None = None
+    topology: Topology | None = None
+
+
+def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> list[LayerPlan]:
+    """Per-layer :class:`LayerPlan` objects of micro-batch ``micro_batch`` of ``plan``.
+
+    Computes :func:`~relibra_torch.planning.token_split` once for all layers.
+
+    Args:
+        plan: the step plan (``M`` micro-batches, ``L`` layers).
+        loads_MLSE: int ``[M, L, S, E]`` the counts the plan was made from.
+        micro_batch: ``m`` in ``[0, M)``.
+
+    Returns:
+        ``L`` layer plans, in layer order.
+    """
+    M = plan.num_micro_batches
+    if not 0 <= micro_batch < M:
+        raise ValueError(f"micro_batch={micro_batch} is outside the plan's [0, {M})")
+    if loads_MLSE.dim() != 4 or loads_MLSE.shape[0] != M:
+        raise ValueError(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}, expected [{M}, L, S, E]")
+    split_LSGJ = token_split(plan.micro_batch(micro_batch),
+                             loads_MLSE[micro_batch : micro_batch + 1])[0]
+    return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),
+                      plan.placement_LE[l].clone(), plan.topology)
+            for l in range(plan.num_layers)]
+
+
+def check_placement(placement_E: object, num_experts: int, name: str = "placement_E") -> torch.Tensor:
+    """Return ``placement_E`` as int64 CPU ``[E]`` or raise if it is not a permutation."""
+    if not isinstance(placement_E, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(placement_E).__name__}")
+    if placement_E.dtype not in (torch.int32, torch.int64) or placement_E.dim() != 1:
+        raise ValueError(f"{name} must be a 1-D integer tensor, got dtype {placement_E.dtype} "
+                         f"shape {tuple(placement_E.shape)}")
+    placement_E = placement_E.detach().to("cpu", torch.int64)
+    if placement_E.numel() != num_experts or not torch.equal(
+            placement_E.sort().values, torch.arange(num_experts)):
+        raise ValueError(f"{name} must be a permutation of 0..{num_experts - 1} (logical expert -> "
+                         f"physical native slot), got {placement_E.tolist()}")
+    return placement_E
+
+
+def check_layer_plan(layer_plan: object, topology: Topology,
+                     placement_E: torch.Tensor | None = None) -> LayerPlan:
+    """Validate ``layer_plan`` against the layer's topology; return it with CPU int64 tensors.
+
+    Raises ``ValueError``/``TypeError`` naming the problem: wrong type, shapes of another
+    topology (``G`` GPUs, ``J`` slots), values out of range, two instances of one expert on
+    one GPU, tokens on an empty slot, negative splits, a placement other than the one in
+    force.
+    """
+    if not isinstance(layer_plan, LayerPlan):
+        raise TypeError(f"plan must be a LayerPlan or None, got {type(layer_plan).__name__}")
+    G, J, E = topology.num_gpus, topology.slots_per_gpu, topology.num_experts
+    if layer_plan.topology is not None and layer_plan.topology != topology:
+        raise ValueError(f"the plan is for another topology: {layer_plan.topology}, but this layer "
+                         f"runs on {topology}")
+    se, sp = layer_plan.slot_expert_GJ, layer_plan.split_SGJ
+    for name, t in (("slot_expert_GJ", se), ("split_SGJ", sp)):
+        if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"LayerPlan.{name} must be an integer torch.Tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    if tuple(se.shape) != (G, J):
+        raise ValueError(f"LayerPlan.slot_expert_GJ has shape {tuple(se.shape)}, but this layer's "
+                         f"topology ({topology.num_nodes} nodes x {topology.gpus_per_node} GPUs, "
+                         f"{topology.experts_per_gpu} native + {topology.replica_slots} replica "
+                         f"slots) needs [{G}, {J}]: the plan is for another topology")
+    if tuple(sp.shape) != (G, G, J):
+        raise ValueError(f"LayerPlan.split_SGJ has shape {tuple(sp.shape)}, but this layer's "
+                         f"topology needs [{G}, {G}, {J}]: the plan is for another topology")
+    se = se.detach().to("cpu", torch.int64)
+    sp = sp.detach().to("cpu", torch.int64)
+    if (se < -1).any() or (se >= E).any():
+        raise ValueError(f"LayerPlan.slot_expert_GJ has values outside [-1, {E - 1}]: {se.tolist()}")
+    if (sp < 0).any():
+        raise ValueError("LayerPlan.split_SGJ has negative token counts")
+    if ((se < 0).unsqueeze(0) & (sp > 0)).any():
+        raise ValueError("LayerPlan.split_SGJ sends tokens to an empty slot (slot_expert_GJ = -1)")
+    s_sorted = se.sort(dim=1).values
+    dup = (s_sorted[:, 1:] == s_sorted[:, :-1]) & (s_sorted[:, 1:] >= 0)
+    if dup.any():
+        g = int(dup.nonzero()[0, 0])
+        raise ValueError(f"LayerPlan.slot_expert_GJ: GPU {g} holds two instances of one expert "
+                         f"({se[g].tolist()})")
+    pl = layer_plan.placement_E
+    if pl is not None:
+        pl = check_placement(pl, E, "LayerPlan.placement_E")
+        if placement_E is not None and not torch.equal(pl, placement_E):
+            raise ValueError(f"LayerPlan.placement_E {pl.tolist()} is not the layer's placement "
+                             f"{placement_E.tolist()}: apply the step's placement "
+                             f"(apply_placement) before installing its plans")
+    return LayerPlan(se, sp, pl, layer_plan.topology)
+
+
+def native_layer_plan(topology: Topology, placement_E: torch.Tensor,
+                      counts_SE: torch.Tensor) -> LayerPlan:
+    """Every expert on its owner only, replica slots empty.
+
+    Args:
+        placement_E: int64 ``[E]`` physical native slot of every logical expert.
+        counts_SE: int ``[S, E]`` token-expert pairs of every source rank per expert.
+    """
+    G, J, El, E = topology.num_gpus, topology.slots_per_gpu, topology.experts_per_gpu, topology.num_experts
+    native_E = torch.empty_like(placement_E)
+    native_E[placement_E] = torch.arange(E)
+    slot_expert_GJ = torch.full((G, J), -1, dtype=torch.int64)
+    slot_expert_GJ[:, :El] = native_E.view(G, El)
+    split_SGJ = torch.zeros(G, G, J, dtype=torch.int64)
+    split_SGJ[:, :, :El] = counts_SE.to(torch.int64)[:, native_E].view(G, G, El)
+    return LayerPlan(slot_expert_GJ, split_SGJ, placement_E.clone(), topology)
+
+
+@dataclass
+class RankSchedule:
+    """Host-side execution data of one rank (see the module docstring for the groups).
+
+    Attributes:
+        rank: this EP rank.
+        send_sizes / recv_sizes: ``[G]`` token rows sent to / received from every rank.
+        expected_counts_E: int64 ``[E]`` token-expert pairs this rank must route per expert.
+        slot_order_X: int64 ``[X]`` destination slots ``g * J + j`` sorted by (expert, slot).
+        slot_cum_end_X: int64 ``[X]`` cumulative send counts in that order: the ``p``-th pair
+            of this rank in (expert, token, k) order goes to ``slot_order_X[q]`` with ``q`` the
+            first index whose end exceeds ``p``.
+        chunk_group_C / chunk_count_C: int64 ``[C]`` local group and row count of every
+            received chunk ``(s, j)`` (rows arrive source-major, then by slot).
+        own_counts: ``[El]`` rows of every native expert's group.
+        fill_counts: ``[Fr]`` rows of every fill group, in receive order.
+        slot_tokens_J: int64 ``[J]`` rows every slot of this GPU processes.
+        any_fill: some rank of the group receives weights (then every rank joins the fill).
+        fill_send_idx: int64 ``[Fs]`` local native rows to send, ordered by (dest rank, slot).
+        fill_send_sizes / fill_recv_sizes: ``[G]`` weight rows sent to / received from every rank.
+        fill_slots / fill_experts: ``[Fr]`` slot and logical expert of every received fill.
+        own_offsets / fill_offsets: int32 cumulative ends of the native / fill groups.
+
+    The tensors the forward indexes with live on the layer's device after :meth:`to`;
+    ``expected_counts_E`` and ``slot_tokens_J`` stay on the CPU (host-side checks and
+    counters).
+    """
+
+    rank: int
+    send_sizes: list[int]
+    recv_sizes: list[int]
+    expected_counts_E: torch.Tensor
+    slot_order_X: torch.Tensor
+    slot_cum_end_X: torch.Tensor
+    chunk_group_C: torch.Tensor
+    chunk_count_C: torch.Tensor
+    own_counts: list[int]
+    fill_counts: list[int]
+    slot_tokens_J: torch.Tensor
+    any_fill: bool
+    fill_send_idx: torch.Tensor
+    fill_send_sizes: list[int]
+    fill_recv_sizes: list[int]
+    fill_slots: list[int]
+    fill_experts: list[int]
+    own_offsets: torch.Tensor
+    fill_offsets: torch.Tensor
+
+    _DEVICE_FIELDS = ("slot_order_X", "slot_cum_end_X", "chunk_group_C", "chunk_count_C",
+                      "fill_send_idx", "own_offsets", "fill_offsets")
+
+    def to(self, device: torch.device | str) -> "RankSchedule":
+        """A copy whose index tensors live on ``device`` (moved once per plan, not per call)."""
+        moved = {f: getattr(self, f).to(device) for f in self._DEVICE_FIELDS}
+        return dataclasses.replace(self, **moved)
+
+    @property
+    def num_own_rows(self) -> int:
+        return sum(self.own_counts)
+
+    @property
+    def num_recv_rows(self) -> int:
+        return sum(self.recv_sizes)
+
+
+def build_rank_schedule(topology: Topology, placement_E: torch.Tensor, layer_plan: LayerPlan,
+                        rank: int) -> RankSchedule:
+    """Turn a validated :class:`LayerPlan` into rank ``rank``'s :class:`RankSchedule`.
+
+    Fills are executed only for slots that process at least one token (every rank sees the
+    same split, so all agree on which weights move).
+    """
+    G, J, El, E = topology.num_gpus, topology.slots_per_gpu, topology.experts_per_gpu, topology.num_experts
+    X = G * J
+    se_GJ, sp_SGJ = layer_plan.slot_expert_GJ, layer_plan.split_SGJ
+    owner_E = placement_E // El
+    local_E = placement_E % El
+
+    # Send side: destination slots sorted by (expert, slot), empty slots (-1) first.
+    se_X = se_GJ.reshape(X)
+    send_X = sp_SGJ[rank].reshape(X)
+    key_X = torch.where(se_X >= 0, se_X * X + torch.arange(X), torch.full_like(se_X, -1))
+    slot_order_X = key_X.argsort(stable=True)
+    slot_cum_end_X = send_X[slot_order_X].cumsum(0)
+    expected_counts_E = torch.zeros(E, dtype=torch.int64).scatter_add_(
+        0, se_X.clamp(min=0), send_X * (se_X >= 0))
+
+    # Fills: (gpu, slot) holding an expert owned elsewhere that processes tokens.
+    tokens_GJ = sp_SGJ.sum(0)
+    owner_GJ = torch.where(se_GJ >= 0, owner_E[se_GJ.clamp(min=0)], torch.full_like(se_GJ, -1))
+    is_fill_GJ = (se_GJ >= 0) & (owner_GJ != torch.arange(G).unsqueeze(1)) & (tokens_GJ > 0)
+    any_fill = bool(is_fill_GJ.any())
+    # Served by this rank: ordered by (dest gpu, slot) -- nonzero() is row-major.
+    served = (is_fill_GJ & (owner_GJ == rank)).nonzero()
+    fill_send_idx = local_E[se_GJ[served[:, 0], served[:, 1]]] if len(served) else torch.zeros(0, dtype=torch.int64)
+    fill_send_sizes = torch.bincount(served[:, 0], minlength=G).tolist() if len(served) else [0] * G
+    # Received by this rank: ordered by (owner, slot), as the owners send them.
+    my_fill_j = is_fill_GJ[rank].nonzero().flatten()
+    my_owner = owner_GJ[rank, my_fill_j]
+    recv_order = (my_owner * J + my_fill_j).argsort()
+    fill_slots_t = my_fill_j[recv_order]
+    fill_slots = fill_slots_t.tolist()
+    fill_experts = se_GJ[rank, fill_slots_t].tolist()
+    fill_recv_sizes = torch.bincount(my_owner, minlength=G).tolist() if len(my_fill_j) else [0] * G
+
+    # Receive side: local group of every slot of this GPU.
+    se_J = se_GJ[rank]
+    group_J = torch.zeros(J, dtype=torch.int64)
+    own_J = (se_J >= 0) & (owner_E[se_J.clamp(min=0)] == rank)
+    group_J[own_J] = local_E[se_J[own_J]]
+    group_J[fill_slots_t] = El + torch.arange(len(fill_slots))
+    recv_SJ = sp_SGJ[:, rank]
+    slot_tokens_J = recv_SJ.sum(0)
+    own_counts = torch.zeros(El, dtype=torch.int64)
+    own_counts[group_J[own_J]] = slot_tokens_J[own_J]
+    # A slot that receives tokens must be computed: owned or filled. (Non-owned slots
+    # with tokens are fills by construction, so nothing can be dropped here.)
+    return RankSchedule(
+        rank=rank,
+        send_sizes=sp_SGJ[rank].sum(1).tolist(),
+        recv_sizes=recv_SJ.sum(1).tolist(),
+        expected_counts_E=expected_counts_E,
+        slot_order_X=slot_order_X,
+        slot_cum_end_X=slot_cum_end_X,
+        chunk_group_C=group_J.expand(G, J).reshape(G * J).clone(),
+        chunk_count_C=recv_SJ.reshape(G * J).clone(),
+        own_counts=own_counts.tolist(),
+        fill_counts=slot_tokens_J[fill_slots_t].tolist(),
+        slot_tokens_J=slot_tokens_J,
+        any_fill=any_fill,
+        fill_send_idx=fill_send_idx,
+        fill_send_sizes=fill_send_sizes,
+        fill_recv_sizes=fill_recv_sizes,
+        fill_slots=fill_slots,
+        fill_experts=fill_experts,
+        own_offsets=own_counts.cumsum(0).to(torch.int32),
+        fill_offsets=slot_tokens_J[fill_slots_t].cumsum(0).to(torch.int32),
+    )
+
+
+def assign_slots(ids_TK: torch.Tensor, schedule: RankSchedule) -> torch.Tensor:
+    """Destination slot ``g * J + j`` of every (token, k) pair of this rank, on ids' device.
+
+    Follows the :func:`~relibra_torch.planning.token_split` rule: the pairs of expert ``e``,
+    in flat ``t * K + k`` order, fill ``e``'s instances in slot order, each with its quota.
+    Requires this rank's counts to equal ``schedule.expected_counts_E``.
+
+    Args:
+        ids_TK: int64 ``[T, K]`` expert ids.
+    Returns:
+        int64 ``[T, K]`` destination slots.
+    """
+    device = ids_TK.device
+    flat = ids_TK.reshape(-1)
+    order = flat.argsort(stable=True)
+    # Position of every pair in (expert, flat index) order ...
+    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
+    # ... falls in the run of one slot of the slots sorted by (expert, slot).
+    q = torch.searchsorted(schedule.slot_cum_end_X.to(device), pos, right=True)
+    return schedule.slot_order_X.to(device)[q].view_as(ids_TK)
+
+
+def group_permutation(schedule: RankSchedule, device: torch.device) -> torch.Tensor:
+    """int64 ``[Rr]``: received row order -> grouped order (native groups, then fills).
+
+    ``x_grouped = x_received[perm]``; stable, so inside a group rows stay source-major.
+    """
+    group_of_row = torch.repeat_interleave(schedule.chunk_group_C.to(device),
+                                           schedule.chunk_count_C.to(device),
+                                           output_size=schedule.num_recv_rows)
+    return group_of_row.argsort(stable=True)
