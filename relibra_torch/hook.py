@@ -57,6 +57,9 @@ class StepReport:
         predicted_imbalance_ML: float64 ``[M, L]`` max/mean GPU tokens the plan predicts.
         static_imbalance_ML: float64 ``[M, L]`` the same for the previous placement without
             replicas (what the step would have cost without balancing).
+        degraded_micro_batches: indices of this step's micro-batches in which some layer
+            found routed ids that did not match the plan and ran degraded (on the current
+            placement without replicas: correct, slower). Filled while the step runs.
     """
 
     planner_s: float = 0.0
@@ -64,6 +67,7 @@ class StepReport:
     migrated_experts: int = 0
     predicted_imbalance_ML: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
     static_imbalance_ML: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
+    degraded_micro_batches: set[int] = field(default_factory=set)
 
 
 def count_loads(routed_experts: Sequence[torch.Tensor], num_layers: int, num_experts: int) -> torch.Tensor:
@@ -217,6 +221,9 @@ class ReplayBalancer:
                                  migrated_experts=moved,
                                  predicted_imbalance_ML=imbalance(plan.slot_tokens_MLGJ.sum(-1)),
                                  static_imbalance_ML=imbalance(static.slot_tokens_MLGJ.sum(-1)))
+        # The layers record degraded micro-batches straight into this step's report.
+        for layer in self.layers:
+            layer.engine.degraded_micro_batches = self.report.degraded_micro_batches
         self.plan, self.loads_MLSE = plan, loads_MLSE
         return plan
 

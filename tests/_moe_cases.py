@@ -82,9 +82,23 @@ def make_routing(mode: str, tokens: list[int], num_experts: int, top_k: int, gen
 
 
 def loads_of(ids_per_rank: list[torch.Tensor], num_experts: int) -> torch.Tensor:
-    """int64 ``[1, 1, S, E]`` counts of per-rank ids."""
-    return torch.stack([torch.bincount(i.reshape(-1), minlength=num_experts) for i in ids_per_rank]).view(
-        1, 1, len(ids_per_rank), num_experts)
+    """int64 ``[1, 1, S, E]`` counts of per-rank ids (pads, ``-1``, count nowhere)."""
+    return torch.stack([torch.bincount(i.reshape(-1) + 1, minlength=num_experts + 1)[1:]
+                        for i in ids_per_rank]).view(1, 1, len(ids_per_rank), num_experts)
+
+
+def with_pads(ids_per_rank: list[torch.Tensor], gen: torch.Generator, token_p: float = 0.25,
+              slot_p: float = 0.2) -> list[torch.Tensor]:
+    """Copies of ``ids_per_rank`` with pads: whole tokens (every k ``-1``) with probability
+    ``token_p`` and single (token, k) slots with probability ``slot_p``."""
+    out = []
+    for ids in ids_per_rank:
+        ids = ids.clone()
+        if ids.numel():
+            ids[torch.rand(ids.shape[0], generator=gen) < token_p] = -1
+            ids[torch.rand(ids.shape, generator=gen) < slot_p] = -1
+        out.append(ids)
+    return out
 
 
 def random_plan(topology: Topology, loads_MLSE: torch.Tensor, gen: torch.Generator, mode: str) -> StepPlan:

@@ -170,7 +170,7 @@ def run_errors(num_nodes: int, gpus_per_node: int) -> dict:
         ReplayBalancedMoE(DIM, HIDDEN, 6, 2, mesh=mesh)
     except ValueError as e:
         msgs["divide"] = str(e)
-    m = ReplayBalancedMoE(DIM, HIDDEN, 8, 2, mesh=mesh, replica_slots=1)
+    m = ReplayBalancedMoE(DIM, HIDDEN, 8, 2, mesh=mesh, replica_slots=1, on_mismatch="raise")
     flat = Topology(1, num_nodes * gpus_per_node, 8, 1)
     G = num_nodes * gpus_per_node
     ids = [torch.randint(0, 8, (3, 2), generator=torch.Generator().manual_seed(s)) for s in range(G)]
@@ -193,6 +193,40 @@ def run_errors(num_nodes: int, gpus_per_node: int) -> dict:
     out = m(torch.randn(3, DIM), ids[r])
     msgs["after"] = tuple(out.shape)
     return msgs
+
+
+def run_degraded(case: Case, planned_ids: list[torch.Tensor]) -> dict:
+    """Plan a step with ReplayBalancer from ``planned_ids``, then run ``case.ids_per_rank``
+    (which disagree with the plan on some rank): the run degrades on every rank. Returns
+    run_case's results plus the warnings and the balancer's degraded micro-batches."""
+    import warnings
+
+    import relibra_torch.moe.engine as engine_mod
+    from relibra_torch.hook import ReplayBalancer
+
+    torch.manual_seed(1234)
+    r = dist.get_rank()
+    m = build(case, case_mesh(case))
+    m.load_state_dict(logical_state(case))
+    balancer = ReplayBalancer(m, planner="relibra")
+    balancer.plan_step([planned_ids[r].unsqueeze(1)])
+    balancer.install(0)
+    engine_mod._MISMATCH_WARNED = False
+    xs, gs = inputs(case)
+    x = xs[r].clone().requires_grad_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = m(x, case.ids_per_rank[r])
+    out.backward(gs[r])
+    res = {"out": out.detach().numpy(), "x_grad": x.grad.numpy(), "gate_grad": m.gate.weight.grad.numpy(),
+           "native": m.native_experts().numpy(), "fills": m.last_fills,
+           "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+           "degraded": sorted(balancer.report.degraded_micro_batches)}
+    for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
+        res[n] = m.get_parameter(n).grad.to_local().numpy()
+    if case.shared:
+        res["shared_grad"] = m.shared_experts.w1.weight.grad.numpy()
+    return res
 
 
 def run_compiled_ep() -> dict:

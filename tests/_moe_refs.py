@@ -19,7 +19,7 @@ def naive_moe(sd: dict, x_TD: torch.Tensor, ids_TK: torch.Tensor | None, top_k: 
     if ids_TK is None:
         choice = scores + sd["expert_bias_E"] if "expert_bias_E" in sd else scores
         ids_TK = choice.topk(top_k, dim=-1).indices
-    gates = scores.gather(1, ids_TK)
+    gates = scores.gather(1, ids_TK.clamp(min=0)) * (ids_TK >= 0)  # -1: a pad, no expert
     if route_norm:
         gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
     gates = gates * route_scale
@@ -28,6 +28,8 @@ def naive_moe(sd: dict, x_TD: torch.Tensor, ids_TK: torch.Tensor | None, top_k: 
         acc = torch.zeros(x_TD.shape[1])
         for k in range(ids_TK.shape[1]):
             e = int(ids_TK[t, k])
+            if e < 0:
+                continue
             h = torch.nn.functional.silu(sd["w1_EFD"][e] @ x_TD[t]) * (sd["w3_EFD"][e] @ x_TD[t])
             acc = acc + gates[t, k] * (sd["w2_EDF"][e] @ h)
         if "shared_experts.w1.weight" in sd:

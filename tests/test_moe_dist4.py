@@ -82,6 +82,38 @@ def test_every_planner_with_replicas(pool, refetch):
         assert all(res["replica_live"] == 0 for res in results)  # freed after backward
 
 
+def test_replay_that_disagrees_with_the_plan_degrades_to_the_one_process_result(pool):
+    """Rank 1 replays other ids than the step was planned from: every rank runs that forward on
+    the current placement without replicas; the result is the one-process result of the ids
+    actually replayed, with one warning per rank and the micro-batch counted."""
+    gen = torch.Generator().manual_seed(31)
+    planned = fns.make_routing("skewed", [7, 5, 6, 4], 8, 2, gen)
+    replayed = [ids.clone() for ids in planned]
+    replayed[1] = (replayed[1] + 3) % 8
+    case = fns.Case(N, GPN, 8, 2, 2, 60, replayed, shared=True)
+    results = pool.run(fns.run_degraded, case, planned)
+    fns.check_case(case, results)
+    for res in results:
+        assert res["degraded"] == [0], res["degraded"]
+        assert len(res["warnings"]) == 1 and "EP ranks [1]" in res["warnings"][0]
+        assert res["fills"] == []  # degraded: no replicas
+
+
+def test_pad_ids_through_the_planners_and_the_layer(pool):
+    """-1 pads (whole tokens and single slots) on every rank: counted nowhere, planned by every
+    planner with replicas, executed exactly (one-process reference, pads skipped there too)."""
+    gen = torch.Generator().manual_seed(41)
+    for kind in ("static", "eplb-oracle", "relibra"):
+        ids = fns.with_pads(fns.make_routing("skewed", [8, 3, 6, 5], 8, 3, gen), gen)
+        case = fns.Case(N, GPN, 8, 3, 2, 70, ids, shared=True, route_norm=True)
+        loads = fns.loads_of(ids, 8)
+        assert int(loads.sum()) == sum(int((i >= 0).sum()) for i in ids)
+        case = fns.with_plan(case, fns.planner_plan(kind, case.topology(), loads, gen))
+        results = pool.run(fns.run_case, case)
+        fns.check_case(case, results)
+        assert sum(res["expert_tokens"] for res in results) == int(loads.sum())
+
+
 def test_self_routing_and_one_node_flat_mesh(pool):
     gen = torch.Generator().manual_seed(0)
     ids = fns.make_routing("random", [5, 3, 0, 6], 8, 2, gen)

@@ -119,11 +119,55 @@ def test_one_process_plan_executes_like_local_path():
     m.set_plan(native_layer_plan(m.topology, m.placement_E.cpu(), counts))
     fns.close(m(x, ids).detach().numpy(), local.numpy(), "planned output")
     assert m.last_expert_tokens == 12
-    # A plan made from other counts is refused, naming the problem.
+    # A plan made from other counts: by default the forward degrades (correct result on the
+    # placement without replicas, a warning, a count); on_mismatch="raise" refuses it.
+    other = (ids + 1) % 8
+    m.set_plan(None)
+    want = m(x, other).detach()
+    m.set_plan(native_layer_plan(m.topology, m.placement_E.cpu(), counts))
+    with pytest.warns(RuntimeWarning, match="do not match the installed plan"):
+        import relibra_torch.moe.engine as engine_mod
+        engine_mod._MISMATCH_WARNED = False
+        got = m(x, other).detach()
+    fns.close(got.numpy(), want.numpy(), "degraded output")
+    assert m.engine.degraded_forwards == 1 and m.engine.degraded_micro_batches == {-1}
+    m.engine.on_mismatch = "raise"
     with pytest.raises(ValueError, match="do not match the installed plan"):
-        m(x, (ids + 1) % 8)
+        m(x, other)
     m.set_plan(None)
     assert m.plan is None
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(seed=st.integers(0, 10**6), T=st.integers(0, 7), K=st.integers(1, 3), norm=st.booleans(),
+       shared=st.booleans(), placed=st.booleans())
+def test_pad_ids_are_skipped_and_keep_shared_experts(seed, T, K, norm, shared, placed):
+    """-1 ids: no expert for that (token, k); gate 0, not counted, not computed; a token whose
+    ids are all -1 gets only the shared experts. Checked against the token-by-token reference,
+    on the local path and on a one-process plan made from pad-free counts."""
+    case = _case(E=6, K=K, seed=seed, route_norm=norm, shared=shared, replica_slots=1)
+    m = _module(case)
+    if placed:
+        m.apply_placement(torch.randperm(6, generator=torch.Generator().manual_seed(seed)))
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, D, generator=gen)
+    ids = fns.with_pads(fns.make_routing("random", [T], 6, K, gen), gen, 0.3, 0.3)[0]
+    ref = fns.naive_moe(fns.logical_state(case), x, ids, K, route_norm=norm)
+    m.train()
+    fns.close(m(x, ids).detach().numpy(), ref.numpy(), "local output with pads")
+    want_counts = fns.loads_of([ids], 6).view(6)
+    assert torch.equal(m.tokens_per_expert_E.long(), want_counts)
+    assert m.last_expert_tokens == int(want_counts.sum())
+    m.set_plan(native_layer_plan(m.topology, m.placement_E.cpu(), want_counts.view(1, 6)))
+    fns.close(m(x, ids).detach().numpy(), ref.numpy(), "planned output with pads")
+    assert m.last_expert_tokens == int(want_counts.sum()) and m.engine.degraded_forwards == 0
+    all_pad = (ids < 0).all(1)
+    if all_pad.any():
+        shared_only = (m.shared_experts(x[all_pad]) if shared else torch.zeros(int(all_pad.sum()), D))
+        fns.close(ref[all_pad].numpy(), shared_only.detach().numpy(), "all-pad tokens")
+    with pytest.raises(ValueError, match=r"allowed: \[0, num_experts=6\), or -1"):
+        m.set_plan(None)
+        m(torch.randn(1, D), torch.full((1, K), -2))
 
 
 def test_state_dict_is_logical_and_loads_across_placements(tmp_path):
@@ -173,8 +217,8 @@ def test_bad_input_raises_value_error_naming_the_problem():
     x = torch.randn(4, D)
     with pytest.raises(ValueError, match=r"ids in \[0, 8\].*num_experts=8"):
         m(x, torch.tensor([[0, 8]] * 4))
-    with pytest.raises(ValueError, match=r"ids in \[-1, 1\]"):
-        m(x, torch.tensor([[0, 1]] * 3 + [[-1, 1]]))
+    with pytest.raises(ValueError, match=r"ids in \[-3, 1\].*or -1 for a pad"):
+        m(x, torch.tensor([[0, 1]] * 3 + [[-3, 1]]))
     with pytest.raises(ValueError, match=r"shape \(4, 3\), expected \(4, 2\)"):
         m(x, torch.zeros(4, 3, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"shape \(3, 2\), expected \(4, 2\)"):

@@ -106,7 +106,9 @@ class TitanBalancer:
     def metrics(self, prefix: str = "relibra") -> dict[str, float]:
         """The last step's numbers, flat, for torchtitan's ``MetricsProcessor`` extra metrics.
 
-        ``<prefix>/planner_ms``, ``<prefix>/migrated_experts``, ``<prefix>/fell_back`` and, per
+        ``<prefix>/planner_ms``, ``<prefix>/migrated_experts``, ``<prefix>/fell_back``,
+        ``<prefix>/degraded_micro_batches`` (micro-batches whose routing did not match the
+        plan and ran on the current placement without replicas) and, per
         MoE layer ``n``, ``<prefix>/imbalance_before/layer_n`` (max/mean expert tokens over EP
         ranks on the previous placement without replicas, worst micro-batch) and
         ``<prefix>/imbalance_after/layer_n`` (the same under the plan), plus their means over
@@ -115,7 +117,8 @@ class TitanBalancer:
         r = self.hook.report
         out = {f"{prefix}/planner_ms": 1000.0 * r.planner_s,
                f"{prefix}/migrated_experts": float(r.migrated_experts),
-               f"{prefix}/fell_back": float(r.fell_back)}
+               f"{prefix}/fell_back": float(r.fell_back),
+               f"{prefix}/degraded_micro_batches": float(len(r.degraded_micro_batches))}
         for name, t in (("imbalance_before", r.static_imbalance_ML), ("imbalance_after", r.predicted_imbalance_ML)):
             if t.numel() == 0:
                 continue

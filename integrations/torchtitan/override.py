@@ -32,7 +32,8 @@ OVERRIDE_TARGET = "integrations.torchtitan.override.relibra_moe"
 def relibra_moe_config(cfg: MoE.Config, *, planner: str = "relibra", replica_slots: int = 1,
                        reorder: bool = True, gpus_per_node: int | None = None,
                        expert_dtype: str | None = "bfloat16", refetch_replicas: bool = False,
-                       check_plan: bool = True, planner_options: dict | None = None) -> RelibraMoE.Config:
+                       check_plan: bool = True, on_mismatch: str = "degrade",
+                       planner_options: dict | None = None) -> RelibraMoE.Config:
     """The :class:`RelibraMoE` config that replaces ``cfg`` (all its fields kept).
 
     Args:
@@ -42,7 +43,7 @@ def relibra_moe_config(cfg: MoE.Config, *, planner: str = "relibra", replica_slo
         gpus_per_node: EP ranks per node; ``None`` treats the EP group as one node.
         expert_dtype: expert GEMM dtype (:data:`~integrations.torchtitan.moe.EXPERT_DTYPES`);
             ``"bfloat16"`` matches torchtitan's ``GroupedExperts``.
-        refetch_replicas, check_plan: see :class:`RelibraRoutedExperts.Config`.
+        refetch_replicas, check_plan, on_mismatch: see :class:`RelibraRoutedExperts.Config`.
         planner_options: extra planner arguments (``ReLibraConfig`` fields for relibra).
     """
     if not isinstance(cfg, MoE.Config):
@@ -53,7 +54,7 @@ def relibra_moe_config(cfg: MoE.Config, *, planner: str = "relibra", replica_slo
     check_choice("expert_dtype", expert_dtype, EXPERT_DTYPES)
     routed = derive(cfg.routed_experts, RelibraRoutedExperts.Config, replica_slots=replica_slots,
                     gpus_per_node=gpus_per_node, expert_dtype=expert_dtype,
-                    refetch_replicas=refetch_replicas, check_plan=check_plan)
+                    refetch_replicas=refetch_replicas, check_plan=check_plan, on_mismatch=on_mismatch)
     routed.sharding_config = declare_placement(routed.sharding_config)
     if planner_options is not None and not isinstance(planner_options, dict):
         raise TypeError(f"planner_options is {describe(planner_options)}; allowed: a dict or None")

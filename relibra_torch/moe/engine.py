@@ -17,6 +17,7 @@ received by this rank.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -27,11 +28,18 @@ from ..distributed.collectives import all_to_all_autograd
 from ..distributed.mesh import EPGroup
 from ..distributed.migration import move_expert_rows, native_experts
 from ..distributed.replicas import FillSpec, ReplicaMemory, fill_replicas, refetch_replica_ffn
+from ..checks import check_choice
 from ..planning.topology import Topology
 from .schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan,
                        check_placement, group_permutation, native_layer_plan)
 
-__all__ = ["EXPERT_PARAMS", "ExpertEngine", "expert_ffn", "local_tensor"]
+__all__ = ["EXPERT_PARAMS", "MISMATCH_MODES", "ExpertEngine", "expert_ffn", "local_tensor"]
+
+#: What a layer does when routed ids disagree with the installed plan (see ExpertEngine).
+MISMATCH_MODES = ("degrade", "raise")
+
+# One warning per process for degraded micro-batches (they are counted, not re-announced).
+_MISMATCH_WARNED = False
 
 #: Names of the expert weights, torchtitan's layout: ``w1``/``w3`` ``[E, F, D]``, ``w2`` ``[E, D, F]``.
 EXPERT_PARAMS = ("w1_EFD", "w2_EDF", "w3_EFD")
@@ -63,7 +71,15 @@ class ExpertEngine:
         ep: the EP group the layer exchanges over (size 1, no group: one process).
         refetch_replicas: fetch replica weights again in backward (and recompute the replica
             rows' forward) instead of keeping the buffers alive.
-        check_plan: check every planned forward that this rank's routed ids match the plan.
+        check_plan: check every planned forward that this rank's routed ids match the plan
+            (and lie in ``[-1, E)``): one device-to-host copy of ``E + 2`` counts and one
+            all-reduce of ``G`` flags per layer. Off: the caller vouches that the replay
+            matches; a mismatch then sends rows by the plan's sizes regardless, which
+            computes a wrong result or fails inside the exchange.
+        on_mismatch: ``"degrade"`` (default): when any rank's routed ids disagree with the
+            installed plan, every rank runs that forward on the current placement without
+            replicas, with counts exchanged (correct, slower), warns once per process and
+            records it; ``"raise"``: every rank raises ``ValueError``.
         replica_memory: replica-buffer tracker (one per layer unless shared).
 
     State: ``placement_cpu`` (int64 ``[E]`` logical expert -> physical native slot), the
@@ -72,13 +88,20 @@ class ExpertEngine:
     """
 
     def __init__(self, topology: Topology, ep: EPGroup, *, refetch_replicas: bool = False,
-                 check_plan: bool = True, replica_memory: ReplicaMemory | None = None):
+                 check_plan: bool = True, on_mismatch: str = "degrade",
+                 replica_memory: ReplicaMemory | None = None):
         if topology.num_gpus != ep.size:
             raise ValueError(f"topology has {topology.num_gpus} GPUs but the EP group has {ep.size} ranks")
         self.topology = topology
         self.ep = ep
         self.refetch_replicas = bool(refetch_replicas)
         self.check_plan = bool(check_plan)
+        self.on_mismatch = check_choice("on_mismatch", on_mismatch, MISMATCH_MODES)
+        #: Micro-batch indices (``LayerPlan.micro_batch``, ``-1`` when untagged) that ran
+        #: degraded; the balancer hands every layer one shared set per step.
+        self.degraded_micro_batches: set[int] = set()
+        #: Forwards of this layer that ran degraded, since construction.
+        self.degraded_forwards = 0
         self.replica_memory = replica_memory if replica_memory is not None else ReplicaMemory()
         self.placement_cpu = torch.arange(topology.num_experts)
         self.identity_placement = True
@@ -133,14 +156,18 @@ class ExpertEngine:
     def _run_local(self, x_TD, ids_TK, gates_TK, weights, placement_E):
         """One process, no plan: every expert local, slots = physical expert rows."""
         E = self.num_experts
-        slot_TK = ids_TK if self.identity_placement else placement_E[ids_TK]
-        x_sorted_RD, row_of_TK, offsets_E = ops.permute(slot_TK, x_TD, E)
+        slot_TK = ids_TK if self.identity_placement else placement_E[ids_TK.clamp(min=0)]
+        # Pad pairs (id -1) go to a drop slot past the experts: their rows are never computed
+        # (rows past the last group are zero) and their gates are zero.
+        slot_TK = torch.where(ids_TK < 0, E, slot_TK)
+        x_sorted_RD, row_of_TK, offsets_S = ops.permute(slot_TK, x_TD, E + 1)
+        offsets_E = offsets_S[:E]
         y_RD = expert_ffn(x_sorted_RD, *[local_tensor(w) for w in weights], offsets_E)
         if not torch.compiler.is_compiling():
             # Kept on the device: reading the counters is the only sync.
             counts = torch.diff(offsets_E.to(torch.int64), prepend=offsets_E.new_zeros(1))
             self.last_slot_tokens_J = torch.cat([counts, counts.new_zeros(self.topology.replica_slots)])
-            self.last_expert_tokens = int(x_sorted_RD.shape[0])
+            self.last_expert_tokens = self.last_slot_tokens_J.sum()  # stays on the device
             self.last_fills = []
         return ops.unpermute(y_RD, row_of_TK, gates_TK)
 
@@ -149,18 +176,22 @@ class ExpertEngine:
         """Plan-driven execution with exchanges (graph break under ``torch.compile``)."""
         topo, ep = self.topology, self.ep
         device = x_TD.device
-        J = topo.slots_per_gpu
+        J, E = topo.slots_per_gpu, topo.num_experts
         sched = self._schedule
         if sched is None or self.check_plan:
-            counts_E = torch.bincount(ids_TK.reshape(-1), minlength=topo.num_experts).cpu()
+            counts_E, bad_ids = self._host_counts(ids_TK)
         if sched is None:
-            sched = self._native_schedule(counts_E, device)
-        elif self.check_plan:
-            self._check_counts(counts_E, sched, device)
+            sched = self._native_schedule(counts_E, device, bad_ids)
+        elif self.check_plan and not self._plan_matches(counts_E, bad_ids, sched, device):
+            sched = self._native_schedule(counts_E, device, 0)
 
-        # (token, k) pairs -> destination slot g * J + j, by the token_split rule.
+        # (token, k) pairs -> destination slot g * J + j, by the token_split rule; pads go to
+        # slot X (sorted last, never sent).
+        X = topo.num_gpus * J
         dest_TK = assign_slots(ids_TK, sched)
-        x_send, row_of_TK, _ = ops.permute(dest_TK, x_TD, topo.num_gpus * J)
+        x_sorted, row_of_TK, _ = ops.permute(dest_TK, x_TD, X + 1)
+        n_send = sum(sched.send_sizes)
+        x_send = x_sorted[:n_send] if x_sorted.shape[0] > n_send else x_sorted
         x_recv = all_to_all_autograd(x_send, sched.send_sizes, sched.recv_sizes, ep.group)
 
         # Group the received rows: native experts first (local row order), then fills.
@@ -184,49 +215,95 @@ class ExpertEngine:
         inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=device))
         y_recv = y_grp.index_select(0, inv)
         y_send = all_to_all_autograd(y_recv, sched.recv_sizes, sched.send_sizes, ep.group)
+        if x_sorted.shape[0] > n_send:  # pad rows: zero output (their gates are zero too)
+            y_send = torch.cat([y_send, y_send.new_zeros(x_sorted.shape[0] - n_send, y_send.shape[1])])
 
         self.last_slot_tokens_J = sched.slot_tokens_J.clone()
         self.last_expert_tokens = int(x_recv.shape[0])
         self.last_fills = list(zip(sched.fill_slots, sched.fill_experts))
         return ops.unpermute(y_send, row_of_TK, gates_TK)
 
-    def _check_counts(self, counts_E: torch.Tensor, sched: RankSchedule, device: torch.device) -> None:
-        """Raise on every rank if any rank's routed ids disagree with the plan.
+    def _host_counts(self, ids_TK: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """``(counts_E, bad)``: int64 CPU ``[E]`` pairs per expert (pads skipped) and the
+        number of ids outside ``[-1, E)``, from one device-to-host copy."""
+        E = self.num_experts
+        flat = ids_TK.reshape(-1)
+        key = torch.where((flat < -1) | (flat >= E), E + 1, flat + 1)
+        binned = torch.bincount(key, minlength=E + 2).cpu()
+        return binned[1 : E + 1], int(binned[E + 1])
 
-        The ranks agree first (one all-reduce of a flag) so that a mismatch on one rank
-        cannot leave the others waiting in the token exchange.
-        """
+    def _agree(self, flag: int, device: torch.device) -> torch.Tensor:
+        """int64 CPU ``[G]``: every rank's ``flag`` (one all-reduce; no exchange on one process)."""
         ep = self.ep
-        diff = (counts_E != sched.expected_counts_E).nonzero().flatten()
-        bad = int(diff[0]) if len(diff) else -1
         flags = torch.zeros(max(ep.size, 1), dtype=torch.int64)
-        flags[ep.rank] = bad + 1
+        flags[ep.rank] = flag
         if ep.group is not None:
             flags = flags.to(device)
             dist.all_reduce(flags, group=ep.group)
             flags = flags.cpu()
+        return flags
+
+    def _raise_bad_ids(self, flags_G: torch.Tensor) -> None:
+        ranks = flags_G.nonzero().flatten().tolist()
+        raise ValueError(f"routed experts have ids outside [-1, num_experts={self.num_experts}) on EP "
+                         f"ranks {ranks}; allowed: expert ids, or -1 for a pad (no expert)")
+
+    def _plan_matches(self, counts_E: torch.Tensor, bad_ids: int, sched: RankSchedule,
+                      device: torch.device) -> bool:
+        """Whether every rank's routed ids match the installed plan (all ranks agree).
+
+        One all-reduce of per-rank flags first, so that a mismatch or a bad id on one rank
+        cannot leave the others waiting in the token exchange. Bad ids raise on every rank;
+        a mismatch raises (``on_mismatch="raise"``) or returns ``False`` everywhere, and the
+        caller runs the forward degraded.
+        """
+        global _MISMATCH_WARNED
+        ep = self.ep
+        diff = (counts_E != sched.expected_counts_E).nonzero().flatten()
+        first = int(diff[0]) if len(diff) else -1
+        # Flag per rank: 0 match, E + 1 bad ids, else 1 + first mismatching expert.
+        flags = self._agree(self.num_experts + 1 if bad_ids else first + 1, device)
+        if (flags == self.num_experts + 1).any():
+            self._raise_bad_ids(flags == self.num_experts + 1)
         if not flags.any():
-            return
+            return True
         ranks = flags.nonzero().flatten().tolist()
-        if bad >= 0:
-            detail = (f"here (EP rank {ep.rank}) expert {bad} has {int(counts_E[bad])} token-expert "
-                      f"pairs but the plan's split_SGJ[{ep.rank}] sends {int(sched.expected_counts_E[bad])}")
+        if first >= 0:
+            detail = (f"here (EP rank {ep.rank}) expert {first} has {int(counts_E[first])} token-expert "
+                      f"pairs but the plan's split_SGJ[{ep.rank}] sends {int(sched.expected_counts_E[first])}")
         else:
             detail = f"this rank (EP rank {ep.rank}) matches"
-        raise ValueError(f"routed experts do not match the installed plan on EP ranks {ranks}: {detail}; "
-                         f"install the plan made from these routed experts' counts")
+        if self.on_mismatch == "raise":
+            raise ValueError(f"routed experts do not match the installed plan on EP ranks {ranks}: {detail}; "
+                             f"install the plan made from these routed experts' counts")
+        self.degraded_forwards += 1
+        tag = self.plan.micro_batch if self.plan is not None and self.plan.micro_batch is not None else -1
+        self.degraded_micro_batches.add(tag)
+        if not _MISMATCH_WARNED:
+            _MISMATCH_WARNED = True
+            warnings.warn(f"routed experts do not match the installed plan on EP ranks {ranks} ({detail}); "
+                          f"running this forward on the current placement without replicas (correct, "
+                          f"slower). Counted in ReplayBalancer.report.degraded_micro_batches; warned once "
+                          f"per process. on_mismatch='raise' makes this an error.", RuntimeWarning)
+        return False
 
-    def _native_schedule(self, counts_E: torch.Tensor, device: torch.device) -> RankSchedule:
-        """No plan installed: gather every rank's counts and run the native placement."""
+    def _native_schedule(self, counts_E: torch.Tensor, device: torch.device, bad_ids: int) -> RankSchedule:
+        """No usable plan: gather every rank's counts and run the native placement.
+
+        The gathered row carries this rank's bad-id count too, so all ranks raise together.
+        """
         ep = self.ep
+        row = torch.cat([counts_E, torch.tensor([bad_ids])])
         if ep.group is None:
-            counts_SE = counts_E.unsqueeze(0)
+            rows_SE = row.unsqueeze(0)
         else:
-            local = counts_E.to(device)
+            local = row.to(device)
             gathered = [torch.empty_like(local) for _ in range(ep.size)]
             dist.all_gather(gathered, local, group=ep.group)
-            counts_SE = torch.stack(gathered).cpu()
-        plan = native_layer_plan(self.topology, self.placement_cpu, counts_SE)
+            rows_SE = torch.stack(gathered).cpu()
+        if rows_SE[:, -1].any():
+            self._raise_bad_ids(rows_SE[:, -1] > 0)
+        plan = native_layer_plan(self.topology, self.placement_cpu, rows_SE[:, :-1])
         return build_rank_schedule(self.topology, self.placement_cpu, plan, ep.rank).to(device)
 
     # ------------------------------------------------------------------ placement

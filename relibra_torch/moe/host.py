@@ -73,8 +73,9 @@ class EngineHost:
 
     @property
     def last_expert_tokens(self) -> int:
-        """Expert rows (token-expert pairs) this GPU processed in the last forward."""
-        return self.engine.last_expert_tokens
+        """Expert rows (token-expert pairs) this GPU processed in the last forward (pads
+        excluded; reading it after a local forward is a device-to-host copy)."""
+        return int(self.engine.last_expert_tokens)
 
     @property
     def last_fills(self) -> list[tuple[int, int]]:

@@ -29,7 +29,7 @@ from ..checks import check_choice, check_int, check_number
 from ..distributed.mesh import ep_group_from_mesh
 from ..distributed.replicas import ReplicaMemory
 from ..planning.topology import Topology
-from .engine import EXPERT_PARAMS, ExpertEngine, local_tensor
+from .engine import EXPERT_PARAMS, MISMATCH_MODES, ExpertEngine, local_tensor
 from .host import EngineHost
 
 __all__ = ["MoEConfig", "ReplayBalancedMoE"]
@@ -52,8 +52,16 @@ class MoEConfig:
         refetch_replicas: fetch replica weights again in backward (and recompute the replica
             rows' forward) instead of keeping them alive; see ``docs/moe.md`` for the
             measured trade-off.
-        check_plan: verify, every forward, that this rank's routed ids match the plan's
-            split (one device-to-host copy of ``E`` counts; turn off once trusted).
+        check_plan: verify, every forward, that replayed ids lie in ``[-1, E)`` and (with a
+            plan or an EP group) that every rank's routed ids match the plan's split: one
+            small device-to-host copy and one all-reduce of ``G`` flags per layer. Off: the
+            caller vouches for the replay; a mismatch then computes a wrong result or fails
+            inside the exchange, and an out-of-range id is undefined behaviour on a GPU.
+        on_mismatch: ``"degrade"`` (default): a forward whose routed ids disagree with the
+            installed plan on any rank runs on every rank on the current placement without
+            replicas, with counts exchanged (correct, slower); warned once per process and
+            counted (``ReplayBalancer.report.degraded_micro_batches``). ``"raise"``: every
+            rank raises ``ValueError`` instead.
         init_std: std of the truncated-normal initialisation.
     """
 
@@ -66,6 +74,7 @@ class MoEConfig:
     replica_slots: int = 0
     refetch_replicas: bool = False
     check_plan: bool = True
+    on_mismatch: str = "degrade"
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -75,6 +84,7 @@ class MoEConfig:
         if self.shared_hidden_dim is not None:
             check_int("shared_hidden_dim", self.shared_hidden_dim, 1)
         check_int("replica_slots", self.replica_slots, 0)
+        check_choice("on_mismatch", self.on_mismatch, MISMATCH_MODES)
         check_number("init_std", self.init_std, 0.0)
 
 
@@ -138,7 +148,8 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
                              f"mesh whose size divides the expert count")
         topology = Topology(ep.num_nodes, ep.gpus_per_node, num_experts, cfg.replica_slots)
         self.engine = ExpertEngine(topology, ep, refetch_replicas=cfg.refetch_replicas,
-                                   check_plan=cfg.check_plan, replica_memory=replica_memory)
+                                   check_plan=cfg.check_plan, on_mismatch=cfg.on_mismatch,
+                                   replica_memory=replica_memory)
         if device is None and mesh is not None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if mesh.device_type == "cuda" else torch.device(mesh.device_type))
@@ -227,9 +238,10 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         #: int64 ``[T, K]`` expert ids of the last forward (read by the routing recorder).
         self.last_expert_ids_TK = ids_TK.detach()
         if self.training:
-            with torch.no_grad():
+            with torch.no_grad():  # pads (-1) count nowhere
+                flat = ids_TK.reshape(-1)
                 self.tokens_per_expert_E.scatter_add_(
-                    0, ids_TK.reshape(-1), torch.ones(ids_TK.numel(), device=ids_TK.device))
+                    0, flat.clamp(0, self.num_experts - 1), ((flat >= 0) & (flat < self.num_experts)).float())
         out_TD = self._run_experts(x_TD, ids_TK, gates_TK)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
@@ -248,9 +260,15 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         if routed_experts is None:
             choice_TE = scores_TE if self.expert_bias_E is None else scores_TE + self.expert_bias_E
             ids_TK = choice_TE.topk(self.top_k, dim=-1).indices
+            gates_TK = scores_TE.gather(1, ids_TK)
         else:
+            # Replayed ids may hold -1 pads (no expert for that (token, k)): gate 0, skipped
+            # by the counts, the planner and the experts; route_norm then normalises over the
+            # token's real experts. A token whose ids are all -1 gets only the shared experts.
             ids_TK = self._check_routed(x, routed_experts)
-        gates_TK = scores_TE.gather(1, ids_TK)
+            # (Clamped so that the gather never indexes out of range: out-of-range ids are
+            # refused below or by the engine's count check, on every rank together.)
+            gates_TK = scores_TE.gather(1, ids_TK.clamp(0, self.num_experts - 1)).masked_fill(ids_TK < 0, 0.0)
         if self.route_norm:
             gates_TK = gates_TK / (gates_TK.sum(-1, keepdim=True) + 1e-20)
         return ids_TK, gates_TK * self.route_scale
@@ -265,10 +283,13 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
             raise ValueError(f"routed_experts has shape {tuple(routed.shape)}, expected {want} "
                              f"(x's leading dims, then top_k={self.top_k})")
         ids_TK = routed.reshape(-1, self.top_k).to(device=x.device, dtype=torch.int64)
-        # Value checks read data; under torch.compile they are left to the eager run.
-        if not torch.compiler.is_compiling() and ids_TK.numel():
+        # Value checks read data (a device-to-host copy): with an EP group or a plan the engine
+        # checks the range on its count copy, agreed by every rank; one process without a plan
+        # checks here. Skipped with check_plan=False and under torch.compile.
+        local = self.engine.ep.group is None and self.engine.plan is None
+        if local and self.check_plan and not torch.compiler.is_compiling() and ids_TK.numel():
             lo, hi = int(ids_TK.min()), int(ids_TK.max())
-            if lo < 0 or hi >= self.num_experts:
+            if lo < -1 or hi >= self.num_experts:
                 raise ValueError(f"routed_experts has ids in [{lo}, {hi}]; allowed: "
-                                 f"[0, num_experts={self.num_experts})")
+                                 f"[0, num_experts={self.num_experts}), or -1 for a pad (no expert)")
         return ids_TK

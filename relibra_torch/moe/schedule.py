@@ -46,12 +46,15 @@ class LayerPlan:
             the layer checks that it is the placement in force.
         topology: optional topology the plan was made for; when given, the layer checks
             that it is its own (shapes alone cannot tell 1 x 4 GPUs from 2 x 2).
+        micro_batch: optional index of the micro-batch in its step plan; a layer that has to
+            degrade (routing that does not match the plan) reports it under this index.
     """
 
     slot_expert_GJ: torch.Tensor
     split_SGJ: torch.Tensor
     placement_E: torch.Tensor | None = None
     topology: Topology | None = None
+    micro_batch: int | None = None
 
 
 def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> list[LayerPlan]:
@@ -75,7 +78,7 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
     split_LSGJ = token_split(plan.micro_batch(micro_batch),
                              loads_MLSE[micro_batch : micro_batch + 1])[0]
     return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),
-                      plan.placement_LE[l].clone(), plan.topology)
+                      plan.placement_LE[l].clone(), plan.topology, micro_batch)
             for l in range(plan.num_layers)]
 
 
@@ -143,7 +146,7 @@ def check_layer_plan(layer_plan: object, topology: Topology,
             raise ValueError(f"LayerPlan.placement_E {pl.tolist()} is not the layer's placement "
                              f"{placement_E.tolist()}: apply the step's placement "
                              f"(apply_placement) before installing its plans")
-    return LayerPlan(se, sp, pl, layer_plan.topology)
+    return LayerPlan(se, sp, pl, layer_plan.topology, layer_plan.micro_batch)
 
 
 def native_layer_plan(topology: Topology, placement_E: torch.Tensor,
@@ -312,18 +315,23 @@ def assign_slots(ids_TK: torch.Tensor, schedule: RankSchedule) -> torch.Tensor:
     Requires this rank's counts to equal ``schedule.expected_counts_E``.
 
     Args:
-        ids_TK: int64 ``[T, K]`` expert ids.
+        ids_TK: int64 ``[T, K]`` expert ids; ``-1`` is a pad (no expert).
     Returns:
-        int64 ``[T, K]`` destination slots.
+        int64 ``[T, K]`` destination slots, ``X = G * J`` (one past the last slot) for pads.
     """
     device = ids_TK.device
     flat = ids_TK.reshape(-1)
-    order = flat.argsort(stable=True)
+    X = schedule.slot_order_X.numel()
+    # Pad pairs (id -1) sort after every expert, so real pairs keep their positions.
+    pad = flat < 0
+    key = torch.where(pad, torch.iinfo(torch.int64).max, flat)
+    order = key.argsort(stable=True)
     # Position of every pair in (expert, flat index) order ...
     pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
     # ... falls in the run of one slot of the slots sorted by (expert, slot).
-    q = torch.searchsorted(schedule.slot_cum_end_X.to(device), pos, right=True)
-    return schedule.slot_order_X.to(device)[q].view_as(ids_TK)
+    q = torch.searchsorted(schedule.slot_cum_end_X.to(device), pos, right=True).clamp(max=X - 1)
+    dest = schedule.slot_order_X.to(device)[q]
+    return torch.where(pad, X, dest).view_as(ids_TK)
 
 
 def group_permutation(schedule: RankSchedule, device: torch.device) -> torch.Tensor:
