@@ -120,8 +120,8 @@ def check_file_model(shape: FileShape, spec: ModelSpec | None, named_by: str, nu
         if got != want:
             problems.append(f"{what} {got} (model: {want})")
             sets.append(f"--set model.{field}={got}")
-            if field == "num_moe_layers" and spec.num_dense_layers == 0:
-                sets.append(f"--set model.num_layers={got}")
+            if field == "num_moe_layers":  # keep the model's dense layers, if any
+                sets.append(f"--set model.num_layers={got + spec.num_dense_layers}")
     if problems:
         fixes = fix_model + [f"{' '.join(sets)} (keeps the other dims of {spec.name})"]
         problems_text = "; ".join(problems)
