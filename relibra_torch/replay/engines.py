@@ -306,9 +306,16 @@ def vllm_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k
             what = f"record {i}.choices[{j}]"
             ids = _ids_of(choice, ("routed_experts",), what, moe_map)
             tokens = choice.get("token_ids")
-            if isinstance(tokens, list) and ids.shape[0] not in (len(tokens), len(tokens) - 1):
-                raise ValueError(f"{what}: routed_experts has {ids.shape[0]} rows for {len(tokens)} "
-                                 f"generated tokens; allowed: {len(tokens)} or {len(tokens) - 1}")
+            n_prompt = len(rec["prompt_token_ids"]) if isinstance(rec.get("prompt_token_ids"), list) else 0
+            if isinstance(tokens, list):
+                # the completion's rows: one per generated token but the last (never forwarded),
+                # or, without prompt_routed_experts (earlier servers), the whole sequence
+                allowed = {len(tokens), len(tokens) - 1}
+                if prompt is None and n_prompt:
+                    allowed |= {n_prompt + len(tokens) - 1}
+                if ids.shape[0] not in allowed:
+                    raise ValueError(f"{what}: routed_experts has {ids.shape[0]} rows for {len(tokens)} "
+                                     f"generated tokens; allowed: {sorted(allowed)}")
             if prompt is not None:
                 if prompt.shape[1:] != ids.shape[1:]:
                     raise ValueError(f"{what}: [layers, top_k] {list(ids.shape[1:])} differs from the "

@@ -65,6 +65,8 @@ def format_seconds(x: float) -> str:
     significant digits; the JSON keeps seconds)."""
     if x != x:  # NaN
         return "-"
+    if x == 0:
+        return "0"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
         if abs(x) >= scale or unit == "us":
             v = x / scale
