@@ -190,3 +190,14 @@ def test_file_warmup(tmp_path, capsys, steps, argv, warmup, note):
     assert rc == 0, err
     assert json.loads((tmp_path / "r.json").read_text())["config"]["warmup_steps"] == warmup
     assert ("plan it from uniform history" in out) == note
+
+
+def test_missing_model_config_and_eplb_gets_the_expert_groups(tmp_path, capsys):
+    rc, _, err = run(capsys, "--model-config", str(tmp_path / "nope.json"), *SMALL)
+    assert rc == 2 and "--model-config" in err and "does not exist" in err
+    from relibra_torch.planning import Topology
+    from relibra_torch.sim import CostModel, get_hardware
+    from relibra_torch.sim.simulator import default_planner_factory
+    spec = model_from_hf_config(config_path("DeepSeek-V3")).spec
+    planner = default_planner_factory("eplb", Topology(4, 8, 256, 2), CostModel(spec, get_hardware("h200")))
+    assert planner.num_groups == 8  # n_group reaches EPLB's hierarchical policy
