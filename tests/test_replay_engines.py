@@ -185,3 +185,19 @@ def test_missing_and_bad_input(tmp_path, capsys):
     bad.write_text("{not json")
     assert main(["convert", "vllm", str(bad), str(tmp_path / "o.safetensors"), "--num-experts", "8"]) == 2
     assert "neither JSON" in capsys.readouterr().err
+
+
+def test_record_steps_become_sample_steps_and_give_simulate_a_warmup_step(known, tmp_path, capsys):
+    cfg, ids, offsets = known
+    records = [{"step": i // 2, "routed_experts": with_dense(s).tolist()} for i, s in enumerate(samples(ids, offsets))]
+    rc, err, out = convert(capsys, tmp_path, "slime", records, "--model-config", cfg)
+    assert rc == 0, err
+    assert load_routing(str(out)).sample_step.tolist() == [0, 0, 1, 1]
+    rc = main(["simulate", str(out), "--model-config", cfg, "--nodes", "1", "--gpus-per-node", "4",
+               "--systems", "static,eplb", "--no-progress", "--json", str(tmp_path / "r.json")])
+    assert rc == 0, capsys.readouterr().err
+    doc = json.loads((tmp_path / "r.json").read_text())["config"]
+    assert (doc["steps"], doc["warmup_steps"], doc["model"]["name"]) == (2, 1, "tiny-moe")
+    records[1]["step"] = -1
+    rc, err, _ = convert(capsys, tmp_path, "slime", records, "--model-config", cfg)
+    assert rc == 2 and "record 1 has step = -1" in err

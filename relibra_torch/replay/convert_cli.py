@@ -4,7 +4,8 @@ IN is a JSON file (one response, or a list of them) or a JSONL file (one per lin
 engine's responses; OUT is the replay file ``relibra simulate`` reads. Only the MoE layers
 and only real tokens reach the file: the per-layer MoE map (from --model-config, or
 --moe-layers) drops the dense layers slime and SGLang count in the layer dim, and pad rows
-(an attention_mask or a length) are dropped. See docs/replay.md for each engine's fields.
+(an attention_mask or a length) are dropped. A record's "step" (an int) becomes its
+samples' optimizer step. See docs/replay.md for each engine's fields.
 
 examples:
   relibra convert sglang responses.jsonl rollout.safetensors --model-config Qwen3-30B-A3B/config.json
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 
+from ..checks import check_int
 from .convert import from_per_sample
 from .engines import (ENGINES, LayerIndices, parse_layer_spec, sglang_samples, slime_samples,
                       verl_samples, vllm_samples)
@@ -68,6 +70,18 @@ def read_records(path: str) -> list[dict]:
     return records
 
 
+def _steps(records: list[dict], record_of_sample: list[int]) -> list[int] | None:
+    """Per-sample optimizer steps from the records' ``step`` fields (all or none)."""
+    steps = [records[i].get("step") for i in record_of_sample]
+    if all(s is None for s in steps):
+        return None
+    for i, s in zip(record_of_sample, steps):
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise ValueError(f"record {i} has step = {s!r}; allowed: an int >= 0 in every record "
+                             f"(the optimizer step; relibra simulate batches each step), or in none")
+    return steps
+
+
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` and write ``args.output``; bad input raises ValueError naming the flag."""
     hf = None
@@ -75,11 +89,11 @@ def run(args: argparse.Namespace) -> int:
         from ..sim.hf_config import model_from_hf_config
         hf = model_from_hf_config(args.model_config)
     num_experts = args.num_experts if args.num_experts is not None else (hf.spec.num_experts if hf else None)
-    if num_experts is None or num_experts < 1:
-        raise ValueError(f"the expert count is unknown (--num-experts {args.num_experts}); pass "
-                         f"--model-config CONFIG.json or --num-experts E >= 1")
-    if args.top_k is not None and args.top_k < 1:
-        raise ValueError(f"--top-k {args.top_k}; allowed: an int >= 1")
+    if num_experts is None:
+        raise ValueError("the expert count is unknown; pass --model-config CONFIG.json or --num-experts E")
+    check_int("--num-experts", num_experts)
+    if args.top_k is not None:
+        check_int("--top-k", args.top_k)
     top_k = args.top_k if args.top_k is not None else (hf.spec.top_k if hf else None)
     layers = None
     if args.moe_layers:
@@ -87,18 +101,21 @@ def run(args: argparse.Namespace) -> int:
     elif hf is not None:
         layers = hf.moe_layers
     records = read_records(args.input)
-    samples = _CONVERTERS[args.engine](records, layers, hf.spec.num_layers if hf else None, top_k)
+    pairs = _CONVERTERS[args.engine](records, layers, hf.spec.num_layers if hf else None, top_k)
+    samples = [ids for _, ids in pairs]
+    sample_step = _steps(records, [i for i, _ in pairs])
     if hf is not None and args.moe_layers is None and samples and samples[0].shape[2] != hf.spec.top_k:
         raise ValueError(f"IN holds top-k {samples[0].shape[2]} but --model-config has top_k "
                          f"{hf.spec.top_k}; pass the config of the model that served IN")
     model = args.model if args.model is not None else (hf.spec.name if hf else None)
     try:
-        replay = from_per_sample(samples, num_experts, model=model)
+        replay = from_per_sample(samples, num_experts, model=model, sample_step=sample_step)
     except ValueError as exc:
         hint = "; the expert count comes from --num-experts or --model-config" if "out of range" in str(exc) else ""
         raise ValueError(f"{exc}{hint}") from None
     replay.save(args.output)
-    print(f"wrote {args.output}: {replay.num_samples} samples, {replay.num_tokens} tokens, "
+    steps = f" in {len(set(sample_step))} steps" if sample_step is not None else ""
+    print(f"wrote {args.output}: {replay.num_samples} samples{steps}, {replay.num_tokens} tokens, "
           f"{replay.num_layers} MoE layers, top-{replay.top_k} of {num_experts} experts"
           + (f", model {model}" if model else ""))
     return 0

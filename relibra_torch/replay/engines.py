@@ -1,8 +1,9 @@
 """Routing replay from serving-engine and RL-framework responses (``relibra convert``).
 
 Each converter takes the decoded JSON records (one response, or one sample, each) and
-returns the per-sample ``[T_i, L, K]`` expert ids of the **MoE layers only, real tokens
-only**, ready for :func:`relibra_torch.replay.from_per_sample`.
+returns, per sample, ``(index of the record it starts in, [T_i, L, K] expert ids)`` of the
+**MoE layers only, real tokens only**, ready for :func:`relibra_torch.replay.from_per_sample`
+(a record's optional ``step`` becomes the sample's ``sample_step``).
 
 Layouts followed (checked against the engines' sources and docs, see docs/replay.md):
 
@@ -247,7 +248,7 @@ def _int_field(d: dict, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) else None
 
 
-def sglang_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[torch.Tensor]:
+def sglang_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
     """Samples from SGLang ``/generate`` responses (see the module docstring)."""
     samples: list[torch.Tensor] = []
     for i, rec in enumerate(records):
@@ -266,27 +267,27 @@ def sglang_samples(records: Sequence[dict], moe_map, num_layers: int | None, top
                              f"completion_tokens - 1 - routed_experts_start_len = {rows}")
         ids = _drop_pads(select_moe_layers(ids, moe_map, what), rec, what)
         if start == 0:
-            samples.append(ids)
+            samples.append((i, ids))
             continue
-        if not samples or start > samples[-1].shape[0]:
-            have = samples[-1].shape[0] if samples else 0
+        if not samples or start > samples[-1][1].shape[0]:
+            have = samples[-1][1].shape[0] if samples else 0
             raise ValueError(f"{what}: routed_experts_start_len = {start} but the sample before it has "
                              f"{have} rows; an appended chunk must follow the records of its sample")
-        samples[-1] = torch.cat([samples[-1][:start], ids])
+        samples[-1] = (samples[-1][0], torch.cat([samples[-1][1][:start], ids]))
     return samples
 
 
-def slime_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[torch.Tensor]:
+def slime_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
     """Samples from slime ``Sample`` dicts (``rollout_routed_experts`` per sample)."""
     out = []
     for i, rec in enumerate(records):
         ids = _ids_of(rec, ("rollout_routed_experts", "routed_experts"), f"record {i}", moe_map,
                       flat_shape=(num_layers, top_k))
-        out.append(_drop_pads(ids, rec, f"record {i}"))
+        out.append((i, _drop_pads(ids, rec, f"record {i}")))
     return out
 
 
-def vllm_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[torch.Tensor]:
+def vllm_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
     """Samples from vLLM responses: one per choice (prompt rows, then its completion rows)."""
     out = []
     for i, rec in enumerate(records):
@@ -321,11 +322,11 @@ def vllm_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k
                     raise ValueError(f"{what}: [layers, top_k] {list(ids.shape[1:])} differs from the "
                                      f"prompt's {list(prompt.shape[1:])}")
                 ids = torch.cat([prompt, ids])
-            out.append(_drop_pads(ids, choice, what))
+            out.append((i, _drop_pads(ids, choice, what)))
     return out
 
 
-def verl_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[torch.Tensor]:
+def verl_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
     """Samples from verl: padded batches ``[B, P, L, K]`` + mask/lengths, or one row per record."""
     out = []
     for i, rec in enumerate(records):
@@ -347,7 +348,7 @@ def verl_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k
                 row = select_moe_layers(arr[b][mask[b].bool()].long(), moe_map, f"{what}[{b}]")
                 if row.shape[0] == 0:
                     raise ValueError(f"{what}: batch row {b} has no real token")
-                out.append(row)
+                out.append((i, row))
         else:
-            out.append(_drop_pads(_ids_of(rec, ("routed_experts",), what, moe_map), rec, what))
+            out.append((i, _drop_pads(_ids_of(rec, ("routed_experts",), what, moe_map), rec, what)))
     return out
