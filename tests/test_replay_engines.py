@@ -167,6 +167,10 @@ def test_layers_with_different_token_counts(known, tmp_path, capsys):
     ("sglang", {"text": "no routing"}, ["--num-experts", "16"], "--enable-return-routed-experts"),
     ("verl", {"routed_experts": [[[[1, 2]]]]}, ["--num-experts", "16"], "attention_mask [B, P] or lengths [B]"),
     ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "16", "--moe-layers", "x"], "--moe-layers 'x'"),
+    ("slime", {"routed_experts": [[[1, 2], [-1, 3]], [[4, 5], [6, 7]]]}, ["--num-experts", "16"],
+     "placeholder) ids in kept layers [1]; keep only the MoE layers with --moe-layers"),
+    ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "0"], "--num-experts = 0; allowed: an int >= 1"),
+    ("slime", {"routed_experts": [[[1, 2]]], "length": 5}, ["--num-experts", "16"], "length = 5; allowed"),
 ])
 def test_errors_name_the_flag(known, tmp_path, capsys, engine, record, flags, needle):
     flags = [known[0] if f == "CFG" else f for f in flags]

@@ -107,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
     if hf is not None and args.moe_layers is None and samples and samples[0].shape[2] != hf.spec.top_k:
         raise ValueError(f"IN holds top-k {samples[0].shape[2]} but --model-config has top_k "
                          f"{hf.spec.top_k}; pass the config of the model that served IN")
+    for n, ids in enumerate(samples):
+        if ids.numel() and int(ids.min()) < 0:  # sglang-jax and others mark "no expert" with -1
+            layers_bad = sorted(set((ids < 0).nonzero()[:, 1].tolist()))
+            raise ValueError(f"sample {n} holds negative (placeholder) ids in kept layers {layers_bad}; "
+                             f"keep only the MoE layers with --moe-layers or --model-config")
     model = args.model if args.model is not None else (hf.spec.name if hf else None)
     try:
         replay = from_per_sample(samples, num_experts, model=model, sample_step=sample_step)

@@ -165,8 +165,9 @@ def select_moe_layers(ids_THK: torch.Tensor, moe_map: Sequence[bool] | None, wha
 
     With a map (one bool per transformer layer): an ``H`` equal to its length is cut to the
     MoE layers (SGLang and slime count dense layers), an ``H`` equal to the MoE count is
-    kept (vLLM). :class:`LayerIndices` keep exactly those layers. Without either every layer is kept, but placeholder layers (all ids -1, or
-    all 0 with top_k > 1) are refused: they would count as expert 0.
+    kept (vLLM). :class:`LayerIndices` keep exactly those layers. Without either every
+    layer is kept, but placeholder layers (all ids -1, or all 0 with top_k > 1) are
+    refused: they would count as expert 0.
     """
     if moe_map is not None:
         keep = _keep(ids_THK.shape[1], moe_map, what)
