@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 
 from ..planning.topology import Topology
 from .cost import CostOptions
-from .file_model import check_file_model, ep_hint, file_shape, preset_for_file
-from .hf_config import model_from_hf_config
+from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, get_model, load_config_file,
                       parse_override)
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
@@ -105,71 +103,6 @@ def _int_option(name: str, value: object, minimum: int) -> int:
     return value
 
 
-def _sets(args: argparse.Namespace, section: str) -> dict:
-    """The ``--set SECTION.FIELD=VALUE`` overrides of one section, in command-line order."""
-    sets = {}
-    for text in args.set or []:
-        sec, name, value = parse_override(text)
-        if sec == section:
-            sets[name] = value
-    return sets
-
-
-def _config_section(file_cfg: dict, section: str) -> tuple[str | None, dict]:
-    """``(preset, fields)`` of a --config file's model or hardware entry."""
-    raw = file_cfg.get(section)
-    if raw is None:
-        return None, {}
-    if isinstance(raw, str):
-        return raw, {}
-    if isinstance(raw, dict):
-        return raw.get("preset"), {k: v for k, v in raw.items() if k != "preset"}
-    raise ValueError(f"--config: '{section}' must be a preset name or an object of fields")
-
-
-def _resolve_hardware(args, opts: dict, file_cfg: dict):
-    preset, fields_ = _config_section(file_cfg, "hardware")
-    name = args.hardware if args.hardware is not None else (preset or opts["hardware"])
-    base = apply_overrides(get_hardware(name), "hardware", fields_)
-    return apply_overrides(base, "hardware", _sets(args, "hardware"))
-
-
-def _resolve_model(args, opts: dict, file_cfg: dict, sim_cfg: dict, shape) -> tuple:
-    """The model spec, how it was chosen, and the approximations its source implies.
-
-    Precedence: --set > --model-config > --config's model > --model; with a file and none of
-    them, the preset the file names or fits (see :mod:`relibra_torch.sim.file_model`).
-    Returns ``(spec or None, named_by, notes)``; None when nothing gives the dims.
-    """
-    preset, fields_ = _config_section(file_cfg, "model")
-    new_name = fields_.pop("name", None)
-    notes: tuple[str, ...] = ()
-    if opts["model_config"]:
-        hf = model_from_hf_config(str(opts["model_config"]))
-        base, named_by, notes = hf.spec, f"--model-config {opts['model_config']}", hf.notes
-    else:
-        if args.model is not None:
-            name, named_by = args.model, f"--model {args.model}"
-        elif preset is not None or fields_ or "model" in sim_cfg:
-            name, named_by = preset or opts["model"], f"--config {args.config}"
-        elif shape is not None:
-            name, named_by = preset_for_file(shape)
-        else:
-            name, named_by = opts["model"], f"--model {opts['model']}"
-        if name is None:
-            return None, "", ()
-        base = apply_overrides(get_model(name), "model", fields_)
-    spec = apply_overrides(base, "model", _sets(args, "model"))
-    original = get_model(spec.name) if spec.name in MODELS and not opts["model_config"] else base
-    changed = [f"{f}={getattr(spec, f)}" for f in spec.__dataclass_fields__
-               if f != "name" and getattr(spec, f) != getattr(original, f)]
-    if new_name:
-        spec = replace(spec, name=str(new_name))
-    elif changed:  # the header must not name a preset whose fields were replaced
-        spec = replace(spec, name=f"{spec.name} ({', '.join(changed)})")
-    return spec, named_by, notes
-
-
 def resolve(args: argparse.Namespace) -> dict:
     """Merge command line, config file and defaults; build and validate every setting.
 
@@ -189,11 +122,32 @@ def resolve(args: argparse.Namespace) -> dict:
         cli = getattr(args, key, None)
         opts[key] = cli if cli is not None else sim_cfg.get(key, default)
 
+    def spec(section: str, getter):
+        raw = file_cfg.get(section)
+        fields_from_file: dict = {}
+        preset = opts[section]
+        if isinstance(raw, str):
+            preset = raw if getattr(args, section) is None else preset
+        elif isinstance(raw, dict):
+            fields_from_file = {k: v for k, v in raw.items() if k != "preset"}
+            if "preset" in raw and getattr(args, section) is None:
+                preset = raw["preset"]
+        elif raw is not None:
+            raise ValueError(f"--config: '{section}' must be a preset name or an object of fields")
+        base = apply_overrides(getter(preset), section, fields_from_file)
+        sets = {}
+        for text in args.set or []:
+            sec, name, value = parse_override(text)
+            if sec == section:
+                sets[name] = value
+        return apply_overrides(base, section, sets)
+
     nodes = _int_option("nodes", opts["nodes"], 1)
     gpn = _int_option("gpus_per_node", opts["gpus_per_node"], 1)
+    # the model: --set > --model-config > --config > --model, or what a file names (model_choice)
     shape = file_shape(args.file) if args.file else None
-    hardware = _resolve_hardware(args, opts, file_cfg)
-    model, named_by, notes = _resolve_model(args, opts, file_cfg, sim_cfg, shape)
+    model, named_by, notes = resolve_model(args, opts, file_cfg, sim_cfg, shape)
+    hardware = spec("hardware", get_hardware)
     if shape is not None:
         check_file_model(shape, model, named_by, nodes * gpn)
     opts["model"], opts["hardware"] = model.name, hardware.name

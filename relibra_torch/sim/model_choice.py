@@ -1,4 +1,4 @@
-"""Which model a routing or loads file is simulated on, and one error for every disagreement.
+"""Which model ``relibra simulate`` runs on, and one error for every disagreement with a file.
 
 A file fixes the expert count ``E``, the top-k ``K`` and the MoE-layer count ``L`` (and a
 loads file its source ranks ``S``). The rest of the model (hidden size, expert width,
@@ -7,7 +7,8 @@ attention, dense layers) comes, in this order, from ``--model-config`` (a Huggin
 the file's ``model`` metadata, or from the only preset whose ``E``, ``K`` and ``L`` equal
 the file's. ``--set model.FIELD=VALUE`` is applied on top in every case. When nothing gives
 the dims, or the model and the file disagree, :func:`check_file_model` raises one
-``ValueError`` listing every mismatch and the flags that fix it.
+``ValueError`` listing every mismatch and the flags that fix it. :func:`resolve_model`
+applies the precedence ``--set`` > ``--model-config`` > ``--config`` > ``--model``.
 
 Only the file's safetensors header is read here (no tensor data).
 """
@@ -15,11 +16,12 @@ Only the file's safetensors header is read here (no tensor data).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .presets import MODELS, ModelSpec
+from .hf_config import model_from_hf_config
+from .presets import MODELS, ModelSpec, apply_overrides, get_model, parse_override
 
-__all__ = ["FileShape", "file_shape", "preset_for_file", "check_file_model", "ep_hint"]
+__all__ = ["FileShape", "file_shape", "preset_for_file", "resolve_model", "check_file_model", "ep_hint"]
 
 
 @dataclass(frozen=True)
@@ -151,3 +153,62 @@ def ep_hint(num_experts: int, nodes: int, gpus_per_node: int) -> str:
         g = max(d for d in range(1, gpus_per_node + 1) if num_experts % d == 0)
         choices.append(f"--nodes 1 --gpus-per-node {g}")
     return " or ".join(choices)
+
+
+def _sets(args, section: str) -> dict:
+    """The ``--set SECTION.FIELD=VALUE`` overrides of one section, in command-line order."""
+    sets = {}
+    for text in args.set or []:
+        sec, name, value = parse_override(text)
+        if sec == section:
+            sets[name] = value
+    return sets
+
+
+def _config_section(file_cfg: dict, section: str) -> tuple[str | None, dict]:
+    """``(preset, fields)`` of a --config file's model or hardware entry."""
+    raw = file_cfg.get(section)
+    if raw is None:
+        return None, {}
+    if isinstance(raw, str):
+        return raw, {}
+    if isinstance(raw, dict):
+        return raw.get("preset"), {k: v for k, v in raw.items() if k != "preset"}
+    raise ValueError(f"--config: '{section}' must be a preset name or an object of fields")
+
+
+def resolve_model(args, opts: dict, file_cfg: dict, sim_cfg: dict, shape: FileShape | None) -> tuple:
+    """The model spec, how it was chosen, and the approximations its source implies.
+
+    Precedence: --set > --model-config > --config's model > --model; with a file and none of
+    them, the preset the file names or fits (:func:`preset_for_file`). ``opts`` are the merged
+    simulate options (``model``, ``model_config``), ``sim_cfg`` the config file's simulate table.
+    Returns ``(spec or None, named_by, notes)``; None when nothing gives the dims.
+    """
+    preset, fields_ = _config_section(file_cfg, "model")
+    new_name = fields_.pop("name", None)
+    notes: tuple[str, ...] = ()
+    if opts["model_config"]:
+        hf = model_from_hf_config(str(opts["model_config"]))
+        base, named_by, notes = hf.spec, f"--model-config {opts['model_config']}", hf.notes
+    else:
+        if args.model is not None:
+            name, named_by = args.model, f"--model {args.model}"
+        elif preset is not None or fields_ or "model" in sim_cfg:
+            name, named_by = preset or opts["model"], f"--config {args.config}"
+        elif shape is not None:
+            name, named_by = preset_for_file(shape)
+        else:
+            name, named_by = opts["model"], f"--model {opts['model']}"
+        if name is None:
+            return None, "", ()
+        base = apply_overrides(get_model(name), "model", fields_)
+    spec = apply_overrides(base, "model", _sets(args, "model"))
+    original = get_model(spec.name) if spec.name in MODELS and not opts["model_config"] else base
+    changed = [f"{f}={getattr(spec, f)}" for f in spec.__dataclass_fields__
+               if f != "name" and getattr(spec, f) != getattr(original, f)]
+    if new_name:
+        spec = replace(spec, name=str(new_name))
+    elif changed:  # the header must not name a preset whose fields were replaced
+        spec = replace(spec, name=f"{spec.name} ({', '.join(changed)})")
+    return spec, named_by, notes
