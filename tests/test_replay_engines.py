@@ -205,3 +205,36 @@ def test_record_steps_become_sample_steps_and_give_simulate_a_warmup_step(known,
     records[1]["step"] = -1
     rc, err, _ = convert(capsys, tmp_path, "slime", records, "--model-config", cfg)
     assert rc == 2 and "record 1 has step = -1" in err
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from relibra_torch.replay.engines import sglang_samples, vllm_samples  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(2, 9), min_size=1, max_size=4), dense=st.lists(st.booleans(), min_size=2, max_size=5),
+       k=st.integers(1, 3), seed=st.integers(0, 2**16), split=st.integers(0, 8))
+def test_engine_encodings_invert_for_any_shape(lengths, dense, k, seed, split):
+    """SGLang (all layers, flat int32, any prompt/completion split) and vLLM (MoE layers,
+    prompt + completion rows) responses of random replays decode to the same ids."""
+    moe_map = tuple(not d for d in dense) if not all(dense) else (True,) + tuple(not d for d in dense[1:])
+    L = sum(moe_map)
+    ids = random_ids_TLK(sum(lengths), L, k, 8, seed=seed)
+    full = torch.zeros(ids.shape[0], len(moe_map), k, dtype=torch.int64)
+    full[:, [i for i, m in enumerate(moe_map) if m]] = ids
+    offs = offsets_from_lengths(lengths)
+    sg, vl = [], []
+    for i in range(len(lengths)):
+        T = lengths[i]
+        P = 1 + split % T  # any split with P + C - 1 = T
+        rows = full[offs[i]:offs[i + 1]].to(torch.int32).numpy()
+        sg.append({"meta_info": {"prompt_tokens": P, "completion_tokens": T - P + 1,
+                                 "routed_experts": base64.b64encode(rows.tobytes()).decode()}})
+        moe = ids[offs[i]:offs[i + 1]]
+        vl.append({"prompt_token_ids": list(range(P)), "prompt_routed_experts": moe[:P].tolist(),
+                   "choices": [{"token_ids": list(range(T - P + 1)), "routed_experts": npy_b64(moe[P:].numpy())}]})
+    for got in (sglang_samples(sg, moe_map, len(moe_map), k), vllm_samples(vl, moe_map, None, None)):
+        assert [r for r, _ in got] == list(range(len(lengths)))
+        assert torch.equal(torch.cat([t for _, t in got]), ids)

@@ -201,3 +201,14 @@ def test_missing_model_config_and_eplb_gets_the_expert_groups(tmp_path, capsys):
     spec = model_from_hf_config(config_path("DeepSeek-V3")).spec
     planner = default_planner_factory("eplb", Topology(4, 8, 256, 2), CostModel(spec, get_hardware("h200")))
     assert planner.num_groups == 8  # n_group reaches EPLB's hierarchical policy
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@given(st.floats(1e-6, 1e5) | st.sampled_from([0.9996, 0.09996, 9.996e-4, 99.96e-3, 9.996]))
+def test_format_seconds_keeps_three_digits(x):
+    value, unit = format_seconds(x).split()
+    back = float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+    assert abs(back - x) <= 0.006 * x and 1 <= float(value) < 1000 or unit == "s"

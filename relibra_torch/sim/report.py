@@ -68,10 +68,11 @@ def format_seconds(x: float) -> str:
     if x == 0:
         return "0"
     for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if abs(x) >= scale or unit == "us":
-            v = x / scale
-            digits = 0 if abs(v) >= 100 else 1 if abs(v) >= 10 else 2
-            return f"{v:.{digits}f} {unit}"
+        v = x / scale
+        digits = 0 if abs(v) >= 99.5 else 1 if abs(v) >= 9.95 else 2
+        text = f"{v:.{digits}f}"
+        if abs(float(text)) >= 1 or unit == "us":  # 0.9996 s prints as 1.00 s, not 1000 ms
+            return f"{text} {unit}"
     raise AssertionError("unreachable")
 
 
