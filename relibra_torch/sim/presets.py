@@ -214,13 +214,14 @@ MODELS: dict[str, ModelSpec] = {
     # first_k_dense_replace 3 (intermediate_size 18432), moe_intermediate_size 2048,
     # n_routed_experts 256, top-8, n_shared_experts 1, MLA with 128 heads, q_lora_rank 1536,
     # kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128,
-    # vocab 129280; slime scripts/models/deepseek-v3.sh agrees. MTP not modelled.
+    # vocab 129280, n_group 8 (EPLB's expert groups); slime scripts/models/deepseek-v3.sh
+    # agrees. MTP not modelled.
     "deepseek-v3": ModelSpec(
         "deepseek-v3", num_layers=61, num_moe_layers=58, hidden_size=7168, moe_ffn=2048,
         num_experts=256, top_k=8, num_heads=128, num_kv_heads=128, head_dim=128,
         vocab_size=129280, dense_ffn=18432, num_shared_experts=1, shared_ffn=2048,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128),
+        v_head_dim=128, num_expert_groups=8),
 }
 
 
