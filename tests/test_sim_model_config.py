@@ -105,6 +105,9 @@ def test_each_fixture_simulates_a_replay_of_its_shape(tmp_path, capsys, name):
     assert doc["config"]["model"]["name"] == name and doc["config"]["model"]["num_experts"] == E
     assert doc["config"]["model_from"] == f"--model-config {config_path(name)}"
     assert isinstance(doc["systems"]["static"]["step_time_s"], float)  # JSON stays in seconds
+    notes = model_from_hf_config(config_path(name)).notes
+    assert ("approximated: " in out) == bool(notes)  # what the cost model lacks is said
+    assert doc["config"]["notes"].get("approximated", "") == "; ".join(notes)
 
 
 def test_precedence_set_over_model_config_over_config_over_model(tmp_path):
