@@ -55,7 +55,8 @@ def test_loads_file_json_and_plot(tmp_path, capsys):
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["config"]["ep_size"] == 4 and doc["config"]["micro_batches"] == 2
     assert doc["config"]["file"] == str(f) and doc["config"]["warmup_steps"] == 0
-    assert doc["config"]["notes"] == {"sample_tokens_assumed": 4096}
+    assert doc["config"]["notes"]["sample_tokens_assumed"] == 4096
+    assert "plan it from uniform history" in doc["config"]["notes"]["warm-up"]  # a one-step file
     assert set(doc["systems"]) == {"static", "relibra", "ideal"}
     for key in ("imbalance_mean", "imbalance_p99", "step_time_s", "speedup_vs_static", "fraction_of_ideal",
                 "cross_node_bytes", "replica_bytes", "migrated_experts", "planner_s"):
@@ -102,16 +103,19 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("make,argv,match", [
-    (lambda p: loads_file(p, experts=64), [], r"64 experts but --model qwen3-30b-a3b has 128"),
-    (lambda p: loads_file(p, top_k=4), [], r"top_k=4 but --model qwen3-30b-a3b has top_k=8"),
-    (lambda p: loads_file(p, layers=47), [], r"47 MoE layers but --model qwen3-30b-a3b has 48"),
+    (lambda p: loads_file(p, experts=64), ["--model", "qwen3-30b-a3b"], r"disagrees with --model qwen3-30b-a3b: "
+                                                                        r"num_experts 64 \(model: 128\)"),
+    (lambda p: loads_file(p, top_k=4), ["--model", "qwen3-30b-a3b"], r"top_k 4 \(model: 8\); fix with"),
+    (lambda p: loads_file(p, layers=47), ["--model", "qwen3-30b-a3b"], r"MoE layers 47 \(model: 48\)"),
     (lambda p: loads_file(p, S=2), [], r"batched for 2 ranks but --nodes x --gpus-per-node = 4"),
-    (lambda p: routing_file(p, top_k=6), [], r"has top_k=6 but --model qwen3-30b-a3b has 8"),
-    (lambda p: routing_file(p, experts=64), [], r"has num_experts=64 but --model qwen3-30b-a3b has 128"),
-    (lambda p: routing_file(p), ["--model", "glm-4.5-air"], r"num_layers=48 but --model glm-4.5-air has 45"),
+    (lambda p: routing_file(p, top_k=6), [], r"top_k=6.*nothing gives the model's dims; pass --model-config"),
+    (lambda p: routing_file(p, experts=64), ["--model", "qwen3-30b-a3b"], r"num_experts 64 \(model: 128\).*"
+                                                                           r"--set model.num_experts=64"),
+    (lambda p: routing_file(p), ["--model", "glm-4.5-air"], r"MoE layers 48 \(model: 45\); fix with .*--model "
+     r"qwen3-30b-a3b or --set model.num_moe_layers=48 --set model.num_layers=49"),
     (None, ["--nodes", "0"], r"--nodes must be an integer >= 1, got 0"),
-    (None, ["--nodes", "3"], r"--nodes 3 x --gpus-per-node 4 = 12 GPUs does not divide the 128 experts.*"
-                             r"allowed EP sizes: 1, 2, 4, 8, 16, 32, 64, 128"),
+    (routing_file, ["--nodes", "3"], r"--nodes 3 x --gpus-per-node 4 = 12 GPUs does not divide the 128 experts.*"
+                                     r"allowed EP sizes: 1, 2, 4, 8, 16, 32, 64, 128; e.g. --nodes 2 --gpus-per-node 4"),
     (None, ["--replica-slots", "-1"], r"--replica-slots must be an integer >= 0, got -1"),
     (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps must be a finite number > 0, got -3"),
     (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps must be a finite number > 0"),

@@ -8,13 +8,17 @@ synthetic RL trace (seeded, mixed tasks). A routing replay file (relibra.routing
 batched into ranks and micro-batches by relibra_torch.replay.batch_samples (see
 docs/simulator.md); a loads file (relibra.loads/1) is used as batched.
 
-Precedence of settings: command-line options > --config FILE > built-in defaults; --set
-SECTION.FIELD=VALUE overrides single preset fields (e.g. --set hardware.inter_node_gbps=25).
+Precedence of settings: command-line options > --config FILE > built-in defaults. For the
+model: --set model.FIELD=VALUE > --model-config (a Hugging Face config.json) > --config FILE
+> --model; with a file and none of them, the preset named by the file's model metadata, or
+the only preset with the file's experts, top-k and MoE layers. --set SECTION.FIELD=VALUE
+overrides single fields (e.g. --set hardware.inter_node_gbps=25).
 
 examples:
   relibra simulate
   relibra simulate --model qwen3-235b-a22b --nodes 2 --systems static,eplb-oracle,relibra
   relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
+  relibra simulate replay.safetensors --model-config Mixtral-8x7B/config.json --nodes 1
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import sys
 
 from ..planning.topology import Topology
 from .cost import CostOptions
+from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, get_model, load_config_file,
                       parse_override)
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
@@ -33,6 +38,7 @@ HELP = "compare step times of static, EPLB and relibra balancing on a simulated 
 
 DEFAULTS = {
     "model": "qwen3-30b-a3b",
+    "model_config": None,
     "hardware": "h200",
     "nodes": 4,
     "gpus_per_node": 8,
@@ -40,7 +46,7 @@ DEFAULTS = {
     "micro_batch_tokens": 8192,
     "micro_batches": 32,
     "steps": 2,
-    "warmup_steps": None,  # 1 when steps > 1 (EPLB needs a step of history), else 0
+    "warmup_steps": None,  # 1 when there are >= 2 steps (EPLB needs a step of history), else 0
     "systems": ",".join(SYSTEMS),
     "seed": 0,
     "sample_tokens": DEFAULT_SAMPLE_TOKENS,
@@ -55,7 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DEFAULTS
     parser.add_argument("file", nargs="?", metavar="REPLAY_OR_LOADS_FILE",
                         help="routing replay or loads file (safetensors); default: synthetic RL trace")
-    parser.add_argument("--model", help=f"model preset: {', '.join(MODELS)} (default {d['model']})")
+    parser.add_argument("--model", help=f"model preset: {', '.join(MODELS)} (default {d['model']}; "
+                        f"with a file: the model the file names)")
+    parser.add_argument("--model-config", metavar="CONFIG.json",
+                        help="the model's Hugging Face config.json (qwen3_moe, qwen2_moe, deepseek_v2/v3, "
+                             "glm4_moe, mixtral, olmoe, gpt_oss); overrides --model and --config's model")
     parser.add_argument("--hardware", help=f"GPU preset: {', '.join(HARDWARE)} (default {d['hardware']})")
     parser.add_argument("--nodes", type=int, help=f"nodes (default {d['nodes']})")
     parser.add_argument("--gpus-per-node", type=int, help=f"GPUs per node (default {d['gpus_per_node']})")
@@ -67,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"micro-batches per step (default {d['micro_batches']})")
     parser.add_argument("--steps", type=int, help=f"optimizer steps, synthetic trace (default {d['steps']})")
     parser.add_argument("--warmup-steps", type=int,
-                        help="leading steps run but not reported (default 1 if --steps > 1, else 0)")
+                        help="leading steps run but not reported (default 1 when the trace or file has "
+                             ">= 2 steps, else 0: a one-step file is planned from uniform history)")
     parser.add_argument("--systems", help=f"comma-separated, from {','.join(SYSTEMS)} "
                         f"(static and ideal always run; default all)")
     parser.add_argument("--seed", type=int, help=f"synthetic trace seed (default {d['seed']})")
@@ -95,8 +106,9 @@ def _int_option(name: str, value: object, minimum: int) -> int:
 def resolve(args: argparse.Namespace) -> dict:
     """Merge command line, config file and defaults; build and validate every setting.
 
-    Returns a dict with ``model``, ``hardware``, ``topology``, ``cost_options`` and the
-    plain options. Raises ``ValueError`` naming the option and what is allowed.
+    Returns a dict with ``model_spec``, ``hardware_spec``, ``topology``, ``cost_options``,
+    ``model_from`` (how the model was chosen), ``model_notes`` and the plain options.
+    Raises ``ValueError`` naming the option and what is allowed.
     """
     file_cfg = load_config_file(args.config) if args.config else {}
     sim_cfg = file_cfg.get("simulate", {}) or {}
@@ -130,12 +142,16 @@ def resolve(args: argparse.Namespace) -> dict:
                 sets[name] = value
         return apply_overrides(base, section, sets)
 
-    model = spec("model", get_model)
-    hardware = spec("hardware", get_hardware)
-    opts["model"], opts["hardware"] = model.name, hardware.name
-
     nodes = _int_option("nodes", opts["nodes"], 1)
     gpn = _int_option("gpus_per_node", opts["gpus_per_node"], 1)
+    # the model: --set > --model-config > --config > --model, or what a file names (model_choice)
+    shape = file_shape(args.file) if args.file else None
+    model, named_by, notes = resolve_model(args, opts, file_cfg, sim_cfg, shape)
+    hardware = spec("hardware", get_hardware)
+    if shape is not None:
+        check_file_model(shape, model, named_by, nodes * gpn)
+    opts["model"], opts["hardware"] = model.name, hardware.name
+
     replica_slots = _int_option("replica_slots", opts["replica_slots"], 0)
     for name in ("micro_batch_tokens", "micro_batches", "steps", "sample_tokens"):
         _int_option(name, opts[name], 1)
@@ -144,18 +160,31 @@ def resolve(args: argparse.Namespace) -> dict:
     if model.num_experts % G:
         sizes = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
         raise ValueError(f"--nodes {nodes} x --gpus-per-node {gpn} = {G} GPUs does not divide the "
-                         f"{model.num_experts} experts of --model {model.name}; allowed EP sizes: "
-                         f"{', '.join(map(str, sizes))}")
+                         f"{model.num_experts} experts of {model.name}; allowed EP sizes: "
+                         f"{', '.join(map(str, sizes))}; e.g. {ep_hint(model.num_experts, nodes, gpn)}")
     topology = Topology(nodes, gpn, model.num_experts, replica_slots)
-    if opts["warmup_steps"] is None:
-        opts["warmup_steps"] = 1 if opts["steps"] > 1 and not args.file else 0
-    _int_option("warmup_steps", opts["warmup_steps"], 0)
+    if opts["warmup_steps"] is None and not args.file:
+        opts["warmup_steps"] = 1 if opts["steps"] > 1 else 0
+    if opts["warmup_steps"] is not None:  # a file's default depends on its steps (see run)
+        _int_option("warmup_steps", opts["warmup_steps"], 0)
     systems = parse_systems(opts["systems"])
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap_replication must be true or false, got {overlap!r}")
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
-            "systems": systems, "cost_options": CostOptions(overlap_replication=overlap)}
+            "systems": systems, "cost_options": CostOptions(overlap_replication=overlap),
+            "model_from": named_by, "model_notes": notes}
+
+
+def file_warmup(num_steps: int, workload_notes: dict) -> int:
+    """Default warm-up for a file of ``num_steps`` steps: one step when it has two or more
+    (history-based planners such as eplb then start from real history), else none, and the
+    workload's notes say that the single step was planned from uniform history."""
+    if num_steps >= 2:
+        return 1
+    workload_notes["warm-up"] = ("none: the file holds one step, so history-based systems (eplb) "
+                                 "plan it from uniform history")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -168,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     model, topo = s["model_spec"], s["topology"]
     if args.file:
         workload = workload_from_file(args.file, model, topo, s["micro_batches"], s["sample_tokens"])
+        if s["warmup_steps"] is None:
+            s["warmup_steps"] = file_warmup(workload.num_steps, workload.notes)
         if s["warmup_steps"] >= workload.num_steps:
             raise ValueError(f"--warmup-steps {s['warmup_steps']} leaves no measured step: the file "
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
@@ -192,7 +223,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         result = simulate(workload, config)
 
-    extra = {"micro_batch_tokens": s["micro_batch_tokens"] if not args.file else None,
+    if s["model_notes"]:
+        workload.notes["approximated"] = "; ".join(s["model_notes"])
+    extra = {"model_from": s["model_from"],
+             "micro_batch_tokens": s["micro_batch_tokens"] if not args.file else None,
              "seed": s["seed"] if not args.file else None, "file": args.file,
              "command": "relibra simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None}
     doc = result_json(result, extra)

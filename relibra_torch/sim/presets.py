@@ -62,7 +62,8 @@ class ModelSpec:
     ``v_head_dim`` fields. The first ``num_layers - num_moe_layers`` layers are dense
     (``dense_ffn``); every MoE layer has ``num_experts`` routed SwiGLU experts of width
     ``moe_ffn`` (``top_k`` per token) and ``num_shared_experts`` shared experts of width
-    ``shared_ffn`` that every token uses.
+    ``shared_ffn`` that every token uses. ``num_expert_groups`` is DeepSeek's ``n_group``:
+    EPLB packs whole groups onto nodes when the node count divides it.
     """
 
     name: str
@@ -84,6 +85,7 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    num_expert_groups: int = 1
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "num_moe_layers", "hidden_size", "moe_ffn", "num_experts",
@@ -92,6 +94,10 @@ class ModelSpec:
         for f in ("dense_ffn", "num_shared_experts", "shared_ffn", "q_lora_rank",
                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             _check_positive_int(f"model.{f}", getattr(self, f), minimum=0)
+        _check_positive_int("model.num_expert_groups", self.num_expert_groups)
+        if self.num_experts % self.num_expert_groups:
+            raise ValueError(f"model.num_expert_groups={self.num_expert_groups} does not divide "
+                             f"model.num_experts={self.num_experts}")
         if self.num_moe_layers > self.num_layers:
             raise ValueError(f"model.num_moe_layers={self.num_moe_layers} exceeds "
                              f"model.num_layers={self.num_layers}")
@@ -99,7 +105,9 @@ class ModelSpec:
             raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
         if self.num_dense_layers and not self.dense_ffn:
             raise ValueError(f"model.dense_ffn must be > 0 when there are dense layers "
-                             f"(num_layers - num_moe_layers = {self.num_dense_layers})")
+                             f"(num_layers - num_moe_layers = {self.num_dense_layers}); set "
+                             f"model.dense_ffn, or model.num_layers={self.num_moe_layers} for an "
+                             f"all-MoE model")
         if self.num_shared_experts and not self.shared_ffn:
             raise ValueError("model.shared_ffn must be > 0 when model.num_shared_experts > 0")
 
@@ -206,13 +214,14 @@ MODELS: dict[str, ModelSpec] = {
     # first_k_dense_replace 3 (intermediate_size 18432), moe_intermediate_size 2048,
     # n_routed_experts 256, top-8, n_shared_experts 1, MLA with 128 heads, q_lora_rank 1536,
     # kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128,
-    # vocab 129280; slime scripts/models/deepseek-v3.sh agrees. MTP not modelled.
+    # vocab 129280, n_group 8 (EPLB's expert groups); slime scripts/models/deepseek-v3.sh
+    # agrees. MTP not modelled.
     "deepseek-v3": ModelSpec(
         "deepseek-v3", num_layers=61, num_moe_layers=58, hidden_size=7168, moe_ffn=2048,
         num_experts=256, top_k=8, num_heads=128, num_kv_heads=128, head_dim=128,
         vocab_size=129280, dense_ffn=18432, num_shared_experts=1, shared_ffn=2048,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128),
+        v_head_dim=128, num_expert_groups=8),
 }
 
 

@@ -12,7 +12,7 @@ import os
 
 from .simulator import SimResult
 
-__all__ = ["result_json", "write_json", "format_table", "print_table", "write_plot"]
+__all__ = ["result_json", "write_json", "format_seconds", "format_table", "print_table", "write_plot"]
 
 # colours per system, shared by the table and the plot
 COLOURS = {"static": "#7f7f7f", "eplb": "#ff7f0e", "eplb-oracle": "#d62728",
@@ -60,12 +60,28 @@ def _gb(x: float) -> str:
     return f"{gb:,.0f}" if gb >= 100 else f"{gb:.1f}"
 
 
+def format_seconds(x: float) -> str:
+    """A duration in the unit that fits it: ``12.3 s``, ``45.6 ms``, ``7.89 us`` (three
+    significant digits; the JSON keeps seconds)."""
+    if x != x:  # NaN
+        return "-"
+    if x == 0:
+        return "0"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        v = x / scale
+        digits = 0 if abs(v) >= 99.5 else 1 if abs(v) >= 9.95 else 2
+        text = f"{v:.{digits}f}"
+        if abs(float(text)) >= 1 or unit == "us":  # 0.9996 s prints as 1.00 s, not 1000 ms
+            return f"{text} {unit}"
+    raise AssertionError("unreachable")
+
+
 def _ratio(x: float | None) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}x"
 
 
-COLUMNS = ("system", "imb mean", "imb p50", "imb p99", "MoE s", "step s", "vs static",
-           "vs eplb-oracle", "of ideal", "cross-node GB", "replica GB", "migrated", "planner s")
+COLUMNS = ("system", "imb mean", "imb p50", "imb p99", "MoE", "step", "vs static",
+           "vs eplb-oracle", "of ideal", "cross-node GB", "replica GB", "migrated", "planner")
 """Columns of :func:`format_table` (one wide plain-text table, for logs and docs)."""
 
 
@@ -75,11 +91,11 @@ def table_rows(figures: dict[str, dict]) -> list[list[str]]:
     for name, f in figures.items():
         rows.append([
             name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p50']:.3f}", f"{f['imbalance_p99']:.3f}",
-            f"{f['moe_layer_time_s']:.2f}", f"{f['step_time_s']:.2f}", _ratio(f["speedup_vs_static"]),
+            format_seconds(f['moe_layer_time_s']), format_seconds(f['step_time_s']), _ratio(f["speedup_vs_static"]),
             _ratio(f["speedup_vs_eplb_oracle"]), f"{f['fraction_of_ideal']:.3f}",
             _gb(f["cross_node_bytes"]), _gb(f["replica_bytes"]),
             f"{f['migrated_experts']:.0f} ({_gb(f['migrated_bytes'])} GB)",
-            f"{f['planner_s']:.2f}",
+            format_seconds(f['planner_s']),
         ])
     return rows
 
@@ -96,21 +112,21 @@ def format_table(figures: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-TIME_COLUMNS = ("system", "imbalance", "p99", "MoE s", "step s", "vs static", "vs oracle", "of ideal")
+TIME_COLUMNS = ("system", "imbalance", "p99", "MoE", "step", "vs static", "vs oracle", "of ideal")
 TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migrated",
-                   "migr. GB", "plan s")
+                   "migr. GB", "plan")
 
 
 def _time_row(name: str, f: dict) -> list[str]:
-    return [name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p99']:.3f}", f"{f['moe_layer_time_s']:.2f}",
-            f"{f['step_time_s']:.2f}", _ratio(f["speedup_vs_static"]), _ratio(f["speedup_vs_eplb_oracle"]),
+    return [name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p99']:.3f}", format_seconds(f['moe_layer_time_s']),
+            format_seconds(f['step_time_s']), _ratio(f["speedup_vs_static"]), _ratio(f["speedup_vs_eplb_oracle"]),
             f"{f['fraction_of_ideal']:.3f}"]
 
 
 def _traffic_row(name: str, f: dict) -> list[str]:
     return [name, f"{f['imbalance_p50']:.3f}", _gb(f["cross_node_bytes"]), _gb(f["intra_node_bytes"]),
             _gb(f["replica_bytes"]), f"{f['migrated_experts']:.0f}", _gb(f["migrated_bytes"]),
-            f"{f['planner_s']:.2f}"]
+            format_seconds(f['planner_s'])]
 
 
 def print_table(doc: dict, console=None) -> None:
@@ -125,10 +141,15 @@ def print_table(doc: dict, console=None) -> None:
 
     console = console or Console()
     cfg = doc["config"]
-    console.print(f"[bold]{cfg['model']['name']}[/bold] on {cfg['nodes']} x {cfg['gpus_per_node']} "
+    from rich.markup import escape
+    console.print(f"[bold]{escape(cfg['model']['name'])}[/bold] on {cfg['nodes']} x {cfg['gpus_per_node']} "
                   f"{cfg['hardware']['name']} (EP {cfg['ep_size']}, R={cfg['replica_slots']}), "
                   f"{cfg['micro_batches']} micro-batches, {cfg['measured_steps']} measured step(s), "
-                  f"figures per step")
+                  f"figures per step", highlight=False)
+    if cfg.get("model_from") and cfg.get("file"):
+        console.print(f"model dims from {cfg['model_from']}", highlight=False)
+    elif cfg.get("model_from", "").startswith("--model-config"):
+        console.print(f"model from {cfg['model_from']}", highlight=False)
     for title, columns, row in (("step time", TIME_COLUMNS, _time_row),
                                 ("traffic and planning", TRAFFIC_COLUMNS, _traffic_row)):
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
@@ -139,8 +160,9 @@ def print_table(doc: dict, console=None) -> None:
             table.add_row(*row(name, f), style=COLOURS.get(name))
         console.print(table)
     overlap = cfg["cost_options"]["overlap_replication"]
-    console.print(f"source: {cfg['source']}" + (f"; assumptions: {cfg['notes']}" if cfg["notes"] else ""),
-                  highlight=False)
+    console.print(f"source: {cfg['source']}", highlight=False)
+    for key, text in cfg["notes"].items():
+        console.print(f"{key.replace('_', ' ')}: {text}", highlight=False)
     console.print("replica fill / gradient return: " + ("hidden behind attention where it fits"
                   if overlap else "not overlapped (--overlap-replication hides it behind attention)"),
                   highlight=False)
@@ -178,7 +200,7 @@ def write_plot(result: SimResult, path: str) -> None:
     for i, n in enumerate(names):
         ax2.text(i, figures[n]["step_time_s"], f"{figures[n]['speedup_vs_static']:.2f}x",
                  ha="center", va="bottom", fontsize=9)
-    ax2.set_ylabel("step time (s)")
+    ax2.set_ylabel("step time (s)")  # one axis for all bars: seconds, as in the JSON
     ax2.set_title("step time (label: speedup over static)")
     ax2.tick_params(axis="x", labelrotation=20)
     ax2.legend(fontsize=8, loc="lower right")

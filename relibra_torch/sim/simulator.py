@@ -56,6 +56,8 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel) -> P
     from ..planning import ReLibraConfig, make_planner
     if name == "relibra":
         return make_planner(name, topology, config=ReLibraConfig.from_weights(cost.reorder_weights()))
+    if name in ("eplb", "eplb-oracle"):  # EPLB's hierarchical policy packs the model's groups
+        return make_planner(name, topology, num_groups=cost.model.num_expert_groups)
     return make_planner(name, topology)
 
 

@@ -85,10 +85,10 @@ def _check_loads(loads: torch.Tensor, model: ModelSpec, topology: Topology, what
     X, M, L, S, E = loads.shape
     if E != model.num_experts:
         raise ValueError(f"{what}: the loads have {E} experts but --model {model.name} has "
-                         f"{model.num_experts}; pass the matching --model")
+                         f"{model.num_experts}; pass --model-config or the matching --model")
     if L != model.num_moe_layers:
         raise ValueError(f"{what}: the loads have {L} MoE layers but --model {model.name} has "
-                         f"{model.num_moe_layers}; pass the matching --model")
+                         f"{model.num_moe_layers}; pass --model-config or the matching --model")
     if S != topology.num_gpus:
         raise ValueError(f"{what}: the loads were batched for {S} ranks but --nodes x "
                          f"--gpus-per-node = {topology.num_gpus}; a loads file is used as batched")
@@ -181,7 +181,7 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
         lf = replay.load_loads(path)
         if lf.top_k != model.top_k:
             raise ValueError(f"{path!r} has top_k={lf.top_k} but --model {model.name} has top_k="
-                             f"{model.top_k}; pass the matching --model")
+                             f"{model.top_k}; pass --model-config or the matching --model")
         return workload_from_loads(lf.loads_XMLSE, model, topology, sample_tokens,
                                    source=f"loads file {name}", tokens_XMS=lf.tokens())
     if fmt != replay.ROUTING_FORMAT:
@@ -193,7 +193,7 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
                             ("num_layers", rr.num_layers, model.num_moe_layers)):
         if got != want:
             raise ValueError(f"{path!r} has {what}={got} but --model {model.name} has {want}; "
-                             f"pass the matching --model")
+                             f"pass --model-config or the matching --model")
     if rr.sample_step is not None:
         step_ids = torch.unique(rr.sample_step).tolist()
         groups = [(rr.sample_step == s).nonzero().flatten() for s in step_ids]
