@@ -121,6 +121,55 @@ def test_reordering_never_worsens_its_balance_term(problem):
     assert (node_max_sum(placement) <= node_max_sum(topo.static_placement(loads.shape[1]))).all()
 
 
+@SETTINGS
+@given(problems())
+def test_token_split_keeps_traffic_local_and_spreads_the_rest_evenly(problem):
+    """Every planner's plan: cross-node tokens are the fewest the quotas allow, and each node's
+    surplus (deficit) is shared by its sources (instances) in proportion to tokens (quota)."""
+    topo, loads = problem
+    N, g, J = topo.num_nodes, topo.gpus_per_node, topo.slots_per_gpu
+    for name, plan in _plans(topo, loads).items():
+        split = token_split(plan, loads)                                   # [M, L, S, G, J]
+        M, L, S, E = loads.shape
+        se = plan.slot_expert_MLGJ
+        node_of_slot = (torch.arange(topo.num_gpus) // g).view(1, 1, 1, -1, 1)
+        node_of_src = (torch.arange(S) // g).view(1, 1, -1, 1, 1)
+        cross = split * (node_of_slot != node_of_src)
+        for m in range(M):
+            for l in range(L):
+                for e in range(E):
+                    inst = se[m, l] == e                                   # [G, J]
+                    D = loads[m, l, :, e].view(N, g).sum(1)
+                    Q = torch.stack([(plan.slot_tokens_MLGJ[m, l] * inst).view(N, g, J)[n].sum() for n in range(N)])
+                    fewest = int((D - Q).clamp(min=0).sum())
+                    assert int((cross[m, l] * inst).sum()) == fewest, (name, m, l, e)
+                    # deficit shares: instance x of node n receives ~ quota_x * deficit_n / Q_n
+                    recv = (cross[m, l] * inst).sum(0)                     # [G, J]
+                    for gg, j in inst.nonzero().tolist():
+                        n = gg // g
+                        q = int(plan.slot_tokens_MLGJ[m, l, gg, j])
+                        share = q * int((Q[n] - D[n]).clamp(min=0)) / max(int(Q[n]), 1)
+                        assert abs(int(recv[gg, j]) - share) < 1.0 + 1e-9, (name, m, l, e, gg, j)
+
+
+def test_token_split_sends_remote_tokens_to_every_instance_in_proportion():
+    """Expert 0 on node 1 (native on GPU 2, replica on GPU 3, 6 tokens each); node 0's
+    sources have 8 of its tokens, node 1's 4: node 1 keeps its 4, each instance gets 4
+    remote + 2 local (the rank-ordered rule gave the first instance all 6 remote ones)."""
+    topo = Topology(2, 2, 4, 1)
+    loads = torch.zeros(1, 1, 4, 4, dtype=torch.int64)
+    loads[0, 0, :, 2] = torch.tensor([5, 3, 1, 3])
+    plan = static_plan(loads, topo)
+    plan.slot_expert_MLGJ[0, 0, 3, 1] = 2
+    plan.slot_tokens_MLGJ[0, 0, 2, 0] = 6
+    plan.slot_tokens_MLGJ[0, 0, 3, 1] = 6
+    validate_plan(plan, loads, intra_node_replicas=True)
+    split = token_split(plan, loads)[0, 0]                                 # [S, G, J]
+    assert split[:2, 2, 0].sum() == 4 and split[:2, 3, 1].sum() == 4       # remote per instance
+    assert split[2:, 2, 0].sum() == 2 and split[2:, 3, 1].sum() == 2       # local per instance
+    assert split[:, :2].sum() == 0                                         # nothing stays on node 0
+
+
 def test_token_split_matches_brute_force():
     topo = Topology(1, 2, 4, 1)
     loads = torch.tensor([[[[3, 0, 1, 2], [2, 5, 0, 0]]]])            # [1, 1, 2, 4]

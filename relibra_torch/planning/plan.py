@@ -78,15 +78,44 @@ class StepPlan:
                         self.slot_tokens_MLGJ[m : m + 1], self.planner, self.previous_placement_LE)
 
 
+def _interval_overlap(a_start_MLSX, a_end_MLSX, b_start_MLSX, b_end_MLSX) -> torch.Tensor:
+    """Length of the overlap of two families of half-open intervals (broadcast)."""
+    return (torch.minimum(a_end_MLSX, b_end_MLSX) - torch.maximum(a_start_MLSX, b_start_MLSX)).clamp(min=0)
+
+
+def _cum_floor(weights, cum_weights, total, share):
+    """Integer split of ``share`` over items in proportion to ``weights``: the floor of the
+    cumulative proportional share, differenced. Exact (sums to ``share``), non-negative,
+    deterministic; ``total`` is the sum of ``weights`` in the item's group (0: nothing)."""
+    safe = total.clamp(min=1)
+    end = cum_weights * share // safe
+    start = (cum_weights - weights) * share // safe
+    return torch.where(total > 0, end - start, torch.zeros_like(end))
+
+
 def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     """Split every (source rank, expert) token count between the expert's instances.
 
-    Rule: for each (m, l, e), the expert's tokens are laid out source by source
-    (``s = 0 .. S-1``; inside a source in token order), and its instances take consecutive
-    runs of ``slot_tokens`` tokens in slot order (``gpu``, then ``j``). Source ``s`` therefore
-    sends to slot ``(g, j)`` the overlap of its interval ``[C_{s-1}, C_s)`` with the slot's
-    interval ``[Q_{x-1}, Q_x)``. Inside one source, its tokens for ``e`` go to instances in
-    slot order, the first ones (in token order) to the first instance.
+    The rule keeps traffic inside a node where it can and spreads the rest evenly. For each
+    (m, l, e), with ``D_n`` the expert's tokens on the sources of node ``n`` and ``Q_n`` the
+    quotas of its instances on node ``n``:
+
+    1. **Local first.** Node ``n`` keeps ``min(D_n, Q_n)`` tokens on its own instances; a
+       node with more tokens than capacity has a surplus ``D_n - Q_n``, one with more
+       capacity a deficit ``Q_n - D_n`` (a token crosses nodes only when its node cannot take
+       it).
+    2. **Even shares.** Inside a node, every source sends the node's surplus in proportion to
+       its tokens, and every instance receives the node's deficit in proportion to its quota
+       (floor of the cumulative share, so integers that sum exactly): cross-node send and
+       receive follow tokens and compute instead of piling onto the first rank or instance.
+    3. **Matching.** Local tokens go to the node's instances, and surplus tokens to the
+       deficit instances, in order: sources by rank, instances by slot (``gpu``, then ``j``),
+       each taking consecutive runs (interval overlap).
+
+    The result gives each source's quota at each slot; the layer (``assign_slots``) hands a
+    source's tokens for ``e`` to the slots in slot order, each up to that quota, so every
+    rank derives all exchange sizes from the gathered counts alone. EPLB and online plans go
+    through the same rule.
 
     Args:
         plan: the step plan (``M`` micro-batches).
@@ -97,37 +126,72 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     """
     topo = plan.topology
     M, L, S, E = loads_MLSE.shape
-    G, J = topo.num_gpus, topo.slots_per_gpu
+    G, J, g = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node
+    N, X = topo.num_nodes, G * J
     loads_MLSE = loads_MLSE.to(torch.int64)
-    expert_MLX = plan.slot_expert_MLGJ.reshape(M, L, G * J)
-    quota_MLX = plan.slot_tokens_MLGJ.reshape(M, L, G * J)
+    expert_MLX = plan.slot_expert_MLGJ.reshape(M, L, X)
     valid_MLX = expert_MLX >= 0
-    safe_expert_MLX = expert_MLX.clamp(min=0)
+    e_MLX = expert_MLX.clamp(min=0)
+    quota_MLX = plan.slot_tokens_MLGJ.reshape(M, L, X) * valid_MLX
+    node_X = torch.arange(X) // (J * g)
+    node_S = torch.arange(S) // g
 
-    # Q interval per slot: cumulative quota among earlier slots of the same expert. Sort the
-    # slots by (expert, slot index), cumsum, and subtract the quota of all smaller experts.
-    X = G * J
-    key_MLX = safe_expert_MLX * X + torch.arange(X)
-    order_MLX = key_MLX.argsort(dim=2)
-    quota_MLX = quota_MLX * valid_MLX
-    cum_sorted_MLX = quota_MLX.gather(2, order_MLX).cumsum(2)
-    per_expert_MLE = torch.zeros(M, L, E, dtype=torch.int64).scatter_add_(2, safe_expert_MLX, quota_MLX)
-    before_MLE = per_expert_MLE.cumsum(2) - per_expert_MLE
-    q_end_MLX = torch.empty_like(cum_sorted_MLX).scatter_(2, order_MLX, cum_sorted_MLX)
-    q_end_MLX = q_end_MLX - before_MLE.gather(2, safe_expert_MLX)
-    q_start_MLX = q_end_MLX - quota_MLX
+    # Per (node, expert): demand D, capacity Q, kept locally, surplus, deficit.
+    demand_MLNE = loads_MLSE.view(M, L, N, g, E).sum(3)
+    group_MLX = node_X * E + e_MLX  # (node, expert) group of every slot
+    cap_MLNE = torch.zeros(M, L, N * E, dtype=torch.int64).scatter_add_(2, group_MLX, quota_MLX).view(M, L, N, E)
+    local_MLNE = torch.minimum(demand_MLNE, cap_MLNE)
+    surplus_MLNE, deficit_MLNE = demand_MLNE - local_MLNE, cap_MLNE - local_MLNE
 
-    # C interval per (source, expert), gathered at every slot's expert.
-    c_end_MLSE = loads_MLSE.cumsum(2)
-    c_start_MLSE = c_end_MLSE - loads_MLSE
-    idx_MLSX = safe_expert_MLX.unsqueeze(2).expand(M, L, S, G * J)
-    c_end_MLSX = c_end_MLSE.gather(3, idx_MLSX)
-    c_start_MLSX = c_start_MLSE.gather(3, idx_MLSX)
+    # Sources: surplus shares in proportion to tokens (cumulative over the node's ranks).
+    cum_MLSE = loads_MLSE.view(M, L, N, g, E).cumsum(3).view(M, L, S, E)
+    remote_MLSE = _cum_floor(loads_MLSE, cum_MLSE, demand_MLNE[:, :, node_S], surplus_MLNE[:, :, node_S])
+    keep_MLSE = loads_MLSE - remote_MLSE
 
-    overlap_MLSX = (torch.minimum(c_end_MLSX, q_end_MLX.unsqueeze(2))
-                    - torch.maximum(c_start_MLSX, q_start_MLX.unsqueeze(2))).clamp(min=0)
-    overlap_MLSX = overlap_MLSX * valid_MLX.unsqueeze(2)
-    return overlap_MLSX.view(M, L, S, G, J)
+    # Instances: deficit shares in proportion to quota (cumulative over the group's slots in
+    # slot order; slots of one (node, expert) group are contiguous once sorted by group).
+    order_MLX = (group_MLX * X + torch.arange(X)).argsort(dim=2)
+    group_sorted = group_MLX.gather(2, order_MLX)
+    quota_sorted = quota_MLX.gather(2, order_MLX)
+    cum_sorted = quota_sorted.cumsum(2)
+    before_group = torch.zeros(M, L, N * E, dtype=torch.int64).scatter_add_(2, group_MLX, quota_MLX)
+    before_group = (before_group.cumsum(2) - before_group).gather(2, group_sorted)
+    cum_in_group_MLX = torch.empty_like(cum_sorted).scatter_(2, order_MLX, cum_sorted - before_group)
+    cap_X = cap_MLNE.view(M, L, N * E).gather(2, group_MLX)
+    deficit_X = deficit_MLNE.view(M, L, N * E).gather(2, group_MLX)
+    take_remote_MLX = _cum_floor(quota_MLX, cum_in_group_MLX, cap_X, deficit_X)
+    take_local_MLX = quota_MLX - take_remote_MLX
+
+    def intervals_by_expert(amount_MLSE, amount_MLX, same_node):
+        # Source intervals: cumulative over ranks (over the node's ranks when same_node).
+        if same_node:
+            src_end = amount_MLSE.view(M, L, N, g, E).cumsum(3).view(M, L, S, E)
+        else:
+            src_end = amount_MLSE.cumsum(2)
+        src_start = src_end - amount_MLSE
+        # Instance intervals: cumulative over the expert's slots in slot order (over the
+        # node's slots when same_node).
+        key = (group_MLX if same_node else e_MLX) * X + torch.arange(X)
+        order = key.argsort(dim=2)
+        grp = (group_MLX if same_node else e_MLX).gather(2, order)
+        cum = amount_MLX.gather(2, order).cumsum(2)
+        size = N * E if same_node else E
+        tot = torch.zeros(M, L, size, dtype=torch.int64).scatter_add_(
+            2, group_MLX if same_node else e_MLX, amount_MLX)
+        cum = cum - (tot.cumsum(2) - tot).gather(2, grp)
+        dst_end = torch.empty_like(cum).scatter_(2, order, cum)
+        dst_start = dst_end - amount_MLX
+        idx = e_MLX.unsqueeze(2).expand(M, L, S, X)
+        out = _interval_overlap(src_start.gather(3, idx), src_end.gather(3, idx),
+                                dst_start.unsqueeze(2), dst_end.unsqueeze(2))
+        if same_node:
+            out = out * (node_S.view(S, 1) == node_X.view(1, X))
+        return out
+
+    split_MLSX = (intervals_by_expert(keep_MLSE, take_local_MLX, True)
+                  + intervals_by_expert(remote_MLSE, take_remote_MLX, False))
+    split_MLSX = split_MLSX * valid_MLX.unsqueeze(2)
+    return split_MLSX.view(M, L, S, G, J)
 
 
 def _fail(msg: str) -> None:
