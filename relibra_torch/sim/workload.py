@@ -174,7 +174,7 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
     if not os.path.exists(path):
         raise FileNotFoundError(f"REPLAY_OR_LOADS_FILE {path!r} does not exist")
     from .. import replay
-    from ..replay._io import read_header
+    from ..replay.fileio import read_header
     fmt = read_header(path).metadata.get("format")
     name = os.path.basename(path)
     if fmt == replay.LOADS_FORMAT:
