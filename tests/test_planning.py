@@ -237,9 +237,9 @@ def test_plans_identical_in_two_processes():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda: Topology(0, 2, 4), "num_nodes must be >= 1"),
+    (lambda: Topology(0, 2, 4), "num_nodes = 0; allowed: an int >= 1"),
     (lambda: Topology(2, 2, 6), "not divisible"),
-    (lambda: Topology(1, 2, 4, -1), "replica_slots must be >= 0"),
+    (lambda: Topology(1, 2, 4, -1), "replica_slots = -1; allowed: an int >= 0"),
     (lambda: static_plan(torch.zeros(1, 1, 3, 4, dtype=torch.int64), Topology(1, 2, 4)), "S=3"),
     (lambda: static_plan(-torch.ones(1, 1, 2, 4, dtype=torch.int64), Topology(1, 2, 4)), "negative"),
     (lambda: static_plan(torch.zeros(1, 1, 2, 4), Topology(1, 2, 4)), "int32 or int64"),

@@ -109,15 +109,15 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     (lambda p: routing_file(p, top_k=6), [], r"has top_k=6 but --model qwen3-30b-a3b has 8"),
     (lambda p: routing_file(p, experts=64), [], r"has num_experts=64 but --model qwen3-30b-a3b has 128"),
     (lambda p: routing_file(p), ["--model", "glm-4.5-air"], r"num_layers=48 but --model glm-4.5-air has 45"),
-    (None, ["--nodes", "0"], r"--nodes must be an integer >= 1, got 0"),
+    (None, ["--nodes", "0"], r"--nodes = 0; allowed: an int >= 1"),
     (None, ["--nodes", "3"], r"--nodes 3 x --gpus-per-node 4 = 12 GPUs does not divide the 128 experts.*"
                              r"allowed EP sizes: 1, 2, 4, 8, 16, 32, 64, 128"),
-    (None, ["--replica-slots", "-1"], r"--replica-slots must be an integer >= 0, got -1"),
-    (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps must be a finite number > 0, got -3"),
-    (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps must be a finite number > 0"),
+    (None, ["--replica-slots", "-1"], r"--replica-slots = -1; allowed: an int >= 0"),
+    (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps = -3.0; allowed: a finite number > 0"),
+    (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps = 0.0; allowed: a finite number > 0"),
     (None, ["--model", "mixtral"], r"--model 'mixtral' is unknown; choose one of qwen3-30b-a3b"),
     (None, ["--systems", "static,megatron"], r"--systems has unknown megatron; allowed"),
-    (None, ["--micro-batches", "0"], r"--micro-batches must be an integer >= 1, got 0"),
+    (None, ["--micro-batches", "0"], r"--micro-batches = 0; allowed: an int >= 1"),
     (None, ["--steps", "2", "--warmup-steps", "2"], r"--warmup-steps 2 leaves no measured step"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, make, argv, match):

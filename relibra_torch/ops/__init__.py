@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from relibra_torch.checks import check_int
 from relibra_torch.ops import custom_ops as _ops
 from relibra_torch.ops.backend import (BACKENDS, ENV_VAR, get_backend, set_backend, use_backend,
                                        uses_triton)
@@ -83,8 +84,7 @@ def permute_index(expert_slot_TK: torch.Tensor, num_slots: int) -> tuple[torch.T
     _need_tensor(expert_slot_TK, "expert_slot_TK")
     _need_dim(expert_slot_TK, "expert_slot_TK", 2, "[T, K]")
     _need_dtype(expert_slot_TK, "expert_slot_TK", INDEX_DTYPES)
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
-        raise ValueError(f"num_slots={num_slots!r} must be an int >= 0")
+    check_int("num_slots", num_slots, 0)
     if num_slots == 0 and expert_slot_TK.numel():
         raise ValueError("num_slots=0 but expert_slot_TK is not empty; allowed: num_slots >= 1")
     return _ops.permute_index(expert_slot_TK, num_slots)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
@@ -88,8 +89,9 @@ def eplb_slots(weight_LE: torch.Tensor, topology: Topology, num_groups: int = 1)
     """
     L, E = weight_LE.shape
     G, J = topology.num_gpus, topology.slots_per_gpu
-    if num_groups < 1 or E % num_groups:
-        raise ValueError(f"num_groups={num_groups} must be >= 1 and divide num_experts={E}")
+    check_int("num_groups", num_groups, 1)
+    if E % num_groups:
+        raise ValueError(f"num_groups = {num_groups}; allowed: a divisor of num_experts = {E}")
     if num_groups % topology.num_nodes == 0:
         nodes, groups = topology.num_nodes, num_groups
     else:  # global policy: one node holding everything, one group
@@ -226,8 +228,7 @@ class EPLBPlanner(Planner):
 
     def __init__(self, topology: Topology, oracle: bool = False, window: int = 8, num_groups: int = 1):
         super().__init__(topology)
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        check_int("window", window, 1)
         self.oracle, self.window, self.num_groups = oracle, window, num_groups
         self.name = "eplb-oracle" if oracle else "eplb"
         self.history: list[torch.Tensor] = []

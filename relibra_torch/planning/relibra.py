@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int, check_number
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
@@ -97,12 +98,9 @@ class ReLibraConfig:
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
-        if self.max_swap_rounds < 0 or self.swap_candidates < 1:
-            raise ValueError("max_swap_rounds must be >= 0 and swap_candidates >= 1, got "
-                             f"{self.max_swap_rounds}, {self.swap_candidates}")
+            check_number(name, getattr(self, name), 0)
+        check_int("max_swap_rounds", self.max_swap_rounds, 0)
+        check_int("swap_candidates", self.swap_candidates, 1)
 
 
 def _objective(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:

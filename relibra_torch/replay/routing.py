@@ -217,11 +217,8 @@ class RoutingReplay:
 
     def sample(self, i: int) -> torch.Tensor:
         """Expert ids ``[T_i, L, K]`` of sample ``i`` (a view; negative ``i`` counts from the end)."""
-        if isinstance(i, bool) or not isinstance(i, int):
-            raise TypeError(f"sample index is {type(i).__name__}; allowed: int")
         n = self.num_samples
-        if not -n <= i < n:
-            raise ValueError(f"sample index {i}; allowed: [{-n}, {n})")
+        check_int("sample index", i, -n, n - 1)
         i %= n
         return self.routed_experts_TLK[int(self.sample_offsets[i]) : int(self.sample_offsets[i + 1])]
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_choice, check_int, check_number
+
 __all__ = [
     "ExplorationConfig",
     "ExplorationPolicy",
@@ -74,29 +76,17 @@ class ExplorationConfig:
     def __post_init__(self):
         if not isinstance(self.enabled, bool):
             raise TypeError(f"enabled is {type(self.enabled).__name__} {self.enabled!r}; allowed: bool")
-        for name in ("num_anchors", "pool_size"):
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} is {type(value).__name__} {value!r}; allowed: int or None")
-            lo = 0 if name == "num_anchors" else 1
-            if value < lo:
-                raise ValueError(f"{name} = {value}; allowed: an integer >= {lo} or None")
+        for name, lo in (("num_anchors", 0), ("pool_size", 1)):
+            if getattr(self, name) is not None:  # None: the default rule (resolve_pool)
+                check_int(name, getattr(self, name), lo)
         for name in ("sigma_min", "sigma_max"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise TypeError(f"{name} is {type(value).__name__} {value!r}; allowed: a float >= 0")
-            if not math.isfinite(value) or value < 0:
-                raise ValueError(f"{name} = {value}; allowed: a finite float >= 0")
+            check_number(name, getattr(self, name), 0)
         if self.sigma_max < self.sigma_min:
             raise ValueError(
                 f"sigma_max = {self.sigma_max} < sigma_min = {self.sigma_min}; allowed: sigma_max >= sigma_min"
             )
-        if self.noise_space not in _NOISE_SPACES:
-            raise ValueError(f"noise_space = {self.noise_space!r}; allowed: {', '.join(map(repr, _NOISE_SPACES))}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise TypeError(f"seed is {type(self.seed).__name__} {self.seed!r}; allowed: int")
+        check_choice("noise_space", self.noise_space, _NOISE_SPACES)
+        check_int("seed", self.seed, None)
 
 
 def resolve_pool(top_k: int, num_experts: int, cfg: ExplorationConfig) -> tuple[int, int]:
@@ -105,8 +95,7 @@ def resolve_pool(top_k: int, num_experts: int, cfg: ExplorationConfig) -> tuple[
     Raises ``ValueError`` when the configuration cannot fill ``top_k`` slots: explicit
     ``num_anchors > top_k``, or a pool smaller than ``top_k - K_anchor``.
     """
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k = {top_k!r}; allowed: an integer in [1, num_experts = {num_experts}]")
+    check_int("top_k", top_k, 1, num_experts)
     anchors = top_k // 2 if cfg.num_anchors is None else cfg.num_anchors
     if anchors > top_k:
         raise ValueError(f"num_anchors = {anchors} exceeds top_k = {top_k}; allowed: 0 <= num_anchors <= top_k")
@@ -194,8 +183,7 @@ def explore_topk(
     """
     scores_TE = _check_scores(scores_TE)
     E = scores_TE.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= E:
-        raise ValueError(f"top_k = {top_k!r}; allowed: an integer in [1, num_experts = {E}]")
+    check_int("top_k", top_k, 1, E)
     if cfg is not None and not isinstance(cfg, ExplorationConfig):
         raise TypeError(f"cfg is {type(cfg).__name__}; allowed: ExplorationConfig or None")
     if cfg is None or not cfg.enabled:

@@ -44,6 +44,7 @@ from typing import Iterable, Sequence
 import torch
 from torch import nn
 
+from ..checks import check_int
 from ..replay.routing import RoutingReplay
 
 __all__ = ["MoELayerRef", "RoutingRecorder", "find_moe_layers", "layout_for_batch"]
@@ -199,9 +200,7 @@ class RoutingRecorder:
 
     def _resolve_num_experts(self, num_experts) -> int:
         if num_experts is not None:
-            if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-                raise ValueError(f"num_experts = {num_experts!r}; allowed: a positive int")
-            return num_experts
+            return check_int("num_experts", num_experts, 1)
         values = {ref.name: ref.num_experts for ref in self.layers}
         known = {v for v in values.values() if v is not None}
         if len(known) != 1 or None in values.values():
