@@ -86,6 +86,54 @@ def test_counts_for_tokens():
         counts_for_tokens(ids[0], 3)
 
 
+@given(lead=st.lists(st.integers(0, 4), min_size=0, max_size=3), L=st.integers(1, 3), E=st.integers(1, 6),
+       data=st.data())
+@SETTINGS
+def test_count_experts_any_leading_dims_and_groups(lead, L, E, data):
+    # The one counting implementation: [..., L, K] ids -> [L, E], and per group -> [B, L, E],
+    # against a per-token Python loop.
+    K = data.draw(st.integers(1, E))
+    seed = data.draw(st.integers(0, 2**16))
+    T = math.prod(lead)
+    ids_TLK = random_ids_TLK(T, L, K, E, seed) if T else torch.zeros(0, L, K, dtype=torch.int64)
+    ids = ids_TLK.view(*lead, L, K)
+    want_LE = torch.zeros(L, E, dtype=torch.int64)
+    for t in range(T):
+        for l in range(L):
+            for k in range(K):
+                want_LE[l, ids_TLK[t, l, k]] += 1
+    assert torch.equal(counts_mod.count_experts(ids, E), want_LE)
+    B = data.draw(st.integers(1, 4))
+    group_T = torch.tensor(data.draw(st.lists(st.integers(0, B - 1), min_size=T, max_size=T)), dtype=torch.int64)
+    got_BLE = counts_mod.count_by_group(ids, group_T, B, E)
+    assert got_BLE.shape == (B, L, E) and torch.equal(got_BLE.sum(0), want_LE)
+    for b in range(B):
+        assert torch.equal(got_BLE[b], counts_mod.count_experts(ids_TLK[group_T == b], E))
+
+
+def test_count_helpers_name_the_bad_argument(monkeypatch):
+    ids = torch.tensor([[[0, 1]], [[1, 2]]])  # T=2, L=1, K=2
+    monkeypatch.setattr(counts_mod, "CHUNK_ELEMENTS", 1)  # one token per chunk
+    assert counts_mod.count_by_group(ids, torch.tensor([1, 0]), 2, 3).tolist() == [[[0, 1, 1]], [[1, 1, 0]]]
+    with pytest.raises(ValueError, match=r"group_T\[1\] = 2; allowed: \[0, 2\)"):
+        counts_mod.count_by_group(ids, torch.tensor([0, 2]), 2, 3)
+    with pytest.raises(ValueError, match=r"group_T has 1 entries but expert_ids has 2 tokens; allowed: one group per token"):
+        counts_mod.count_by_group(ids, torch.tensor([0]), 2, 3)
+    with pytest.raises(ValueError, match=r"group_T has dtype float32; allowed: an integer dtype"):
+        counts_mod.count_by_group(ids, torch.tensor([0.0, 1.0]), 2, 3)
+    with pytest.raises(ValueError, match=r"num_groups = 0; allowed: an int >= 1"):
+        counts_mod.count_by_group(ids, torch.tensor([0, 0]), 0, 3)
+    with pytest.raises(ValueError, match=r"expert_ids has shape \(2,\); allowed: \[\.\.\., L, K\]"):
+        counts_mod.count_experts(torch.tensor([0, 1]), 3)
+    with pytest.raises(ValueError, match=r"num_experts = 0; allowed: an int in \[1, 1048576\]"):
+        counts_mod.count_experts(ids, 0)
+    with pytest.raises(ValueError, match=r"expert_ids\[0\] = \[1, 1\] repeats an expert; allowed: distinct expert ids"):
+        counts_mod.check_expert_ids(torch.tensor([[1, 1]]), 3, distinct=True)
+    counts_mod.check_expert_ids(torch.tensor([[1, 1]]), 3)  # duplicates only checked when asked
+    with pytest.raises(TypeError, match=r"routed_experts is Tensor; allowed: a list of \[T, L, K\] tensors"):
+        counts_mod.count_micro_batches(ids, 1, 3)
+
+
 def test_counts_rejects_bad_assignment():
     replay = RoutingReplay(random_ids_TLK(6, 1, 1, 4), offsets_from_lengths([3, 3]), 4)
     with pytest.raises(ValueError, match="assignment covers 3 samples but the replay has 2"):
