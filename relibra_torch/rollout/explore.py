@@ -24,8 +24,9 @@ Noise space (``ExplorationConfig.noise_space``):
   ``E`` because ``p`` is about ``1/E``).
 
 Shape legend:
-  T  tokens      E  experts      K  top-k      A  anchors (K_anchor)
-  M  candidate pool size          C  chosen candidates (K - K_anchor)
+  T  tokens      E  experts      K  top-k      V  anchors (K_anchor, the kept top experts)
+  P  candidate pool (``M`` in the ESRL notation)   C  chosen candidates (K - K_anchor)
+  R  ranked experts (anchors, then the pool)
 """
 
 from __future__ import annotations
@@ -198,26 +199,26 @@ def explore_topk(
     p_TE = _normalised(scores_TE)
     # Rank on the caller's scores (not p) so anchors are exactly plain top-k's leading ids.
     ranked_TR = torch.topk(scores_TE, anchors + pool, dim=-1).indices
-    anchor_TA = ranked_TR[:, :anchors]
-    pool_TM = ranked_TR[:, anchors:]
+    anchor_TV = ranked_TR[:, :anchors]
+    pool_TP = ranked_TR[:, anchors:]
     if need == 0:
-        return anchor_TA.contiguous()
+        return anchor_TV.contiguous()
     T = scores_TE.shape[0]
     sigma_T = exploration_sigma(scores_TE, cfg)
     # Drawn on the CPU generator's device in float32 regardless of the scores' dtype, so a
     # seed gives the same noise for fp32 and bf16 routers.
-    eps_TM = torch.randn((T, pool), generator=generator, dtype=torch.float32, device=generator.device)
-    eps_TM = eps_TM.to(scores_TE.device)
-    p_pool_TM = p_TE.gather(1, pool_TM)
+    eps_TP = torch.randn((T, pool), generator=generator, dtype=torch.float32, device=generator.device)
+    eps_TP = eps_TP.to(scores_TE.device)
+    p_pool_TP = p_TE.gather(1, pool_TP)
     if cfg.noise_space == "log":
-        base_TM = torch.where(p_pool_TM > 0, torch.log(p_pool_TM.clamp_min(torch.finfo(torch.float32).tiny)), -math.inf)
+        base_TP = torch.where(p_pool_TP > 0, torch.log(p_pool_TP.clamp_min(torch.finfo(torch.float32).tiny)), -math.inf)
     else:
-        base_TM = torch.where(p_pool_TM > 0, p_pool_TM, -math.inf)
+        base_TP = torch.where(p_pool_TP > 0, p_pool_TP, -math.inf)
     # -inf + noise stays -inf: zero-score experts (e.g. masked by group-limited routing) lose.
-    perturbed_TM = base_TM + sigma_T[:, None] * eps_TM
-    pick_TC = torch.topk(perturbed_TM, need, dim=-1).indices
-    chosen_TC = pool_TM.gather(1, pick_TC)
-    return torch.cat([anchor_TA, chosen_TC], dim=1)
+    perturbed_TP = base_TP + sigma_T[:, None] * eps_TP
+    pick_TC = torch.topk(perturbed_TP, need, dim=-1).indices
+    chosen_TC = pool_TP.gather(1, pick_TC)
+    return torch.cat([anchor_TV, chosen_TC], dim=1)
 
 
 class ExplorationPolicy:
