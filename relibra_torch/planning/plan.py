@@ -2,8 +2,8 @@
 
 Legend (shape suffixes):
     M micro-batches of the step, L MoE layers, S source ranks (= G), E logical experts,
-    G EP ranks (GPUs, node-major), J = El + R slots per GPU (El native, R replica),
-    N nodes.
+    G EP ranks (GPUs, node-major), J = El + replica_slots slots per GPU (El native),
+    P = G * J physical slots (flattened (gpu, slot)), N nodes.
 
 A *physical native slot* is ``p = gpu * El + local`` in ``[0, E)``; the placement maps every
 logical expert to one (a bijection per layer): the expert's parameters and optimizer state
@@ -99,35 +99,35 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     M, L, S, E = loads_MLSE.shape
     G, J = topo.num_gpus, topo.slots_per_gpu
     loads_MLSE = loads_MLSE.to(torch.int64)
-    expert_MLX = plan.slot_expert_MLGJ.reshape(M, L, G * J)
-    quota_MLX = plan.slot_tokens_MLGJ.reshape(M, L, G * J)
-    valid_MLX = expert_MLX >= 0
-    safe_expert_MLX = expert_MLX.clamp(min=0)
+    expert_MLP = plan.slot_expert_MLGJ.reshape(M, L, G * J)
+    quota_MLP = plan.slot_tokens_MLGJ.reshape(M, L, G * J)
+    valid_MLP = expert_MLP >= 0
+    safe_expert_MLP = expert_MLP.clamp(min=0)
 
     # Q interval per slot: cumulative quota among earlier slots of the same expert. Sort the
     # slots by (expert, slot index), cumsum, and subtract the quota of all smaller experts.
-    X = G * J
-    key_MLX = safe_expert_MLX * X + torch.arange(X)
-    order_MLX = key_MLX.argsort(dim=2)
-    quota_MLX = quota_MLX * valid_MLX
-    cum_sorted_MLX = quota_MLX.gather(2, order_MLX).cumsum(2)
-    per_expert_MLE = torch.zeros(M, L, E, dtype=torch.int64).scatter_add_(2, safe_expert_MLX, quota_MLX)
+    P = G * J
+    key_MLP = safe_expert_MLP * P + torch.arange(P)
+    order_MLP = key_MLP.argsort(dim=2)
+    quota_MLP = quota_MLP * valid_MLP
+    cum_sorted_MLP = quota_MLP.gather(2, order_MLP).cumsum(2)
+    per_expert_MLE = torch.zeros(M, L, E, dtype=torch.int64).scatter_add_(2, safe_expert_MLP, quota_MLP)
     before_MLE = per_expert_MLE.cumsum(2) - per_expert_MLE
-    q_end_MLX = torch.empty_like(cum_sorted_MLX).scatter_(2, order_MLX, cum_sorted_MLX)
-    q_end_MLX = q_end_MLX - before_MLE.gather(2, safe_expert_MLX)
-    q_start_MLX = q_end_MLX - quota_MLX
+    q_end_MLP = torch.empty_like(cum_sorted_MLP).scatter_(2, order_MLP, cum_sorted_MLP)
+    q_end_MLP = q_end_MLP - before_MLE.gather(2, safe_expert_MLP)
+    q_start_MLP = q_end_MLP - quota_MLP
 
     # C interval per (source, expert), gathered at every slot's expert.
     c_end_MLSE = loads_MLSE.cumsum(2)
     c_start_MLSE = c_end_MLSE - loads_MLSE
-    idx_MLSX = safe_expert_MLX.unsqueeze(2).expand(M, L, S, G * J)
-    c_end_MLSX = c_end_MLSE.gather(3, idx_MLSX)
-    c_start_MLSX = c_start_MLSE.gather(3, idx_MLSX)
+    idx_MLSP = safe_expert_MLP.unsqueeze(2).expand(M, L, S, G * J)
+    c_end_MLSP = c_end_MLSE.gather(3, idx_MLSP)
+    c_start_MLSP = c_start_MLSE.gather(3, idx_MLSP)
 
-    overlap_MLSX = (torch.minimum(c_end_MLSX, q_end_MLX.unsqueeze(2))
-                    - torch.maximum(c_start_MLSX, q_start_MLX.unsqueeze(2))).clamp(min=0)
-    overlap_MLSX = overlap_MLSX * valid_MLX.unsqueeze(2)
-    return overlap_MLSX.view(M, L, S, G, J)
+    overlap_MLSP = (torch.minimum(c_end_MLSP, q_end_MLP.unsqueeze(2))
+                    - torch.maximum(c_start_MLSP, q_start_MLP.unsqueeze(2))).clamp(min=0)
+    overlap_MLSP = overlap_MLSP * valid_MLP.unsqueeze(2)
+    return overlap_MLSP.view(M, L, S, G, J)
 
 
 def _fail(msg: str) -> None:

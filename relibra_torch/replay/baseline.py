@@ -12,7 +12,7 @@ noise over ``trials``) whose cost does not grow with ``T``: see
 micro-batches of a loads file with :func:`mean_over_token_counts` (the same sweep run once
 for all token counts, so the cost does not grow with Python calls).
 
-Legend: T tokens, E experts, K top-k, R rows (independent simulations), W distinct token counts.
+Legend: T tokens, E experts, K top-k, R rows (independent simulations), Z distinct token counts.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def mean_over_token_counts(num_tokens: list[int], num_experts: int, top_k: int, 
     ``num_tokens`` may repeat values: each distinct count is simulated ``trials`` times in
     one sweep for all counts, and its mean enters the result once per occurrence. ``trials``
     is ``max_trials`` when cheap, fewer when there are many distinct counts (total
-    ``W x trials x E x K`` binomials kept near ``2^22``, never fewer than 1 per count): only
+    ``Z x trials x E x K`` binomials kept near ``2^22``, never fewer than 1 per count): only
     the mean is returned, and its noise depends on the total number of simulations.
 
     Returns:
@@ -123,11 +123,11 @@ def mean_over_token_counts(num_tokens: list[int], num_experts: int, top_k: int, 
     for i, t in enumerate(num_tokens):
         check_int(f"num_tokens[{i}]", t, 1)
     counts_N = torch.tensor(num_tokens, dtype=torch.int64)
-    distinct_W, inverse_N = torch.unique(counts_N, return_inverse=True)
-    W = distinct_W.numel()
-    trials = max(1, min(max_trials, _COUNTS_BINOMIALS // (W * E * K)))
+    distinct_Z, inverse_N = torch.unique(counts_N, return_inverse=True)
+    Z = distinct_Z.numel()
+    trials = max(1, min(max_trials, _COUNTS_BINOMIALS // (Z * E * K)))
     g = torch.Generator().manual_seed(_seed(seed, ("counts", trials), E, K))
-    rows = distinct_W.to(torch.float64).repeat_interleave(trials)
+    rows = distinct_Z.to(torch.float64).repeat_interleave(trials)
     ratio_R = torch.cat([_sweep_R(rows[i:i + _BLOCK_ROWS], E, K, g) for i in range(0, rows.numel(), _BLOCK_ROWS)])
-    mean_W = ratio_R.view(W, trials).mean(-1)
-    return float(mean_W[inverse_N].mean()), trials
+    mean_Z = ratio_R.view(Z, trials).mean(-1)
+    return float(mean_Z[inverse_N].mean()), trials

@@ -25,7 +25,7 @@ Noise space (``ExplorationConfig.noise_space``):
 
 Shape legend:
   T  tokens      E  experts      K  top-k      V  anchors (K_anchor, the kept top experts)
-  P  candidate pool (``M`` in the ESRL notation)   C  chosen candidates (K - K_anchor)
+  C  candidate pool (``M`` in the ESRL notation)   Y  chosen candidates (K - K_anchor)
   R  ranked experts (anchors, then the pool)
 """
 
@@ -200,25 +200,25 @@ def explore_topk(
     # Rank on the caller's scores (not p) so anchors are exactly plain top-k's leading ids.
     ranked_TR = torch.topk(scores_TE, anchors + pool, dim=-1).indices
     anchor_TV = ranked_TR[:, :anchors]
-    pool_TP = ranked_TR[:, anchors:]
+    pool_TC = ranked_TR[:, anchors:]
     if need == 0:
         return anchor_TV.contiguous()
     T = scores_TE.shape[0]
     sigma_T = exploration_sigma(scores_TE, cfg)
     # Drawn on the CPU generator's device in float32 regardless of the scores' dtype, so a
     # seed gives the same noise for fp32 and bf16 routers.
-    eps_TP = torch.randn((T, pool), generator=generator, dtype=torch.float32, device=generator.device)
-    eps_TP = eps_TP.to(scores_TE.device)
-    p_pool_TP = p_TE.gather(1, pool_TP)
+    eps_TC = torch.randn((T, pool), generator=generator, dtype=torch.float32, device=generator.device)
+    eps_TC = eps_TC.to(scores_TE.device)
+    p_pool_TC = p_TE.gather(1, pool_TC)
     if cfg.noise_space == "log":
-        base_TP = torch.where(p_pool_TP > 0, torch.log(p_pool_TP.clamp_min(torch.finfo(torch.float32).tiny)), -math.inf)
+        base_TC = torch.where(p_pool_TC > 0, torch.log(p_pool_TC.clamp_min(torch.finfo(torch.float32).tiny)), -math.inf)
     else:
-        base_TP = torch.where(p_pool_TP > 0, p_pool_TP, -math.inf)
+        base_TC = torch.where(p_pool_TC > 0, p_pool_TC, -math.inf)
     # -inf + noise stays -inf: zero-score experts (e.g. masked by group-limited routing) lose.
-    perturbed_TP = base_TP + sigma_T[:, None] * eps_TP
-    pick_TC = torch.topk(perturbed_TP, need, dim=-1).indices
-    chosen_TC = pool_TP.gather(1, pick_TC)
-    return torch.cat([anchor_TV, chosen_TC], dim=1)
+    perturbed_TC = base_TC + sigma_T[:, None] * eps_TC
+    pick_TY = torch.topk(perturbed_TC, need, dim=-1).indices
+    chosen_TY = pool_TC.gather(1, pick_TY)
+    return torch.cat([anchor_TV, chosen_TY], dim=1)
 
 
 class ExplorationPolicy:
