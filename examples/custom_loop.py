@@ -2,8 +2,9 @@
 
 Four CPU processes (gloo) form an expert-parallel mesh of 2 nodes x 2 GPUs. Each rank
 trains a small stack of ``ReplayBalancedMoE`` layers on its own micro-batches, whose
-expert choices come from a routing replay (a synthetic RL trace with shifting hot
-experts). Before every step the :class:`~relibra_torch.hook.ReplayBalancer` gathers the
+expert choices come from a routing replay (synthetic RL-like routing: every sample has a
+task, every task its own hot experts per layer, so the hot experts shift between
+micro-batches and ranks). Before every step the :class:`~relibra_torch.hook.ReplayBalancer` gathers the
 replayed counts, plans (reordering + per-micro-batch intra-node replicas), moves experts
 and their AdamW state when the placement changes, and installs each micro-batch's plan.
 
@@ -31,9 +32,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from relibra_torch.hook import ReplayBalancer
 from relibra_torch.moe import ReplayBalancedMoE
-from relibra_torch.planning import Planner, ReLibraConfig
-from relibra_torch.sim.cost import expert_cost_model
-from relibra_torch.sim.traces import TraceConfig, generate_routing
+from relibra_torch.planning import Planner
+from relibra_torch.planning.pricing import priced_config
 from relibra_torch.testing import run_on_ranks
 
 
@@ -73,24 +73,50 @@ class MoEStack(nn.Module):
         return self.head(x_TD)
 
 
+NUM_TASKS = 4  # math, code, science, chat: each with its own hot experts
+
+
+def task_weights(cfg: LoopConfig) -> torch.Tensor:
+    """float64 ``[A, L, E]`` routing preference of each task ``A`` in each layer.
+
+    A layer-wide Zipf-like profile (weight ``1 / rank^2`` over a random order of the
+    experts: the few hot experts every task uses) times a task-specific one (``1 / rank``
+    over another order), as RL traces show: a few globally hot experts, and hot spots that
+    move with the task mix.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)
+    rank_E = torch.arange(1, cfg.num_experts + 1, dtype=torch.float64)
+    w_ALE = torch.empty(NUM_TASKS + 1, cfg.num_layers, cfg.num_experts, dtype=torch.float64)
+    for a in range(NUM_TASKS + 1):  # the last row is the layer-wide profile
+        for l in range(cfg.num_layers):
+            w_ALE[a, l, torch.randperm(cfg.num_experts, generator=gen)] = rank_E ** -(2.0 if a == NUM_TASKS else 1.0)
+    return w_ALE[:NUM_TASKS] * w_ALE[NUM_TASKS:]
+
+
 def make_data(cfg: LoopConfig, step: int, rank: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """This rank's micro-batches of one step: ``(x_TD, target_TD, routed_experts_TLK)``.
 
-    The replay comes from the synthetic RL trace (math/code/science/chat samples with their
-    own hot experts), so the hot experts shift between micro-batches and ranks.
+    The replay stands in for a rollout's recorded routing: each micro-batch is a group of
+    responses to one prompt of a random task, and every token picks ``K`` distinct experts
+    per layer from that task's preference (times a per-sample lognormal jitter), so the hot
+    experts shift between micro-batches and ranks.
     """
     world = cfg.nodes * cfg.gpus_per_node
-    trace = TraceConfig(num_layers=cfg.num_layers, num_experts=cfg.num_experts, top_k=cfg.top_k, seed=cfg.seed)
-    n = cfg.samples_per_micro_batch * cfg.micro_batches
-    routing = generate_routing(trace, n * world, step=step)
-    offsets = routing.sample_offsets_N1
+    w_ALE = task_weights(cfg)
     gen = torch.Generator().manual_seed(cfg.seed * 1000 + step * world + rank)
     out = []
-    for m in range(cfg.micro_batches):
-        first = (rank * cfg.micro_batches + m) * cfg.samples_per_micro_batch
-        lo, hi = int(offsets[first]), int(offsets[first + cfg.samples_per_micro_batch])
-        hi = min(hi, lo + cfg.max_tokens_per_micro_batch)  # keeps the CPU example quick
-        ids_TLK = routing.routed_experts_TLK[lo:hi].long()
+    for _ in range(cfg.micro_batches):
+        ids = []
+        # GRPO-style: a micro-batch holds a group of responses to one prompt, one task.
+        task = int(torch.randint(NUM_TASKS, (), generator=gen))
+        for _ in range(cfg.samples_per_micro_batch):
+            length = int(torch.randint(8, 33, (), generator=gen))
+            w_LE = w_ALE[task] * torch.exp(0.5 * torch.randn(cfg.num_layers, cfg.num_experts, generator=gen,
+                                                             dtype=torch.float64))
+            # [L, length * K] -> [length, L, K]: each token's K experts are distinct.
+            picks = [torch.multinomial(w_LE, cfg.top_k, replacement=False, generator=gen) for _ in range(length)]
+            ids.append(torch.stack(picks))
+        ids_TLK = torch.cat(ids)[:cfg.max_tokens_per_micro_batch]  # keeps the CPU example quick
         T = ids_TLK.shape[0]
         out.append((torch.randn(T, cfg.dim, generator=gen), torch.randn(T, cfg.dim, generator=gen), ids_TLK))
     return out
@@ -160,9 +186,8 @@ def main(argv: list[str] | None = None) -> None:
     # The planner prices moves and copies for these (tiny) experts on H200. A toy step has
     # ~1000x fewer tokens than a real one, so moving experts would never pay; make
     # migration free here so that reordering shows (replica fills stay priced).
-    weights = expert_cost_model(cfg.dim, cfg.hidden_dim, cfg.num_experts, cfg.top_k).reorder_weights()
-    kwargs = {"relibra": {"config": ReLibraConfig.from_weights(
-        weights, migration_s_per_expert=0.0, intra_migration_s_per_expert=0.0)}}
+    kwargs = {"relibra": {"config": priced_config(
+        cfg.dim, cfg.hidden_dim, "h200", migration_s_per_expert=0.0, intra_migration_s_per_expert=0.0)}}
     for name in ("static", "relibra"):
         t0 = time.perf_counter()
         runs[name] = run_on_ranks(train_rank, world, cfg, name, kwargs.get(name))[0]

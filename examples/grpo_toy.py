@@ -45,8 +45,8 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import tiny_lm  # noqa: E402
 
-from relibra_torch.replay.explore import ExplorationConfig, ExplorationPolicy  # noqa: E402
-from relibra_torch.replay.recorder import RoutingRecorder  # noqa: E402
+from relibra_torch.rollout.explore import ExplorationConfig, ExplorationPolicy  # noqa: E402
+from relibra_torch.rollout.recorder import RoutingRecorder  # noqa: E402
 from relibra_torch.replay.routing import load_routing  # noqa: E402
 
 NUM_NODES, GPUS_PER_NODE = 2, 2

@@ -11,7 +11,7 @@ Used by ``examples/grpo_toy.py`` and by the recorder tests. Everything runs on C
   tokens the routing recorder is told about. Attention masks keys of other sequences and
   later positions.
 * :func:`generate`: batched sampling with a KV cache, optional routing policy (exploration)
-  and :class:`~relibra_torch.replay.recorder.RoutingRecorder`; returns the sequences and the
+  and :class:`~relibra_torch.rollout.recorder.RoutingRecorder`; returns the sequences and the
   log-probabilities of the sampled tokens.
 * :func:`sequence_logprobs`: the trainer's forward over whole sequences (optionally with
   replayed routing), giving the same log-probabilities.
@@ -196,7 +196,7 @@ class TinyMoELM(nn.Module):
             cache: if given, keys/values of earlier tokens (appended to in place).
             routed_experts_TLK: replayed expert ids ``[T, L, K]`` (training with replay).
             routing_policy: ``policy(scores_TE, top_k) -> ids_TK`` used when not replaying
-                (e.g. :class:`~relibra_torch.replay.explore.ExplorationPolicy`).
+                (e.g. :class:`~relibra_torch.rollout.explore.ExplorationPolicy`).
         """
         if int(pos_T.max()) >= self.cfg.max_len:
             raise ValueError(f"position {int(pos_T.max())} >= max_len = {self.cfg.max_len}")

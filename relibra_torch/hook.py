@@ -36,8 +36,10 @@ import torch
 import torch.distributed as dist
 
 from .distributed.schedule import layer_plans
-from .planning import Planner, ReLibraConfig, StepPlan, make_planner, native_plan, plan_digest
+from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.evaluate import imbalance
+from .planning.pricing import relibra_config_for
+from .replay.counts import count_micro_batches
 
 __all__ = ["PlanDivergence", "ReplayBalancer", "StepReport", "count_loads", "relibra_config_for"]
 
@@ -77,20 +79,11 @@ def count_loads(routed_experts: Sequence[torch.Tensor], num_layers: int, num_exp
         routed_experts: one int tensor ``[T_m, L, K]`` (or ``[..., L, K]``) per micro-batch.
     Returns:
         int64 ``[M, L, E]``.
+
+    A thin wrapper over :func:`relibra_torch.replay.counts.count_micro_batches` (the one
+    counting implementation), kept here as public API.
     """
-    out = torch.zeros(len(routed_experts), num_layers, num_experts, dtype=torch.int64)
-    for m, ids in enumerate(routed_experts):
-        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int16, torch.int32, torch.int64):
-            raise TypeError(f"routed_experts[{m}] must be an integer tensor [T, L, K], got "
-                            f"{getattr(ids, 'dtype', type(ids).__name__)}")
-        if ids.dim() < 2 or ids.shape[-2] != num_layers:
-            raise ValueError(f"routed_experts[{m}] has shape {tuple(ids.shape)}, expected [T, {num_layers}, K] "
-                             f"(one row of top-k ids per MoE layer)")
-        flat_LX = ids.reshape(-1, num_layers, ids.shape[-1]).transpose(0, 1).reshape(num_layers, -1).long()
-        if flat_LX.numel() and (flat_LX.min() < 0 or flat_LX.max() >= num_experts):
-            raise ValueError(f"routed_experts[{m}] has expert ids outside [0, {num_experts - 1}]")
-        out[m].scatter_add_(1, flat_LX.to(out.device), torch.ones_like(flat_LX))
-    return out
+    return count_micro_batches(routed_experts, num_layers, num_experts)
 
 
 class ReplayBalancer:
@@ -102,7 +95,7 @@ class ReplayBalancer:
         planner: a planner name (``static``, ``eplb``, ``eplb-oracle``, ``relibra``) or a
             :class:`~relibra_torch.planning.Planner` built for the layers' topology.
         planner_kwargs: extra arguments for :func:`~relibra_torch.planning.make_planner`.
-        hardware: hardware preset (``relibra_torch.sim.presets``) whose bandwidths and
+        hardware: hardware preset (``relibra_torch.planning.pricing``) whose bandwidths and
             throughput price the relibra planner's objective when ``planner_kwargs`` has no
             ``config``: migrations and replica fills are then charged for the layers' real
             expert size, so small models move and replicate freely and large ones only when
@@ -238,10 +231,3 @@ class ReplayBalancer:
         """Remove installed plans (layers then run on their placement without replicas)."""
         for layer in self.layers:
             layer.set_plan(None)
-
-
-def relibra_config_for(layer, hardware: str = "h200") -> ReLibraConfig:
-    """:class:`ReLibraConfig` priced for ``layer``'s expert shape on a hardware preset."""
-    from .sim.cost import expert_cost_model
-    cost = expert_cost_model(layer.dim, layer.hidden_dim, layer.num_experts, layer.top_k, hardware)
-    return ReLibraConfig.from_weights(cost.reorder_weights())

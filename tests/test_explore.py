@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relibra_torch.replay.explore import (
+from relibra_torch.rollout.explore import (
     ExplorationConfig,
     ExplorationPolicy,
     exploration_sigma,

@@ -286,12 +286,12 @@ def test_plans_identical_in_two_processes():
 
 
 @pytest.mark.parametrize("bad, message", [
-    (lambda: Topology(0, 2, 4), "num_nodes must be >= 1"),
+    (lambda: Topology(0, 2, 4), "num_nodes = 0; allowed: an int >= 1"),
     (lambda: Topology(2, 2, 6), "not divisible"),
-    (lambda: Topology(1, 2, 4, -1), "replica_slots must be >= 0"),
-    (lambda: static_plan(torch.zeros(1, 1, 3, 4, dtype=torch.int64), Topology(1, 2, 4)), "S=3"),
-    (lambda: static_plan(-torch.ones(1, 1, 2, 4, dtype=torch.int64), Topology(1, 2, 4)), "negative"),
-    (lambda: static_plan(torch.zeros(1, 1, 2, 4), Topology(1, 2, 4)), "int32 or int64"),
+    (lambda: Topology(1, 2, 4, -1), "replica_slots = -1; allowed: an int >= 0"),
+    (lambda: static_plan(torch.zeros(1, 1, 3, 4, dtype=torch.int64), Topology(1, 2, 4)), r"loads_MLSE has S=3 source ranks; allowed: S = the topology's 2 GPUs"),
+    (lambda: static_plan(-torch.ones(1, 1, 2, 4, dtype=torch.int64), Topology(1, 2, 4)), r"loads_MLSE\[0, 0, 0, 0\] = -1 is negative; allowed: counts >= 0"),
+    (lambda: static_plan(torch.zeros(1, 1, 2, 4), Topology(1, 2, 4)), r"loads_MLSE has dtype float32; allowed: int32, int64"),
     (lambda: make_planner("bogus", Topology(1, 2, 4)), "allowed: static"),
 ])
 def test_bad_input_names_the_problem(bad, message):

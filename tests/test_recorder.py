@@ -17,7 +17,7 @@ from _recorder_fakes import ProtocolMoE, TwoLayer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from relibra_torch.replay.recorder import RoutingRecorder, find_moe_layers, layout_for_batch
+from relibra_torch.rollout.recorder import RoutingRecorder, find_moe_layers, layout_for_batch
 from relibra_torch.replay.routing import load_routing
 
 D, E, K = 8, 6, 2

@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
 import tiny_lm  # noqa: E402
 
-from relibra_torch.replay.explore import ExplorationConfig, ExplorationPolicy  # noqa: E402
-from relibra_torch.replay.recorder import RoutingRecorder  # noqa: E402
+from relibra_torch.rollout.explore import ExplorationConfig, ExplorationPolicy  # noqa: E402
+from relibra_torch.rollout.recorder import RoutingRecorder  # noqa: E402
 from relibra_torch.replay.routing import load_routing  # noqa: E402
 
 TOK = tiny_lm.Tokenizer()

@@ -22,7 +22,7 @@ from relibra_torch.replay import (
     save_routing,
     uniform_max_over_mean,
 )
-from relibra_torch.replay.baseline import _mean_over_token_counts
+from relibra_torch.replay.baseline import mean_over_token_counts
 from relibra_torch.replay.cli import BASELINE_TRIALS
 
 
@@ -101,7 +101,7 @@ def test_inspect_loads(tmp_path, capsys, cli_main):
     expert_XMLE = loads.sum(dim=3)
     ratio_XML = expert_XMLE.max(dim=-1).values.double() / (tokens_XM.double() * K / E).clamp(min=1e-9)[..., None]
     ratio_NL = ratio_XML[nonempty]
-    base, trials = _mean_over_token_counts(tokens_XM[nonempty].tolist(), E, K, max_trials=BASELINE_TRIALS)
+    base, trials = mean_over_token_counts(tokens_XM[nonempty].tolist(), E, K, max_trials=BASELINE_TRIALS)
     assert trials == BASELINE_TRIALS  # few distinct counts: full precision
     assert f"= {base:.4f} (exact simulation, {trials} trials per distinct token count)" in out  # trials > 1 here
     # the same as averaging the one-count baseline over the micro-batches, up to Monte-Carlo

@@ -27,7 +27,7 @@ from relibra_torch.replay import (
     validate_loads,
 )
 from relibra_torch.replay import baseline as baseline_mod
-from relibra_torch.replay import routing as routing_mod
+from relibra_torch.replay import counts as counts_mod
 
 SETTINGS = settings(max_examples=100, deadline=None)
 
@@ -72,7 +72,7 @@ def test_counts_chunked_path(monkeypatch):
     replay = RoutingReplay(random_ids_TLK(200, 2, 2, 6, seed=3), offsets_from_lengths([50, 70, 80]), 6)
     a = SampleAssignment(torch.tensor([1, 0, 1]), torch.tensor([0, 0, 1]), 2, 2)
     full = replay.counts(a)
-    monkeypatch.setattr(routing_mod, "_CHUNK_ELEMENTS", 7)
+    monkeypatch.setattr(counts_mod, "CHUNK_ELEMENTS", 7)
     assert torch.equal(replay.counts(a), full)
     assert torch.equal(replay.expert_counts(), counts_for_tokens(replay.routed_experts_TLK, 6))
 
@@ -84,6 +84,54 @@ def test_counts_for_tokens():
         counts_for_tokens(torch.tensor([[[0, 1], [2, 1]], [[1, 2], [3, 0]]]), 3)
     with pytest.raises(ValueError, match=r"expert_ids has shape \(2, 2\); allowed: \[T, L, K\]"):
         counts_for_tokens(ids[0], 3)
+
+
+@given(lead=st.lists(st.integers(0, 4), min_size=0, max_size=3), L=st.integers(1, 3), E=st.integers(1, 6),
+       data=st.data())
+@SETTINGS
+def test_count_experts_any_leading_dims_and_groups(lead, L, E, data):
+    # The one counting implementation: [..., L, K] ids -> [L, E], and per group -> [B, L, E],
+    # against a per-token Python loop.
+    K = data.draw(st.integers(1, E))
+    seed = data.draw(st.integers(0, 2**16))
+    T = math.prod(lead)
+    ids_TLK = random_ids_TLK(T, L, K, E, seed) if T else torch.zeros(0, L, K, dtype=torch.int64)
+    ids = ids_TLK.view(*lead, L, K)
+    want_LE = torch.zeros(L, E, dtype=torch.int64)
+    for t in range(T):
+        for l in range(L):
+            for k in range(K):
+                want_LE[l, ids_TLK[t, l, k]] += 1
+    assert torch.equal(counts_mod.count_experts(ids, E), want_LE)
+    B = data.draw(st.integers(1, 4))
+    group_T = torch.tensor(data.draw(st.lists(st.integers(0, B - 1), min_size=T, max_size=T)), dtype=torch.int64)
+    got_BLE = counts_mod.count_by_group(ids, group_T, B, E)
+    assert got_BLE.shape == (B, L, E) and torch.equal(got_BLE.sum(0), want_LE)
+    for b in range(B):
+        assert torch.equal(got_BLE[b], counts_mod.count_experts(ids_TLK[group_T == b], E))
+
+
+def test_count_helpers_name_the_bad_argument(monkeypatch):
+    ids = torch.tensor([[[0, 1]], [[1, 2]]])  # T=2, L=1, K=2
+    monkeypatch.setattr(counts_mod, "CHUNK_ELEMENTS", 1)  # one token per chunk
+    assert counts_mod.count_by_group(ids, torch.tensor([1, 0]), 2, 3).tolist() == [[[0, 1, 1]], [[1, 1, 0]]]
+    with pytest.raises(ValueError, match=r"group_T\[1\] = 2; allowed: \[0, 2\)"):
+        counts_mod.count_by_group(ids, torch.tensor([0, 2]), 2, 3)
+    with pytest.raises(ValueError, match=r"group_T has 1 entries but expert_ids has 2 tokens; allowed: one group per token"):
+        counts_mod.count_by_group(ids, torch.tensor([0]), 2, 3)
+    with pytest.raises(ValueError, match=r"group_T has dtype float32; allowed: an integer dtype"):
+        counts_mod.count_by_group(ids, torch.tensor([0.0, 1.0]), 2, 3)
+    with pytest.raises(ValueError, match=r"num_groups = 0; allowed: an int >= 1"):
+        counts_mod.count_by_group(ids, torch.tensor([0, 0]), 0, 3)
+    with pytest.raises(ValueError, match=r"expert_ids has shape \(2,\); allowed: \[\.\.\., L, K\]"):
+        counts_mod.count_experts(torch.tensor([0, 1]), 3)
+    with pytest.raises(ValueError, match=r"num_experts = 0; allowed: an int in \[1, 1048576\]"):
+        counts_mod.count_experts(ids, 0)
+    with pytest.raises(ValueError, match=r"expert_ids\[0\] = \[1, 1\] repeats an expert; allowed: distinct expert ids"):
+        counts_mod.check_expert_ids(torch.tensor([[1, 1]]), 3, distinct=True)
+    counts_mod.check_expert_ids(torch.tensor([[1, 1]]), 3)  # duplicates only checked when asked
+    with pytest.raises(TypeError, match=r"routed_experts is Tensor; allowed: a list of \[T, L, K\] tensors"):
+        counts_mod.count_micro_batches(ids, 1, 3)
 
 
 def test_counts_rejects_bad_assignment():
@@ -318,16 +366,16 @@ def test_uniform_baseline_bounds(T, E, data):
 @pytest.mark.parametrize(
     "args,kwargs,exc,fragment",
     [
-        ((10, 4, 5), {}, ValueError, "top_k=5 is invalid; allowed: 1 <= top_k <= num_experts=4"),
-        ((0, 4, 2), {}, ValueError, "num_tokens=0 is invalid; allowed: an int >= 1"),
-        ((10, 0, 1), {}, ValueError, "num_experts=0 is invalid; allowed: an int >= 1"),
-        ((10, 4, 0), {}, ValueError, "top_k=0 is invalid; allowed: an int >= 1"),
-        ((10, 4, 2), {"seed": -1}, ValueError, "seed=-1 is invalid; allowed: an int >= 0"),
-        ((10, 4, 2), {"trials": 0}, ValueError, "trials=0 is invalid; allowed: an int >= 1"),
-        ((10.0, 4, 2), {}, TypeError, "num_tokens=10.0 is invalid; allowed: an int >= 1"),
-        ((10, True, 1), {}, TypeError, "num_experts=True is invalid; allowed: an int >= 1"),
-        ((True, 4, 1), {}, TypeError, "num_tokens=True is invalid; allowed: an int >= 1"),
-        ((10, 4, 2), {"trials": [4]}, TypeError, "trials=[4] is invalid; allowed: an int >= 1"),
+        ((10, 4, 5), {}, ValueError, "top_k = 5; allowed: an int in [1, num_experts = 4]"),
+        ((0, 4, 2), {}, ValueError, "num_tokens = 0; allowed: an int >= 1"),
+        ((10, 0, 1), {}, ValueError, "num_experts = 0; allowed: an int >= 1"),
+        ((10, 4, 0), {}, ValueError, "top_k = 0; allowed: an int >= 1"),
+        ((10, 4, 2), {"seed": -1}, ValueError, "seed = -1; allowed: an int >= 0"),
+        ((10, 4, 2), {"trials": 0}, ValueError, "trials = 0; allowed: an int >= 1"),
+        ((10.0, 4, 2), {}, TypeError, "num_tokens is float 10.0; allowed: an int >= 1"),
+        ((10, True, 1), {}, TypeError, "num_experts is bool True; allowed: an int >= 1"),
+        ((True, 4, 1), {}, TypeError, "num_tokens is bool True; allowed: an int >= 1"),
+        ((10, 4, 2), {"trials": [4]}, TypeError, "trials is list [4]; allowed: an int >= 1"),
     ],
 )
 def test_uniform_baseline_validation(args, kwargs, exc, fragment):
@@ -339,7 +387,7 @@ def test_uniform_baseline_validation(args, kwargs, exc, fragment):
 
 def test_mean_over_token_counts():
     # `relibra inspect` on a loads file: the baseline averaged over micro-batches.
-    mean_over = baseline_mod._mean_over_token_counts
+    mean_over = baseline_mod.mean_over_token_counts
     # Weighted by occurrences: one token of top-1 of 4 gives exactly 4.0; K == E gives 1.0.
     assert mean_over([1, 1, 1], 4, 1) == (4.0, 256)
     assert mean_over([7, 1000], 4, 4, max_trials=5) == (1.0, 5)
@@ -357,9 +405,9 @@ def test_mean_over_token_counts():
     # Many distinct counts: fewer trials each, total work bounded (about 2^22 binomials).
     value, trials = mean_over(list(range(1000, 2024)), 128, 8)
     assert trials == 4 and 1.0 < value < 1.5
-    with pytest.raises(ValueError, match=r"num_tokens\[...\]=0 is invalid; allowed: an int >= 1"):
+    with pytest.raises(ValueError, match=r"num_tokens\[1\] = 0; allowed: an int >= 1"):
         mean_over([5, 0], 4, 2)
-    with pytest.raises(ValueError, match="num_tokens=\\[\\] is invalid"):
+    with pytest.raises(ValueError, match=r"num_tokens = \[\]; allowed: a non-empty list of ints >= 1"):
         mean_over([], 4, 2)
-    with pytest.raises(ValueError, match="top_k=5 is invalid"):
+    with pytest.raises(ValueError, match=r"top_k = 5; allowed: an int in \[1, num_experts = 4\]"):
         mean_over([5], 4, 5)

@@ -113,15 +113,15 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
                                                                            r"--set model.num_experts=64"),
     (lambda p: routing_file(p), ["--model", "glm-4.5-air"], r"MoE layers 48 \(model: 45\); fix with .*--model "
      r"qwen3-30b-a3b or --set model.num_moe_layers=48 --set model.num_layers=49"),
-    (None, ["--nodes", "0"], r"--nodes must be an integer >= 1, got 0"),
+    (None, ["--nodes", "0"], r"--nodes = 0; allowed: an int >= 1"),
     (routing_file, ["--nodes", "3"], r"--nodes 3 x --gpus-per-node 4 = 12 GPUs does not divide the 128 experts.*"
                                      r"allowed EP sizes: 1, 2, 4, 8, 16, 32, 64, 128; e.g. --nodes 2 --gpus-per-node 4"),
-    (None, ["--replica-slots", "-1"], r"--replica-slots must be an integer >= 0, got -1"),
-    (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps must be a finite number > 0, got -3"),
-    (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps must be a finite number > 0"),
+    (None, ["--replica-slots", "-1"], r"--replica-slots = -1; allowed: an int >= 0"),
+    (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps = -3.0; allowed: a finite number > 0"),
+    (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps = 0.0; allowed: a finite number > 0"),
     (None, ["--model", "mixtral"], r"--model 'mixtral' is unknown; choose one of qwen3-30b-a3b"),
     (None, ["--systems", "static,megatron"], r"--systems has unknown megatron; allowed"),
-    (None, ["--micro-batches", "0"], r"--micro-batches must be an integer >= 1, got 0"),
+    (None, ["--micro-batches", "0"], r"--micro-batches = 0; allowed: an int >= 1"),
     (None, ["--steps", "2", "--warmup-steps", "2"], r"--warmup-steps 2 leaves no measured step"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, make, argv, match):

@@ -16,6 +16,9 @@ from hypothesis import given, settings, strategies as st
 
 from relibra_torch.sim import data_refs
 from relibra_torch.sim import traces as tr
+from relibra_torch.sim.traces import loads as tr_loads
+from relibra_torch.sim.traces import model as tr_model
+from relibra_torch.sim.traces import tokens as tr_tokens
 from relibra_torch.sim.traces import (TraceConfig, base_inclusion_LE, generate_load_trace,
                                       generate_loads, generate_routing, max_over_mean,
                                       task_inclusion_ALE, uniform_max_over_mean)
@@ -110,7 +113,8 @@ def test_config_validation_names_field_and_value(field, value, exc):
     with pytest.raises(exc) as info:
         TraceConfig(**{field: value})
     msg = str(info.value)
-    assert f"TraceConfig.{field}=" in msg and repr(value) in msg and "allowed" in msg
+    named = f"TraceConfig.{field} is " if exc is TypeError else f"TraceConfig.{field} = "
+    assert named in msg and repr(value) in msg and "; allowed: " in msg, msg
 
 
 def test_config_lists_become_tuples_and_hash():
@@ -120,17 +124,17 @@ def test_config_lists_become_tuples_and_hash():
 
 
 def test_argument_validation():
-    with pytest.raises(ValueError, match="num_samples=0"):
+    with pytest.raises(ValueError, match=r"num_samples = 0; allowed: an int >= 1"):
         generate_routing(SMALL, 0)
     with pytest.raises(ValueError, match="method='fast'"):
         generate_routing(SMALL, 1, method="fast")
-    with pytest.raises(TypeError, match="cfg must be a TraceConfig"):
+    with pytest.raises(TypeError, match="cfg is dict; allowed: a TraceConfig"):
         generate_loads({"num_layers": 4}, 1, 1, 10)
-    with pytest.raises(ValueError, match="tokens_per_micro_batch_per_rank=0"):
+    with pytest.raises(ValueError, match=r"tokens_per_micro_batch_per_rank = 0; allowed: an int >= 1"):
         generate_loads(SMALL, 1, 1, 0)
-    with pytest.raises(TypeError, match="steps=1.0"):
+    with pytest.raises(TypeError, match=r"steps is float 1.0; allowed: an int >= 1"):
         generate_loads(SMALL, 1, 1, 10, steps=1.0)
-    with pytest.raises(ValueError, match="top_k=9"):
+    with pytest.raises(ValueError, match=r"top_k = 9; allowed: an int in \[1, num_experts = 8\]"):
         uniform_max_over_mean(10, 8, 9)
 
 
@@ -159,8 +163,8 @@ def test_base_inclusion_is_the_reference_for_qwen3_shape():
 def test_task_mixture_reproduces_the_base():
     cfg = TraceConfig()
     pi_ALE = task_inclusion_ALE(cfg)
-    m = tr._model(cfg)
-    share = m.mix_A * tr._expected_lengths_A(cfg)
+    m = tr_model._model(cfg)
+    share = m.mix_A * tr_model._expected_lengths_A(cfg)
     mix = ((share / share.sum()).view(-1, 1, 1) * pi_ALE).sum(0)
     torch.testing.assert_close(mix, base_inclusion_LE(cfg), rtol=1e-6, atol=1e-9)
     # tasks differ: their hot experts are not the same
@@ -272,9 +276,9 @@ def test_bin_counts_invariants(weights, K, tokens, seed):
     E = len(weights)
     K = min(K, E - 1)
     w = torch.tensor(weights, dtype=torch.float64) + 1e-3
-    p = tr._cap_inclusion(w.expand(len(tokens), E).clone(), K, 1.0)
+    p = tr_model.cap_inclusion(w.expand(len(tokens), E).clone(), K, 1.0)
     n = torch.tensor(tokens)
-    c = tr._bin_counts(p, n, K, torch.Generator().manual_seed(seed))
+    c = tr_loads._bin_counts(p, n, K, torch.Generator().manual_seed(seed))
     assert torch.equal(c.sum(-1), n * K)
     assert bool((c >= 0).all()) and bool((c <= n.unsqueeze(-1)).all())
 
@@ -284,15 +288,15 @@ def test_bin_counts_invariants(weights, K, tokens, seed):
 def test_systematic_tables_give_distinct_experts_with_right_marginals(weights, K, seed):
     E = len(weights)
     K = min(K, E - 1)
-    pi = tr._cap_inclusion((torch.tensor(weights, dtype=torch.float64) ** 3 + 1e-9).view(1, E), K, 1.0)
-    starts, table = tr._systematic_tables(pi, K, torch.Generator().manual_seed(seed))
+    pi = tr_model.cap_inclusion((torch.tensor(weights, dtype=torch.float64) ** 3 + 1e-9).view(1, E), K, 1.0)
+    starts, table = tr_tokens._systematic_tables(pi, K, torch.Generator().manual_seed(seed))
     assert _distinct(table.view(E, 1, K))
     assert float(starts[0, 0]) == 0.0 and bool((starts.diff(dim=-1) >= 0).all())
     # the probability of each expert is the total length of the intervals that contain it
     length = torch.diff(torch.cat([starts[0], torch.ones(1, dtype=torch.float64)]))
     prob = torch.zeros(E, dtype=torch.float64).index_add_(
         0, table[0].reshape(-1), length.repeat_interleave(K))
-    capped = tr._cap_inclusion(pi, K, 1.0 - 1e-6)[0]
+    capped = tr_model.cap_inclusion(pi, K, 1.0 - 1e-6)[0]
     torch.testing.assert_close(prob, capped, rtol=0, atol=1e-9)
 
 

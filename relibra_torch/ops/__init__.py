@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from relibra_torch.checks import check_int, check_tensor
 from relibra_torch.ops import custom_ops as _ops
 from relibra_torch.ops.backend import (BACKENDS, ENV_VAR, get_backend, set_backend, use_backend,
                                        uses_triton)
@@ -48,25 +49,21 @@ INDEX_DTYPES = (torch.int16, torch.int32, torch.int64)
 
 
 def _need_tensor(t: object, field: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{field} must be a torch.Tensor, got {type(t).__name__}")
-    return t
+    return check_tensor(field, t)
 
 
 def _need_dim(t: torch.Tensor, field: str, ndim: int, shape_name: str) -> None:
     if t.dim() != ndim:
-        raise ValueError(f"{field} must be {ndim}-D {shape_name}, got shape {tuple(t.shape)}")
+        raise ValueError(f"{field} has shape {tuple(t.shape)}; allowed: {ndim}-D {shape_name}")
 
 
 def _need_dtype(t: torch.Tensor, field: str, allowed: tuple[torch.dtype, ...]) -> None:
-    if t.dtype not in allowed:
-        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
-        raise TypeError(f"{field} has dtype {str(t.dtype).replace('torch.', '')}; allowed: {names}")
+    check_tensor(field, t, dtypes=allowed)
 
 
 def _need_device(t: torch.Tensor, field: str, ref: torch.Tensor, ref_field: str) -> None:
     if t.device != ref.device:
-        raise ValueError(f"{field} is on {t.device} but {ref_field} is on {ref.device}")
+        raise ValueError(f"{field} is on {t.device}; allowed: {ref_field}'s device {ref.device}")
 
 
 def permute_index(expert_slot_TK: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,8 +80,7 @@ def permute_index(expert_slot_TK: torch.Tensor, num_slots: int) -> tuple[torch.T
     _need_tensor(expert_slot_TK, "expert_slot_TK")
     _need_dim(expert_slot_TK, "expert_slot_TK", 2, "[T, K]")
     _need_dtype(expert_slot_TK, "expert_slot_TK", INDEX_DTYPES)
-    if isinstance(num_slots, bool) or not isinstance(num_slots, int) or num_slots < 0:
-        raise ValueError(f"num_slots={num_slots!r} must be an int >= 0")
+    check_int("num_slots", num_slots, 0)
     if num_slots == 0 and expert_slot_TK.numel():
         raise ValueError("num_slots=0 but expert_slot_TK is not empty; allowed: num_slots >= 1")
     return _ops.permute_index(expert_slot_TK, num_slots)
@@ -178,7 +174,7 @@ def grouped_gemm(x_RK: torch.Tensor, w_GKN: torch.Tensor, offsets_S: torch.Tenso
     S = offsets_S.shape[0]
     if slot_to_weight_S is None:
         if w_GKN.shape[0] != S:
-            raise ValueError(f"slot_to_weight_S is None, so w_GKN needs G=S={S} weights; got G={w_GKN.shape[0]}")
+            raise ValueError(f"w_GKN has G = {w_GKN.shape[0]} weights; allowed: G = S = {S} (slot_to_weight_S is None)")
     else:
         _need_tensor(slot_to_weight_S, "slot_to_weight_S")
         _need_dim(slot_to_weight_S, "slot_to_weight_S", 1, "[S]")

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..checks import check_choice
+
 ENV_VAR = "RELIBRA_OPS_BACKEND"
 BACKENDS = ("auto", "triton", "torch")
 
@@ -30,9 +32,7 @@ _override: str | None = None
 
 
 def _check(name: object, field: str) -> str:
-    if not isinstance(name, str) or name not in BACKENDS:
-        raise ValueError(f"{field}={name!r} is not a known ops backend; allowed: {', '.join(BACKENDS)}")
-    return name
+    return check_choice(field, name, BACKENDS)
 
 
 def get_backend() -> str:

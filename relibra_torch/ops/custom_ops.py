@@ -161,7 +161,7 @@ def _check_groups(R: int, offsets: torch.Tensor, s2w: torch.Tensor | None, num_w
         return
     o = offsets.to(torch.int64)
     if int(o[0]) < 0 or bool((o[1:] < o[:-1]).any()) or int(o[-1]) > R:
-        raise ValueError(f"offsets_S={offsets.tolist()} must be non-decreasing cumulative ends in [0, R={R}]")
+        raise ValueError(f"offsets_S = {offsets.tolist()}; allowed: non-decreasing cumulative ends in [0, R={R}]")
     if s2w is not None and s2w.numel():
         lo, hi = int(s2w.min()), int(s2w.max())
         if lo < 0 or hi >= num_weights:

@@ -10,6 +10,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ..checks import check_tensor
 from .plan import StepPlan
 from .topology import Topology
 
@@ -18,20 +19,18 @@ __all__ = ["Planner", "StaticPlanner", "check_loads", "native_plan", "static_pla
 
 def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
     """Raise ``ValueError``/``TypeError`` unless ``loads_MLSE`` fits ``topology``."""
-    if not isinstance(loads_MLSE, torch.Tensor):
-        raise TypeError(f"loads_MLSE must be a torch.Tensor, got {type(loads_MLSE).__name__}")
-    if loads_MLSE.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"loads_MLSE must be int32 or int64, got {loads_MLSE.dtype}")
+    check_tensor("loads_MLSE", loads_MLSE, dtypes=(torch.int32, torch.int64))
     if loads_MLSE.dim() != 4:
-        raise ValueError(f"loads_MLSE must be [M, L, S, E], got shape {tuple(loads_MLSE.shape)}")
+        raise ValueError(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}; allowed: [M, L, S, E]")
     _, _, S, E = loads_MLSE.shape
     if S != topology.num_gpus:
-        raise ValueError(f"loads_MLSE has S={S} source ranks, but the topology has "
-                         f"{topology.num_gpus} GPUs; counts must be gathered over the EP group")
+        raise ValueError(f"loads_MLSE has S={S} source ranks; allowed: S = the topology's "
+                         f"{topology.num_gpus} GPUs (counts gathered over the EP group)")
     if E != topology.num_experts:
-        raise ValueError(f"loads_MLSE has E={E} experts, but the topology has {topology.num_experts}")
+        raise ValueError(f"loads_MLSE has E={E} experts; allowed: E = the topology's {topology.num_experts}")
     if (loads_MLSE < 0).any():
-        raise ValueError("loads_MLSE has negative counts; counts must be >= 0")
+        first = tuple(int(i) for i in (loads_MLSE < 0).nonzero()[0])
+        raise ValueError(f"loads_MLSE{list(first)} = {int(loads_MLSE[first])} is negative; allowed: counts >= 0")
 
 
 def native_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,

@@ -8,7 +8,7 @@ pack each node's physical experts onto its GPUs with balanced packing; (2) other
 global policy: the same with one group and one node. Balanced packing is greedy: items in
 decreasing weight, each to the lightest pack that still has room (equal items per pack).
 
-Mapping to our plan: the ``G * J`` physical slots are EPLB's physical experts (``J = El + R``,
+Mapping to our plan: the ``G * J`` physical slots are EPLB's physical experts (``J = El + replica_slots``,
 so EPLB's redundant experts use exactly relibra's replica-slot memory). Slots are the same
 for every micro-batch of the step, and an expert's tokens are split evenly between its
 instances (remainder to the first instances in slot order). Two replicas of one expert that
@@ -19,13 +19,14 @@ qualifies), otherwise by a GPU with room, preferring the instance's node; slots 
 does not own the expert are fills.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU,
-El native experts per GPU, P physical experts (``G * J``), X rows of a batched problem.
+El native experts per GPU, P physical experts (``G * J``), R rows of a batched problem (independent problems).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..checks import check_int
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
@@ -33,49 +34,49 @@ from .topology import Topology
 __all__ = ["EPLBPlanner", "balanced_packing", "eplb_plan", "eplb_slots", "replicate_experts"]
 
 
-def balanced_packing(weight_XI: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
+def balanced_packing(weight_RI: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy balanced packing of ``I`` items into ``num_packs`` packs of ``I / num_packs`` items.
 
     Args:
-        weight_XI: float ``[X, I]`` item weights, ``X`` independent problems.
+        weight_RI: float ``[R, I]`` item weights, ``R`` independent problems.
     Returns:
-        ``(pack_XI, rank_XI)`` int64: each item's pack and its position inside the pack.
+        ``(pack_RI, rank_RI)`` int64: each item's pack and its position inside the pack.
     """
-    X, I = weight_XI.shape
+    R, I = weight_RI.shape
     per_pack = I // num_packs
-    order_XI = weight_XI.sort(dim=1, descending=True, stable=True).indices
-    pack_XI = torch.empty(X, I, dtype=torch.int64)
-    rank_XI = torch.empty(X, I, dtype=torch.int64)
-    pack_weight_XP = torch.zeros(X, num_packs, dtype=weight_XI.dtype)
-    pack_count_XP = torch.zeros(X, num_packs, dtype=torch.int64)
-    rows = torch.arange(X)
+    order_RI = weight_RI.sort(dim=1, descending=True, stable=True).indices
+    pack_RI = torch.empty(R, I, dtype=torch.int64)
+    rank_RI = torch.empty(R, I, dtype=torch.int64)
+    pack_weight_R_packs = torch.zeros(R, num_packs, dtype=weight_RI.dtype)
+    pack_count_R_packs = torch.zeros(R, num_packs, dtype=torch.int64)
+    rows = torch.arange(R)
     for i in range(I):
-        item_X = order_XI[:, i]
-        masked = pack_weight_XP.masked_fill(pack_count_XP >= per_pack, float("inf"))
-        pack_X = masked.argmin(dim=1)
-        pack_XI[rows, item_X] = pack_X
-        rank_XI[rows, item_X] = pack_count_XP[rows, pack_X]
-        pack_weight_XP[rows, pack_X] += weight_XI[rows, item_X]
-        pack_count_XP[rows, pack_X] += 1
-    return pack_XI, rank_XI
+        item_R = order_RI[:, i]
+        masked = pack_weight_R_packs.masked_fill(pack_count_R_packs >= per_pack, float("inf"))
+        pack_R = masked.argmin(dim=1)
+        pack_RI[rows, item_R] = pack_R
+        rank_RI[rows, item_R] = pack_count_R_packs[rows, pack_R]
+        pack_weight_R_packs[rows, pack_R] += weight_RI[rows, item_R]
+        pack_count_R_packs[rows, pack_R] += 1
+    return pack_RI, rank_RI
 
 
-def replicate_experts(weight_XE: torch.Tensor, num_physical: int) -> tuple[torch.Tensor, torch.Tensor]:
+def replicate_experts(weight_RE: torch.Tensor, num_physical: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Give ``num_physical - E`` extra replicas, each to the expert with the highest load per replica.
 
     Returns:
-        ``(phy2log_XP, count_XE)``: logical expert of every physical expert (the first ``E``
+        ``(phy2log_RP, count_RE)``: logical expert of every physical expert (the first ``E``
         are the experts themselves) and each expert's number of instances.
     """
-    X, E = weight_XE.shape
-    phy2log_XP = torch.arange(num_physical).expand(X, -1).clone()
-    count_XE = torch.ones(X, E, dtype=torch.int64)
-    rows = torch.arange(X)
+    R, E = weight_RE.shape
+    phy2log_RP = torch.arange(num_physical).expand(R, -1).clone()
+    count_RE = torch.ones(R, E, dtype=torch.int64)
+    rows = torch.arange(R)
     for p in range(E, num_physical):
-        hottest_X = (weight_XE / count_XE).argmax(dim=1)
-        phy2log_XP[:, p] = hottest_X
-        count_XE[rows, hottest_X] += 1
-    return phy2log_XP, count_XE
+        hottest_R = (weight_RE / count_RE).argmax(dim=1)
+        phy2log_RP[:, p] = hottest_R
+        count_RE[rows, hottest_R] += 1
+    return phy2log_RP, count_RE
 
 
 def eplb_slots(weight_LE: torch.Tensor, topology: Topology, num_groups: int = 1) -> torch.Tensor:
@@ -88,8 +89,9 @@ def eplb_slots(weight_LE: torch.Tensor, topology: Topology, num_groups: int = 1)
     """
     L, E = weight_LE.shape
     G, J = topology.num_gpus, topology.slots_per_gpu
-    if num_groups < 1 or E % num_groups:
-        raise ValueError(f"num_groups={num_groups} must be >= 1 and divide num_experts={E}")
+    check_int("num_groups", num_groups, 1)
+    if E % num_groups:
+        raise ValueError(f"num_groups = {num_groups}; allowed: a divisor of num_experts = {E}")
     if num_groups % topology.num_nodes == 0:
         nodes, groups = topology.num_nodes, num_groups
     else:  # global policy: one node holding everything, one group
@@ -108,16 +110,16 @@ def eplb_slots(weight_LE: torch.Tensor, topology: Topology, num_groups: int = 1)
     experts_per_node = E // nodes
     phy_per_node = G * J // nodes
     w_mlog = weight_LE.gather(1, mlog2log_LE).view(L * nodes, experts_per_node)
-    phy2mlog_XP, count_XE = replicate_experts(w_mlog, phy_per_node)
+    phy2mlog_RP, count_RE = replicate_experts(w_mlog, phy_per_node)
     # 3. physical experts -> GPUs of the node
-    w_phy_XP = (w_mlog / count_XE).gather(1, phy2mlog_XP)
+    w_phy_RP = (w_mlog / count_RE).gather(1, phy2mlog_RP)
     gpus_per_node = G // nodes
-    pack_XP, rank_XP = balanced_packing(w_phy_XP, gpus_per_node)
-    slot_XP = pack_XP * J + rank_XP
-    slot2phy_XP = torch.empty_like(slot_XP).scatter_(1, slot_XP, torch.arange(phy_per_node).expand_as(slot_XP))
-    slot2mlog_XP = phy2mlog_XP.gather(1, slot2phy_XP)
+    pack_RP, rank_RP = balanced_packing(w_phy_RP, gpus_per_node)
+    slot_RP = pack_RP * J + rank_RP
+    slot2phy_RP = torch.empty_like(slot_RP).scatter_(1, slot_RP, torch.arange(phy_per_node).expand_as(slot_RP))
+    slot2mlog_RP = phy2mlog_RP.gather(1, slot2phy_RP)
     node_offset = (torch.arange(L * nodes) % nodes * experts_per_node).unsqueeze(1)
-    slot2mlog_LP = (slot2mlog_XP + node_offset).view(L, G * J)
+    slot2mlog_LP = (slot2mlog_RP + node_offset).view(L, G * J)
     return mlog2log_LE.gather(1, slot2mlog_LP).view(L, G, J)
 
 
@@ -226,8 +228,7 @@ class EPLBPlanner(Planner):
 
     def __init__(self, topology: Topology, oracle: bool = False, window: int = 8, num_groups: int = 1):
         super().__init__(topology)
-        if window < 1:
-            raise ValueError(f"window must be >= 1, got {window}")
+        check_int("window", window, 1)
         self.oracle, self.window, self.num_groups = oracle, window, num_groups
         self.name = "eplb-oracle" if oracle else "eplb"
         self.history: list[torch.Tensor] = []

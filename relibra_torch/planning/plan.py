@@ -2,8 +2,8 @@
 
 Legend (shape suffixes):
     M micro-batches of the step, L MoE layers, S source ranks (= G), E logical experts,
-    G EP ranks (GPUs, node-major), J = El + R slots per GPU (El native, R replica),
-    N nodes.
+    G EP ranks (GPUs, node-major), J = El + replica_slots slots per GPU (El native),
+    P = G * J physical slots (flattened (gpu, slot)), N nodes.
 
 A *physical native slot* is ``p = gpu * El + local`` in ``[0, E)``; the placement maps every
 logical expert to one (a bijection per layer): the expert's parameters and optimizer state

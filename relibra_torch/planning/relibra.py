@@ -23,7 +23,7 @@ the same loads give bit-identical plans on any machine.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs,
 g GPUs per node, El native experts per GPU, R replica slots per GPU, J = El + R,
-B batched problems (M * L * N), P candidate swaps.
+B batched problems (M * L * N), C swap candidates per node, W candidate swap pairs.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int, check_number
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
@@ -97,12 +98,9 @@ class ReLibraConfig:
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v >= 0):
-                raise ValueError(f"{name} must be a number >= 0, got {v!r}")
-        if self.max_swap_rounds < 0 or self.swap_candidates < 1:
-            raise ValueError("max_swap_rounds must be >= 0 and swap_candidates >= 1, got "
-                             f"{self.max_swap_rounds}, {self.swap_candidates}")
+            check_number(name, getattr(self, name), 0)
+        check_int("max_swap_rounds", self.max_swap_rounds, 0)
+        check_int("swap_candidates", self.swap_candidates, 1)
 
 
 def _objective(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:
@@ -170,24 +168,24 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective):
     """Steepest-descent node swaps, all layers at once, until no layer improves.
 
-    Candidates per round: on every node its ``C`` heaviest and ``C`` lightest experts (by
+    Candidates per round: on every node its ``swap_candidates`` heaviest and as many lightest experts (by
     step load); every pair of candidates on two different nodes is scored exactly. Only the
     two nodes of a swap change, so the new per-micro-batch maximum is
     ``max(max over the other nodes, new load of node a, new load of node b)``.
     """
     L, M, E = load_LME.shape
-    C = min(cfg.swap_candidates, E // N // 2) or 1
+    per_side = min(cfg.swap_candidates, E // N // 2) or 1
     current_L = full_objective(node_LE)
     rows = torch.arange(L)
     # Pair structure (constant): node pairs (i < j) x candidate positions (ci, cj).
     ni, nj = torch.triu_indices(N, N, offset=1)
-    K = 2 * C
-    ci, cj = torch.meshgrid(torch.arange(K), torch.arange(K), indexing="ij")
-    pos_a = (ni.view(-1, 1) * K + ci.reshape(1, -1)).reshape(-1)       # [P] into cand [N*K]
-    pos_b = (nj.view(-1, 1) * K + cj.reshape(1, -1)).reshape(-1)
-    na_P = ni.repeat_interleave(K * K)
-    nb_P = nj.repeat_interleave(K * K)
-    P = pos_a.numel()
+    C = 2 * per_side  # candidates per node
+    ci, cj = torch.meshgrid(torch.arange(C), torch.arange(C), indexing="ij")
+    pos_a = (ni.view(-1, 1) * C + ci.reshape(1, -1)).reshape(-1)       # [W] into cand [N*C]
+    pos_b = (nj.view(-1, 1) * C + cj.reshape(1, -1)).reshape(-1)
+    na_W = ni.repeat_interleave(C * C)
+    nb_W = nj.repeat_interleave(C * C)
+    W = pos_a.numel()
     # max over nodes other than (i, j), for every node pair: [.., N, N]
     others = torch.ones(N, N, N, dtype=torch.bool)
     idx = torch.arange(N)
@@ -198,34 +196,34 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
         nl_LMN = torch.bmm(load_LME, onehot)
         key_LE = total_LE + node_LE * (total_LE.max() + 1)   # group by node, then load
         order_LNE = key_LE.sort(dim=1, stable=True).indices.view(L, N, E // N)
-        cand_LNK = torch.cat([order_LNE[:, :, :C], order_LNE[:, :, -C:]], 2).reshape(L, N * K)
-        a_LP, b_LP = cand_LNK[:, pos_a], cand_LNK[:, pos_b]
+        cand_LNC = torch.cat([order_LNE[:, :, :per_side], order_LNE[:, :, -per_side:]], 2).reshape(L, N * C)
+        a_LW, b_LW = cand_LNC[:, pos_a], cand_LNC[:, pos_b]
         masked = nl_LMN.unsqueeze(2).unsqueeze(2).expand(L, M, N, N, N).masked_fill(~others, -1)
         other_max_LMNN = masked.max(-1).values                          # [L, M, N, N]
-        other_max_LMP = other_max_LMNN[:, :, na_P, nb_P]
-        d_LMP = (load_LME.gather(2, b_LP.unsqueeze(1).expand(L, M, P))
-                 - load_LME.gather(2, a_LP.unsqueeze(1).expand(L, M, P)))
-        new_a = nl_LMN[:, :, na_P] + d_LMP
-        new_b = nl_LMN[:, :, nb_P] - d_LMP
-        max_sum_LP = torch.maximum(torch.maximum(new_a, new_b), other_max_LMP).sum(1)
-        src_a, src_b = src_node_LNE.gather(2, a_LP.unsqueeze(1).expand(L, N, P)), \
-            src_node_LNE.gather(2, b_LP.unsqueeze(1).expand(L, N, P))
+        other_max_LMW = other_max_LMNN[:, :, na_W, nb_W]
+        d_LMW = (load_LME.gather(2, b_LW.unsqueeze(1).expand(L, M, W))
+                 - load_LME.gather(2, a_LW.unsqueeze(1).expand(L, M, W)))
+        new_a = nl_LMN[:, :, na_W] + d_LMW
+        new_b = nl_LMN[:, :, nb_W] - d_LMW
+        max_sum_LW = torch.maximum(torch.maximum(new_a, new_b), other_max_LMW).sum(1)
+        src_a, src_b = src_node_LNE.gather(2, a_LW.unsqueeze(1).expand(L, N, W)), \
+            src_node_LNE.gather(2, b_LW.unsqueeze(1).expand(L, N, W))
         # tokens kept inside their node: a leaves na for nb, b leaves nb for na
-        local_delta_LP = (src_a[:, nb_P, torch.arange(P)] + src_b[:, na_P, torch.arange(P)]
-                          - src_a[:, na_P, torch.arange(P)] - src_b[:, nb_P, torch.arange(P)])
+        local_delta_LW = (src_a[:, nb_W, torch.arange(W)] + src_b[:, na_W, torch.arange(W)]
+                          - src_a[:, na_W, torch.arange(W)] - src_b[:, nb_W, torch.arange(W)])
         cross_now_L = (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
-        pa, pb = prev_node_LE.gather(1, a_LP), prev_node_LE.gather(1, b_LP)
-        moved_delta_LP = ((nb_P != pa).to(torch.int64) - (na_P != pa).to(torch.int64)
-                          + (na_P != pb).to(torch.int64) - (nb_P != pb).to(torch.int64))
+        pa, pb = prev_node_LE.gather(1, a_LW), prev_node_LE.gather(1, b_LW)
+        moved_delta_LW = ((nb_W != pa).to(torch.int64) - (na_W != pa).to(torch.int64)
+                          + (na_W != pb).to(torch.int64) - (nb_W != pb).to(torch.int64))
         moved_now_L = (node_LE != prev_node_LE).sum(1)
-        obj_LP = _objective(max_sum_LP, cross_now_L.unsqueeze(1) - local_delta_LP,
-                                       moved_now_L.unsqueeze(1) + moved_delta_LP, cfg, g)
-        best_P = obj_LP.argmin(1)
-        best_obj_L = obj_LP[rows, best_P]
+        obj_LW = _objective(max_sum_LW, cross_now_L.unsqueeze(1) - local_delta_LW,
+                                       moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
+        best_W = obj_LW.argmin(1)
+        best_obj_L = obj_LW[rows, best_W]
         improve_L = best_obj_L < current_L * (1 - 1e-12)
         if not improve_L.any():
             break
-        a_L, b_L = a_LP[rows, best_P], b_LP[rows, best_P]
+        a_L, b_L = a_LW[rows, best_W], b_LW[rows, best_W]
         na_L, nb_L = node_LE[rows, a_L], node_LE[rows, b_L]
         node_LE = node_LE.clone()
         node_LE[rows, a_L] = torch.where(improve_L, nb_L, na_L)

@@ -10,14 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
+
 __all__ = ["Topology"]
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -35,10 +30,10 @@ class Topology:
     replica_slots: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("num_nodes", self.num_nodes, 1)
-        _check_int("gpus_per_node", self.gpus_per_node, 1)
-        _check_int("num_experts", self.num_experts, 1)
-        _check_int("replica_slots", self.replica_slots, 0)
+        check_int("num_nodes", self.num_nodes, 1)
+        check_int("gpus_per_node", self.gpus_per_node, 1)
+        check_int("num_experts", self.num_experts, 1)
+        check_int("replica_slots", self.replica_slots, 0)
         if self.num_experts % self.num_gpus:
             raise ValueError(
                 f"num_experts={self.num_experts} is not divisible by the EP world size "

@@ -1,4 +1,4 @@
-"""Routing replay: file formats, validation, converters, token counts.
+"""Routing replay, the data layer: file formats, validation, converters, token counts.
 
 * ``relibra.routing/1`` files hold the rollout's expert ids per token and layer
   (:class:`RoutingReplay`, :func:`save_routing`, :func:`load_routing`,
@@ -6,38 +6,64 @@
 * ``relibra.loads/1`` files hold already-batched counts ``[steps, M, L, S, E]``
   (:func:`save_loads`, :func:`load_loads`, :func:`validate_loads`);
 * converters from verl and slime/SGLang layouts (:func:`from_verl`, :func:`from_per_sample`);
-* token counts for an assignment of samples to (source rank, micro-batch)
+* token counts (:mod:`.counts`, the one implementation of ids -> loads in the package, and
+  expert-id checks), and for an assignment of samples to (source rank, micro-batch)
   (:meth:`RoutingReplay.counts`, :func:`batch_samples`, :func:`counts_for_tokens`);
-* the rollout side: :class:`RoutingRecorder` records every MoE layer's expert ids during
-  generation (KV-cache decoding included) and writes replay files; exploration routing
-  (:class:`ExplorationConfig`, :func:`explore_topk`) picks ESRL-style paths for rollouts.
+* public format helpers for other readers of these files (:mod:`.fileio`).
+
+This package is the bottom of the stack: it imports nothing from the layer, ops,
+distributed, the simulator, the hook or the rollout tools. The rollout tools
+(:class:`RoutingRecorder`, exploration routing) moved to :mod:`relibra_torch.rollout`;
+their names are still served from here, loaded on first access (:func:`__getattr__`), so
+``import relibra_torch.replay`` never loads the layer, torchtitan or the rollout package.
 
 See docs/replay.md.
 """
 
 from .baseline import uniform_max_over_mean
-from .explore import (
-    ExplorationConfig,
-    ExplorationPolicy,
-    exploration_sigma,
-    explore_topk,
-    resolve_pool,
-    routing_entropy,
-)
+from .batching import SampleAssignment, batch_samples
 from .convert import from_per_sample, from_sglang, from_slime, from_verl
+from .counts import count_by_group, count_experts, count_micro_batches, validate_expert_ids
 from .loads import LOADS_FORMAT, LoadsFile, load_loads, save_loads, tokens_from_loads, validate_loads
-from .recorder import MoELayerRef, RoutingRecorder, find_moe_layers, layout_for_batch
 from .routing import (
     ROUTING_FORMAT,
     RoutingReplay,
-    SampleAssignment,
-    batch_samples,
     counts_for_tokens,
     load_routing,
     save_routing,
-    validate_expert_ids,
     validate_routing,
 )
+
+# Compatibility: names that moved to relibra_torch.rollout, served lazily (see __getattr__).
+_ROLLOUT_NAMES = (
+    "ExplorationConfig",
+    "ExplorationPolicy",
+    "MoELayerRef",
+    "RoutingRecorder",
+    "exploration_sigma",
+    "explore_topk",
+    "find_moe_layers",
+    "layout_for_batch",
+    "resolve_pool",
+    "routing_entropy",
+)
+
+
+def __getattr__(name: str):
+    """Compatibility shim: ``relibra_torch.replay.RoutingRecorder`` etc. come from
+    :mod:`relibra_torch.rollout`, imported only when one of them is first asked for."""
+    if name in _ROLLOUT_NAMES:
+        from .. import rollout
+
+        value = getattr(rollout, name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_ROLLOUT_NAMES))
+
 
 __all__ = [
     "ExplorationConfig",
@@ -56,6 +82,9 @@ __all__ = [
     "RoutingReplay",
     "SampleAssignment",
     "batch_samples",
+    "count_by_group",
+    "count_experts",
+    "count_micro_batches",
     "counts_for_tokens",
     "from_per_sample",
     "from_sglang",

@@ -9,10 +9,10 @@ The answer is an exact simulation of that process (no approximation; only Monte-
 noise over ``trials``) whose cost does not grow with ``T``: see
 :func:`uniform_max_over_mean`. This is the only implementation in the package;
 ``relibra_torch.sim.traces`` re-exports it, and ``relibra inspect`` averages it over the
-micro-batches of a loads file with :func:`_mean_over_token_counts` (the same sweep run once
+micro-batches of a loads file with :func:`mean_over_token_counts` (the same sweep run once
 for all token counts, so the cost does not grow with Python calls).
 
-Legend: T tokens, E experts, K top-k, R rows (independent simulations), C distinct counts.
+Legend: T tokens, E experts, K top-k, R rows (independent simulations), Z distinct token counts.
 """
 
 from __future__ import annotations
@@ -22,15 +22,9 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["uniform_max_over_mean"]
+from ..checks import check_int
 
-
-def _check_int(name: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name}={value!r} is invalid; allowed: an int >= {lo}")
-    if value < lo:
-        raise ValueError(f"{name}={value!r} is invalid; allowed: an int >= {lo}")
-    return value
+__all__ = ["mean_over_token_counts", "uniform_max_over_mean"]
 
 
 def _seed(seed: int, num_tokens: int, num_experts: int, top_k: int) -> int:
@@ -64,18 +58,18 @@ def uniform_max_over_mean(num_tokens: int, num_experts: int, top_k: int, seed: i
     Returns:
         float: mean over trials of ``max_e counts_e / (T K / E)``.
     """
-    T = _check_int("num_tokens", num_tokens, 1)
+    T = check_int("num_tokens", num_tokens, 1)
     E, K = _check_shape(num_experts, top_k)
-    _check_int("seed", seed, 0)
-    R = _check_int("trials", trials, 1)
+    check_int("seed", seed, 0)
+    R = check_int("trials", trials, 1)
     return _cached(T, E, K, seed, R)
 
 
 def _check_shape(num_experts, top_k) -> tuple[int, int]:
-    E = _check_int("num_experts", num_experts, 1)
-    K = _check_int("top_k", top_k, 1)
+    E = check_int("num_experts", num_experts, 1)
+    K = check_int("top_k", top_k, 1)
     if K > E:
-        raise ValueError(f"top_k={top_k!r} is invalid; allowed: 1 <= top_k <= num_experts={E}")
+        raise ValueError(f"top_k = {K}; allowed: an int in [1, num_experts = {E}]")
     return E, K
 
 
@@ -102,38 +96,38 @@ def _sweep_R(tokens_R: torch.Tensor, E: int, K: int, g: torch.Generator) -> torc
     return counts_RE.amax(-1) / counts_RE.mean(-1)
 
 
-# Budget of binomial draws for _mean_over_token_counts (~0.8 s on one core): 4096 rows at
+# Budget of binomial draws for mean_over_token_counts (~0.8 s on one core): 4096 rows at
 # 128 experts, top-8; the standard error of the mean is then ~3e-4 at 16k tokens. Rows are simulated in blocks of _BLOCK_ROWS to bound memory.
 _COUNTS_BINOMIALS = 1 << 22
 _BLOCK_ROWS = 8192
 
 
-def _mean_over_token_counts(num_tokens: list[int], num_experts: int, top_k: int, *, seed: int = 0,
+def mean_over_token_counts(num_tokens: list[int], num_experts: int, top_k: int, *, seed: int = 0,
                             max_trials: int = 256) -> tuple[float, int]:
     """Mean of the uniform baseline over many token counts (e.g. every micro-batch of a file).
 
     ``num_tokens`` may repeat values: each distinct count is simulated ``trials`` times in
     one sweep for all counts, and its mean enters the result once per occurrence. ``trials``
     is ``max_trials`` when cheap, fewer when there are many distinct counts (total
-    ``C x trials x E x K`` binomials kept near ``2^22``, never fewer than 1 per count): only
+    ``Z x trials x E x K`` binomials kept near ``2^22``, never fewer than 1 per count): only
     the mean is returned, and its noise depends on the total number of simulations.
 
     Returns:
         ``(mean baseline, trials per distinct count)``; deterministic for equal arguments.
     """
     E, K = _check_shape(num_experts, top_k)
-    _check_int("seed", seed, 0)
-    _check_int("max_trials", max_trials, 1)
+    check_int("seed", seed, 0)
+    check_int("max_trials", max_trials, 1)
     if not isinstance(num_tokens, (list, tuple)) or not num_tokens:
-        raise ValueError(f"num_tokens={num_tokens!r} is invalid; allowed: a non-empty list of ints >= 1")
-    for t in num_tokens:
-        _check_int("num_tokens[...]", t, 1)
+        raise ValueError(f"num_tokens = {num_tokens!r}; allowed: a non-empty list of ints >= 1")
+    for i, t in enumerate(num_tokens):
+        check_int(f"num_tokens[{i}]", t, 1)
     counts_N = torch.tensor(num_tokens, dtype=torch.int64)
-    distinct_C, inverse_N = torch.unique(counts_N, return_inverse=True)
-    C = distinct_C.numel()
-    trials = max(1, min(max_trials, _COUNTS_BINOMIALS // (C * E * K)))
+    distinct_Z, inverse_N = torch.unique(counts_N, return_inverse=True)
+    Z = distinct_Z.numel()
+    trials = max(1, min(max_trials, _COUNTS_BINOMIALS // (Z * E * K)))
     g = torch.Generator().manual_seed(_seed(seed, ("counts", trials), E, K))
-    rows = distinct_C.to(torch.float64).repeat_interleave(trials)
+    rows = distinct_Z.to(torch.float64).repeat_interleave(trials)
     ratio_R = torch.cat([_sweep_R(rows[i:i + _BLOCK_ROWS], E, K, g) for i in range(0, rows.numel(), _BLOCK_ROWS)])
-    mean_C = ratio_R.view(C, trials).mean(-1)
-    return float(mean_C[inverse_N].mean()), trials
+    mean_Z = ratio_R.view(Z, trials).mean(-1)
+    return float(mean_Z[inverse_N].mean()), trials

@@ -21,8 +21,8 @@ import argparse
 
 import torch
 
-from ._io import _one_line, read_header
-from .baseline import _mean_over_token_counts, uniform_max_over_mean
+from .baseline import mean_over_token_counts, uniform_max_over_mean
+from .fileio import one_line, read_header
 from .loads import LOADS_FORMAT, LoadsFile, load_loads
 from .routing import ROUTING_FORMAT, RoutingReplay, load_routing
 
@@ -31,7 +31,7 @@ HELP = "summarise a routing replay or loads file (sizes, per-layer max/mean load
 # Trials of the baseline simulation for a routing file (one token count): ~0.05 s at 128
 # experts, top-8, whatever the token count (measured at 1e5 and 1e6 tokens). A loads file
 # uses as many per distinct micro-batch token count, fewer when there are many counts
-# (baseline._mean_over_token_counts keeps the total work near 0.8 s).
+# (baseline.mean_over_token_counts keeps the total work near 0.8 s).
 BASELINE_TRIALS = 256
 
 
@@ -106,7 +106,7 @@ def _print_loads(path: str, loads: LoadsFile) -> None:
         f"mean {t.double().mean().item():.1f}, max {int(t.max())})"
     )
     # Baseline per distinct token count, then averaged over the same micro-batches.
-    base_mean, trials = _mean_over_token_counts(t.tolist(), E, K, max_trials=BASELINE_TRIALS)
+    base_mean, trials = mean_over_token_counts(t.tolist(), E, K, max_trials=BASELINE_TRIALS)
     mean_XM = tokens_XM.double() * K / E
     ratio_XML = expert_XMLE.max(dim=-1).values.double() / mean_XM.clamp(min=1e-300)[..., None]
     ratio_NL = ratio_XML[nonempty_XM]  # [non-empty micro-batches, L]
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         elif fmt == LOADS_FORMAT:
             _print_loads(path, load_loads(path))
         else:
-            shown = "missing" if fmt is None else _one_line(fmt)
+            shown = "missing" if fmt is None else one_line(fmt)
             raise ValueError(
                 f"file {path!r}: metadata format is {shown}; allowed: {ROUTING_FORMAT!r} or {LOADS_FORMAT!r}"
             )

@@ -21,7 +21,8 @@ from typing import Sequence
 
 import torch
 
-from .routing import RoutingReplay, _dtype_name
+from .fileio import dtype_name
+from .routing import RoutingReplay
 
 __all__ = ["from_verl", "from_per_sample", "from_slime", "from_sglang"]
 
@@ -32,7 +33,7 @@ def _as_ids(value, name: str, keep_width: bool = False) -> torch.Tensor:
     except (TypeError, ValueError, RuntimeError) as exc:
         raise ValueError(f"{name} cannot be read as a tensor ({' '.join(str(exc).split())}); allowed: an integer array") from None
     if value.dtype.is_floating_point or value.is_complex() or value.dtype == torch.bool:
-        raise ValueError(f"{name} has dtype {_dtype_name(value.dtype)}; allowed: an integer dtype")
+        raise ValueError(f"{name} has dtype {dtype_name(value.dtype)}; allowed: an integer dtype")
     if keep_width and value.dtype in (torch.int16, torch.int32, torch.int64):
         return value.cpu()
     if keep_width and value.dtype in (torch.int8, torch.uint8, torch.uint16):
@@ -67,7 +68,7 @@ def from_verl(
         )
     if mask.dtype != torch.bool:
         if mask.dtype.is_floating_point or mask.is_complex():
-            raise ValueError(f"attention_mask has dtype {_dtype_name(mask.dtype)}; allowed: bool or integer 0/1")
+            raise ValueError(f"attention_mask has dtype {dtype_name(mask.dtype)}; allowed: bool or integer 0/1")
         bad = (mask != 0) & (mask != 1)
         if bool(bad.any()):
             b, p = (int(i) for i in bad.nonzero()[0])

@@ -23,8 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ._io import check_text_metadata, parse_int_metadata, read_header, read_tensors, write_tensors
-from .routing import MAX_EXPERTS, MAX_TOP_K, _check_names, _check_pos_int, _check_tensor, _dtype_name, check_format
+from ..checks import check_int, check_tensor
+from .counts import MAX_EXPERTS
+from .fileio import (check_format, check_names, check_text_metadata, dtype_name, parse_int_metadata, read_header,
+                     read_tensors, write_tensors)
+from .routing import MAX_TOP_K
 
 __all__ = ["LOADS_FORMAT", "LoadsFile", "validate_loads", "tokens_from_loads", "save_loads", "load_loads"]
 
@@ -43,10 +46,10 @@ def validate_loads(loads_XMLSE, top_k: int) -> None:
     rule it breaks (non-negative counts, sums divisible by ``top_k``, equal token counts in
     all layers, no expert above the token count); ``TypeError`` for a non-tensor.
     """
-    loads_XMLSE = _check_tensor(loads_XMLSE, "loads")
-    _check_pos_int(top_k, "top_k", 1, MAX_TOP_K)
+    loads_XMLSE = check_tensor("loads", loads_XMLSE)
+    check_int("top_k", top_k, 1, MAX_TOP_K)
     if loads_XMLSE.dtype not in _LOADS_DTYPES:
-        raise ValueError(f"loads has dtype {_dtype_name(loads_XMLSE.dtype)}; allowed: int32 or int64")
+        raise ValueError(f"loads has dtype {dtype_name(loads_XMLSE.dtype)}; allowed: int32 or int64")
     if loads_XMLSE.dim() != 5 or min(loads_XMLSE.shape) < 1:
         raise ValueError(
             f"loads has shape {tuple(loads_XMLSE.shape)}; allowed: [steps, micro_batches, num_layers, "
@@ -148,14 +151,14 @@ def load_loads(path) -> LoadsFile:
     where = f"file {os.fspath(path)!r}"
     meta = header.metadata
     check_format(meta, LOADS_FORMAT, where)
-    _check_names(meta, ("format", "top_k"), ("model",), "metadata", where)
-    _check_names(header.tensors, ("loads",), (), "tensor", where)
+    check_names(meta, ("format", "top_k"), ("model",), "metadata", where)
+    check_names(header.tensors, ("loads",), (), "tensor", where)
     top_k = parse_int_metadata(meta, "top_k", where, 1, MAX_TOP_K)
     model = meta.get("model")
     if model is not None:
         check_text_metadata(model, "metadata model", where)
     if header.dtype("loads") not in _LOADS_DTYPES:
-        raise ValueError(f"{where}: loads has dtype {_dtype_name(header.dtype('loads'))}; allowed: int32 or int64")
+        raise ValueError(f"{where}: loads has dtype {dtype_name(header.dtype('loads'))}; allowed: int32 or int64")
     shape = header.shape("loads")
     if len(shape) != 5 or min(shape) < 1:
         raise ValueError(

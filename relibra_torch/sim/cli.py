@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..checks import check_int
 from ..planning.topology import Topology
 from .cost import CostOptions
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
@@ -96,11 +97,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _int_option(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {minimum}, got {value}")
-    return value
+    """``value`` of option ``name`` (from the command line or ``--config``): the error names the flag."""
+    return check_int(f"--{name.replace('_', '-')}", value, minimum)
 
 
 def resolve(args: argparse.Namespace) -> dict:
@@ -170,7 +168,7 @@ def resolve(args: argparse.Namespace) -> dict:
     systems = parse_systems(opts["systems"])
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
-        raise ValueError(f"overlap_replication must be true or false, got {overlap!r}")
+        raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems, "cost_options": CostOptions(overlap_replication=overlap),
             "model_from": named_by, "model_notes": notes}

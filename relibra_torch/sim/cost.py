@@ -50,11 +50,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..checks import check_int
 from ..planning.evaluate import PlanMetrics
 from ..planning.plan import StepPlan
+from ..planning.pricing import ReorderWeights, reorder_weights
 from .presets import HardwareSpec, ModelSpec
 
-__all__ = ["CostOptions", "CostModel", "StepCost", "ReorderWeights"]
+# ReorderWeights lives with the planner's pricing (relibra_torch.planning.pricing); it is
+# re-exported here, where it was first defined.
+__all__ = ["CostOptions", "CostModel", "StepCost", "ReorderWeights", "expert_cost_model"]
 
 
 @dataclass(frozen=True)
@@ -81,35 +85,8 @@ class CostOptions:
 
     def __post_init__(self) -> None:
         for f in ("activation_bytes", "param_bytes", "grad_bytes"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{f} must be a positive int, got {v!r}")
-        v = self.optimizer_state_bytes
-        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-            raise ValueError(f"optimizer_state_bytes must be an int >= 0, got {v!r}")
-
-
-@dataclass(frozen=True)
-class ReorderWeights:
-    """Cost weights for a planner objective (seconds; a token is a token-expert pair).
-
-    Attributes:
-        compute_s_per_token: forward + backward expert compute of one token on one GPU.
-        cross_node_s_per_token: forward + backward all-to-all time of one token sent to
-            another node (dispatch and combine, both passes), per GPU link.
-        intra_node_s_per_token: the same over NVLink, to another GPU of the node.
-        migration_s_per_expert: moving one expert (weights, master copy, optimizer state)
-            to another node, once per step.
-        intra_migration_s_per_expert: the same move to another GPU of the same node.
-        replica_fill_s_per_expert: one replica residency: weights in, gradients back, NVLink.
-    """
-
-    compute_s_per_token: float
-    cross_node_s_per_token: float
-    intra_node_s_per_token: float
-    migration_s_per_expert: float
-    intra_migration_s_per_expert: float
-    replica_fill_s_per_expert: float
+            check_int(f, getattr(self, f))
+        check_int("optimizer_state_bytes", self.optimizer_state_bytes, 0)
 
 
 @dataclass
@@ -347,25 +324,25 @@ class CostModel:
         cross_node_s_per_token * max_gpu_cross_tokens + ...`` summed over micro-batches and
         layers, plus ``migration_s_per_expert * moved_experts`` once per step, is minimising
         this cost model's step time (to first order: the model takes maxima per GPU).
+        The formula is :func:`relibra_torch.planning.pricing.reorder_weights`, the one the
+        training hook prices its planner with.
         """
-        fwd_bwd_passes = 4.0  # dispatch + combine, forward and backward
-        return ReorderWeights(
-            compute_s_per_token=3.0 * self.expert_fwd_flops_per_token / self.expert_flops_per_s,
-            cross_node_s_per_token=fwd_bwd_passes * self.token_bytes / self.inter_node_bytes_per_s,
-            intra_node_s_per_token=fwd_bwd_passes * self.token_bytes / self.nvlink_bytes_per_s,
-            migration_s_per_expert=self.migration_bytes_per_expert / self.inter_node_bytes_per_s,
-            intra_migration_s_per_expert=self.migration_bytes_per_expert / self.nvlink_bytes_per_s,
-            replica_fill_s_per_expert=(self.expert_weight_bytes + self.expert_grad_bytes) / self.nvlink_bytes_per_s,
-        )
+        o = self.options
+        return reorder_weights(self.model.hidden_size, self.model.moe_ffn, self.hardware,
+                               activation_bytes=o.activation_bytes, param_bytes=o.param_bytes,
+                               grad_bytes=o.grad_bytes, master_weights=o.master_weights,
+                               optimizer_state_bytes=o.optimizer_state_bytes)
 
 
 def expert_cost_model(dim: int, hidden_dim: int, num_experts: int, top_k: int,
                       hardware: str = "h200", options: CostOptions | None = None) -> CostModel:
     """A :class:`CostModel` for an MoE layer of the given shape on a hardware preset.
 
-    For callers that have a layer rather than a model preset (the training hook): the
-    per-expert and per-token terms depend only on ``dim`` and ``hidden_dim``; the other
-    model fields are Qwen3-30B-A3B's and do not enter :meth:`CostModel.reorder_weights`.
+    For callers that have a layer rather than a model preset: the per-expert and per-token
+    terms depend only on ``dim`` and ``hidden_dim``; the other model fields are
+    Qwen3-30B-A3B's and do not enter :meth:`CostModel.reorder_weights`. (The training hook
+    prices its planner with :func:`relibra_torch.planning.pricing.priced_config`, which
+    needs no simulator.)
     """
     import dataclasses
 

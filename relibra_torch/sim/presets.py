@@ -1,5 +1,8 @@
 """Hardware and model presets for the simulator, and the rules for overriding their fields.
 
+The hardware specs live with the planner's pricing (:mod:`relibra_torch.planning.pricing`)
+and are re-exported here (``HardwareSpec``, ``HARDWARE``, ``get_hardware``).
+
 Every number names its source in a comment. Hardware numbers are *achievable* figures
 (what a well-tuned training job sees), not datasheet peaks, where the two differ; the
 peak is given next to them so a user with measurements can override the field
@@ -12,44 +15,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass, fields, replace
+
+from ..checks import check_int
+from ..planning.pricing import HARDWARE, HardwareSpec, get_hardware
 
 __all__ = [
     "HardwareSpec", "ModelSpec", "HARDWARE", "MODELS", "get_hardware", "get_model",
     "apply_overrides", "parse_override", "load_config_file",
 ]
-
-
-@dataclass(frozen=True)
-class HardwareSpec:
-    """One GPU type in an HGX/DGX-style cluster (8 GPUs per node on NVLink, one NIC per GPU).
-
-    Attributes:
-        name: preset name.
-        bf16_tflops: peak dense bf16 tensor-core throughput, TFLOP/s.
-        grouped_gemm_efficiency: fraction of ``bf16_tflops`` the expert grouped GEMMs achieve.
-        dense_efficiency: fraction of ``bf16_tflops`` attention and dense layers achieve.
-        nvlink_gbps: achievable NVLink bandwidth per GPU per direction, GB/s.
-        inter_node_gbps: achievable inter-node (RDMA) bandwidth per GPU per direction, GB/s.
-    """
-
-    name: str
-    bf16_tflops: float
-    grouped_gemm_efficiency: float
-    dense_efficiency: float
-    nvlink_gbps: float
-    inter_node_gbps: float
-
-    def __post_init__(self) -> None:
-        for f in ("bf16_tflops", "nvlink_gbps", "inter_node_gbps"):
-            _check_positive(f"hardware.{f}", getattr(self, f))
-        for f in ("grouped_gemm_efficiency", "dense_efficiency"):
-            v = getattr(self, f)
-            _check_positive(f"hardware.{f}", v)
-            if v > 1:
-                raise ValueError(f"hardware.{f} must be in (0, 1] (a fraction of peak), got {v}")
 
 
 @dataclass(frozen=True)
@@ -90,26 +65,27 @@ class ModelSpec:
     def __post_init__(self) -> None:
         for f in ("num_layers", "num_moe_layers", "hidden_size", "moe_ffn", "num_experts",
                   "top_k", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
-            _check_positive_int(f"model.{f}", getattr(self, f))
+            check_int(f"model.{f}", getattr(self, f))
         for f in ("dense_ffn", "num_shared_experts", "shared_ffn", "q_lora_rank",
                   "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            _check_positive_int(f"model.{f}", getattr(self, f), minimum=0)
-        _check_positive_int("model.num_expert_groups", self.num_expert_groups)
+            check_int(f"model.{f}", getattr(self, f), 0)
+        check_int("model.num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
-            raise ValueError(f"model.num_expert_groups={self.num_expert_groups} does not divide "
-                             f"model.num_experts={self.num_experts}")
+            raise ValueError(f"model.num_expert_groups = {self.num_expert_groups}; allowed: a divisor of "
+                             f"model.num_experts = {self.num_experts}")
         if self.num_moe_layers > self.num_layers:
-            raise ValueError(f"model.num_moe_layers={self.num_moe_layers} exceeds "
-                             f"model.num_layers={self.num_layers}")
+            raise ValueError(f"model.num_moe_layers = {self.num_moe_layers}; allowed: an int in "
+                             f"[0, model.num_layers = {self.num_layers}]")
         if self.top_k > self.num_experts:
-            raise ValueError(f"model.top_k={self.top_k} exceeds model.num_experts={self.num_experts}")
+            raise ValueError(f"model.top_k = {self.top_k}; allowed: an int in [1, model.num_experts = "
+                             f"{self.num_experts}]")
         if self.num_dense_layers and not self.dense_ffn:
-            raise ValueError(f"model.dense_ffn must be > 0 when there are dense layers "
+            raise ValueError(f"model.dense_ffn = 0; allowed: an int >= 1 when there are dense layers "
                              f"(num_layers - num_moe_layers = {self.num_dense_layers}); set "
                              f"model.dense_ffn, or model.num_layers={self.num_moe_layers} for an "
                              f"all-MoE model")
         if self.num_shared_experts and not self.shared_ffn:
-            raise ValueError("model.shared_ffn must be > 0 when model.num_shared_experts > 0")
+            raise ValueError("model.shared_ffn = 0; allowed: an int >= 1 when model.num_shared_experts > 0")
 
     @property
     def num_dense_layers(self) -> int:
@@ -145,44 +121,6 @@ class ModelSpec:
         """Weights of one routed SwiGLU expert: gate, up (``D x F``) and down (``F x D``)."""
         return 3 * self.hidden_size * self.moe_ffn
 
-
-def _check_positive(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-
-
-def _check_positive_int(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-
-
-# --- hardware --------------------------------------------------------------------------
-# bf16 dense peak: NVIDIA H100 and H200 datasheets list 1,979 TFLOP/s bf16 *with sparsity*
-# for the SXM parts, i.e. 989 TFLOP/s dense (the H200 has the same tensor cores as the H100,
-# more and faster HBM: 141 GB HBM3e at 4.8 TB/s vs 80 GB HBM3 at 3.35 TB/s).
-# NVLink: 4th-generation NVLink, 900 GB/s total per GPU = 450 GB/s per direction (both
-# datasheets). All-to-all over NVSwitch reaches about 80% of that in nccl-tests
-# (alltoall busbw of roughly 350-370 GB/s on 8x H100 SXM), hence 360.
-# Inter-node: DGX/HGX H100 and H200 pair every GPU with one ConnectX-7 400 Gb/s NIC
-# = 50 GB/s per direction; DeepEP's README measures 43-58 GB/s "RDMA bottleneck bandwidth"
-# for EP 16-64 dispatch/combine on the same NIC, NCCL all-to-all sees about 90% of line
-# rate, hence 45.
-# Grouped GEMM: Megatron-Core/TransformerEngine bf16 grouped GEMMs for experts of a few
-# thousand tokens reach roughly 55-65% of peak on H100 (smaller, skinnier GEMMs than
-# dense layers); the H200's extra memory bandwidth helps these partly memory-bound shapes,
-# hence 0.55 (H100) and 0.60 (H200). Attention (FlashAttention-3: 600-750 TFLOP/s forward
-# bf16, less backward) and dense projections: 0.55 for both. These two efficiencies are
-# estimates: measure your own kernels and override them.
-HARDWARE: dict[str, HardwareSpec] = {
-    "h100": HardwareSpec("h100", bf16_tflops=989.0, grouped_gemm_efficiency=0.55,
-                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0),
-    "h200": HardwareSpec("h200", bf16_tflops=989.0, grouped_gemm_efficiency=0.60,
-                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0),
-}
 
 # --- models ----------------------------------------------------------------------------
 MODELS: dict[str, ModelSpec] = {
@@ -223,14 +161,6 @@ MODELS: dict[str, ModelSpec] = {
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, num_expert_groups=8),
 }
-
-
-def get_hardware(name: str) -> HardwareSpec:
-    """The hardware preset ``name`` (case-insensitive); ``ValueError`` lists the choices."""
-    key = str(name).lower()
-    if key not in HARDWARE:
-        raise ValueError(f"--hardware {name!r} is unknown; choose one of {', '.join(HARDWARE)}")
-    return HARDWARE[key]
 
 
 def get_model(name: str) -> ModelSpec:

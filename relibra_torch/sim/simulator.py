@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..checks import check_int
 from ..planning.base import Planner, StaticPlanner
 from ..planning.evaluate import evaluate
 from ..planning.plan import validate_plan
@@ -77,8 +78,7 @@ class SimConfig:
         if self.topology.num_experts != self.model.num_experts:
             raise ValueError(f"the topology has {self.topology.num_experts} experts but --model "
                              f"{self.model.name} has {self.model.num_experts}")
-        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
-            raise ValueError(f"--warmup-steps must be an int >= 0, got {self.warmup_steps!r}")
+        check_int("--warmup-steps", self.warmup_steps, 0)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..checks import check_int
 from ..planning.topology import Topology
 from .presets import ModelSpec
 
@@ -67,8 +68,7 @@ def packed_pairs(tokens: torch.Tensor, sample_tokens: int) -> torch.Tensor:
 
     Args: tokens: int ``[...]``. Returns float64 ``[...]``.
     """
-    if isinstance(sample_tokens, bool) or not isinstance(sample_tokens, int) or sample_tokens < 1:
-        raise ValueError(f"--sample-tokens must be an int >= 1, got {sample_tokens!r}")
+    check_int("--sample-tokens", sample_tokens, 1)
     t = tokens.to(torch.int64)
     full, rest = t // sample_tokens, t % sample_tokens
     return (full * causal_pairs(torch.tensor(sample_tokens)) + causal_pairs(rest)).to(torch.float64)
@@ -76,7 +76,7 @@ def packed_pairs(tokens: torch.Tensor, sample_tokens: int) -> torch.Tensor:
 
 def _check_loads(loads: torch.Tensor, model: ModelSpec, topology: Topology, what: str) -> torch.Tensor:
     if loads.dtype not in (torch.int16, torch.int32, torch.int64):
-        raise TypeError(f"{what}: loads must be an integer tensor, got {loads.dtype}")
+        raise TypeError(f"{what}: loads has dtype {loads.dtype}; allowed: int16, int32 or int64")
     if loads.dim() == 4:
         loads = loads.unsqueeze(0)
     if loads.dim() != 5:
@@ -174,7 +174,7 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
     if not os.path.exists(path):
         raise FileNotFoundError(f"REPLAY_OR_LOADS_FILE {path!r} does not exist")
     from .. import replay
-    from ..replay._io import read_header
+    from ..replay.fileio import read_header
     fmt = read_header(path).metadata.get("format")
     name = os.path.basename(path)
     if fmt == replay.LOADS_FORMAT:

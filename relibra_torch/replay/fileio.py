@@ -1,4 +1,4 @@
-"""Strict safetensors reading and writing for the replay files.
+"""Strict safetensors reading and writing for the replay files (public format helpers).
 
 The safetensors library parses headers in Rust and reports problems as ``SafetensorError``
 (or, for some malformed files, panics). Replay files come from other machines and other
@@ -32,6 +32,10 @@ __all__ = [
     "write_tensors",
     "parse_int_metadata",
     "check_text_metadata",
+    "check_format",
+    "check_names",
+    "dtype_name",
+    "one_line",
 ]
 
 # safetensors' own limit on the JSON header (a larger one is refused by the Rust reader).
@@ -78,7 +82,7 @@ class SafetensorsHeader:
         return self.tensors[name].dtype
 
 
-def _one_line(text: str, limit: int = 80) -> str:
+def one_line(text: str, limit: int = 80) -> str:
     """A short, single-line rendering of untrusted text for error messages."""
     text = repr(text)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -97,7 +101,7 @@ def _no_duplicates(pairs):
     obj = {}
     for key, value in pairs:
         if key in obj:
-            raise ValueError(f"safetensors header: duplicate key {_one_line(key)}; allowed: each key once")
+            raise ValueError(f"safetensors header: duplicate key {one_line(key)}; allowed: each key once")
         obj[key] = value
     return obj
 
@@ -168,7 +172,7 @@ def read_header(path) -> SafetensorsHeader:
 
     tensors: dict[str, _TensorInfo] = {}
     for name, info in header.items():
-        where = f"file {path!r}: tensor {_one_line(name)}"
+        where = f"file {path!r}: tensor {one_line(name)}"
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
             raise ValueError(
                 f"{where}: entry {_short_json(info)}; allowed: an object with exactly "
@@ -208,7 +212,7 @@ def read_header(path) -> SafetensorsHeader:
     for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if info.begin != position:
             raise ValueError(
-                f"file {path!r}: tensor {_one_line(name)} starts at data byte {info.begin}; "
+                f"file {path!r}: tensor {one_line(name)} starts at data byte {info.begin}; "
                 f"allowed: {position} (tensors must be contiguous)"
             )
         position = info.end
@@ -267,7 +271,7 @@ def parse_int_metadata(metadata: dict[str, str], key: str, where: str, lo: int, 
     text = metadata[key]
     if not _INT_RE.match(text):
         raise ValueError(
-            f"{where}: metadata {key} = {_one_line(text)} is not a decimal integer; "
+            f"{where}: metadata {key} = {one_line(text)} is not a decimal integer; "
             f"allowed: an integer in [{lo}, {hi}]"
         )
     value = int(text)
@@ -282,6 +286,33 @@ def check_text_metadata(value: str, key: str, where: str, max_len: int = 256) ->
         raise TypeError(f"{where}: {key} is {type(value).__name__}; allowed: str")
     if len(value) > max_len or not value.isprintable():
         raise ValueError(
-            f"{where}: {key} = {_one_line(value)}; allowed: printable one-line text of at most {max_len} characters"
+            f"{where}: {key} = {one_line(value)}; allowed: printable one-line text of at most {max_len} characters"
         )
     return value
+
+
+def check_format(metadata: dict[str, str], expected: str, where: str) -> None:
+    """Raise ``ValueError`` unless ``metadata["format"] == expected``."""
+    if "format" not in metadata:
+        raise ValueError(f"{where}: metadata 'format' is missing; allowed: {expected!r}")
+    if metadata["format"] != expected:
+        raise ValueError(f"{where}: metadata format = {one_line(metadata['format'])}; allowed: {expected!r}")
+
+
+def check_names(found, required, optional, kind: str, where: str) -> None:
+    """Raise ``ValueError`` when a required ``kind`` (metadata key, tensor) is missing from
+    ``found`` or an unknown one is present: the formats allow nothing else."""
+    found = set(found)
+    missing = [k for k in required if k not in found]
+    if missing:
+        raise ValueError(f"{where}: {kind} {missing[0]!r} is missing; required: {list(required)}")
+    unknown = sorted(found - set(required) - set(optional))
+    if unknown:
+        raise ValueError(
+            f"{where}: unknown {kind} {one_line(unknown[0])}; allowed: {list(required) + list(optional)}"
+        )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``int16`` for ``torch.int16`` (error messages)."""
+    return str(dtype).replace("torch.", "")

@@ -1,0 +1,179 @@
+"""Planner pricing: hardware specs and the formula that turns expert size + hardware into
+the cost weights of the relibra planner's objective (:class:`ReLibraConfig`).
+
+The planning side owns this so that the training hook and the layer price their planner
+without the simulator; the simulator's cost model (:mod:`relibra_torch.sim.cost`) prices
+with the same function, so a planner tuned in simulation sees the same weights in
+training. Every hardware number names its source in a comment.
+
+Units: TFLOP/s = 1e12 FLOP/s, GB/s = 1e9 bytes/s, per GPU and per direction. A *token* is
+a token-expert pair (a token routed to ``k`` experts counts ``k``).
+
+Legend: D model (hidden) width, F expert FFN width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checks import check_int, check_number
+from .relibra import ReLibraConfig
+
+__all__ = [
+    "HARDWARE",
+    "HardwareSpec",
+    "ReorderWeights",
+    "get_hardware",
+    "priced_config",
+    "relibra_config_for",
+    "reorder_weights",
+]
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU type in an HGX/DGX-style cluster (8 GPUs per node on NVLink, one NIC per GPU).
+
+    Attributes:
+        name: preset name.
+        bf16_tflops: peak dense bf16 tensor-core throughput, TFLOP/s.
+        grouped_gemm_efficiency: fraction of ``bf16_tflops`` the expert grouped GEMMs achieve.
+        dense_efficiency: fraction of ``bf16_tflops`` attention and dense layers achieve.
+        nvlink_gbps: achievable NVLink bandwidth per GPU per direction, GB/s.
+        inter_node_gbps: achievable inter-node (RDMA) bandwidth per GPU per direction, GB/s.
+    """
+
+    name: str
+    bf16_tflops: float
+    grouped_gemm_efficiency: float
+    dense_efficiency: float
+    nvlink_gbps: float
+    inter_node_gbps: float
+
+    def __post_init__(self) -> None:
+        for f in ("bf16_tflops", "nvlink_gbps", "inter_node_gbps"):
+            check_number(f"hardware.{f}", getattr(self, f), 0, strict=True)
+        for f in ("grouped_gemm_efficiency", "dense_efficiency"):  # fractions of peak
+            check_number(f"hardware.{f}", getattr(self, f), 0, strict=True, maximum=1)
+
+
+# --- hardware --------------------------------------------------------------------------
+# bf16 dense peak: NVIDIA H100 and H200 datasheets list 1,979 TFLOP/s bf16 *with sparsity*
+# for the SXM parts, i.e. 989 TFLOP/s dense (the H200 has the same tensor cores as the H100,
+# more and faster HBM: 141 GB HBM3e at 4.8 TB/s vs 80 GB HBM3 at 3.35 TB/s).
+# NVLink: 4th-generation NVLink, 900 GB/s total per GPU = 450 GB/s per direction (both
+# datasheets). All-to-all over NVSwitch reaches about 80% of that in nccl-tests
+# (alltoall busbw of roughly 350-370 GB/s on 8x H100 SXM), hence 360.
+# Inter-node: DGX/HGX H100 and H200 pair every GPU with one ConnectX-7 400 Gb/s NIC
+# = 50 GB/s per direction; DeepEP's README measures 43-58 GB/s "RDMA bottleneck bandwidth"
+# for EP 16-64 dispatch/combine on the same NIC, NCCL all-to-all sees about 90% of line
+# rate, hence 45.
+# Grouped GEMM: Megatron-Core/TransformerEngine bf16 grouped GEMMs for experts of a few
+# thousand tokens reach roughly 55-65% of peak on H100 (smaller, skinnier GEMMs than
+# dense layers); the H200's extra memory bandwidth helps these partly memory-bound shapes,
+# hence 0.55 (H100) and 0.60 (H200). Attention (FlashAttention-3: 600-750 TFLOP/s forward
+# bf16, less backward) and dense projections: 0.55 for both. These two efficiencies are
+# estimates: measure your own kernels and override them.
+HARDWARE: dict[str, HardwareSpec] = {
+    "h100": HardwareSpec("h100", bf16_tflops=989.0, grouped_gemm_efficiency=0.55,
+                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0),
+    "h200": HardwareSpec("h200", bf16_tflops=989.0, grouped_gemm_efficiency=0.60,
+                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0),
+}
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    """The hardware preset ``name`` (case-insensitive); ``ValueError`` lists the choices."""
+    key = str(name).lower()
+    if key not in HARDWARE:
+        raise ValueError(f"--hardware {name!r} is unknown; choose one of {', '.join(HARDWARE)}")
+    return HARDWARE[key]
+
+
+@dataclass(frozen=True)
+class ReorderWeights:
+    """Cost weights for a planner objective (seconds; a token is a token-expert pair).
+
+    Attributes:
+        compute_s_per_token: forward + backward expert compute of one token on one GPU.
+        cross_node_s_per_token: forward + backward all-to-all time of one token sent to
+            another node (dispatch and combine, both passes), per GPU link.
+        intra_node_s_per_token: the same over NVLink, to another GPU of the node.
+        migration_s_per_expert: moving one expert (weights, master copy, optimizer state)
+            to another node, once per step.
+        intra_migration_s_per_expert: the same move to another GPU of the same node.
+        replica_fill_s_per_expert: one replica residency: weights in, gradients back, NVLink.
+    """
+
+    compute_s_per_token: float
+    cross_node_s_per_token: float
+    intra_node_s_per_token: float
+    migration_s_per_expert: float
+    intra_migration_s_per_expert: float
+    replica_fill_s_per_expert: float
+
+
+def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activation_bytes: int = 2,
+                    param_bytes: int = 2, grad_bytes: int = 2, master_weights: bool = True,
+                    optimizer_state_bytes: int = 8) -> ReorderWeights:
+    """Per-unit costs of one SwiGLU expert ``D x F`` on ``hardware``.
+
+    The same terms as the simulator's step cost (:class:`relibra_torch.sim.cost.CostModel`):
+    an expert runs three ``D x F`` GEMMs, ``6 D F`` FLOPs per token forward and twice that
+    backward, at ``bf16_tflops * grouped_gemm_efficiency``; dispatch and combine move
+    ``D * activation_bytes`` per token, forward and backward (4 passes); a migration moves
+    the ``3 D F`` weights, an fp32 master copy (``master_weights``) and the optimizer state;
+    a replica residency moves the weights in and their gradients back over NVLink. A planner
+    that minimises ``compute_s_per_token * max_gpu_tokens + cross_node_s_per_token *
+    max_gpu_cross_tokens + ...`` summed over micro-batches and layers, plus
+    ``migration_s_per_expert * moved_experts`` once per step, minimises that step time (to
+    first order: the cost model takes maxima per GPU).
+
+    Args:
+        dim, hidden_dim: ``D`` and ``F``.
+        hardware: a :class:`HardwareSpec` (e.g. ``get_hardware("h200")``).
+        activation_bytes, param_bytes, grad_bytes: bytes per activation, weight, gradient
+            value on the wire (2 = bf16).
+        master_weights: migration also moves an fp32 master copy.
+        optimizer_state_bytes: optimizer state per parameter moved by migration (8 = Adam).
+    """
+    D = check_int("dim", dim)
+    F = check_int("hidden_dim", hidden_dim)
+    if not isinstance(hardware, HardwareSpec):
+        raise TypeError(f"hardware is {type(hardware).__name__}; allowed: a HardwareSpec (get_hardware(name))")
+    expert_flops_per_s = hardware.bf16_tflops * 1e12 * hardware.grouped_gemm_efficiency
+    nvlink_bytes_per_s = hardware.nvlink_gbps * 1e9
+    inter_node_bytes_per_s = hardware.inter_node_gbps * 1e9
+    token_bytes = D * activation_bytes
+    expert_fwd_flops_per_token = 6 * D * F
+    expert_params = 3 * D * F
+    expert_weight_bytes = expert_params * param_bytes
+    expert_grad_bytes = expert_params * grad_bytes
+    migration_bytes_per_expert = expert_params * (param_bytes + (4 if master_weights else 0) + optimizer_state_bytes)
+    fwd_bwd_passes = 4.0  # dispatch + combine, forward and backward
+    return ReorderWeights(
+        compute_s_per_token=3.0 * expert_fwd_flops_per_token / expert_flops_per_s,
+        cross_node_s_per_token=fwd_bwd_passes * token_bytes / inter_node_bytes_per_s,
+        intra_node_s_per_token=fwd_bwd_passes * token_bytes / nvlink_bytes_per_s,
+        migration_s_per_expert=migration_bytes_per_expert / inter_node_bytes_per_s,
+        intra_migration_s_per_expert=migration_bytes_per_expert / nvlink_bytes_per_s,
+        replica_fill_s_per_expert=(expert_weight_bytes + expert_grad_bytes) / nvlink_bytes_per_s,
+    )
+
+
+def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:
+    """:class:`ReLibraConfig` whose cost weights price a ``D x F`` expert on ``hardware``
+    (a preset name or a spec); ``overrides`` set other config fields."""
+    spec = hardware if isinstance(hardware, HardwareSpec) else get_hardware(hardware)
+    return ReLibraConfig.from_weights(reorder_weights(dim, hidden_dim, spec), **overrides)
+
+
+def relibra_config_for(layer, hardware: str | HardwareSpec = "h200") -> ReLibraConfig:
+    """:class:`ReLibraConfig` priced for ``layer``'s expert shape on a hardware preset.
+
+    ``layer`` is any MoE layer with ``dim`` and ``hidden_dim`` attributes (e.g.
+    :class:`relibra_torch.moe.ReplayBalancedMoE`): migrations and replica fills are then
+    charged for its real expert size, so small models move and replicate freely and large
+    ones only when it pays.
+    """
+    return priced_config(layer.dim, layer.hidden_dim, hardware)
