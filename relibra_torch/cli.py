@@ -17,7 +17,7 @@ import sys
 # name -> module that defines `add_arguments(parser)` and `run(args) -> int`
 _SUBCOMMANDS = {
     "inspect": "relibra_torch.replay.cli",
-    "convert": "relibra_torch.replay.convert_cli",
+    "convert": "relibra_torch.convert_cli",
     "simulate": "relibra_torch.sim.cli",
 }
 

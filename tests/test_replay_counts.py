@@ -411,3 +411,18 @@ def test_mean_over_token_counts():
         mean_over([], 4, 2)
     with pytest.raises(ValueError, match=r"top_k = 5; allowed: an int in \[1, num_experts = 4\]"):
         mean_over([5], 4, 5)
+
+
+def test_run_time_counts_skip_pad_ids():
+    """count_micro_batches / hook.count_loads take run-time routing: -1 (a pad) counts
+    nowhere; anything below -1 is refused; files (count_experts without pads) refuse -1."""
+    from relibra_torch.hook import count_loads
+    from relibra_torch.replay.counts import count_experts
+
+    ids = torch.tensor([[[0, -1]], [[-1, -1]], [[2, 0]]])          # [T=3, L=1, K=2]
+    got = count_loads([ids, ids[:1]], 1, 3)
+    assert got.tolist() == [[[2, 0, 1]], [[1, 0, 0]]]
+    with pytest.raises(ValueError, match=r"= -2 is out of range; allowed: expert ids in \[0, 3\), or -1"):
+        count_loads([torch.full((1, 1, 2), -2)], 1, 3)
+    with pytest.raises(ValueError, match=r"= -1 is out of range; allowed: expert ids in \[0, 3\)$"):
+        count_experts(ids, 3)

@@ -5,16 +5,15 @@
 * :mod:`.engine` -- :class:`ExpertEngine`: plan install, planned and local execution,
   replica fills, placement and migration (handed the weights, owns no parameters);
 * :mod:`.host` -- :class:`EngineHost`, the methods every engine-holding module shares;
-  :func:`moe_layers`, :func:`share_replica_memory`;
-* :mod:`.checkpoint` -- logical <-> physical expert rows, state-dict hooks, safetensors;
+  :func:`moe_layers`, :func:`share_replica_memory`, safetensors export/import;
+* :mod:`.checkpoint` -- logical <-> physical expert rows, state-dict hooks;
 * :mod:`.schedule` -- :class:`LayerPlan` (the hook-to-layer interface) and the host-side
   :class:`RankSchedule` of one rank.
 """
 
 from ..distributed.replicas import ReplicaMemory
-from .checkpoint import load_expert_safetensors, save_expert_safetensors
 from .engine import EXPERT_PARAMS, ExpertEngine
-from .host import EngineHost, moe_layers, share_replica_memory
+from .host import EngineHost, load_expert_safetensors, moe_layers, save_expert_safetensors, share_replica_memory
 from .layer import MoEConfig, ReplayBalancedMoE
 from .schedule import LayerPlan, RankSchedule, layer_plans
 

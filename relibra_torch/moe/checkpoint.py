@@ -11,23 +11,22 @@ EP rank ``e // El``), which DCP can reshard to any EP size; without one, a plain
 tensor. The conversions move rows with one all-to-all (a collective: every EP rank runs the
 same hooks with the same placement).
 
+Whole-model safetensors export/import of the same logical rows: ``save_expert_safetensors``
+and ``load_expert_safetensors`` in :mod:`relibra_torch.moe.host`.
+
 Legend: E logical experts, El = E / G native experts per EP rank, G EP ranks.
 """
 
 from __future__ import annotations
 
-import json
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from ..distributed.migration import move_expert_rows
-from .engine import EXPERT_PARAMS, ExpertEngine, local_tensor
+from .engine import ExpertEngine, local_tensor
 
-__all__ = ["SAFETENSORS_FORMAT", "load_expert_safetensors", "load_logical_expert_weights",
-           "logical_expert_weights", "logical_state_dict_hook", "physical_load_pre_hook",
-           "physical_from_logical", "save_expert_safetensors"]
+__all__ = ["SAFETENSORS_FORMAT", "load_logical_expert_weights", "logical_expert_weights",
+           "logical_state_dict_hook", "physical_load_pre_hook", "physical_from_logical"]
 
 SAFETENSORS_FORMAT = "relibra.experts/1"
 
@@ -135,51 +134,3 @@ def load_logical_expert_weights(engine: ExpertEngine, params: dict[str, torch.Te
         if tuple(full.shape) != tuple(p.shape):
             raise ValueError(f"expert weight {name} has shape {tuple(full.shape)}, expected {tuple(p.shape)}")
         local_tensor(p).copy_(full.index_select(0, rows.to(full.device)))
-
-
-def save_expert_safetensors(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
-    """Write every MoE layer's expert weights in logical order to a safetensors file.
-
-    Keys are ``<layer name>.w1_EFD`` etc. (``model`` itself being a layer: just ``w1_EFD``).
-    Collective when the layers are expert-parallel: call on every rank; global rank 0 writes.
-    Returns the tensors written.
-    """
-    from safetensors.torch import save_file
-
-    from .host import moe_layers
-    layers = moe_layers(model)
-    if not layers:
-        raise ValueError("model has no relibra MoE layer (ReplayBalancedMoE or torchtitan RelibraMoE)")
-    tensors: dict[str, torch.Tensor] = {}
-    for name, layer in layers:
-        for k, v in layer.logical_expert_weights().items():
-            tensors[f"{name}.{k}" if name else k] = v.detach().cpu().contiguous()
-    meta = {"format": SAFETENSORS_FORMAT,
-            "layers": json.dumps({n: layer.engine.num_experts for n, layer in layers})}
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        save_file(tensors, path, metadata=meta)
-    return tensors
-
-
-def load_expert_safetensors(model: nn.Module, path: str) -> None:
-    """Load expert weights written by :func:`save_expert_safetensors` (any EP layout).
-
-    Every rank reads the file and keeps its own experts; no collective.
-    """
-    from safetensors import safe_open
-
-    from .host import moe_layers
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != SAFETENSORS_FORMAT:
-            raise ValueError(f"{path}: metadata format is {meta.get('format')!r}, expected "
-                             f"{SAFETENSORS_FORMAT!r}")
-        keys = set(f.keys())
-        for name, layer in moe_layers(model):
-            weights = {}
-            for k in EXPERT_PARAMS:
-                key = f"{name}.{k}" if name else k
-                if key not in keys:
-                    raise ValueError(f"{path}: missing tensor {key!r}")
-                weights[k] = f.get_tensor(key)
-            layer.load_logical_expert_weights(weights)

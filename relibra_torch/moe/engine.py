@@ -176,7 +176,7 @@ class ExpertEngine:
         """Plan-driven execution with exchanges (graph break under ``torch.compile``)."""
         topo, ep = self.topology, self.ep
         device = x_TD.device
-        J, E = topo.slots_per_gpu, topo.num_experts
+        J = topo.slots_per_gpu
         sched = self._schedule
         if sched is None or self.check_plan:
             counts_E, bad_ids = self._host_counts(ids_TK)

@@ -14,7 +14,10 @@ layers alike. A host provides:
 
 from __future__ import annotations
 
+import json
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..distributed.replicas import ReplicaMemory
@@ -22,7 +25,8 @@ from . import checkpoint
 from .engine import EXPERT_PARAMS, ExpertEngine, local_tensor
 from .schedule import LayerPlan
 
-__all__ = ["EngineHost", "moe_layers", "share_replica_memory"]
+__all__ = ["EngineHost", "load_expert_safetensors", "moe_layers", "save_expert_safetensors",
+           "share_replica_memory"]
 
 
 class EngineHost:
@@ -160,3 +164,49 @@ def share_replica_memory(model: nn.Module) -> ReplicaMemory:
     for _, layer in moe_layers(model):
         layer.replica_memory = memory
     return memory
+
+
+def save_expert_safetensors(model: nn.Module, path: str) -> dict[str, torch.Tensor]:
+    """Write every MoE layer's expert weights in logical order to a safetensors file.
+
+    Keys are ``<layer name>.w1_EFD`` etc. (``model`` itself being a layer: just ``w1_EFD``).
+    Collective when the layers are expert-parallel: call on every rank; global rank 0 writes.
+    Returns the tensors written.
+    """
+    from safetensors.torch import save_file
+
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("model has no relibra MoE layer (ReplayBalancedMoE or torchtitan RelibraMoE)")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, layer in layers:
+        for k, v in layer.logical_expert_weights().items():
+            tensors[f"{name}.{k}" if name else k] = v.detach().cpu().contiguous()
+    meta = {"format": checkpoint.SAFETENSORS_FORMAT,
+            "layers": json.dumps({n: layer.engine.num_experts for n, layer in layers})}
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        save_file(tensors, path, metadata=meta)
+    return tensors
+
+
+def load_expert_safetensors(model: nn.Module, path: str) -> None:
+    """Load expert weights written by :func:`save_expert_safetensors` (any EP layout).
+
+    Every rank reads the file and keeps its own experts; no collective.
+    """
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != checkpoint.SAFETENSORS_FORMAT:
+            raise ValueError(f"{path}: metadata format is {meta.get('format')!r}, expected "
+                             f"{checkpoint.SAFETENSORS_FORMAT!r}")
+        keys = set(f.keys())
+        for name, layer in moe_layers(model):
+            weights = {}
+            for k in EXPERT_PARAMS:
+                key = f"{name}.{k}" if name else k
+                if key not in keys:
+                    raise ValueError(f"{path}: missing tensor {key!r}")
+                weights[k] = f.get_tensor(key)
+            layer.load_logical_expert_weights(weights)

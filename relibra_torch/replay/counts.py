@@ -51,12 +51,13 @@ def token_chunks(num_tokens: int, per_token: int):
 
 
 def check_expert_ids(expert_ids, num_experts: int, *, name: str = "expert_ids",
-                     distinct: bool = False) -> torch.Tensor:
+                     distinct: bool = False, pads: bool = False) -> torch.Tensor:
     """``expert_ids`` if it is an int16/int32/int64 tensor ``[..., K]`` of ids in ``[0, E)``.
 
     With ``distinct`` the ``K`` ids of one row must differ (a token's top-k never repeats an
-    expert). Raises ``TypeError`` for a non-tensor, ``ValueError`` naming the first bad
-    position and value otherwise.
+    expert). With ``pads``, ``-1`` is allowed too: "no expert" for that (token, k), as the
+    layer takes it at run time (files never hold pads). Raises ``TypeError`` for a
+    non-tensor, ``ValueError`` naming the first bad position and value otherwise.
     """
     expert_ids = check_tensor(name, expert_ids)
     check_int("num_experts", num_experts, 1, MAX_EXPERTS)
@@ -70,11 +71,13 @@ def check_expert_ids(expert_ids, num_experts: int, *, name: str = "expert_ids",
     if expert_ids.numel() == 0:
         return expert_ids
     # min/max first: one cheap pass on the valid (common) case; the position only on error.
-    if int(expert_ids.min()) < 0 or int(expert_ids.max()) >= num_experts:
-        bad = (expert_ids < 0) | (expert_ids >= num_experts)
+    low = -1 if pads else 0
+    if int(expert_ids.min()) < low or int(expert_ids.max()) >= num_experts:
+        bad = (expert_ids < low) | (expert_ids >= num_experts)
         pos = tuple(int(i) for i in bad.nonzero()[0])
         raise ValueError(
-            f"{name}{list(pos)} = {int(expert_ids[pos])} is out of range; allowed: expert ids in [0, {num_experts})"
+            f"{name}{list(pos)} = {int(expert_ids[pos])} is out of range; allowed: expert ids in "
+            f"[0, {num_experts})" + (", or -1 for a pad" if pads else "")
         )
     if not distinct or k < 2:
         return expert_ids
@@ -105,9 +108,9 @@ def validate_expert_ids(expert_ids, num_experts: int, *, name: str = "routed_exp
     check_expert_ids(expert_ids, num_experts, name=name, distinct=check_duplicates)
 
 
-def _check_layered(ids, num_experts: int, name: str, num_layers: int | None) -> torch.Tensor:
+def _check_layered(ids, num_experts: int, name: str, num_layers: int | None, pads: bool = False) -> torch.Tensor:
     """``ids`` as ``[T, L, K]`` (leading dims flattened), range-checked."""
-    ids = check_expert_ids(ids, num_experts, name=name)
+    ids = check_expert_ids(ids, num_experts, name=name, pads=pads)
     if ids.dim() < 2 or (num_layers is not None and ids.shape[-2] != num_layers):
         layers = "L" if num_layers is None else f"L={num_layers}"
         raise ValueError(f"{name} has shape {tuple(ids.shape)}; allowed: [..., {layers}, K] "
@@ -119,30 +122,31 @@ def _bincount_TLK(ids_TLK: torch.Tensor, group_T: torch.Tensor | None, num_group
                   num_experts: int) -> torch.Tensor:
     """int64 ``[B, L, E]`` from checked ids ``[T, L, K]`` and groups ``[T]`` (None: one group)."""
     T, L, K = ids_TLK.shape
-    E = num_experts
+    # One bin more per layer, in front, for pads (-1): counted there, then dropped.
+    E = num_experts + 1
     device = ids_TLK.device
     # Flattened index of (b, l, e) = (b * L + l) * E + e: a per-token part (b), a per-layer
     # part (l) and the expert id.
     layer_L = torch.arange(L, dtype=torch.int64, device=device) * E
     out = torch.zeros(num_groups * L * E, dtype=torch.int64, device=device)
     for start, stop in token_chunks(T, L * K):
-        idx = ids_TLK[start:stop].long() + layer_L[None, :, None]
+        idx = ids_TLK[start:stop].long() + 1 + layer_L[None, :, None]
         if group_T is not None:
             idx += (group_T[start:stop] * (L * E))[:, None, None]
         out += torch.bincount(idx.reshape(-1), minlength=out.numel())
-    return out.view(num_groups, L, E)
+    return out.view(num_groups, L, E)[..., 1:]
 
 
 def count_experts(expert_ids_TLK, num_experts: int, *, name: str = "expert_ids",
-                  num_layers: int | None = None) -> torch.Tensor:
+                  num_layers: int | None = None, pads: bool = False) -> torch.Tensor:
     """Tokens per (layer, expert): int64 ``[L, E]`` from expert ids ``[..., L, K]``.
 
     All leading dims are tokens. Ids are range-checked (``ValueError`` outside ``[0, E)``);
     duplicates inside a top-k are not checked (:func:`validate_expert_ids` does), they would
-    simply count twice. ``num_layers``, when given, must equal ``L``. The result is on the
-    ids' device.
+    simply count twice. ``num_layers``, when given, must equal ``L``. With ``pads``, ids of
+    ``-1`` are allowed and counted nowhere. The result is on the ids' device.
     """
-    ids_TLK = _check_layered(expert_ids_TLK, num_experts, name, num_layers)
+    ids_TLK = _check_layered(expert_ids_TLK, num_experts, name, num_layers, pads)
     return _bincount_TLK(ids_TLK, None, 1, num_experts)[0]
 
 
@@ -176,7 +180,8 @@ def count_micro_batches(routed_experts: Sequence[torch.Tensor], num_layers: int,
 
     Args:
         routed_experts: one integer tensor ``[T_m, L, K]`` (or ``[..., L, K]``) per
-            micro-batch; ``T_m`` (and ``K``) may differ between micro-batches.
+            micro-batch; ``T_m`` (and ``K``) may differ between micro-batches. Run-time
+            routing: ``-1`` (a pad, no expert) is allowed and counted nowhere.
     """
     if isinstance(routed_experts, torch.Tensor) or not isinstance(routed_experts, Sequence):
         raise TypeError(f"{name} is {type(routed_experts).__name__}; allowed: a list of [T, L, K] "
@@ -187,5 +192,5 @@ def count_micro_batches(routed_experts: Sequence[torch.Tensor], num_layers: int,
     for m, ids in enumerate(routed_experts):
         where = f"{name}[{m}]"
         check_tensor(where, ids, dtypes=ID_DTYPES)
-        out[m] = count_experts(ids, num_experts, name=where, num_layers=L).cpu()
+        out[m] = count_experts(ids, num_experts, name=where, num_layers=L, pads=True).cpu()
     return out

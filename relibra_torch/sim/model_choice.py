@@ -51,7 +51,7 @@ class FileShape:
 def file_shape(path: str) -> FileShape:
     """Read ``E``, ``K``, ``L`` (and ``S``) and the model name from a file's header."""
     from .. import replay
-    from ..replay._io import parse_int_metadata, read_header
+    from ..replay.fileio import parse_int_metadata, read_header
     if not os.path.exists(path):
         raise FileNotFoundError(f"REPLAY_OR_LOADS_FILE {path!r} does not exist")
     header = read_header(path)

@@ -19,9 +19,9 @@ import argparse
 import json
 import os
 
-from ..checks import check_int
-from .convert import from_per_sample
-from .engines import (ENGINES, LayerIndices, parse_layer_spec, sglang_samples, slime_samples,
+from .checks import check_int
+from .replay.convert import from_per_sample
+from .replay.engines import (ENGINES, LayerIndices, parse_layer_spec, sglang_samples, slime_samples,
                       verl_samples, vllm_samples)
 
 HELP = "convert SGLang / vLLM / verl / slime routing responses (JSON or JSONL) to a relibra.routing/1 file"
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` and write ``args.output``; bad input raises ValueError naming the flag."""
     hf = None
     if args.model_config:
-        from ..sim.hf_config import model_from_hf_config
+        from .sim.hf_config import model_from_hf_config
         hf = model_from_hf_config(args.model_config)
     num_experts = args.num_experts if args.num_experts is not None else (hf.spec.num_experts if hf else None)
     if num_experts is None:
