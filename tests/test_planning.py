@@ -3,6 +3,8 @@
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -51,8 +53,15 @@ def _plans(topo, loads):
         "eplb-oracle": eplb_plan(loads, topo, loads.double().sum((0, 2))),
         "relibra": relibra_plan(loads, topo),
         "relibra-no-reorder": relibra_plan(loads, topo, config=ReLibraConfig(reorder=False)),
+        "relibra-intra": relibra_plan(loads, topo, config=ReLibraConfig(cross_node_replicas=False)),
+        "relibra-priced": relibra_plan(loads, topo, config=PRICED),
     }
     return plans
+
+
+# Qwen3-30B-A3B on H200: fills cost what they cost, so small loads make no replicas.
+PRICED = ReLibraConfig(compute_s_per_token=4.8e-8, cross_node_s_per_token=3.6e-7,
+                       replica_fill_s_per_expert=5.2e-5, cross_replica_fill_s_per_expert=4.2e-4)
 
 
 def _check_split(plan, loads):
@@ -75,7 +84,7 @@ def _check_split(plan, loads):
 def test_every_planner_produces_a_valid_plan(problem):
     topo, loads = problem
     for name, plan in _plans(topo, loads).items():
-        validate_plan(plan, loads, intra_node_replicas=name.startswith("relibra") or name == "static")
+        validate_plan(plan, loads, intra_node_replicas=name in ("static", "relibra-intra"))
         _check_split(plan, loads)
         assert plan.slot_expert_MLGJ.shape[-1] == topo.experts_per_gpu + topo.replica_slots
 
@@ -92,10 +101,13 @@ def test_planners_are_deterministic(problem):
 @SETTINGS
 @given(problems())
 def test_replication_never_raises_the_max_load(problem):
-    """Under the same placement, relibra's busiest GPU is never busier than static's."""
+    """Under the same placement, relibra's intra-node replication never makes the busiest GPU
+    busier than static's. (Cross-node traffic replicas trade compute for inter-node traffic,
+    so they are off here: this is the balancing half's property.)"""
     topo, loads = problem
     static = evaluate(static_plan(loads, topo), loads).gpu_load_MLG.max(-1).values
-    plan = relibra_plan(loads, topo, config=ReLibraConfig(reorder=False, replica_fill_s_per_expert=0.0))
+    plan = relibra_plan(loads, topo, config=ReLibraConfig(reorder=False, replica_fill_s_per_expert=0.0,
+                                                          cross_node_replicas=False))
     ours = evaluate(plan, loads)
     assert (ours.gpu_load_MLG.max(-1).values <= static).all()
     # with enough slots the node lower bound is reached exactly
@@ -168,6 +180,57 @@ def test_token_split_sends_remote_tokens_to_every_instance_in_proportion():
     assert split[:2, 2, 0].sum() == 4 and split[:2, 3, 1].sum() == 4       # remote per instance
     assert split[2:, 2, 0].sum() == 2 and split[2:, 3, 1].sum() == 2       # local per instance
     assert split[:, :2].sum() == 0                                         # nothing stays on node 0
+
+
+@SETTINGS
+@given(problems())
+def test_traffic_replicas_take_their_nodes_own_tokens_and_pay(problem):
+    """Cross-node replicas (relibra's traffic slots): at most ceil(R/2) per GPU, each holds an
+    expert owned by another node with exactly its node's tokens for it, never two per node
+    of one expert, and a new residency only when the saving beats the inter-node fill."""
+    from relibra_torch.planning.traffic import traffic_replicas
+
+    topo, loads = problem
+    M, L, S, E = loads.shape
+    N, g, El, R = topo.num_nodes, topo.gpus_per_node, topo.experts_per_gpu, topo.replica_slots
+    placement = topo.static_placement(L)
+    r = (R + 1) // 2
+    token_s, fill_s = 3.6e-7 / g, 4.2e-4
+    exp_MLGr, quota_MLGr = traffic_replicas(loads, topo, placement, r, token_s, fill_s)
+    assert exp_MLGr.shape == (M, L, topo.num_gpus, r)
+    demand_MLNE = loads.view(M, L, N, g, E).sum(3)
+    owner_node_LE = placement // El // g
+    for m, l, gpu, j in (exp_MLGr >= 0).nonzero().tolist():
+        e, n = int(exp_MLGr[m, l, gpu, j]), gpu // g
+        assert owner_node_LE[l, e] != n
+        assert quota_MLGr[m, l, gpu, j] == demand_MLNE[m, l, n, e] > 0
+        assert int((exp_MLGr[m, l, n * g:(n + 1) * g] == e).sum()) == 1
+        new = m == 0 or not (exp_MLGr[m - 1, l, gpu, j] == e)
+        if new:
+            assert float(demand_MLNE[m, l, n, e]) * token_s > fill_s
+    assert (quota_MLGr[exp_MLGr < 0] == 0).all()
+
+
+def test_traffic_replicas_keep_a_hot_remote_experts_tokens_home():
+    """2 nodes x 2 GPUs, expert 0 owned on node 0 and chosen by every token of node 1: with
+    cross-node replicas node 1 keeps its tokens (no cross-node traffic for expert 0), and the
+    replica stays in its slot from one micro-batch to the next (one fill)."""
+    topo = Topology(2, 2, 4, 2)
+    loads = torch.zeros(2, 1, 4, 4, dtype=torch.int64)
+    loads[:, 0, :, 0] = 3000            # every rank sends expert 0 3000 tokens
+    loads[:, 0, :, 1:] = 10
+    cfg = dataclasses.replace(PRICED, reorder=False)
+    plan = relibra_plan(loads, topo, config=cfg)
+    validate_plan(plan, loads)
+    metrics = evaluate(plan, loads)
+    no = relibra_plan(loads, topo, config=dataclasses.replace(cfg, cross_node_replicas=False))
+    assert int(metrics.cross_send_MLG.sum()) < int(evaluate(no, loads).cross_send_MLG.sum())
+    split = token_split(plan, loads)                                       # [M, L, S, G, J]
+    holders = [(gpu, j) for gpu, j in (plan.slot_expert_MLGJ[0, 0] == 0).nonzero().tolist() if gpu >= 2]
+    assert len(holders) == 1
+    gpu, j = holders[0]
+    assert plan.slot_expert_MLGJ[1, 0, gpu, j] == 0 and metrics.slot_changed_MLGJ[1, 0, gpu, j] == 0
+    assert split[:, 0, 2:, gpu, j].sum() == 2 * 6000 and split[:, 0, :2, gpu, j].sum() == 0
 
 
 def test_token_split_matches_brute_force():

@@ -103,6 +103,8 @@ class ReorderWeights:
             to another node, once per step.
         intra_migration_s_per_expert: the same move to another GPU of the same node.
         replica_fill_s_per_expert: one replica residency: weights in, gradients back, NVLink.
+        cross_replica_fill_s_per_expert: the same from an owner on another node, over the
+            inter-node link.
     """
 
     compute_s_per_token: float
@@ -111,6 +113,7 @@ class ReorderWeights:
     migration_s_per_expert: float
     intra_migration_s_per_expert: float
     replica_fill_s_per_expert: float
+    cross_replica_fill_s_per_expert: float
 
 
 def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activation_bytes: int = 2,
@@ -158,6 +161,7 @@ def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activa
         migration_s_per_expert=migration_bytes_per_expert / inter_node_bytes_per_s,
         intra_migration_s_per_expert=migration_bytes_per_expert / nvlink_bytes_per_s,
         replica_fill_s_per_expert=(expert_weight_bytes + expert_grad_bytes) / nvlink_bytes_per_s,
+        cross_replica_fill_s_per_expert=(expert_weight_bytes + expert_grad_bytes) / inter_node_bytes_per_s,
     )
 
 

@@ -38,6 +38,7 @@ from ..checks import check_int, check_number
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
+from .traffic import traffic_replicas
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -61,6 +62,13 @@ class ReLibraConfig:
             micro-batches are not slowed down by copies that cost more than they save.
             Default 0 (fills free): the simulator and :class:`~relibra_torch.hook.ReplayBalancer`
             price it from the expert size (about 4.2e-5 s for Qwen3-30B-A3B on H200).
+        cross_replica_fill_s_per_expert: the same for a replica whose owner is on another
+            node (inter-node link). Default 0 (free), priced like the intra-node fill.
+        cross_node_replicas: per micro-batch, replicate each node's most-requested remote
+            experts onto the node (up to ``ceil(R / 2)`` slots per GPU) so that their tokens
+            stay inside it, when the saved inter-node traffic pays for the fill
+            (:mod:`relibra_torch.planning.traffic`). ``False`` keeps every replica inside
+            its owner's node (the original ReLibra rule).
         reorder: choose a new placement each step (False: keep the previous one).
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
@@ -72,6 +80,8 @@ class ReLibraConfig:
     migration_s_per_expert: float = 1.3e-3
     intra_migration_s_per_expert: float = 1.5e-4
     replica_fill_s_per_expert: float = 0.0
+    cross_replica_fill_s_per_expert: float = 0.0
+    cross_node_replicas: bool = True
     reorder: bool = True
     max_swap_rounds: int = 64
     swap_candidates: int = 8
@@ -97,7 +107,8 @@ class ReLibraConfig:
 
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
-                     "intra_migration_s_per_expert", "replica_fill_s_per_expert"):
+                     "intra_migration_s_per_expert", "replica_fill_s_per_expert",
+                     "cross_replica_fill_s_per_expert"):
             check_number(name, getattr(self, name), 0)
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
         check_int("swap_candidates", self.swap_candidates, 1)
@@ -269,11 +280,15 @@ def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: tor
 
 
 def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-              min_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              min_tokens: int = 0, prefilled: tuple[torch.Tensor, torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-micro-batch intra-node replication under a fixed placement.
 
     ``min_tokens``: a replica is made only if it takes at least this many tokens (see
-    :attr:`ReLibraConfig.min_replica_tokens`).
+    :attr:`ReLibraConfig.min_replica_tokens`). ``prefilled``: ``(expert_MLGr, quota_MLGr)``
+    replicas already placed in the first ``r`` replica slots of every GPU (e.g. cross-node
+    traffic replicas); their quotas come off their experts' owners and count as their
+    GPU's load, and balancing uses the remaining ``R - r`` slots.
 
     Returns:
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
@@ -284,6 +299,11 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
     native_LGl = inverse_LE.view(L, G, El)
     load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    r0 = 0 if prefilled is None else prefilled[0].shape[-1]
+    if prefilled is not None and r0:
+        pre_e, pre_q = prefilled
+        load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
+            2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
     rem_MLGl = load_MLE.gather(2, native_LGl.reshape(1, L, -1).expand(M, L, G * El)).view(M, L, G, El)
     B = M * L * N
     rem = rem_MLGl.reshape(B, g, El).clone()
@@ -292,6 +312,11 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     rep_quota = torch.zeros(B, g, max(R, 1), dtype=torch.int64)
     used = torch.zeros(B, g, dtype=torch.int64)
     load = rem.sum(-1)
+    if r0:
+        rep_expert[..., :r0] = pre_e.reshape(B, g, r0)
+        rep_quota[..., :r0] = pre_q.reshape(B, g, r0)
+        used += r0
+        load = load + rep_quota[..., :r0].sum(-1)
     target = (load.sum(-1) + g - 1) // g
     rows = torch.arange(B)
     for _ in range(g * R):
@@ -342,7 +367,12 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config)
     else:
         placement_LE = previous_placement_LE.clone()
-    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE, config.min_replica_tokens)
+    prefilled = None
+    R, g = topology.replica_slots, topology.gpus_per_node
+    if config.cross_node_replicas and topology.num_nodes > 1 and R:
+        prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, (R + 1) // 2,
+                                     config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
+    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE, config.min_replica_tokens, prefilled)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
 
