@@ -112,7 +112,7 @@ class RelibraRoutedExperts(EngineHost, RoutedExperts):
         replica_slots: int = 1
         """Extra expert slots per EP rank filled per micro-batch (``R``)."""
         gpus_per_node: int | None = None
-        """EP ranks per node (relibra's planner replicates inside a node); ``None``: one node."""
+        """EP ranks per node (the planner's node boundaries: inter-node vs NVLink); ``None``: one node."""
         expert_dtype: str | None = "bfloat16"
         """dtype of the expert GEMMs and token exchange, one of :data:`EXPERT_DTYPES`."""
         refetch_replicas: bool = False

@@ -6,7 +6,7 @@ the previous placement (and, for EPLB, the load history) between steps.
 
 Planners: ``static`` (Megatron-LM / torchtitan contiguous placement), ``eplb`` and
 ``eplb-oracle`` (DeepSeek EPLB from history / from the step's true loads), ``relibra``
-(reordering + per-micro-batch intra-node replication).
+(reordering + per-micro-batch replication: cross-node traffic replicas, intra-node balancing).
 """
 
 from .base import Planner, StaticPlanner, check_loads, native_plan, static_plan

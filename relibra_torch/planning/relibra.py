@@ -1,4 +1,4 @@
-"""The ReLibra planner: expert reordering per step, intra-node replication per micro-batch.
+"""The ReLibra planner: expert reordering per step, replication per micro-batch.
 
 Reordering (once per step and layer) chooses each expert's node, then its GPU inside the
 node. It minimises, summed over the step's micro-batches,
@@ -12,7 +12,11 @@ two starts (the previous placement, and a greedy assignment of experts in decrea
 to the node with the smallest objective increase), the better one refined by steepest-
 descent swaps between nodes over a deterministic candidate set, all layers at once.
 
-Replication (per micro-batch, layer and node) moves load from the busiest GPU to the least
+Replication, per micro-batch: first, cross-node *traffic replicas* (up to ``ceil(R / 2)``
+slots per GPU, :mod:`relibra_torch.planning.traffic`) copy each node's most-requested remote
+experts onto it with exactly the node's tokens for them, when the saved inter-node traffic
+pays for the fill (``cross_node_replicas``). Then, per layer and node, balancing moves load
+from the busiest GPU to the least
 busy GPU that still has a free replica slot, by copying the busiest GPU's largest remaining
 native expert there with a quota of exactly what both sides can take, until every GPU is at
 ``ceil(node_load / g)`` or the slots run out. Vectorised over every (micro-batch, layer,
