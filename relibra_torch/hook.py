@@ -27,6 +27,7 @@ T tokens of one micro-batch on this rank, K top-k.
 
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -53,7 +54,8 @@ class StepReport:
     """What the last :meth:`ReplayBalancer.plan_step` did.
 
     Attributes:
-        planner_s: wall time of the planner on this rank.
+        planner_s: wall time of the planner on this rank (its share of the layers when
+            planning is split over the EP ranks).
         fell_back: the planner failed somewhere; the step runs without replicas.
         migrated_experts: experts whose owner GPU changed, summed over layers.
         predicted_imbalance_ML: float64 ``[M, L]`` max/mean GPU tokens the plan predicts.
@@ -100,10 +102,16 @@ class ReplayBalancer:
             ``config``: migrations and replica fills are then charged for the layers' real
             expert size, so small models move and replicate freely and large ones only when
             it pays.
+        split_planning: with an EP group and a planner that plans layers independently
+            (``Planner.splits_layers``: static, relibra), each EP rank plans every ``G``-th
+            layer and the ranks all-gather the parts (planning time divided by ``G``). The
+            ranks first agree on a digest of the planner's inputs (gathered loads, planner
+            state and config), since the assembled plan is then identical by construction.
+            ``False``: every rank plans the whole step and the ranks compare plan digests.
     """
 
     def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], planner: str | Planner = "relibra",
-                 planner_kwargs: dict | None = None, hardware: str = "h200"):
+                 planner_kwargs: dict | None = None, hardware: str = "h200", split_planning: bool = True):
         from .moe import EngineHost, moe_layers  # the layer imports ops; keep this module light
 
         if isinstance(model, (list, tuple)):
@@ -127,6 +135,7 @@ class ReplayBalancer:
         elif planner.topology != self.topology:
             raise ValueError(f"planner topology {planner.topology} differs from the layers' {self.topology}")
         self.planner = planner
+        self.split_planning = bool(split_planning)
         self.planner.placement_LE = torch.stack([layer.placement_cpu for layer in self.layers])
         self.plan: StepPlan | None = None
         self.loads_MLSE: torch.Tensor | None = None
@@ -138,12 +147,69 @@ class ReplayBalancer:
 
     # -- collectives (every rank calls each of them, in the same order, with fixed sizes) --
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """``[S, *t.shape]`` on the CPU: every rank's ``t`` (NCCL groups exchange on the GPU)."""
         if self.ep.group is None:
             return t.unsqueeze(0)
-        # gloo wants a flat output: [S * numel], viewed back as [S, *shape]
-        out = torch.empty(self.ep.size * t.numel(), dtype=t.dtype)
-        dist.all_gather_single(out, t.contiguous().view(-1), group=self.ep.group)
-        return out.view(self.ep.size, *t.shape)
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if dist.get_backend(self.ep.group) == "nccl" else torch.device("cpu"))
+        # a flat output (what gloo wants): [S * numel], viewed back as [S, *shape]
+        out = torch.empty(self.ep.size * t.numel(), dtype=t.dtype, device=device)
+        dist.all_gather_single(out, t.contiguous().view(-1).to(device), group=self.ep.group)
+        return out.cpu().view(self.ep.size, *t.shape)
+
+    def _inputs_digest(self, loads_MLSE: torch.Tensor) -> int:
+        """62-bit digest of everything the planner reads: loads, its state and config."""
+        h = hashlib.sha256()
+        h.update(repr((type(self.planner).__qualname__, self.planner.name, self.topology)).encode())
+        h.update(loads_MLSE.contiguous().numpy().tobytes())
+        for key, value in sorted(vars(self.planner).items()):
+            h.update(key.encode())
+            items = value if isinstance(value, (list, tuple)) else [value]
+            for v in items:
+                h.update(v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+        return int(h.hexdigest()[:16], 16) & ((1 << 62) - 1)
+
+    def _check_agreement(self, digest: int, what: str) -> None:
+        digests = self._all_gather(torch.tensor([digest], dtype=torch.int64)).flatten()
+        if not (digests == digests[0]).all():
+            raise PlanDivergence(
+                f"EP ranks have different {what} (digest per rank: {[hex(int(d)) for d in digests]}); "
+                "the planner must be deterministic and every rank must use the same planner, config "
+                "and relibra_torch version")
+
+    def _plan_share(self, loads_MLSE: torch.Tensor) -> tuple[StepPlan | None, int]:
+        """This rank's share of the layers (every G-th from its rank), or ``None`` on failure."""
+        mine = list(range(self.ep.rank, self.num_layers, self.ep.size))
+        if not mine:
+            return None, 0
+        try:
+            return self.planner.plan_layers(loads_MLSE, mine), 0
+        except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
+            warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
+                          "this step runs on the previous placement without replicas", RuntimeWarning)
+            return None, 1
+
+    def _gather_plan(self, part: StepPlan | None, loads_MLSE: torch.Tensor, previous_LE: torch.Tensor) -> StepPlan:
+        """Assemble the step plan from every rank's share (one all-gather of a fixed size)."""
+        M, L, _, E = loads_MLSE.shape
+        G, J = self.topology.num_gpus, self.topology.slots_per_gpu
+        S = self.ep.size
+        P = -(-L // S)  # layers per rank, padded
+        place = torch.zeros(P, E, dtype=torch.int64)
+        se = torch.full((M, P, G, J), -1, dtype=torch.int64)
+        st = torch.zeros(M, P, G, J, dtype=torch.int64)
+        if part is not None:
+            n = part.num_layers
+            place[:n], se[:, :n], st[:, :n] = part.placement_LE, part.slot_expert_MLGJ, part.slot_tokens_MLGJ
+        flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1)]))
+        place_SP = flat[:, : P * E].view(S, P, E)
+        se_SMP = flat[:, P * E : P * E + M * P * G * J].view(S, M, P, G, J)
+        st_SMP = flat[:, P * E + M * P * G * J :].view(S, M, P, G, J)
+        layer_r, layer_k = torch.arange(L) % S, torch.arange(L) // S
+        return StepPlan(self.topology, place_SP[layer_r, layer_k].clone(),
+                        se_SMP[layer_r, :, layer_k].transpose(0, 1).contiguous(),
+                        st_SMP[layer_r, :, layer_k].transpose(0, 1).contiguous(),
+                        self.planner.name, previous_LE.clone())
 
     def _gather_loads(self, counts_MLE: torch.Tensor) -> torch.Tensor:
         shapes = self._all_gather(torch.tensor(counts_MLE.shape, dtype=torch.int64))
@@ -181,14 +247,21 @@ class ReplayBalancer:
         loads_MLSE = self._gather_loads(counts_MLE.to(torch.int64))
         previous_LE = self.planner.previous_placement(self.num_layers).clone()
 
+        split = (self.split_planning and self.ep.group is not None and self.ep.size > 1
+                 and getattr(self.planner, "splits_layers", False))
+        if split:  # agree on the inputs: the assembled plan is then the same everywhere
+            self._check_agreement(self._inputs_digest(loads_MLSE), "planner inputs (loads, planner state or config)")
         t0 = time.perf_counter()
-        failed = 0
-        try:
-            plan = self.planner.plan(loads_MLSE)
-        except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
-            warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
-                          "this step runs on the previous placement without replicas", RuntimeWarning)
-            failed = 1
+        failed, part, plan = 0, None, None
+        if split:
+            part, failed = self._plan_share(loads_MLSE)
+        else:
+            try:
+                plan = self.planner.plan(loads_MLSE)
+            except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
+                warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
+                              "this step runs on the previous placement without replicas", RuntimeWarning)
+                failed = 1
         planner_s = time.perf_counter() - t0
         # Every rank learns whether any rank failed, so they all fall back together.
         if int(self._all_gather(torch.tensor([failed])).max()):
@@ -196,14 +269,10 @@ class ReplayBalancer:
                 warnings.warn("the planner failed on another EP rank; this step runs on the previous "
                               "placement without replicas", RuntimeWarning)
             plan = native_plan(loads_MLSE, self.topology, previous_LE, "fallback", previous_LE)
-
-        digest = int(plan_digest(plan), 16) & ((1 << 62) - 1)
-        digests = self._all_gather(torch.tensor([digest], dtype=torch.int64)).flatten()
-        if not (digests == digests[0]).all():
-            raise PlanDivergence(
-                f"EP ranks computed different step plans (digest per rank: {[hex(int(d)) for d in digests]}); "
-                "the planner must be deterministic and every rank must use the same planner, config "
-                "and relibra_torch version")
+        elif split:
+            plan = self._gather_plan(part, loads_MLSE, previous_LE)
+        if not split:
+            self._check_agreement(int(plan_digest(plan), 16) & ((1 << 62) - 1), "step plans")
 
         moved = 0
         for l, layer in enumerate(self.layers):

@@ -80,6 +80,19 @@ def test_diverging_plans_raise_on_every_rank_without_hanging(pool):
     assert "did not finish" not in text
 
 
+def test_split_planning_assembles_the_whole_plan(pool):
+    """Each of the 4 ranks plans every 4th layer; the all-gathered plan is the plan of the
+    whole step (same planner state), step after step (placements carried over)."""
+    cfg = _hook_fns.custom_loop.LoopConfig(steps=3, micro_batches=2, samples_per_micro_batch=2,
+                                           max_tokens_per_micro_batch=48, num_layers=6)
+    for rank_digests in pool.run(_hook_fns.split_vs_whole_plans, cfg, 3):
+        assert all(split == whole for split, whole in rank_digests), rank_digests
+    # a planner priced differently on every rank: the input digests disagree -> every rank raises
+    with pytest.raises(RankFailure) as info:
+        pool.run(_hook_fns.split_vs_whole_plans, cfg, 1, True)
+    assert str(info.value).count("PlanDivergence") >= 4 and "planner inputs" in str(info.value)
+
+
 def test_count_loads_and_its_errors():
     ids = [torch.tensor([[[0, 1]], [[1, 2]]]), torch.zeros(0, 1, 2, dtype=torch.int64)]
     assert count_loads(ids, 1, 3).tolist() == [[[1, 2, 1]], [[0, 0, 0]]]

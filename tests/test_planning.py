@@ -233,6 +233,28 @@ def test_traffic_replicas_keep_a_hot_remote_experts_tokens_home():
     assert split[:, 0, 2:, gpu, j].sum() == 2 * 6000 and split[:, 0, :2, gpu, j].sum() == 0
 
 
+@SETTINGS
+@given(problems(), st.integers(1, 4))
+def test_layer_shares_plan_exactly_like_the_whole_step(problem, ranks):
+    """Split planning: planning every ranks-th layer separately and putting the parts together
+    gives the whole step's plan (relibra, static), from the same planner state."""
+    topo, loads = problem
+    L = loads.shape[1]
+    for name in ("relibra", "static"):
+        planner = make_planner(name, topo)
+        planner.commit(planner.plan(loads), loads)            # some state: a non-static placement
+        whole = planner.plan(loads)
+        assert planner.splits_layers
+        for r in range(ranks):
+            layers = list(range(r, L, ranks))
+            if not layers:
+                continue
+            part = planner.plan_layers(loads, layers)
+            assert torch.equal(part.placement_LE, whole.placement_LE[layers])
+            assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, layers])
+            assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
+
+
 def test_token_split_matches_brute_force():
     topo = Topology(1, 2, 4, 1)
     loads = torch.tensor([[[[3, 0, 1, 2], [2, 5, 0, 0]]]])            # [1, 1, 2, 4]

@@ -82,6 +82,18 @@ class Planner(ABC):
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
         """Plan the step whose per-micro-batch loads are ``loads_MLSE`` ``[M, L, S, E]``."""
 
+    #: Whether :meth:`plan_layers` plans any subset of layers exactly as :meth:`plan` would
+    #: (layers planned independently), so that EP ranks can share the planning work.
+    splits_layers: bool = False
+
+    def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
+        """Plan only ``layers`` (the ``L'`` entries of the result, in that order).
+
+        Equal to ``plan(loads_MLSE)`` restricted to those layers when ``splits_layers``.
+        ``loads_MLSE`` holds every layer (planners may read other layers' state).
+        """
+        raise NotImplementedError(f"planner {self.name!r} plans all layers at once")
+
     def commit(self, plan: StepPlan, loads_MLSE: torch.Tensor) -> None:
         """Record that ``plan`` ran on ``loads_MLSE``."""
         self.placement_LE = plan.placement_LE.clone()
@@ -95,6 +107,10 @@ class Planner(ABC):
 
 class StaticPlanner(Planner):
     name = "static"
+    splits_layers = True
+
+    def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
+        return static_plan(loads_MLSE[:, layers], self.topology)
 
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
         return static_plan(loads_MLSE, self.topology)

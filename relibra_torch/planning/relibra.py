@@ -390,6 +390,14 @@ class ReLibraPlanner(Planner):
         super().__init__(topology)
         self.config = config
 
+    # Every stage works per layer (the swap search stops per layer too), so any subset of
+    # layers plans exactly as in the full plan: EP ranks can each plan a share.
+    splits_layers = True
+
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
         return relibra_plan(loads_MLSE, self.topology,
                             self.previous_placement(loads_MLSE.shape[1]), self.config)
+
+    def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
+        prev_LE = self.previous_placement(loads_MLSE.shape[1])[layers]
+        return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config)
