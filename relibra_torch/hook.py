@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
+from .compat import all_gather_single
 from .distributed.schedule import layer_plans
 from .planning import Planner, ReLibraConfig, StepPlan, make_planner, native_plan, plan_digest
 from .planning.evaluate import imbalance
@@ -144,7 +144,7 @@ class ReplayBalancer:
             return t.unsqueeze(0)
         # gloo wants a flat output: [S * numel], viewed back as [S, *shape]
         out = torch.empty(self.ep.size * t.numel(), dtype=t.dtype)
-        dist.all_gather_single(out, t.contiguous().view(-1), group=self.ep.group)
+        all_gather_single(out, t.contiguous().view(-1), group=self.ep.group)
         return out.view(self.ep.size, *t.shape)
 
     def _gather_loads(self, counts_MLE: torch.Tensor) -> torch.Tensor:
