@@ -14,6 +14,7 @@ TRITON_TESTS := tests/test_ops_triton.py tests/test_ops_aot.py
 # `make gpu-check` runs on a CUDA machine with torch and triton already installed: it uses
 # that Python (override with PYTHON=...), not the venv, and installs nothing.
 PYTHON ?= python3
+GPU_CHECK ?=
 GPU_CHECK_OUT ?= out/gpu-check
 
 .PHONY: demo test venv gpu-check
@@ -40,5 +41,6 @@ test: $(VENV)/.installed $(TRITON_OLD)/.installed
 	PYTHONPATH=$(TRITON_OLD) $(PY) -c 'import triton; v = triton.__version__; print("kernel tests again under triton", v); assert v == "$(TRITON_OLD_VERSION)", v'
 	PYTHONPATH=$(TRITON_OLD) $(PY) -m pytest -q -p no:cacheprovider $(TRITON_TESTS)
 
+# GPU_CHECK=full for the long run; PYTHON=... for another interpreter.
 gpu-check:
-	PYTHONPATH=. $(PYTHON) -m relibra_torch.gpu_check --out $(GPU_CHECK_OUT)
+	@GPU_CHECK=$(GPU_CHECK) PYTHONPATH=. $(PYTHON) -m relibra_torch.gpu_check --out $(GPU_CHECK_OUT)
