@@ -210,3 +210,29 @@ def test_ep_check_runs_on_two_gloo_ranks():
     assert result["ranks"] == 2 and result["mesh"] == [1, 2]
     assert all(v <= ep.TOL for v in result["max_rel_err"].values()), result
     assert sum(result["expert_rows_per_gpu"]) == 2 * 64 * 4  # every (token, k) of both ranks ran once
+
+
+def test_layer_checks_run_on_cpu_with_small_shapes(monkeypatch):
+    # the layer part's own logic, on the CPU (both sides of the "CUDA vs CPU" check are the
+    # CPU here); poisoned allocations included
+    from relibra_torch.gpu_check import layer
+
+    monkeypatch.setitem(layer.SHAPE, "D", 32)
+    monkeypatch.setitem(layer.SHAPE, "F", 24)
+    monkeypatch.setitem(layer.SHAPE, "E", 8)
+    monkeypatch.setitem(layer.SHAPE, "K", 2)
+    monkeypatch.setitem(layer.SHAPE, "T", 64)
+    cpu, gen = torch.device("cpu"), _gen(11)
+    errs = layer._pinned_and_poisoned(layer._cuda_vs_cpu, cpu, gen)()
+    assert errs["float32"]["out"] == 0.0 and 0 < errs["bfloat16"]["out"] <= layer.TOL[torch.bfloat16]
+    assert set(layer._pinned_and_poisoned(layer._planned_vs_local, cpu, gen)()) == {"out", "dx", "dgate.weight"}
+    load = layer._load_bench_moe_layer
+
+    def tiny_bench():
+        mod = load()
+        mod.CONFIGS["qwen3-30b-a3b"] = {"D": 32, "F": 16, "E": 8, "K": 2, "T": 32}
+        return mod
+
+    monkeypatch.setattr(layer, "_load_bench_moe_layer", tiny_bench)
+    titan = layer._vs_torchtitan(cpu, gen)
+    assert max(titan["max_rel_err"].values()) <= 5e-2 and titan["ratio_relibra_over_torchtitan"] > 0

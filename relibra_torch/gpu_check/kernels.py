@@ -53,7 +53,8 @@ def pinned(kernel, config) -> Iterator[None]:
 
 @contextlib.contextmanager
 def first_configs() -> Iterator[None]:
-    """Pin the GEMM kernels to their first config, and poison outputs, for the correctness cases."""
+    """Pin the GEMM kernels to their first config, and poison outputs, for the correctness
+    cases (one config: each new shape compiles once instead of autotuning)."""
     tk = _kernels()
     with pinned(tk._grouped_mm_kernel, tk._gemm_configs()[0]), \
             pinned(tk._grouped_mm_wgrad_kernel, tk._wgrad_configs()[0]), ref.poisoned_outputs():

@@ -164,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     if "kernels" in args.parts:
         kernels.run(report, device, full, seed)
     if "layer" in args.parts:
-        layer.run(report, device, full, seed + 1)
+        layer.run(report, device, seed + 1)
     if "bench" in args.parts:
         highlights += bench.run(report, device, full)
     if "ep" in args.parts:
         ep.run(report, seed + 2)
+    if "layer" in args.parts and full:
+        layer.run_full(report, device, seed + 3)
     for c in report.checks:
         if c["part"] == "layer" and c["status"] == "ok" and "ratio_relibra_over_torchtitan" in (c["detail"] or {}):
             d = c["detail"]
