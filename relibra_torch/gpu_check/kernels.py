@@ -20,10 +20,11 @@ from collections.abc import Iterator
 import torch
 
 from relibra_torch.gpu_check import reference as ref
-from relibra_torch.gpu_check.report import Report
+from relibra_torch.gpu_check.report import Report, Skip
 
 PART = "kernels"
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+BEYOND_INT32_BYTES = 40 * 2**30  # peak of the > 2^31-element case (operands + fp64 references)
 
 
 def _kernels():
@@ -214,6 +215,9 @@ def _beyond_int32(device, gen) -> dict:
     import relibra_torch.ops as ops
     from relibra_torch.ops import custom_ops
 
+    free, _ = torch.cuda.mem_get_info(device)
+    if free < BEYOND_INT32_BYTES:
+        raise Skip(f"needs ~{BEYOND_INT32_BYTES / 2**30:.0f} GiB of free GPU memory, {free / 2**30:.0f} GiB free")
     out = {}
     sizes = [200_000, 200_000, 140_000, 60_000]  # x and dX are [600000, 4096]: 2.46e9 elements
     R, Kd, N, G = sum(sizes), 4096, 256, 4
