@@ -3,8 +3,9 @@
 The GPU run itself needs a GPU; here: the no-torch and no-CUDA exits (one line, status 0),
 the float64 references and the comparison rule it judges the kernels by (against the loop
 oracles and the torch reference ops, and that they catch wrong, unwritten and non-finite
-outputs), output poisoning, config pinning, the declared-range check, the report files, and
-the EP check itself run on 2 gloo ranks with tiny shapes. Budget: ~25 s (the EP run spawns
+outputs), output poisoning, config pinning, the declared-range check, the report files;
+and the layer, benchmark and EP parts themselves on tiny CPU shapes (the benchmark part with
+the interpreted kernels, the EP check on 2 gloo ranks). Budget: ~35 s (the EP run spawns
 two processes).
 
 Shape legend: R sorted rows, S slots, G weights, T tokens, K top-k, D hidden; grouped GEMM
@@ -236,3 +237,26 @@ def test_layer_checks_run_on_cpu_with_small_shapes(monkeypatch):
     monkeypatch.setattr(layer, "_load_bench_moe_layer", tiny_bench)
     titan = layer._vs_torchtitan(cpu, gen)
     assert max(titan["max_rel_err"].values()) <= 5e-2 and titan["ratio_relibra_over_torchtitan"] > 0
+
+
+def test_bench_part_runs_the_kernel_benchmark_in_the_interpreter(monkeypatch):
+    # the benchmark part end to end on tiny shapes: the Triton kernels (interpreted) against
+    # torch._grouped_mm, the agreement check, the summary and its highlight lines
+    from relibra_torch.gpu_check import bench
+
+    load = bench.load_kernels_benchmark
+
+    def tiny():
+        mod = load()
+        mod.MODELS["tiny"] = {"D": 32, "F": 16, "top_k": 2}
+        return mod
+
+    monkeypatch.setattr(bench, "load_kernels_benchmark", tiny)
+    report = Report("default")
+    lines = bench.run(report, torch.device("cpu"), False,
+                      {"model": "tiny", "slots": [4], "rows": [64], "dists": ["skewed"]})
+    assert [c["status"] for c in report.checks] == ["ok"] * 3, report.checks
+    summary = report.checks[-1]["detail"]
+    assert summary["gemm_fwd"]["ratio_geomean"] > 0 and summary["permute"]["GBps_max"] > 0
+    assert any(line.startswith("grouped GEMM dW: ours / torch._grouped_mm") for line in lines)
+    assert any(line.startswith("unpermute: ") for line in lines)

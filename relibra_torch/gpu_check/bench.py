@@ -77,9 +77,10 @@ def highlights(summary: dict[str, Any], targets: dict[str, float]) -> list[str]:
     return lines
 
 
-def run(report: Report, device: torch.device, full: bool) -> list[str]:
-    """Record the benchmark subset; return its highlight lines for the summary."""
-    sel = FULL if full else DEFAULT
+def run(report: Report, device: torch.device, full: bool, sel: dict | None = None) -> list[str]:
+    """Record the benchmark subset (``sel``: model, slots, rows, dists; by default
+    :data:`DEFAULT` or :data:`FULL`); return its highlight lines for the summary."""
+    sel = sel or (FULL if full else DEFAULT)
     state: dict[str, Any] = {}
 
     def setup():
@@ -87,7 +88,8 @@ def run(report: Report, device: torch.device, full: bool) -> list[str]:
         bench = mod._timer(device, 25, 100)
         spec_bw, copy_bw = mod._device_bandwidth(device, bench)
         state.update(mod=mod, bench=bench, spec_bw=spec_bw, copy_bw=copy_bw)
-        return {"device": torch.cuda.get_device_name(device), "spec_GBps": spec_bw / 1e9 if spec_bw else None,
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        return {"device": name, "spec_GBps": spec_bw / 1e9 if spec_bw else None,
                 "copy_GBps": copy_bw / 1e9}
 
     report.check(PART, "memory bandwidth: spec sheet and measured device copy", setup)
