@@ -268,7 +268,7 @@ def test_main_runs_the_parts_in_order_and_fails_only_on_a_failed_check(monkeypat
     calls = []
     # main() clears TRITON_INTERPRET and sets the ops backend: restored after the test
     monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "1"))
-    monkeypatch.delenv("RELIBRA_OPS_BACKEND", raising=False)
+    monkeypatch.setenv("RELIBRA_OPS_BACKEND", "auto")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(runner, "environment", lambda torch: {"gpu_name": "NVIDIA H200", "gpu_count": 1})
