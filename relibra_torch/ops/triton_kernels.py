@@ -36,7 +36,8 @@ def _fix_interpreter_scalar_index() -> bool:
     to Python scalars", triton-lang/triton#9171; later tritons index the element). Every
     kernel loop with a runtime bound hits it. The interpreter installs ``tensor.__index__``
     on each launch, so the launch-time hook is wrapped to install the element-wise version
-    after it. Interpreter only: compiled kernels never see this code.
+    after it (on tritons that already take the element this changes nothing). Interpreter
+    only: compiled kernels never see this code.
     """
     import numpy as np
     from triton.runtime import interpreter
