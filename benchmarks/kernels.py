@@ -34,9 +34,42 @@ MODELS = {  # expert shapes; sources: the models' config.json on Hugging Face
     "qwen3-30b-a3b": {"D": 2048, "F": 768, "top_k": 8},
     "qwen3-235b-a22b": {"D": 4096, "F": 1536, "top_k": 8},
 }
-# Peak HBM bandwidth, bytes/s, from NVIDIA's data sheets (SXM parts).
-SPEC_BANDWIDTH = {"H100": 3.35e12, "H200": 4.8e12, "H800": 3.35e12, "H20": 4.0e12, "A100": 2.039e12,
-                  "B200": 8.0e12}
+# Peak memory bandwidth, bytes/s, from NVIDIA's data sheets, by model name as words of
+# torch.cuda.get_device_name (case-insensitive; "-" and "_" separate words too). A bare model
+# name is its SXM part; variants with other memory are their own entries.
+SPEC_BANDWIDTH = {
+    "H100": 3.35e12, "H100 PCIe": 2.0e12, "H100 NVL": 3.9e12,
+    "H200": 4.8e12, "H200 NVL": 4.8e12,
+    "H800": 3.35e12, "H20": 4.0e12,
+    "A100": 2.039e12, "A100 40GB": 1.555e12, "A100 40GB PCIe": 1.555e12, "A100 80GB PCIe": 1.935e12,
+    "B200": 8.0e12,
+}
+# Words that name another board of the same chip (other memory, other clocks): a device name
+# with one of them matches only an entry that names it too.
+_BOARD_WORDS = {"pcie", "nvl"}
+
+
+def _words(text: str) -> set[str]:
+    return set(text.lower().replace("-", " ").replace("_", " ").split())
+
+
+def spec_bandwidth(device_name: str) -> float | None:
+    """Spec-sheet peak bandwidth (bytes/s) of a GPU by its name, or None if not known.
+
+    Entries match by whole words, never substrings ("H20" is not in "NVIDIA H200"); of the
+    entries whose words all occur in the name, the one with the most words wins (the most
+    specific board). A board word in the name (PCIe, NVL) that the winning entry does not
+    name makes the board unknown (e.g. an H800 PCIe): better the measured copy than a wrong
+    spec.
+    """
+    words = _words(device_name)
+    matches = [key for key in SPEC_BANDWIDTH if _words(key) <= words]
+    if not matches:
+        return None
+    best = max(matches, key=lambda key: len(_words(key)))
+    if (words & _BOARD_WORDS) - _words(best):
+        return None
+    return SPEC_BANDWIDTH[best]
 GEMM_TARGET = 0.9
 BANDWIDTH_TARGET = 0.7
 
@@ -77,12 +110,7 @@ def _device_bandwidth(device: torch.device, bench) -> tuple[float | None, float]
     """(spec-sheet bandwidth or None, measured copy bandwidth) in bytes/s."""
     spec = None
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, bw in SPEC_BANDWIDTH.items():
-            if key in name:
-                spec = bw
-        if "PCIe" in name or "NVL" in name:
-            spec = None  # different memory parts: rely on the measured copy
+        spec = spec_bandwidth(torch.cuda.get_device_name(device))
     n = (1 << 28) if device.type == "cuda" else (1 << 22)
     src = torch.empty(n, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

@@ -36,6 +36,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .compat import all_gather_single
 from .distributed.schedule import layer_plans
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.evaluate import imbalance
@@ -154,7 +155,7 @@ class ReplayBalancer:
                   if dist.get_backend(self.ep.group) == "nccl" else torch.device("cpu"))
         # a flat output (what gloo wants): [S * numel], viewed back as [S, *shape]
         out = torch.empty(self.ep.size * t.numel(), dtype=t.dtype, device=device)
-        dist.all_gather_single(out, t.contiguous().view(-1).to(device), group=self.ep.group)
+        all_gather_single(out, t.contiguous().view(-1).to(device), group=self.ep.group)
         return out.cpu().view(self.ep.size, *t.shape)
 
     def _inputs_digest(self, loads_MLSE: torch.Tensor) -> int:

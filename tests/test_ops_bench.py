@@ -49,3 +49,24 @@ def test_without_cuda_exits_with_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU.*--cpu-smoke"):
         _load().main(["--json", str(tmp_path / "k.json")])
+
+
+@pytest.mark.parametrize("name,want", [
+    ("NVIDIA H200", 4.8e12),  # not "H20" (4.0 TB/s): whole words only
+    ("NVIDIA H20", 4.0e12),
+    ("NVIDIA H200 NVL", 4.8e12),
+    ("NVIDIA H100 80GB HBM3", 3.35e12),
+    ("NVIDIA H100 PCIe", 2.0e12),  # the most specific entry wins over "H100"
+    ("NVIDIA H100 NVL", 3.9e12),
+    ("NVIDIA A100-SXM4-80GB", 2.039e12),
+    ("NVIDIA A100-SXM4-40GB", 1.555e12),
+    ("NVIDIA A100-PCIE-40GB", 1.555e12),
+    ("NVIDIA A100 80GB PCIe", 1.935e12),
+    ("NVIDIA B200", 8.0e12),
+    ("NVIDIA H800 PCIe", None),  # a board the table does not list: unknown, not the SXM figure
+    ("NVIDIA GH200 480GB", None),  # "H200" is not a word of it
+    ("NVIDIA GeForce RTX 4090", None),
+])
+def test_spec_bandwidth_matches_whole_model_names(name, want):
+    assert _load().spec_bandwidth(name) == want
+

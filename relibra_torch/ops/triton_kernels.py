@@ -26,6 +26,46 @@ import triton.language as tl
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 
+
+def _fix_interpreter_scalar_index() -> bool:
+    """Make the interpreter of triton <= 3.6 usable with numpy >= 2.4; True if patched.
+
+    The interpreter holds every scalar as a one-element 1-D numpy array, and those tritons
+    turn it into a Python int (``range(0, K, BK)`` with a runtime ``K``) by
+    ``int(array([v]))``, which numpy 2.4 refuses ("only 0-dimensional arrays can be converted
+    to Python scalars", triton-lang/triton#9171; later tritons index the element). Every
+    kernel loop with a runtime bound hits it. The interpreter installs ``tensor.__index__``
+    on each launch, so the launch-time hook is wrapped to install the element-wise version
+    after it (on tritons that already take the element this changes nothing). Interpreter
+    only: compiled kernels never see this code.
+    """
+    import numpy as np
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if np.lib.NumpyVersion(np.__version__) < "2.4.0" or original is None:
+        return False
+    if getattr(original, "_relibra_index_fix", False):
+        return True
+
+    def _index(self) -> int:
+        data = self.handle.data
+        if data.size != 1:
+            raise TypeError(f"only a scalar converts to an index; got a block of shape {data.shape}")
+        return int(data.reshape(-1)[0])
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", _index)  # restored with the rest after the launch
+
+    patched._relibra_index_fix = True
+    interpreter._patch_lang_tensor = patched
+    return True
+
+
+if INTERPRET:
+    _fix_interpreter_scalar_index()
+
 # `tl.dot` on bf16 tiles returns wrong values under the interpreter (numpy has no bf16
 # matmul); upcasting the tiles to fp32 there is exact for bf16 inputs.
 _INTERPRET_UPCAST_DTYPES = (torch.bfloat16,)
