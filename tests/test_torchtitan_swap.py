@@ -180,14 +180,48 @@ def test_replay_input_errors():
         set_routing_replay(sw, torch.zeros(1, 8, N + 1, K, dtype=torch.int64))
     with pytest.raises(ValueError, match=r"\[B, Q, K=3\]"):
         set_routing_replay(sw, torch.zeros(1, 8, N, K + 1, dtype=torch.int64))
-    with pytest.raises(ValueError, match=r"\[0, 7\]"):
+    with pytest.raises(ValueError, match=r"\[0, 7\] \(or -1 for a pad\)"):
         set_routing_replay(sw, torch.full((1, 8, N, K), E, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"values in \[-2, -2\]"):
+        set_routing_replay(sw, torch.full((1, 8, N, K), -2, dtype=torch.int64))
     set_routing_replay(sw, torch.zeros(1, 4, N, K, dtype=torch.int64))
     x, _ = tf.tokens(1, 8, sw.config.vocab_size, seed=2)
     with pytest.raises(ValueError, match="this micro-batch is"):
         sw(x)
     with pytest.raises(ValueError, match="no RelibraMoE"):
         set_routing_replay(tf.build(tf.model_config("deepseek_v3", n_layers=2)), None)
+
+
+def test_pad_ids_in_replay_skip_experts():
+    """-1 pads through the swapped model. In the first MoE layer (whose input does not depend
+    on routing): a token padded in every slot gets no routed output (shared experts only),
+    a token padded in one slot loses exactly that expert's share, the other tokens are
+    unchanged, and the expert counts skip the pads."""
+    _, sw = _pair("deepseek_v3", seed=11)
+    N, K = 5, 3
+    x, _ = tf.tokens(1, 8, sw.config.vocab_size, seed=4)
+    ids = torch.stack([torch.randperm(8, generator=torch.Generator().manual_seed(t))[:K]
+                       for t in range(8 * N)]).view(1, 8, N, K)
+    layer = relibra_moe_layers(sw)[0]
+    outs = []
+    h = layer.routed_experts.register_forward_hook(lambda _m, _i, out: outs.append(out.detach().clone()))
+    set_routing_replay(sw, ids)
+    sw(x)
+    padded = ids.clone()
+    padded[0, 3] = -1              # token 3: no routed expert in any layer
+    padded[0, 5, :, 1] = -1        # token 5: its second expert dropped
+    set_routing_replay(sw, padded)
+    before = layer.tokens_per_expert_E.clone()
+    sw.train()
+    sw(x)
+    h.remove()
+    full, pad = outs[0][0], outs[-1][0]
+    assert torch.count_nonzero(pad[3]) == 0
+    keep = [t for t in range(8) if t not in (3, 5)]
+    torch.testing.assert_close(pad[keep], full[keep])
+    assert not torch.allclose(pad[5], full[5])
+    added = layer.tokens_per_expert_E - before
+    assert int(added.sum()) == 8 * K - K - 1
 
 
 def _shuffle_placements(model, seed: int) -> None:

@@ -234,7 +234,8 @@ def replay_router_scores(router: TokenChoiceTopKRouter, x_BQD: torch.Tensor,
     else:
         raise NotImplementedError(f"Unknown score function {router.score_func}")
     ids_BQK = expert_ids_BQK.to(device=scores_BQE.device, dtype=torch.int64)
-    topk_scores_BQK = scores_BQE.gather(dim=-1, index=ids_BQK)
+    # -1 pads: gate 0 (route_norm then normalises over the token's real experts)
+    topk_scores_BQK = scores_BQE.gather(dim=-1, index=ids_BQK.clamp(min=0)).masked_fill(ids_BQK < 0, 0.0)
     if router.route_norm:
         topk_scores_BQK = topk_scores_BQK / (topk_scores_BQK.sum(dim=-1, keepdim=True) + 1e-20)
     topk_scores_BQK = topk_scores_BQK * router.route_scale
@@ -271,15 +272,19 @@ class RelibraMoE(MoE):
         self._recorded: list[torch.Tensor] | None = None
 
     def set_replay(self, expert_ids_BQK: torch.Tensor | None) -> None:
-        """Route the next forward passes with these expert ids (``None``: own router)."""
+        """Route the next forward passes with these expert ids (``None``: own router).
+
+        ``-1`` is a pad: no expert for that (token, k) (gate 0, counted nowhere, never sent);
+        a token whose ids are all ``-1`` gets only the shared experts.
+        """
         if expert_ids_BQK is not None:
             E, K = self.routed_experts.num_experts, self.router.top_k
             if expert_ids_BQK.dim() != 3 or expert_ids_BQK.shape[-1] != K:
                 raise ValueError(f"replayed expert ids must be [B, Q, K={K}], got shape "
                                  f"{tuple(expert_ids_BQK.shape)}")
-            if expert_ids_BQK.numel() and (int(expert_ids_BQK.min()) < 0 or int(expert_ids_BQK.max()) >= E):
-                raise ValueError(f"replayed expert ids must lie in [0, {E - 1}], got values in "
-                                 f"[{int(expert_ids_BQK.min())}, {int(expert_ids_BQK.max())}]")
+            if expert_ids_BQK.numel() and (int(expert_ids_BQK.min()) < -1 or int(expert_ids_BQK.max()) >= E):
+                raise ValueError(f"replayed expert ids must lie in [0, {E - 1}] (or -1 for a pad), got "
+                                 f"values in [{int(expert_ids_BQK.min())}, {int(expert_ids_BQK.max())}]")
         self._replay_ids_BQK = expert_ids_BQK
 
     def forward(self, x_BQD: torch.Tensor) -> torch.Tensor:
@@ -294,8 +299,11 @@ class RelibraMoE(MoE):
         if self._recorded is not None:
             self._recorded.append(_local(topk_expert_ids_BQK).detach().clone())
 
-        routing_map_BQE = torch.zeros_like(scores_BQE, dtype=torch.bool).scatter_(-1, topk_expert_ids_BQK, True)
-        num_local_tokens_per_expert_E = routing_map_BQE.sum(dim=(0, 1))
+        # Pads (-1) count nowhere: scatter-add a zero for them.
+        ids_BQK = topk_expert_ids_BQK
+        routing_BQE = torch.zeros(scores_BQE.shape, dtype=torch.int64, device=scores_BQE.device).scatter_add_(
+            -1, ids_BQK.clamp(min=0), (ids_BQK >= 0).to(torch.int64))
+        num_local_tokens_per_expert_E = routing_BQE.sum(dim=(0, 1))
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(num_local_tokens_per_expert_E)
