@@ -66,16 +66,7 @@ def __dir__():
 
 
 __all__ = [
-    "ExplorationConfig",
-    "ExplorationPolicy",
-    "MoELayerRef",
-    "RoutingRecorder",
-    "exploration_sigma",
-    "explore_topk",
-    "find_moe_layers",
-    "layout_for_batch",
-    "resolve_pool",
-    "routing_entropy",
+    *_ROLLOUT_NAMES,
     "LOADS_FORMAT",
     "ROUTING_FORMAT",
     "LoadsFile",
