@@ -72,11 +72,14 @@ def test_every_planner_with_replicas(pool, refetch):
     for kind in PLANS[1:]:
         ids = fns.make_routing("skewed", [9, 1, 6, 0], 8, 3, gen)
         case = fns.Case(N, GPN, 8, 3, 2, 50, ids, refetch=refetch, shared=True)
-        case = fns.with_plan(case, fns.planner_plan(kind, case.topology(), fns.loads_of(ids, 8), gen))
+        plan = fns.planner_plan(kind, case.topology(), fns.loads_of(ids, 8), gen)
+        case = fns.with_plan(case, plan)
         results = pool.run(fns.run_case, case)
         fns.check_case(case, results)
         if kind in ("random-intra", "random-general", "eplb-oracle", "relibra"):
             assert any(res["fills"] for res in results), kind
+        if kind == "relibra":  # its cross-node traffic replicas are executed exactly too
+            assert evaluate(plan, fns.loads_of(ids, 8)).fill_cross_node_MLGJ.any()
         peak = max(res["replica_peak"] for res in results)
         assert (peak > 0) == any(res["fills"] for res in results)
         assert all(res["replica_live"] == 0 for res in results)  # freed after backward
