@@ -23,6 +23,8 @@ import argparse
 import sys
 
 from ..planning.topology import Topology
+from .baselines import SECTIONS as BASELINE_SECTIONS
+from .baselines import baseline_options
 from .cost import CostOptions
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, get_model, load_config_file,
                       parse_override)
@@ -75,10 +77,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sample length assumed for the attention term when the source has no "
                              f"sample lengths (default {d['sample_tokens']})")
     parser.add_argument("--overlap-replication", action="store_true", default=None,
-                        help="hide replica fill / gradient return behind attention compute")
+                        help="hide replica fill / gradient return behind attention (and shared "
+                             "experts), for every system")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override a preset field, e.g. hardware.nvlink_gbps=300 (repeatable)")
-    parser.add_argument("--config", metavar="FILE", help="JSON or TOML file with model/hardware/simulate sections")
+                        help="override a preset field or a baseline setting, e.g. "
+                             "hardware.nvlink_gbps=300, eplb.interval=4, online.plan_latency_us=50 "
+                             "(repeatable)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="JSON or TOML file with model/hardware/eplb/online/simulate sections")
     parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -150,12 +156,32 @@ def resolve(args: argparse.Namespace) -> dict:
     if opts["warmup_steps"] is None:
         opts["warmup_steps"] = 1 if opts["steps"] > 1 and not args.file else 0
     _int_option("warmup_steps", opts["warmup_steps"], 0)
+    baselines = _baseline_settings(args, file_cfg)
     systems = parse_systems(opts["systems"])
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"overlap_replication must be true or false, got {overlap!r}")
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
-            "systems": systems, "cost_options": CostOptions(overlap_replication=overlap)}
+            "systems": systems, "cost_options": CostOptions(overlap_replication=overlap),
+            "baseline_options": baselines}
+
+
+def _baseline_settings(args: argparse.Namespace, file_cfg: dict):
+    """The ``[eplb]`` / ``[online]`` sections of ``--config``, then ``--set eplb.X=..`` over them."""
+    sections: dict[str, dict] = {}
+    for section in BASELINE_SECTIONS:
+        raw = file_cfg.get(section)
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"--config: '{section}' must be a table of FIELD = VALUE, got {raw!r}")
+        sections[section] = dict(raw or {})
+    for text in args.set or []:
+        section, name, value = parse_override(text)
+        if section in BASELINE_SECTIONS:
+            sections[section][name] = value
+    try:
+        return baseline_options(sections)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--set/--config: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
                                       s["steps"], s["seed"], s["sample_tokens"])
-    config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"])
+    config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
+                       baseline_options=s["baseline_options"])
 
     err = Console(stderr=True)
     show = not args.no_progress and err.is_terminal

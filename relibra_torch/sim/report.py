@@ -16,7 +16,8 @@ __all__ = ["result_json", "write_json", "format_table", "print_table", "write_pl
 
 # colours per system, shared by the table and the plot
 COLOURS = {"static": "#7f7f7f", "eplb": "#ff7f0e", "eplb-oracle": "#d62728",
-           "relibra": "#1f77b4", "ideal": "#2ca02c"}
+           "eplb-instance": "#e6a96b", "eplb-oracle-instance": "#e08a8a", "online-node": "#9467bd",
+           "online-global": "#8c564b", "relibra": "#1f77b4", "ideal": "#2ca02c"}
 
 
 def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
@@ -38,6 +39,7 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
         "tokens_per_step": int(wl.tokens_XMS.sum() // wl.num_steps),
         "systems": list(cfg.systems),
         "cost_options": dataclasses.asdict(cfg.cost_options),
+        "baseline_options": dataclasses.asdict(cfg.baseline_options),
         "source": wl.source,
         "notes": dict(wl.notes),
     }
@@ -144,6 +146,12 @@ def print_table(doc: dict, console=None) -> None:
     console.print("replica fill / gradient return: " + ("hidden behind attention where it fits"
                   if overlap else "not overlapped (--overlap-replication hides it behind attention)"),
                   highlight=False)
+    online = [n for n in doc["systems"] if n.startswith("online-")]
+    if online:
+        b = cfg.get("baseline_options", {})
+        console.print(f"{', '.join(online)}: run-time planning {b.get('online_plan_latency_us')} us per "
+                      f"layer and micro-batch on the critical path (--set online.plan_latency_us=...)",
+                      highlight=False)
 
 
 def write_plot(result: SimResult, path: str) -> None:
