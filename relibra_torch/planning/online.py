@@ -159,7 +159,9 @@ def _quota_oracle(load_BDl: torch.Tensor, threshold_B: torch.Tensor, R: int, min
     floor = max(min_tokens, 1)
     feasible = excess.sum(-1) <= slack.sum(-1)
     pair = torch.zeros(B, dtype=torch.int64)
-    active = feasible & (need_BD[:, 0] > 0) & (R > 0)
+    if R == 0:                                                 # no slot: only T >= every load works
+        feasible &= need_BD[:, 0] == 0
+    active = feasible & (need_BD[:, 0] > 0)
     need = need_BD[:, 0].clone()
     k = expert_BK[:, 0]
     avail = load_BK[rows, k] - (load_BK[rows, k] > 0).to(torch.int64)      # the owner keeps one

@@ -72,6 +72,8 @@ SECTIONS = {
 
 
 def _convert(section: str, name: str, kind: type, value: object) -> object:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)                     # TOML/JSON write 10 for 10.0
     if not isinstance(value, str):
         return value
     try:
