@@ -31,7 +31,7 @@ from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, get_model
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
 from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_file
 
-HELP = "compare step times of static, EPLB and relibra balancing on a simulated cluster"
+HELP = "compare step times of static, EPLB, online replication and relibra balancing on a simulated cluster"
 
 DEFAULTS = {
     "model": "qwen3-30b-a3b",
