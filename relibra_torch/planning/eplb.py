@@ -243,10 +243,10 @@ class EPLBPlanner(Planner):
     """EPLB planned from history (``oracle=False``) or from the step's true loads (``oracle=True``).
 
     History is the mean aggregate load ``[L, E]`` of the last ``window`` committed steps. With
-    no history yet (first step), EPLB has nothing to go on and plans from a uniform estimate.
-    The history planner rebalances every ``interval`` steps (the first step included) and
-    keeps its replica table in between (vLLM's and SGLang's ``rebalance interval``); the
-    oracle plans every step on that step's loads.
+    no history yet (first step), EPLB has nothing to go on and plans from a uniform estimate;
+    it rebalances as soon as it has history, then every ``interval`` steps, and keeps its
+    replica table in between (vLLM's ``step_interval``, SGLang's
+    ``--eplb-rebalance-num-iterations``). The oracle plans every step on that step's loads.
 
     Attributes:
         replicas_LGJ: the replica table of the last committed plan (``None`` before).
@@ -262,28 +262,35 @@ class EPLBPlanner(Planner):
         self.oracle, self.relabel = oracle, relabel
         self.name = ("eplb-oracle" if oracle else "eplb") + ("-instance" if split == "instance" else "")
         self.history: list[torch.Tensor] = []
-        self.steps = 0
         self.replicas_LGJ: torch.Tensor | None = None
-        self._planned_LGJ: torch.Tensor | None = None
+        self.steps_since_rebalance = 0     # steps run on the current table
+        self._blind = True                 # the current table was planned without history
+        self._planned: tuple | None = None
+
+    def rebalances(self) -> bool:
+        """Whether the next :meth:`plan` computes a new replica table."""
+        if self.oracle or self.replicas_LGJ is None:
+            return True
+        return (self._blind and bool(self.history)) or self.steps_since_rebalance >= self.interval
 
     def replica_table(self, loads_MLSE: torch.Tensor) -> torch.Tensor:
         """The replica table the next :meth:`plan` uses (new at a rebalance, else the current)."""
         L = loads_MLSE.shape[1]
-        prev = self.previous_placement(L)
+        if not self.rebalances():
+            return self.replicas_LGJ
         if self.oracle:
             weight_LE = loads_MLSE.to(torch.float64).sum((0, 2))
-        elif self.replicas_LGJ is not None and self.steps % self.interval:
-            return self.replicas_LGJ
         elif self.history:
             weight_LE = torch.stack(self.history[-self.window:]).mean(0)
         else:
             weight_LE = torch.ones(L, self.topology.num_experts, dtype=torch.float64)
-        return eplb_replica_table(weight_LE, self.topology, prev, self.num_groups, self.relabel)
+        return eplb_replica_table(weight_LE, self.topology, self.previous_placement(L), self.num_groups,
+                                  self.relabel)
 
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
         check_loads(loads_MLSE, self.topology)
         table = self.replica_table(loads_MLSE)
-        self._planned_LGJ = table
+        self._planned = (table, self.rebalances(), not self.oracle and not self.history)
         return eplb_plan(loads_MLSE, self.topology, None, self.previous_placement(loads_MLSE.shape[1]),
                          self.num_groups, self.name, self.split, table_LGJ=table)
 
@@ -291,5 +298,8 @@ class EPLBPlanner(Planner):
         super().commit(plan, loads_MLSE)
         self.history.append(loads_MLSE.to(torch.float64).sum((0, 2)))
         self.history = self.history[-self.window:]
-        self.replicas_LGJ = self._planned_LGJ
-        self.steps += 1
+        table, rebalanced, blind = self._planned
+        self.replicas_LGJ = table
+        if rebalanced:
+            self.steps_since_rebalance, self._blind = 0, blind
+        self.steps_since_rebalance += 1
