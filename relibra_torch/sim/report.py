@@ -188,7 +188,7 @@ def write_plot(result: SimResult, path: str) -> None:
                  ha="center", va="bottom", fontsize=9)
     ax2.set_ylabel("step time (s)")
     ax2.set_title("step time (label: speedup over static)")
-    ax2.tick_params(axis="x", labelrotation=20)
+    plt.setp(ax2.get_xticklabels(), rotation=30, ha="right")  # nine system names
     ax2.legend(fontsize=8, loc="lower right")
     cfg = result.config
     fig.suptitle(f"{cfg.model.name}, {cfg.topology.num_nodes} x {cfg.topology.gpus_per_node} "
