@@ -31,7 +31,7 @@ import torch
 
 from ..checks import check_choice, check_int
 from .base import Planner, check_loads
-from .eplb_layout import assign_owners, moved_experts, relabel_replicas
+from .eplb_layout import assign_owners, relabel_replicas
 from .plan import StepPlan
 from .topology import Topology
 
@@ -166,8 +166,8 @@ def eplb_replica_table(weight_LE: torch.Tensor, topology: Topology,
         weight_LE: float ``[L, E]`` load estimate.
         previous_placement_LE: int64 ``[L, E]`` placement in force (static if ``None``).
         relabel: permute nodes and GPUs (:func:`~relibra_torch.planning.eplb_layout.relabel_replicas`);
-            the relabelled table is kept only if its owners move fewer experts than the
-            unrelabelled one's (so relabeling never moves more).
+            per layer, the relabelled table is kept only if its owners move fewer experts
+            than the unrelabelled one's (so relabeling never moves more).
     Returns:
         int64 ``[L, G, J]`` expert of every physical replica.
     """
@@ -179,11 +179,10 @@ def eplb_replica_table(weight_LE: torch.Tensor, topology: Topology,
         return table_LGJ
     relabelled_LGJ = relabel_replicas(table_LGJ, topology, previous_placement_LE)
     El = topology.experts_per_gpu
-    moved_new = moved_experts(previous_placement_LE, assign_owners(relabelled_LGJ, topology,
-                                                                   previous_placement_LE), El)
-    moved_old = moved_experts(previous_placement_LE, assign_owners(table_LGJ, topology,
-                                                                   previous_placement_LE), El)
-    return relabelled_LGJ if moved_new < moved_old else table_LGJ
+    old_gpu_LE = previous_placement_LE // El
+    moved_new_L = (assign_owners(relabelled_LGJ, topology, previous_placement_LE) // El != old_gpu_LE).sum(1)
+    moved_old_L = (assign_owners(table_LGJ, topology, previous_placement_LE) // El != old_gpu_LE).sum(1)
+    return torch.where((moved_new_L < moved_old_L).view(L, 1, 1), relabelled_LGJ, table_LGJ)
 
 
 def merge_same_gpu(table_LGJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
