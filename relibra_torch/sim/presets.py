@@ -288,8 +288,10 @@ def load_config_file(path: str) -> dict:
     """Read a small JSON or TOML config file.
 
     Layout: ``{"model": NAME or {FIELD: VALUE, "preset": NAME}, "hardware": same,
-    "eplb": {FIELD: VALUE}, "online": {FIELD: VALUE}, "simulate": {OPTION: VALUE}}`` where OPTION is a ``relibra simulate`` long option with
-    dashes as underscores (``micro_batch_tokens``). Unknown top-level keys are an error.
+    "eplb": {FIELD: VALUE}, "online": {FIELD: VALUE}, "simulate": {OPTION: VALUE}}`` where
+    OPTION is a ``relibra simulate`` long option with dashes as underscores
+    (``micro_batch_tokens``) and the ``eplb``/``online`` fields are those of
+    :data:`relibra_torch.sim.baselines.SECTIONS`. Unknown top-level keys are an error.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"--config {path!r} does not exist")
