@@ -99,7 +99,7 @@ def format_table(figures: dict[str, dict]) -> str:
 
 
 TIME_COLUMNS = ("system", "imbalance", "p99", "MoE s", "step s", "vs static", "vs oracle", "of ideal")
-TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migrated",
+TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migr.",
                    "migr. GB", "plan s")
 
 
@@ -133,8 +133,9 @@ def print_table(doc: dict, console=None) -> None:
                   f"figures per step")
     for title, columns, row in (("step time", TIME_COLUMNS, _time_row),
                                 ("traffic and planning", TRAFFIC_COLUMNS, _traffic_row)):
+        # no cell padding: the box's column separator is the one space, so nine systems fit 80 columns
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                      collapse_padding=True)
+                      collapse_padding=True, padding=(0, 0))
         for i, col in enumerate(columns):
             table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
         for name, f in doc["systems"].items():
