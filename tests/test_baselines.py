@@ -323,3 +323,29 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
     assert main(argv[:-4] + ["--set", "online.plan_latency_us=-1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "online.plan_latency_us" in err and "allowed" in err and len(err.splitlines()) == 1
+
+
+def test_nine_system_tables_fit_80_columns():
+    """Every system's row and header, uncut, on an 80-column terminal."""
+    import io
+
+    from rich.console import Console
+
+    from relibra_torch.sim.report import print_table
+    from relibra_torch.sim.simulator import SYSTEMS
+    fig = {k: 1.0 for k in ("imbalance_mean", "imbalance_p50", "imbalance_p99", "speedup_vs_static",
+                            "speedup_vs_eplb_oracle", "fraction_of_ideal")}
+    fig.update(moe_layer_time_s=308.71, step_time_s=346.72, cross_node_bytes=130_383e9,
+               intra_node_bytes=11_585e9, replica_bytes=4_035e9, migrated_experts=11_599,
+               migrated_bytes=1_234e9, planner_s=22.8)
+    doc = {"config": {"model": {"name": "qwen3-235b-a22b"}, "hardware": {"name": "h200"}, "nodes": 4,
+                      "gpus_per_node": 8, "ep_size": 32, "replica_slots": 2, "micro_batches": 32,
+                      "measured_steps": 1, "cost_options": {"overlap_replication": False},
+                      "baseline_options": {"online_plan_latency_us": 67.0}, "source": "s", "notes": {}},
+           "systems": {name: dict(fig) for name in SYSTEMS}}
+    out = io.StringIO()
+    print_table(doc, Console(file=out, width=80, force_terminal=False))
+    lines = out.getvalue().splitlines()
+    rows = [line for line in lines if line.strip().split(" ")[0] in SYSTEMS or "system" in line]
+    assert len(rows) == 2 * (len(SYSTEMS) + 1)
+    assert all("…" not in line and len(line.rstrip()) <= 80 for line in rows)

@@ -98,7 +98,7 @@ def format_table(figures: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-TIME_COLUMNS = ("system", "imbalance", "p99", "MoE s", "step s", "vs static", "vs oracle", "of ideal")
+TIME_COLUMNS = ("system", "imb mean", "p99", "MoE s", "step s", "vs static", "vs oracle", "of ideal")
 TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migr.",
                    "migr. GB", "plan s")
 
@@ -135,7 +135,7 @@ def print_table(doc: dict, console=None) -> None:
                                 ("traffic and planning", TRAFFIC_COLUMNS, _traffic_row)):
         # no cell padding: the box's column separator is the one space, so nine systems fit 80 columns
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                      collapse_padding=True, padding=(0, 0))
+                      collapse_padding=True, padding=(0, 0), show_edge=False)
         for i, col in enumerate(columns):
             table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
         for name, f in doc["systems"].items():
