@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 import _rank_fns
 from relibra_torch.planning import (
     PLANNER_NAMES, EPLBPlanner, ReLibraConfig, ReLibraPlanner, Topology, balanced_packing,
-    eplb_plan, evaluate, make_planner, plan_digest, relibra_plan, replicate,
-    replicate_experts, static_plan, token_split, validate_plan,
+    eplb_plan, evaluate, make_planner, online_global_plan, online_node_plan, plan_digest, relibra_plan,
+    replicate, replicate_experts, static_plan, token_split, validate_plan,
 )
 from relibra_torch.planning.relibra import reorder
 from relibra_torch.testing import run_on_ranks
@@ -51,6 +51,9 @@ def _plans(topo, loads):
     plans = {
         "static": static_plan(loads, topo),
         "eplb-oracle": eplb_plan(loads, topo, loads.double().sum((0, 2))),
+        "eplb-oracle-instance": eplb_plan(loads, topo, loads.double().sum((0, 2)), split="instance"),
+        "online-node": online_node_plan(loads, topo),
+        "online-global": online_global_plan(loads, topo, min_replica_tokens=1),
         "relibra": relibra_plan(loads, topo),
         "relibra-no-reorder": relibra_plan(loads, topo, config=ReLibraConfig(reorder=False)),
         "relibra-intra": relibra_plan(loads, topo, config=ReLibraConfig(cross_node_replicas=False)),
@@ -84,7 +87,7 @@ def _check_split(plan, loads):
 def test_every_planner_produces_a_valid_plan(problem):
     topo, loads = problem
     for name, plan in _plans(topo, loads).items():
-        validate_plan(plan, loads, intra_node_replicas=name in ("static", "relibra-intra"))
+        validate_plan(plan, loads, intra_node_replicas=name in ("static", "relibra-intra", "online-node"))
         _check_split(plan, loads)
         assert plan.slot_expert_MLGJ.shape[-1] == topo.experts_per_gpu + topo.replica_slots
 

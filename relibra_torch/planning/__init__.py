@@ -5,38 +5,49 @@ machine) and returns a :class:`StepPlan`; the stateful :class:`Planner` wrappers
 the previous placement (and, for EPLB, the load history) between steps.
 
 Planners: ``static`` (Megatron-LM / torchtitan contiguous placement), ``eplb`` and
-``eplb-oracle`` (DeepSeek EPLB from history / from the step's true loads), ``relibra``
-(reordering + per-micro-batch replication: cross-node traffic replicas, intra-node balancing).
+``eplb-oracle`` (DeepSeek EPLB from history / from the step's true loads, tokens split per
+physical replica), ``eplb-instance`` and ``eplb-oracle-instance`` (the same with the older
+even split over GPU instances), ``online-node`` and ``online-global`` (run-time
+per-micro-batch replication from the exact loads, MoonEP-like inside a node and
+UltraEP-like anywhere in the EP group), ``relibra`` (reordering + per-micro-batch
+replication: cross-node traffic replicas, then intra-node balancing).
 """
 
 from .base import Planner, StaticPlanner, check_loads, native_plan, static_plan
-from .eplb import EPLBPlanner, balanced_packing, eplb_plan, replicate_experts
+from .eplb import EPLBPlanner, balanced_packing, eplb_plan, eplb_replica_table, replicate_experts
 from .evaluate import PlanMetrics, evaluate
+from .online import OnlinePlanner, online_global_plan, online_node_plan
 from .plan import StepPlan, plan_digest, token_split, validate_plan
 from .relibra import ReLibraConfig, ReLibraPlanner, relibra_plan, reorder, replicate
 from .topology import Topology
 
-PLANNER_NAMES = ("static", "eplb", "eplb-oracle", "relibra")
+PLANNER_NAMES = ("static", "eplb", "eplb-oracle", "eplb-instance", "eplb-oracle-instance",
+                 "online-node", "online-global", "relibra")
 
 
 def make_planner(name: str, topology: Topology, **kwargs) -> Planner:
     """Build a stateful planner by name (one of :data:`PLANNER_NAMES`).
 
-    ``kwargs`` go to the planner: ``config=ReLibraConfig(...)`` for relibra, ``window`` and
-    ``num_groups`` for the EPLB planners.
+    ``kwargs`` go to the planner: ``config=ReLibraConfig(...)`` for relibra; ``window``,
+    ``num_groups``, ``interval`` and ``relabel`` for the EPLB planners; ``plan_latency_s``
+    and ``min_replica_tokens`` for the online planners.
     """
     if name == "static":
         return StaticPlanner(topology, **kwargs)
-    if name in ("eplb", "eplb-oracle"):
-        return EPLBPlanner(topology, oracle=name == "eplb-oracle", **kwargs)
+    if name in ("eplb", "eplb-oracle", "eplb-instance", "eplb-oracle-instance"):
+        return EPLBPlanner(topology, oracle=name.startswith("eplb-oracle"),
+                           split="instance" if name.endswith("-instance") else "replica", **kwargs)
+    if name in ("online-node", "online-global"):
+        return OnlinePlanner(topology, scope=name.split("-", 1)[1], **kwargs)
     if name == "relibra":
         return ReLibraPlanner(topology, **kwargs)
     raise ValueError(f"unknown planner {name!r}; allowed: {', '.join(PLANNER_NAMES)}")
 
 
 __all__ = [
-    "EPLBPlanner", "PLANNER_NAMES", "PlanMetrics", "Planner", "ReLibraConfig", "ReLibraPlanner",
-    "StaticPlanner", "StepPlan", "Topology", "balanced_packing", "check_loads", "eplb_plan",
-    "evaluate", "make_planner", "native_plan", "plan_digest", "relibra_plan", "reorder",
+    "EPLBPlanner", "OnlinePlanner", "PLANNER_NAMES", "PlanMetrics", "Planner", "ReLibraConfig",
+    "ReLibraPlanner", "StaticPlanner", "StepPlan", "Topology", "balanced_packing", "check_loads",
+    "eplb_plan", "eplb_replica_table", "evaluate", "make_planner", "native_plan",
+    "online_global_plan", "online_node_plan", "plan_digest", "relibra_plan", "reorder",
     "replicate", "replicate_experts", "static_plan", "token_split", "validate_plan",
 ]

@@ -1,22 +1,25 @@
 """DeepSeek EPLB's published algorithm, re-implemented on our step-plan type.
 
-The algorithm (github.com/deepseek-ai/EPLB): given a per-expert load estimate,
-(1) hierarchical policy when the node count divides the number of expert groups: pack
-expert groups onto nodes with balanced packing, replicate experts inside each node by
+The algorithm (github.com/deepseek-ai/EPLB, ``rebalance_experts``): given a per-expert load
+estimate, (1) hierarchical policy when the node count divides the number of expert groups:
+pack expert groups onto nodes with balanced packing, replicate experts inside each node by
 repeatedly giving one more replica to the expert with the highest load per replica, then
 pack each node's physical experts onto its GPUs with balanced packing; (2) otherwise the
 global policy: the same with one group and one node. Balanced packing is greedy: items in
 decreasing weight, each to the lightest pack that still has room (equal items per pack).
 
-Mapping to our plan: the ``G * J`` physical slots are EPLB's physical experts (``J = El + replica_slots``,
-so EPLB's redundant experts use exactly relibra's replica-slot memory). Slots are the same
-for every micro-batch of the step, and an expert's tokens are split evenly between its
-instances (remainder to the first instances in slot order). Two replicas of one expert that
-EPLB packs onto the same GPU are merged (the second slot stays empty): they would only
-share the GPU anyway. Parameters must live somewhere: each expert is owned by one GPU that
-holds an instance when that GPU has native room (keeping the previous owner when it
-qualifies), otherwise by a GPU with room, preferring the instance's node; slots whose GPU
-does not own the expert are fills.
+Mapping to our plan: the ``G * J`` physical slots are EPLB's physical experts (``J = El +
+replica_slots``, so EPLB's redundant experts use exactly relibra's replica-slot memory); the table of
+them is the *replica table* ``[L, G, J]``. Every physical replica of an expert with ``n``
+replicas takes ``1/n`` of its tokens, which is what the packing assumed (DeepSeek's
+semantics; the remainder of ``load / n`` goes to the first replicas in slot order). Two
+replicas of one expert on the same GPU become one slot carrying both quotas (the plan
+format holds one instance of an expert per GPU; the quota carries the 2/n). The old
+variant, ``split="instance"``, splits evenly over GPU instances instead (kept to compare).
+
+Migration: the table is relabelled (nodes, and GPUs inside nodes, permuted) so that the
+most experts stay with their owner, never moving more than the unrelabelled table would,
+and owners are chosen to keep them (:mod:`relibra_torch.planning.eplb_layout`).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU,
 El native experts per GPU, P physical experts (``G * J``), R rows of a batched problem (independent problems).
@@ -26,12 +29,16 @@ from __future__ import annotations
 
 import torch
 
-from ..checks import check_int
+from ..checks import check_choice, check_int
 from .base import Planner, check_loads
+from .eplb_layout import assign_owners, relabel_replicas
 from .plan import StepPlan
 from .topology import Topology
 
-__all__ = ["EPLBPlanner", "balanced_packing", "eplb_plan", "eplb_slots", "replicate_experts"]
+EPLB_SPLITS = ("replica", "instance")
+
+__all__ = ["EPLB_SPLITS", "EPLBPlanner", "balanced_packing", "eplb_plan", "eplb_replica_table", "eplb_slots",
+           "even_split_quotas", "replicate_experts"]
 
 
 def balanced_packing(weight_RI: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,51 +130,6 @@ def eplb_slots(weight_LE: torch.Tensor, topology: Topology, num_groups: int = 1)
     return mlog2log_LE.gather(1, slot2mlog_LP).view(L, G, J)
 
 
-def _dedupe_and_own(slots_LGJ: torch.Tensor, topology: Topology,
-                    previous_placement_LE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Merge same-GPU duplicates and choose each expert's owner GPU (see module docstring)."""
-    L, G, J = slots_LGJ.shape
-    E, El, g = topology.num_experts, topology.experts_per_gpu, topology.gpus_per_node
-    slots = slots_LGJ.tolist()
-    prev_owner = (previous_placement_LE // El).tolist()
-    placement = []
-    for l in range(L):
-        hosts: list[list[int]] = [[] for _ in range(E)]
-        for gpu in range(G):
-            seen = set()
-            for j in range(J):
-                e = slots[l][gpu][j]
-                if e in seen:
-                    slots[l][gpu][j] = -1
-                else:
-                    seen.add(e)
-                    hosts[e].append(gpu)
-        room = [El] * G
-        owner = [-1] * E
-        # Experts with fewer instances first: they have the fewest choices.
-        for e in sorted(range(E), key=lambda e: (len(hosts[e]), e)):
-            cands = [gpu for gpu in hosts[e] if room[gpu] > 0]
-            if cands:
-                gpu = prev_owner[l][e] if prev_owner[l][e] in cands else cands[0]
-                owner[e] = gpu
-                room[gpu] -= 1
-        for e in range(E):
-            if owner[e] < 0:
-                node = hosts[e][0] // g
-                free = [gpu for gpu in range(G) if room[gpu] > 0]
-                same = [gpu for gpu in free if gpu // g == node]
-                gpu = (same or free)[0]
-                owner[e] = gpu
-                room[gpu] -= 1
-        next_local = [0] * G
-        place = [0] * E
-        for e in range(E):
-            place[e] = owner[e] * El + next_local[owner[e]]
-            next_local[owner[e]] += 1
-        placement.append(place)
-    return torch.tensor(slots, dtype=torch.int64), torch.tensor(placement, dtype=torch.int64)
-
-
 def even_split_quotas(slot_expert_MLGJ: torch.Tensor, load_MLE: torch.Tensor) -> torch.Tensor:
     """Split each expert's load evenly over its instances (remainder to the first in slot order).
 
@@ -196,26 +158,84 @@ def even_split_quotas(slot_expert_MLGJ: torch.Tensor, load_MLE: torch.Tensor) ->
     return (quota * valid).view(M, L, G, J)
 
 
-def eplb_plan(loads_MLSE: torch.Tensor, topology: Topology, weight_LE: torch.Tensor,
+def eplb_replica_table(weight_LE: torch.Tensor, topology: Topology,
+                       previous_placement_LE: torch.Tensor | None = None, num_groups: int = 1,
+                       relabel: bool = True) -> torch.Tensor:
+    """EPLB's replica table for ``weight_LE``, relabelled to keep experts where they are.
+
+    Args:
+        weight_LE: float ``[L, E]`` load estimate.
+        previous_placement_LE: int64 ``[L, E]`` placement in force (static if ``None``).
+        relabel: permute nodes and GPUs (:func:`~relibra_torch.planning.eplb_layout.relabel_replicas`);
+            per layer, the relabelled table is kept only if its owners move fewer experts
+            than the unrelabelled one's (so relabeling never moves more).
+    Returns:
+        int64 ``[L, G, J]`` expert of every physical replica.
+    """
+    L = weight_LE.shape[0]
+    if previous_placement_LE is None:
+        previous_placement_LE = topology.static_placement(L)
+    table_LGJ = eplb_slots(weight_LE, topology, num_groups)
+    if not relabel:
+        return table_LGJ
+    relabelled_LGJ = relabel_replicas(table_LGJ, topology, previous_placement_LE)
+    El = topology.experts_per_gpu
+    old_gpu_LE = previous_placement_LE // El
+    moved_new_L = (assign_owners(relabelled_LGJ, topology, previous_placement_LE) // El != old_gpu_LE).sum(1)
+    moved_old_L = (assign_owners(table_LGJ, topology, previous_placement_LE) // El != old_gpu_LE).sum(1)
+    return torch.where((moved_new_L < moved_old_L).view(L, 1, 1), relabelled_LGJ, table_LGJ)
+
+
+def merge_same_gpu(table_LGJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge replicas of one expert that share a GPU into the first of their slots.
+
+    Returns:
+        ``(slots_LGJ, first_LGJ)``: the table with later duplicates set to ``-1``, and for
+        every slot the slot (on the same GPU) its quota goes to.
+    """
+    L, G, J = table_LGJ.shape
+    same = table_LGJ.unsqueeze(-1) == table_LGJ.unsqueeze(-2)            # [L, G, j, j']
+    earlier = torch.ones(J, J, dtype=torch.bool).tril(-1)                 # j' < j
+    first_LGJ = (same & torch.ones(J, J, dtype=torch.bool).tril()).to(torch.int64).argmax(-1)
+    duplicate = (same & earlier).any(-1)
+    return table_LGJ.masked_fill(duplicate, -1), first_LGJ
+
+
+def eplb_plan(loads_MLSE: torch.Tensor, topology: Topology, weight_LE: torch.Tensor | None = None,
               previous_placement_LE: torch.Tensor | None = None, num_groups: int = 1,
-              name: str = "eplb") -> StepPlan:
-    """EPLB plan for a step: slots from ``weight_LE`` (load estimate), quotas from the true loads.
+              name: str = "eplb", split: str = "replica", table_LGJ: torch.Tensor | None = None,
+              relabel: bool = True) -> StepPlan:
+    """EPLB plan for a step: replica table from ``weight_LE`` (load estimate), quotas from
+    the true loads.
 
     Args:
         loads_MLSE: int ``[M, L, S, E]`` the step's loads (what actually runs).
-        weight_LE: float ``[L, E]`` the load estimate EPLB plans from (history or oracle).
+        weight_LE: float ``[L, E]`` the load estimate EPLB plans from (history or oracle);
+            ignored when ``table_LGJ`` is given.
         previous_placement_LE: int64 ``[L, E]`` current owners (static if ``None``).
+        split: ``"replica"`` (each physical replica ``1/n`` of its expert's tokens,
+            DeepSeek's semantics) or ``"instance"`` (even over the GPUs holding it).
+        table_LGJ: int64 ``[L, G, J]`` a replica table to reuse (EPLB between rebalances).
     """
     check_loads(loads_MLSE, topology)
+    check_choice("split", split, EPLB_SPLITS)
     M, L, _, E = loads_MLSE.shape
-    if tuple(weight_LE.shape) != (L, E):
-        raise ValueError(f"weight_LE has shape {tuple(weight_LE.shape)}, expected [{L}, {E}]")
     if previous_placement_LE is None:
         previous_placement_LE = topology.static_placement(L)
-    slots_LGJ = eplb_slots(weight_LE, topology, num_groups)
-    slots_LGJ, placement_LE = _dedupe_and_own(slots_LGJ, topology, previous_placement_LE)
+    if table_LGJ is None:
+        if weight_LE is None or tuple(weight_LE.shape) != (L, E):
+            raise ValueError(f"weight_LE has shape {None if weight_LE is None else tuple(weight_LE.shape)}, "
+                             f"expected [{L}, {E}]")
+        table_LGJ = eplb_replica_table(weight_LE, topology, previous_placement_LE, num_groups, relabel)
+    placement_LE = assign_owners(table_LGJ, topology, previous_placement_LE)
+    slots_LGJ, first_LGJ = merge_same_gpu(table_LGJ)
+    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    if split == "replica":
+        per_replica = even_split_quotas(table_LGJ.expand(M, -1, -1, -1).contiguous(), load_MLE)
+        quotas = torch.zeros_like(per_replica).scatter_add_(3, first_LGJ.expand(M, -1, -1, -1), per_replica)
+    else:
+        quotas = even_split_quotas(slots_LGJ.expand(M, -1, -1, -1).contiguous(), load_MLE)
     slot_expert_MLGJ = slots_LGJ.unsqueeze(0).expand(M, -1, -1, -1).contiguous()
-    quotas = even_split_quotas(slot_expert_MLGJ, loads_MLSE.to(torch.int64).sum(2))
     return StepPlan(topology, placement_LE, slot_expert_MLGJ, quotas, name, previous_placement_LE.clone())
 
 
@@ -223,28 +243,63 @@ class EPLBPlanner(Planner):
     """EPLB planned from history (``oracle=False``) or from the step's true loads (``oracle=True``).
 
     History is the mean aggregate load ``[L, E]`` of the last ``window`` committed steps. With
-    no history yet (first step), EPLB has nothing to go on and plans from a uniform estimate.
+    no history yet (first step), EPLB has nothing to go on and plans from a uniform estimate;
+    it rebalances as soon as it has history, then every ``interval`` steps, and keeps its
+    replica table in between (vLLM's ``step_interval``, SGLang's
+    ``--eplb-rebalance-num-iterations``). The oracle plans every step on that step's loads.
+
+    Attributes:
+        replicas_LGJ: the replica table of the last committed plan (``None`` before).
     """
 
-    def __init__(self, topology: Topology, oracle: bool = False, window: int = 8, num_groups: int = 1):
+    def __init__(self, topology: Topology, oracle: bool = False, window: int = 8, num_groups: int = 1,
+                 interval: int = 1, split: str = "replica", relabel: bool = True):
         super().__init__(topology)
-        check_int("window", window, 1)
-        self.oracle, self.window, self.num_groups = oracle, window, num_groups
-        self.name = "eplb-oracle" if oracle else "eplb"
+        self.window = check_int("window", window, 1)
+        self.interval = check_int("interval", interval, 1)
+        self.num_groups = check_int("num_groups", num_groups, 1)
+        self.split = check_choice("split", split, EPLB_SPLITS)
+        self.oracle, self.relabel = oracle, relabel
+        self.name = ("eplb-oracle" if oracle else "eplb") + ("-instance" if split == "instance" else "")
         self.history: list[torch.Tensor] = []
+        self.replicas_LGJ: torch.Tensor | None = None
+        self.steps_since_rebalance = 0     # steps run on the current table
+        self._blind = True                 # the current table was planned without history
+        self._planned: tuple | None = None
 
-    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
+    def rebalances(self) -> bool:
+        """Whether the next :meth:`plan` computes a new replica table."""
+        if self.oracle or self.replicas_LGJ is None:
+            return True
+        return (self._blind and bool(self.history)) or self.steps_since_rebalance >= self.interval
+
+    def replica_table(self, loads_MLSE: torch.Tensor) -> torch.Tensor:
+        """The replica table the next :meth:`plan` uses (new at a rebalance, else the current)."""
         L = loads_MLSE.shape[1]
-        prev = self.previous_placement(L)
+        if not self.rebalances():
+            return self.replicas_LGJ
         if self.oracle:
             weight_LE = loads_MLSE.to(torch.float64).sum((0, 2))
         elif self.history:
             weight_LE = torch.stack(self.history[-self.window:]).mean(0)
         else:
             weight_LE = torch.ones(L, self.topology.num_experts, dtype=torch.float64)
-        return eplb_plan(loads_MLSE, self.topology, weight_LE, prev, self.num_groups, self.name)
+        return eplb_replica_table(weight_LE, self.topology, self.previous_placement(L), self.num_groups,
+                                  self.relabel)
+
+    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
+        check_loads(loads_MLSE, self.topology)
+        table = self.replica_table(loads_MLSE)
+        self._planned = (table, self.rebalances(), not self.oracle and not self.history)
+        return eplb_plan(loads_MLSE, self.topology, None, self.previous_placement(loads_MLSE.shape[1]),
+                         self.num_groups, self.name, self.split, table_LGJ=table)
 
     def commit(self, plan: StepPlan, loads_MLSE: torch.Tensor) -> None:
         super().commit(plan, loads_MLSE)
         self.history.append(loads_MLSE.to(torch.float64).sum((0, 2)))
         self.history = self.history[-self.window:]
+        table, rebalanced, blind = self._planned
+        self.replicas_LGJ = table
+        if rebalanced:
+            self.steps_since_rebalance, self._blind = 0, blind
+        self.steps_since_rebalance += 1

@@ -69,7 +69,7 @@ def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:
     """
     topo = plan.topology
     M, L, S, E = loads_MLSE.shape
-    G, J, g = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node
+    G, g = topo.num_gpus, topo.gpus_per_node
     if S != G:
         raise ValueError(f"loads_MLSE has {S} source ranks but the topology has {G} GPUs")
     gpu_load_MLG = plan.slot_tokens_MLGJ.sum(-1)

@@ -5,13 +5,14 @@ The synthetic RL trace generator lives in :mod:`relibra_torch.sim.traces` and is
 only when a synthetic workload is built.
 """
 
+from .baselines import BaselineOptions
 from .cost import CostModel, CostOptions, ReorderWeights, StepCost
 from .presets import HARDWARE, MODELS, HardwareSpec, ModelSpec, get_hardware, get_model
 from .simulator import SYSTEMS, SimConfig, SimResult, SystemResult, simulate
 from .workload import Workload, synthetic_workload, workload_from_file, workload_from_loads
 
 __all__ = [
-    "CostModel", "CostOptions", "HARDWARE", "HardwareSpec", "MODELS", "ModelSpec", "ReorderWeights",
+    "BaselineOptions", "CostModel", "CostOptions", "HARDWARE", "HardwareSpec", "MODELS", "ModelSpec", "ReorderWeights",
     "SYSTEMS", "SimConfig", "SimResult", "StepCost", "SystemResult", "Workload", "get_hardware",
     "get_model", "simulate", "synthetic_workload", "workload_from_file", "workload_from_loads",
 ]

@@ -28,14 +28,16 @@ import sys
 
 from ..checks import check_int
 from ..planning.topology import Topology
+from .baselines import SECTIONS as BASELINE_SECTIONS
+from .baselines import baseline_options
 from .cost import CostOptions
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
-from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, get_model, load_config_file,
+from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_config_file,
                       parse_override)
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
 from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_file
 
-HELP = "compare step times of static, EPLB and relibra balancing on a simulated cluster"
+HELP = "compare step times of static, EPLB, online replication and relibra balancing on a simulated cluster"
 
 DEFAULTS = {
     "model": "qwen3-30b-a3b",
@@ -87,10 +89,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"sample length assumed for the attention term when the source has no "
                              f"sample lengths (default {d['sample_tokens']})")
     parser.add_argument("--overlap-replication", action="store_true", default=None,
-                        help="hide replica fill / gradient return behind attention compute")
+                        help="hide replica fill / gradient return behind attention (and shared "
+                             "experts), for every system")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                        help="override a preset field, e.g. hardware.nvlink_gbps=300 (repeatable)")
-    parser.add_argument("--config", metavar="FILE", help="JSON or TOML file with model/hardware/simulate sections")
+                        help="override a preset field or a baseline setting, e.g. "
+                             "hardware.nvlink_gbps=300, eplb.interval=4, online.plan_latency_us=50 "
+                             "(repeatable)")
+    parser.add_argument("--config", metavar="FILE",
+                        help="JSON or TOML file with model/hardware/eplb/online/simulate sections")
     parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -165,13 +171,14 @@ def resolve(args: argparse.Namespace) -> dict:
         opts["warmup_steps"] = 1 if opts["steps"] > 1 else 0
     if opts["warmup_steps"] is not None:  # a file's default depends on its steps (see run)
         _int_option("warmup_steps", opts["warmup_steps"], 0)
+    baselines = _baseline_settings(args, file_cfg)
     systems = parse_systems(opts["systems"])
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems, "cost_options": CostOptions(overlap_replication=overlap),
-            "model_from": named_by, "model_notes": notes}
+            "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
 
 
 def file_warmup(num_steps: int, workload_notes: dict) -> int:
@@ -183,6 +190,24 @@ def file_warmup(num_steps: int, workload_notes: dict) -> int:
     workload_notes["warm-up"] = ("none: the file holds one step, so history-based systems (eplb) "
                                  "plan it from uniform history")
     return 0
+
+
+def _baseline_settings(args: argparse.Namespace, file_cfg: dict):
+    """The ``[eplb]`` / ``[online]`` sections of ``--config``, then ``--set eplb.X=..`` over them."""
+    sections: dict[str, dict] = {}
+    for section in BASELINE_SECTIONS:
+        raw = file_cfg.get(section)
+        if raw is not None and not isinstance(raw, dict):
+            raise ValueError(f"--config: '{section}' must be a table of FIELD = VALUE, got {raw!r}")
+        sections[section] = dict(raw or {})
+    for text in args.set or []:
+        section, name, value = parse_override(text)
+        if section in BASELINE_SECTIONS:
+            sections[section][name] = value
+    try:
+        return baseline_options(sections)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--set/--config: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -203,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
                                       s["steps"], s["seed"], s["sample_tokens"])
-    config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"])
+    config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
+                       baseline_options=s["baseline_options"])
 
     err = Console(stderr=True)
     show = not args.no_progress and err.is_terminal

@@ -23,7 +23,13 @@ Per micro-batch ``m`` and MoE layer ``l``:
   values back in backward, over NVLink (inter-node bandwidth if the owner is on another
   node). Per GPU, received and sent bytes are both counted (an owner feeding three
   replicas sends three copies). With ``overlap_replication`` the transfer of layer ``l``
-  hides behind that layer's attention compute and only the excess is charged.
+  hides behind that layer's attention compute (and shared experts) and only the excess is
+  charged; one rule for every system.
+* run-time planning (online systems only): ``plan_latency_s`` per layer and micro-batch in
+  forward (the backward reuses the plan), on the critical path: the plan needs the
+  router's output, so at most the shared experts (which run beside the routed ones) can
+  hide it, and only with ``overlap_replication``; planning and fill together hide behind
+  at most attention + shared experts.
 * migration, once per step: experts whose owner changed carry weights, an fp32 master
   copy (``master_weights``) and Adam's two fp32 moments over the inter-node network (NVLink
   when the move stays inside a node).
@@ -97,7 +103,7 @@ class StepCost:
     layer. Scalars are totals over the step.
     """
 
-    moe_layer_s_ML: torch.Tensor  # expert + all-to-all + exposed replica time
+    moe_layer_s_ML: torch.Tensor  # expert + all-to-all + exposed replica time + exposed planning
     expert_s_ML: torch.Tensor
     all_to_all_s_ML: torch.Tensor
     replica_s_ML: torch.Tensor  # raw transfer time
@@ -110,6 +116,7 @@ class StepCost:
     replica_bytes: float
     migrated_experts: int
     migrated_bytes: float
+    planning_exposed_s_ML: torch.Tensor | None = None  # run-time planning charged (online systems)
 
     @property
     def moe_s(self) -> float:
@@ -240,8 +247,9 @@ class CostModel:
         """Per micro-batch times (float64 ``[M]``, forward + backward) of the shared parts.
 
         Returns ``attention_layer_fwd``/``attention_layer_bwd`` (one MoE layer's attention,
-        router and shared experts, slowest rank) and ``total`` (all layers, dense layers
-        and LM head, forward + backward).
+        router and shared experts, slowest rank), ``shared_layer_fwd`` (one MoE layer's
+        shared experts alone, slowest rank) and ``total`` (all layers, dense layers and LM
+        head, forward + backward).
         """
         f = self.dense_flops(tokens_MS, attn_pairs_MS)
         m = self.model
@@ -249,23 +257,33 @@ class CostModel:
         moe_layer_fwd = (f["attention"] + f["moe_extra"]).max(-1).values / rate
         dense_layer_fwd = (f["attention"] + f["dense_ffn"]).max(-1).values / rate
         head_fwd = f["head"].max(-1).values / rate
+        shared_fwd = (6.0 * m.hidden_size * m.shared_ffn * m.num_shared_experts
+                      * tokens_MS.to(torch.float64)).max(-1).values / rate
         total_fwd = m.num_moe_layers * moe_layer_fwd + m.num_dense_layers * dense_layer_fwd + head_fwd
         return {"attention_layer_fwd": moe_layer_fwd, "attention_layer_bwd": 2.0 * moe_layer_fwd,
-                "total": 3.0 * total_fwd}
+                "shared_layer_fwd": shared_fwd, "total": 3.0 * total_fwd}
 
     # --- whole step --------------------------------------------------------------------
     def _combine(self, expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, migration_s,
-                 migrated, migrated_bytes, cross_tokens, intra_tokens, replica_bytes) -> StepCost:
+                 migrated, migrated_bytes, cross_tokens, intra_tokens, replica_bytes,
+                 plan_latency_s: float = 0.0) -> StepCost:
         attn_fwd = dense["attention_layer_fwd"].unsqueeze(1)
         attn_bwd = dense["attention_layer_bwd"].unsqueeze(1)
+        shared_fwd = dense["shared_layer_fwd"].unsqueeze(1)
         replica = fill_fwd + grad_bwd
+        plan = torch.full_like(fill_fwd, float(plan_latency_s))
         if self.options.overlap_replication:
-            exposed = (fill_fwd - attn_fwd).clamp(min=0) + (grad_bwd - attn_bwd).clamp(min=0)
+            # planning hides behind shared experts only (it needs the router output); planning
+            # and fill together behind attention + shared experts; gradients behind attention bwd
+            planning = (plan - shared_fwd).clamp(min=0)
+            fill_exposed = (plan + fill_fwd - attn_fwd).clamp(min=0).maximum(planning) - planning
+            exposed = fill_exposed + (grad_bwd - attn_bwd).clamp(min=0)
         else:
+            planning = plan
             exposed = replica
         expert = expert_fwd + expert_bwd
         a2a = 4.0 * a2a_one  # dispatch + combine, forward and backward
-        moe = expert + a2a + exposed
+        moe = expert + a2a + exposed + planning
         attention_dense_s = float(dense["total"].sum())
         step = float(moe.sum()) + attention_dense_s + migration_s
         return StepCost(moe_layer_s_ML=moe, expert_s_ML=expert, all_to_all_s_ML=a2a,
@@ -274,16 +292,18 @@ class CostModel:
                         cross_node_bytes=4.0 * self.token_bytes * float(cross_tokens),
                         intra_node_bytes=4.0 * self.token_bytes * float(intra_tokens),
                         replica_bytes=float(replica_bytes), migrated_experts=migrated,
-                        migrated_bytes=migrated_bytes)
+                        migrated_bytes=migrated_bytes, planning_exposed_s_ML=planning)
 
     def step_cost(self, plan: StepPlan, metrics: PlanMetrics, tokens_MS: torch.Tensor,
-                  attn_pairs_MS: torch.Tensor) -> StepCost:
+                  attn_pairs_MS: torch.Tensor, plan_latency_s: float = 0.0) -> StepCost:
         """The step's cost under ``plan``.
 
         Args:
             plan: the step plan; metrics: ``evaluate(plan, loads_MLSE)``.
             tokens_MS: int ``[M, S]`` tokens per micro-batch and rank.
             attn_pairs_MS: ``[M, S]`` causal attention pairs per micro-batch and rank.
+            plan_latency_s: run-time planning per layer and micro-batch (online systems;
+                0 for plans made ahead of the step).
         """
         expert_fwd, expert_bwd = self.expert_compute_s(metrics.gpu_load_MLG.max(-1).values)
         a2a_one = self.all_to_all_s(metrics.cross_send_MLG, metrics.cross_recv_MLG,
@@ -296,7 +316,7 @@ class CostModel:
         dense = self.dense_s(tokens_MS, attn_pairs_MS)
         return self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s,
                              migrated, mig_bytes, metrics.cross_send_MLG.sum(),
-                             metrics.intra_send_MLG.sum(), replica_bytes)
+                             metrics.intra_send_MLG.sum(), replica_bytes, plan_latency_s)
 
     def ideal_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,
                         tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> StepCost:

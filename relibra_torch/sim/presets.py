@@ -205,15 +205,21 @@ def apply_overrides(spec, section: str, overrides: dict[str, object]):
     return replace(spec, **changes)
 
 
+# Sections of --set and of config files: the presets, then the baselines' settings
+# (relibra_torch.sim.baselines.SECTIONS).
+SET_SECTIONS = ("hardware", "model", "eplb", "online")
+
+
 def parse_override(text: str) -> tuple[str, str, str]:
     """Parse ``SECTION.FIELD=VALUE`` (``--set``) into its three parts."""
     if "=" not in text or "." not in text.split("=", 1)[0]:
-        raise ValueError(f"--set {text!r} must look like hardware.FIELD=VALUE or model.FIELD=VALUE")
+        raise ValueError(f"--set {text!r} must look like SECTION.FIELD=VALUE with SECTION one of "
+                         f"{', '.join(SET_SECTIONS)}")
     key, value = text.split("=", 1)
     section, name = key.split(".", 1)
     section = section.strip().lower()
-    if section not in ("hardware", "model"):
-        raise ValueError(f"--set {text!r}: section must be 'hardware' or 'model', got {section!r}")
+    if section not in SET_SECTIONS:
+        raise ValueError(f"--set {text!r}: section must be one of {', '.join(SET_SECTIONS)}, got {section!r}")
     return section, name.strip(), value.strip()
 
 
@@ -221,8 +227,10 @@ def load_config_file(path: str) -> dict:
     """Read a small JSON or TOML config file.
 
     Layout: ``{"model": NAME or {FIELD: VALUE, "preset": NAME}, "hardware": same,
-    "simulate": {OPTION: VALUE}}`` where OPTION is a ``relibra simulate`` long option with
-    dashes as underscores (``micro_batch_tokens``). Unknown top-level keys are an error.
+    "eplb": {FIELD: VALUE}, "online": {FIELD: VALUE}, "simulate": {OPTION: VALUE}}`` where
+    OPTION is a ``relibra simulate`` long option with dashes as underscores
+    (``micro_batch_tokens``) and the ``eplb``/``online`` fields are those of
+    :data:`relibra_torch.sim.baselines.SECTIONS`. Unknown top-level keys are an error.
     """
     if not os.path.exists(path):
         raise FileNotFoundError(f"--config {path!r} does not exist")
@@ -241,10 +249,10 @@ def load_config_file(path: str) -> dict:
             raise ValueError(f"--config {path!r} is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path!r} must hold an object/table at the top level")
-    unknown = set(data) - {"model", "hardware", "simulate"}
+    unknown = set(data) - {"simulate", *SET_SECTIONS}
     if unknown:
         raise ValueError(f"--config {path!r} has unknown sections {sorted(unknown)}; "
-                         f"allowed: model, hardware, simulate")
+                         f"allowed: {', '.join(SET_SECTIONS)}, simulate")
     return data
 
 

@@ -16,7 +16,8 @@ __all__ = ["result_json", "write_json", "format_seconds", "format_table", "print
 
 # colours per system, shared by the table and the plot
 COLOURS = {"static": "#7f7f7f", "eplb": "#ff7f0e", "eplb-oracle": "#d62728",
-           "relibra": "#1f77b4", "ideal": "#2ca02c"}
+           "eplb-instance": "#e6a96b", "eplb-oracle-instance": "#e08a8a", "online-node": "#9467bd",
+           "online-global": "#8c564b", "relibra": "#1f77b4", "ideal": "#2ca02c"}
 
 
 def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
@@ -38,6 +39,7 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
         "tokens_per_step": int(wl.tokens_XMS.sum() // wl.num_steps),
         "systems": list(cfg.systems),
         "cost_options": dataclasses.asdict(cfg.cost_options),
+        "baseline_options": dataclasses.asdict(cfg.baseline_options),
         "source": wl.source,
         "notes": dict(wl.notes),
     }
@@ -112,8 +114,9 @@ def format_table(figures: dict[str, dict]) -> str:
     return "\n".join(lines)
 
 
-TIME_COLUMNS = ("system", "imbalance", "p99", "MoE", "step", "vs static", "vs oracle", "of ideal")
-TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migrated",
+# Times carry their own unit (s, ms, us), so the headers do not.
+TIME_COLUMNS = ("system", "imb mean", "p99", "MoE", "step", "vs static", "vs oracle", "of ideal")
+TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migr.",
                    "migr. GB", "plan")
 
 
@@ -152,8 +155,9 @@ def print_table(doc: dict, console=None) -> None:
         console.print(f"model from {cfg['model_from']}", highlight=False)
     for title, columns, row in (("step time", TIME_COLUMNS, _time_row),
                                 ("traffic and planning", TRAFFIC_COLUMNS, _traffic_row)):
+        # no cell padding: the box's column separator is the one space, so nine systems fit 80 columns
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
-                      collapse_padding=True)
+                      collapse_padding=True, padding=(0, 0), show_edge=False)
         for i, col in enumerate(columns):
             table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
         for name, f in doc["systems"].items():
@@ -166,6 +170,12 @@ def print_table(doc: dict, console=None) -> None:
     console.print("replica fill / gradient return: " + ("hidden behind attention where it fits"
                   if overlap else "not overlapped (--overlap-replication hides it behind attention)"),
                   highlight=False)
+    online = [n for n in doc["systems"] if n.startswith("online-")]
+    if online:
+        b = cfg.get("baseline_options", {})
+        console.print(f"{', '.join(online)}: run-time planning {b.get('online_plan_latency_us')} us per "
+                      f"layer and micro-batch on the critical path (--set online.plan_latency_us=...)",
+                      highlight=False)
 
 
 def write_plot(result: SimResult, path: str) -> None:
@@ -202,7 +212,7 @@ def write_plot(result: SimResult, path: str) -> None:
                  ha="center", va="bottom", fontsize=9)
     ax2.set_ylabel("step time (s)")  # one axis for all bars: seconds, as in the JSON
     ax2.set_title("step time (label: speedup over static)")
-    ax2.tick_params(axis="x", labelrotation=20)
+    plt.setp(ax2.get_xticklabels(), rotation=30, ha="right")  # nine system names
     ax2.legend(fontsize=8, loc="lower right")
     cfg = result.config
     fig.suptitle(f"{cfg.model.name}, {cfg.topology.num_nodes} x {cfg.topology.gpus_per_node} "

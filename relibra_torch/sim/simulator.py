@@ -10,7 +10,8 @@ step's migration is counted from the placement actually in force. The first
 ``warmup_steps`` steps are run but left out of the figures (EPLB has no history yet).
 
 "static" and "ideal" are always computed, because the speedup and fraction-of-ideal
-figures are relative to them.
+figures are relative to them. A planner with a ``plan_latency_s`` attribute (the online
+systems) plans at run time: the cost model charges that much per layer and micro-batch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..planning.base import Planner, StaticPlanner
 from ..planning.evaluate import evaluate
 from ..planning.plan import validate_plan
 from ..planning.topology import Topology
+from .baselines import BaselineOptions
 from .cost import CostModel, CostOptions, StepCost
 from .presets import HardwareSpec, ModelSpec
 from .workload import Workload
@@ -33,7 +35,8 @@ from .workload import Workload
 __all__ = ["SYSTEMS", "SimConfig", "SystemResult", "SimResult", "simulate", "default_planner_factory",
            "parse_systems"]
 
-SYSTEMS = ("static", "eplb", "eplb-oracle", "relibra", "ideal")
+SYSTEMS = ("static", "eplb", "eplb-oracle", "eplb-instance", "eplb-oracle-instance", "online-node",
+           "online-global", "relibra", "ideal")
 
 PlannerFactory = Callable[[str, Topology, CostModel], Planner]
 
@@ -50,16 +53,21 @@ def parse_systems(text: str) -> tuple[str, ...]:
     return tuple(s for s in SYSTEMS if s in wanted)
 
 
-def default_planner_factory(name: str, topology: Topology, cost: CostModel) -> Planner:
-    """The project's planner ``name``; the ReLibra planner gets the cost model's weights."""
+def default_planner_factory(name: str, topology: Topology, cost: CostModel,
+                            options: BaselineOptions | None = None) -> Planner:
+    """The project's planner ``name``; the ReLibra planner gets the cost model's weights, the
+    baselines their ``options`` (defaults: :class:`BaselineOptions`)."""
     if name == "static":
         return StaticPlanner(topology)
     from ..planning import ReLibraConfig, make_planner
     if name == "relibra":
         return make_planner(name, topology, config=ReLibraConfig.from_weights(cost.reorder_weights()))
-    if name in ("eplb", "eplb-oracle"):  # EPLB's hierarchical policy packs the model's groups
-        return make_planner(name, topology, num_groups=cost.model.num_expert_groups)
-    return make_planner(name, topology)
+    kwargs = (options or BaselineOptions()).planner_kwargs(name)
+    if name.startswith("eplb") and kwargs.get("num_groups", 1) == 1:
+        # EPLB's hierarchical policy packs the model's expert groups (n_group), unless the
+        # [eplb] section sets num_groups itself
+        kwargs["num_groups"] = cost.model.num_expert_groups
+    return make_planner(name, topology, **kwargs)
 
 
 @dataclass
@@ -73,6 +81,7 @@ class SimConfig:
     cost_options: CostOptions = field(default_factory=CostOptions)
     warmup_steps: int = 0
     validate: bool = True
+    baseline_options: BaselineOptions = field(default_factory=BaselineOptions)
 
     def __post_init__(self) -> None:
         if self.topology.num_experts != self.model.num_experts:
@@ -113,6 +122,8 @@ class SystemResult:
             "all_to_all_s": sum(float(c.all_to_all_s_ML.sum()) for c in self.costs) / len(self.costs),
             "replica_transfer_s": sum(float(c.replica_s_ML.sum()) for c in self.costs) / len(self.costs),
             "replica_exposed_s": sum(float(c.replica_exposed_s_ML.sum()) for c in self.costs) / len(self.costs),
+            "planning_exposed_s": sum(float(c.planning_exposed_s_ML.sum()) for c in self.costs
+                                      if c.planning_exposed_s_ML is not None) / len(self.costs),
             "attention_dense_s": self.mean("attention_dense_s"),
             "migration_s": self.mean("migration_s"),
             "step_time_s": self.mean("step_s"),
@@ -169,6 +180,9 @@ def simulate(workload: Workload, config: SimConfig,
         raise ValueError(f"the workload's loads {tuple(workload.loads_XMLSE.shape)} do not fit "
                          f"{topo.num_gpus} GPUs x {topo.num_experts} experts")
     cost = CostModel(config.model, config.hardware, config.cost_options)
+    if planner_factory is default_planner_factory:
+        def planner_factory(name, topology, cost_model):
+            return default_planner_factory(name, topology, cost_model, config.baseline_options)
     results: dict[str, SystemResult] = {}
     for name in config.systems:
         imb, costs, planner_s = [], [], []
@@ -190,7 +204,8 @@ def simulate(workload: Workload, config: SimConfig,
                     validate_plan(plan, loads_MLSE)
                 if measured:  # a warm-up step only advances the planner's state
                     metrics = evaluate(plan, loads_MLSE)
-                    costs.append(cost.step_cost(plan, metrics, tokens_MS, pairs_MS))
+                    costs.append(cost.step_cost(plan, metrics, tokens_MS, pairs_MS,
+                                                getattr(planner, "plan_latency_s", 0.0)))
                     imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
                 planner.commit(plan, loads_MLSE)

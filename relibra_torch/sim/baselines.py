@@ -1,0 +1,105 @@
+"""Settings of the baseline systems (``[eplb]`` and ``[online]`` sections, ``--set eplb.X=..``).
+
+Every default is a public figure or a public default, named next to it; docs/simulator.md
+lists them. The baselines are held at their best: a setting is never chosen to make
+relibra look better.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..checks import check_int, check_number
+
+__all__ = ["BaselineOptions", "SECTIONS", "baseline_options"]
+
+
+@dataclass(frozen=True)
+class BaselineOptions:
+    """Settings of the EPLB and online systems.
+
+    Attributes:
+        eplb_interval: ``eplb`` (and ``eplb-instance``) rebalance every this many steps, from
+            the mean load of the last ``eplb_window`` steps, and keep their replica table in
+            between (vLLM ``--eplb-config.step_interval``, SGLang
+            ``--eplb-rebalance-num-iterations``). The oracle variants plan every step.
+        eplb_window: steps of history EPLB averages.
+        eplb_num_groups: expert groups of the model for EPLB's hierarchical policy (used
+            when the node count divides it; 1 = the global policy, for models without groups).
+        online_plan_latency_us: run-time planning per layer and micro-batch on the critical
+            path of ``online-node`` and ``online-global``. Default 67 us: the smallest
+            ``update_placement`` time UltraEP publishes (EP 64, 256 experts: 67-78 us,
+            README table); MoonEP publishes its planner only inside stacked bars.
+        online_min_replica_tokens: fewest tokens an ``online-global`` replica takes
+            (UltraEP's ``ULTRA_EP_QUOTA_MIN_TOKENS_PER_REPLICA`` default, 1024). MoonEP has
+            no such floor and ``online-node`` uses none.
+    """
+
+    eplb_interval: int = 1
+    eplb_window: int = 8
+    eplb_num_groups: int = 1
+    online_plan_latency_us: float = 67.0
+    online_min_replica_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        check_int("eplb.interval", self.eplb_interval, 1)
+        check_int("eplb.window", self.eplb_window, 1)
+        check_int("eplb.num_groups", self.eplb_num_groups, 1)
+        check_number("online.plan_latency_us", self.online_plan_latency_us, 0.0)
+        check_int("online.min_replica_tokens", self.online_min_replica_tokens, 0)
+
+    def planner_kwargs(self, name: str) -> dict:
+        """Keyword arguments of :func:`relibra_torch.planning.make_planner` for system ``name``."""
+        if name.startswith("eplb"):
+            kwargs = {"window": self.eplb_window, "num_groups": self.eplb_num_groups}
+            if "oracle" not in name:
+                kwargs["interval"] = self.eplb_interval
+            return kwargs
+        if name.startswith("online-"):
+            kwargs = {"plan_latency_s": self.online_plan_latency_us * 1e-6}
+            if name == "online-global":
+                kwargs["min_replica_tokens"] = self.online_min_replica_tokens
+            return kwargs
+        return {}
+
+
+SECTIONS = {
+    "eplb": {"interval": int, "window": int, "num_groups": int},
+    "online": {"plan_latency_us": float, "min_replica_tokens": int},
+}
+"""Sections and fields accepted in ``--config`` files and ``--set SECTION.FIELD=VALUE``."""
+
+
+def _convert(section: str, name: str, kind: type, value: object) -> object:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)                     # TOML/JSON write 10 for 10.0
+    if not isinstance(value, str):
+        return value
+    try:
+        return kind(value)
+    except ValueError:
+        what = "an int" if kind is int else "a number"
+        raise ValueError(f"{section}.{name} = {value!r}; allowed: {what}") from None
+
+
+def baseline_options(sections: dict[str, dict]) -> BaselineOptions:
+    """:class:`BaselineOptions` from ``{"eplb": {FIELD: VALUE}, "online": {...}}``.
+
+    Values may be strings (from ``--set``); unknown sections or fields raise ``ValueError``
+    listing the allowed ones.
+    """
+    values = {}
+    for section, fields in sections.items():
+        if section not in SECTIONS:
+            raise ValueError(f"unknown section {section!r}; allowed: {', '.join(SECTIONS)}")
+        if not isinstance(fields, dict):
+            raise ValueError(f"section {section!r} must be a table of FIELD = VALUE, got {fields!r}")
+        for name, value in fields.items():
+            if name not in SECTIONS[section]:
+                raise ValueError(f"{section}.{name} is not a setting; allowed: "
+                                 f"{', '.join(f'{section}.{f}' for f in SECTIONS[section])}")
+            values[f"{section}_{name}"] = _convert(section, name, SECTIONS[section][name], value)
+    known = {f.name for f in dataclasses.fields(BaselineOptions)}
+    assert set(values) <= known
+    return BaselineOptions(**values)
