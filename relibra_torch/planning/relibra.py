@@ -109,6 +109,20 @@ class ReLibraConfig:
             return torch.iinfo(torch.int64).max
         return math.ceil(self.replica_fill_s_per_expert / per_token)
 
+    @property
+    def min_cross_replica_tokens(self) -> int:
+        """Fewest tokens a second copy of a cross-node replica must take off the busiest GPU
+        of its node to pay for its fill from the owner's node (0 when fills are free).
+
+        The tokens stay inside the node either way, so only expert compute is saved; and
+        every copy is sent by the same owner, whose link carries them all.
+        """
+        if self.cross_replica_fill_s_per_expert <= 0:
+            return 0
+        if self.compute_s_per_token <= 0:
+            return torch.iinfo(torch.int64).max
+        return math.ceil(self.cross_replica_fill_s_per_expert / self.compute_s_per_token)
+
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
@@ -284,15 +298,17 @@ def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: tor
 
 
 def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-              min_tokens: int = 0, prefilled: tuple[torch.Tensor, torch.Tensor] | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
+              min_tokens: int = 0, prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
+              min_cross_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-micro-batch intra-node replication under a fixed placement.
 
     ``min_tokens``: a replica is made only if it takes at least this many tokens (see
     :attr:`ReLibraConfig.min_replica_tokens`). ``prefilled``: ``(expert_MLGr, quota_MLGr)``
     replicas already placed in the first ``r`` replica slots of every GPU (e.g. cross-node
     traffic replicas); their quotas come off their experts' owners and count as their
-    GPU's load, and balancing uses the remaining ``R - r`` slots.
+    GPU's load, and balancing uses the remaining ``R - r`` slots. A GPU overloaded by such a
+    replica can give part of its quota to another GPU of the node like a native expert's
+    (a second copy, filled from the owner's node: at least ``min_cross_tokens`` tokens).
 
     Returns:
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
@@ -323,32 +339,48 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         load = load + rep_quota[..., :r0].sum(-1)
     target = (load.sum(-1) + g - 1) // g
     rows = torch.arange(B)
+    # What a GPU can give away: its native experts' remaining load, then its prefilled
+    # replicas' quotas (a copy of those is filled from another node).
+    giveable = torch.cat([rem, rep_quota[..., :r0]], -1)                   # [B, g, El + r0]
+    give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
+    need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
     for _ in range(g * R):
         h = load.argmax(-1)                       # busiest GPU (first on ties)
         excess = load[rows, h] - target
-        can_take = (used < R) & (load < target.unsqueeze(1))
+        # The busiest GPU's largest remaining expert among those whose share would pay for
+        # its fill (at most the least-loaded receiver's deficit, see below).
+        open_ = (used < R) & (load < target.unsqueeze(1))
+        room = (target - load.masked_fill(~open_, torch.iinfo(torch.int64).max).min(-1).values).clamp(min=0)
+        cand = giveable[rows, h]
+        pays = torch.minimum(cand, room.unsqueeze(1)) >= need_K
+        idx = cand.masked_fill(~pays, -1).argmax(-1)
+        expert_B = give_expert[rows, h, idx]
+        holds = (rep_expert == expert_B.view(B, 1, 1)).any(-1)             # a GPU holds it already
+        can_take = (used < R) & (load < target.unsqueeze(1)) & ~holds
         u = load.masked_fill(~can_take, torch.iinfo(torch.int64).max).argmin(-1)
-        idx = rem[rows, h].argmax(-1)             # busiest GPU's largest remaining expert
         deficit = target - load[rows, u]
         # A receiver's last free slot takes all it can, even past the giver's excess (the
         # giver then becomes a receiver with its own free slots): per-GPU slots, not total
         # slots, are what run out first.
         last_slot = used[rows, u] == R - 1
         give = torch.where(last_slot, deficit, torch.minimum(excess, deficit))
-        amount = torch.minimum(give, rem[rows, h, idx])
-        active = (excess > 0) & can_take.any(-1) & (amount > 0) & (amount >= min_tokens)
+        amount = torch.minimum(give, giveable[rows, h, idx])
+        need = torch.where(idx >= El, min_cross_tokens, min_tokens)
+        active = (excess > 0) & can_take.any(-1) & (amount > 0) & (amount >= need)
         if not active.any():
             break
         amount = amount * active
         r, hh, uu, ii = rows[active], h[active], u[active], idx[active]
         amt = amount[active]
         slot = used[r, uu]
-        rep_expert[r, uu, slot] = experts[r, hh, ii]
+        rep_expert[r, uu, slot] = give_expert[r, hh, ii]
         rep_quota[r, uu, slot] = amt
         used[r, uu] += 1
-        rem[r, hh, ii] -= amt
+        giveable[r, hh, ii] -= amt
         load[r, hh] -= amt
         load[r, uu] += amt
+    rem = giveable[..., :El]
+    rep_quota[..., :r0] = giveable[..., El:]
     slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
     slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
     return slot_expert.contiguous(), slot_tokens.contiguous()
@@ -376,7 +408,8 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     if config.cross_node_replicas and topology.num_nodes > 1 and R:
         prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, (R + 1) // 2,
                                      config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
-    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE, config.min_replica_tokens, prefilled)
+    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE, config.min_replica_tokens, prefilled,
+                                         config.min_cross_replica_tokens)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
 
