@@ -52,7 +52,7 @@ import torch
 from ..checks import check_choice, check_int, check_number, check_tensor
 
 __all__ = ["PACKING_METHODS", "PackingCosts", "PackingConfig", "PackingPlan", "PackingProblem",
-           "balanced_node_placement", "plan_packing", "length_packing"]
+           "balanced_node_placement", "plan_packing", "length_packing", "per_sample_counts", "pack_replay"]
 
 PACKING_METHODS = ("fixed", "length", "routepack")
 
@@ -121,7 +121,7 @@ class PackingConfig:
     gpus_per_node: int = 1
     method: str = "routepack"
     seed: int = 0
-    max_proposals: int = 20_000
+    max_proposals: int = 12_000
     time_budget_s: float | None = None
     temperature: float = 1e-3
 
@@ -274,6 +274,15 @@ class PackingProblem:
         self._attn = (c.num_moe_layers * c.moe_layer_s_per_token, c.num_moe_layers * c.s_per_attention_pair,
                       c.num_dense_layers * c.dense_layer_s_per_token, c.num_dense_layers * c.s_per_attention_pair,
                       c.head_s_per_token)
+        # A sample's routing-blind work on its rank: attention and dense parts, plus the
+        # all-to-all send of its token-expert pairs if its experts were spread evenly over
+        # the nodes (a fraction (Q-1)/Q crosses nodes, (g-1)/(g Q) stays on other local GPUs).
+        a_t = self._attn[0] + self._attn[2] + self._attn[4]
+        a_p = self._attn[1] + self._attn[3]
+        send = c.cross_node_s_per_token * (self.Q - 1) / self.Q + c.intra_node_s_per_token * (g - 1) / (g * self.Q)
+        self.work_N = a_t * self.n_N + a_p * self.pairs_N + send * self.tot_NL.sum(-1)
+        if not self.work_N.any():
+            self.work_N = self.n_N.astype(np.float64)
 
     # -- evaluation ------------------------------------------------------------------------
     def _bin_state(self, bin_N: np.ndarray):
@@ -347,12 +356,10 @@ class PackingProblem:
 
     # -- starts ----------------------------------------------------------------------------
     def length_start(self) -> np.ndarray:
-        """Longest first, each sample to the bin (micro-batch-major) with the least attention
-        work that has room; returns bins ``[N]`` (``m * S + s``)."""
+        """Longest first, each sample to the bin (micro-batch-major) with the least work that
+        has room; returns bins ``[N]`` (``m * S + s``). Work is routing-blind: attention and
+        dense time plus the all-to-all send of evenly spread tokens (``work_N``)."""
         B, cap = self.M * self.S, self.config.max_tokens
-        a_t, a_p = self._attn[0] + self._attn[2] + self._attn[4], self._attn[1] + self._attn[3]
-        if a_t == 0 and a_p == 0:
-            a_t = 1.0
         order = np.argsort(-self.n_N, kind="stable")
         T = np.zeros(B)
         work = np.zeros(B)
@@ -372,7 +379,7 @@ class PackingProblem:
             bin_N[i] = b
             T[b] += n
             cnt[b] += 1
-            work[b] += a_t * n + a_p * self.pairs_N[i]
+            work[b] += self.work_N[i]
         if (cnt == 0).any():  # only when long samples leave too few bins: handled by _repair
             bin_N = self._repair(bin_N)
         return bin_N
@@ -429,6 +436,8 @@ class PackingProblem:
         T, P, own, tot, NL = self._bin_state(bin_N)
         cost_M = self._cost(T, P, own, tot, NL)
         cnt = np.bincount(bin_N, minlength=M * S).reshape(M, S)
+        work_N = self.work_N
+        W = np.bincount(bin_N, weights=work_N, minlength=M * S).reshape(M, S)
         cur = float(cost_M.sum())
         best, best_bins = cur, bin_N.copy()
         temp0 = cfg.temperature * cur / M
@@ -449,34 +458,50 @@ class PackingProblem:
             tot[m, s] += sign * tot_NL[i]
             NL[m] += sign * d_NLQ[i]
             cnt[m, s] += sign
+            W[m, s] += sign * work_N[i]
 
         for it in range(total):
             if t_end is not None and (it & 63) == 0 and time.perf_counter() > t_end:
                 break
             done = it + 1
-            i = int(rng.integers(N))
-            b1 = int(bin_N[i])
-            m1, s1 = divmod(b1, S)
-            swap = rng.random() < 0.5
-            if swap:
-                j = int(order[min(N - 1, max(0, pos[i] + int(rng.integers(-width, width + 1))))])
-                b2 = int(bin_N[j])
+            kind = rng.random()
+            if kind < 0.4:
+                # Balance one micro-batch: from its busiest rank to its least busy one.
+                m1 = m2 = int(rng.integers(M))
+                s1, s2 = int(W[m1].argmax()), int(W[m1].argmin())
+                if s1 == s2:
+                    continue
+                b1, b2 = m1 * S + s1, m1 * S + s2
+                members = np.flatnonzero(bin_N == b1)
+                i = int(members[rng.integers(members.size)])
+                swap = members.size < 2 or rng.random() < 0.5
+                if swap:
+                    others = np.flatnonzero(bin_N == b2)
+                    j = int(others[rng.integers(others.size)])
+                    if work_N[j] >= work_N[i]:
+                        continue
+            else:
+                i = int(rng.integers(N))
+                b1 = int(bin_N[i])
+                m1, s1 = divmod(b1, S)
+                swap = kind < 0.7
+                if swap:  # a sample of similar length elsewhere: routing changes, attention barely
+                    j = int(order[min(N - 1, max(0, pos[i] + int(rng.integers(-width, width + 1))))])
+                    b2 = int(bin_N[j])
+                else:
+                    b2 = int(rng.integers(M * S))
                 if b2 == b1:
                     continue
                 m2, s2 = divmod(b2, S)
+            if swap:
                 dn = n_N[j] - n_N[i]
                 if (cnt[m1, s1] > 1 and T[m1, s1] + dn > cap) or (cnt[m2, s2] > 1 and T[m2, s2] - dn > cap):
                     continue
-            else:
-                if cnt[m1, s1] < 2:
-                    continue
-                b2 = int(rng.integers(M * S))
-                m2, s2 = divmod(b2, S)
-                if b2 == b1 or T[m2, s2] + n_N[i] > cap:
-                    continue
+            elif cnt[m1, s1] < 2 or T[m2, s2] + n_N[i] > cap:
+                continue
             ms = (m1,) if m1 == m2 else (m1, m2)
-            saved = [(T[m].copy(), P[m].copy(), own[m].copy(), tot[m].copy(), NL[m].copy(), cnt[m].copy())
-                     for m in ms]
+            saved = [(T[m].copy(), P[m].copy(), own[m].copy(), tot[m].copy(), NL[m].copy(), cnt[m].copy(),
+                      W[m].copy()) for m in ms]
             shift(i, m1, s1, -1)
             shift(i, m2, s2, +1)
             if swap:
@@ -496,8 +521,8 @@ class PackingProblem:
                 if cur < best - 1e-12 * abs(best):
                     best, best_bins = cur, bin_N.copy()
             else:
-                for m, (t_, p_, o_, to_, nl_, c_) in zip(ms, saved):
-                    T[m], P[m], own[m], tot[m], NL[m], cnt[m] = t_, p_, o_, to_, nl_, c_
+                for m, (t_, p_, o_, to_, nl_, c_, w_) in zip(ms, saved):
+                    T[m], P[m], own[m], tot[m], NL[m], cnt[m], W[m] = t_, p_, o_, to_, nl_, c_, w_
         return best_bins, done, accepted
 
 
@@ -573,3 +598,42 @@ def plan_packing(lengths_N: torch.Tensor, counts_NLE: torch.Tensor | None, confi
         bins, final = start, start_obj
     return _plan_from_bins(problem, bins, objective_s=final, start_objectives_s=starts, method="routepack",
                            proposals=proposals, accepted=accepted)
+
+
+def per_sample_counts(routed_experts_TLK: torch.Tensor, sample_lengths_N: torch.Tensor,
+                      num_experts: int) -> torch.Tensor:
+    """int32 ``[N, L, E]`` token-expert pairs of each sample (tokens of sample ``n`` are the
+    ``sample_lengths_N[n]`` rows after the previous samples'); ids ``< 0`` (padding) count nothing."""
+    check_tensor("routed_experts_TLK", routed_experts_TLK, dim=3, dtypes=_INT_DTYPES)
+    check_tensor("sample_lengths_N", sample_lengths_N, dim=1, dtypes=_INT_DTYPES)
+    E = check_int("num_experts", num_experts, 1)
+    T, L, _ = routed_experts_TLK.shape
+    if int(sample_lengths_N.sum()) != T:
+        raise ValueError(f"sample_lengths_N sums to {int(sample_lengths_N.sum())} tokens but routed_experts_TLK "
+                         f"has {T}")
+    N = sample_lengths_N.numel()
+    ids = routed_experts_TLK.to(torch.int64)
+    if int(ids.max()) >= E:
+        raise ValueError(f"routed_experts_TLK holds expert {int(ids.max())}; allowed: < num_experts = {E}")
+    sample_T = torch.repeat_interleave(torch.arange(N), sample_lengths_N.to(torch.int64))
+    flat = (sample_T.view(-1, 1, 1) * L + torch.arange(L).view(1, L, 1)) * E + ids
+    valid = ids >= 0
+    out = torch.zeros(N * L * E, dtype=torch.int32)
+    out.index_add_(0, flat[valid], torch.ones(int(valid.sum()), dtype=torch.int32))
+    return out.view(N, L, E)
+
+
+def pack_replay(replay, config: PackingConfig, costs: PackingCosts, *,
+                initial: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackingPlan:
+    """Pack a step's routing replay (every rank's samples, gathered; a
+    :class:`relibra_torch.replay.RoutingReplay` or anything with ``routed_experts_TLK``,
+    ``sample_lengths`` and ``num_experts``): :func:`plan_packing` on its lengths and
+    per-sample counts.
+
+    Apply the result with ``plan.micro_batches_of(rank)``: rank ``r``'s micro-batch ``m``
+    holds the samples whose ids are listed there (ids index the replay's samples), or with
+    ``plan.permutation_N`` (all samples, rank-major) and ``plan.bin_offsets``.
+    """
+    lengths = replay.sample_lengths.to(torch.int64)
+    counts = per_sample_counts(replay.routed_experts_TLK, lengths, replay.num_experts)
+    return plan_packing(lengths, counts, config, costs, initial=initial)

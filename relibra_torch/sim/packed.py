@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ..planning.packing import PACKING_METHODS, PackingConfig, PackingCosts, plan_packing
+from ..planning.packing import PACKING_METHODS, PackingConfig, PackingCosts, per_sample_counts, plan_packing
 from ..planning.topology import Topology
 from .cost import CostModel
 from .presets import ModelSpec
@@ -106,18 +106,6 @@ def _note(method: str, cap, objectives: list[dict]) -> str:
             f"sample alone); surrogate objective {'; '.join(parts)}")
 
 
-def _per_sample_counts(rr) -> torch.Tensor:
-    """int32 ``[N, L, E]`` token-expert counts per sample of a :class:`RoutingReplay`."""
-    N, L, E, K = rr.num_samples, rr.num_layers, rr.num_experts, rr.top_k
-    ids = rr.routed_experts_TLK.to(torch.int64)
-    sample_T = torch.repeat_interleave(torch.arange(N), rr.sample_lengths.to(torch.int64))
-    flat = (sample_T.view(-1, 1, 1) * L + torch.arange(L).view(1, L, 1)) * E + ids
-    valid = ids >= 0
-    out = torch.zeros(N * L * E, dtype=torch.int32)
-    out.index_add_(0, flat[valid], torch.ones(int(valid.sum()), dtype=torch.int32))
-    return out.view(N, L, E)
-
-
 def replay_packing_workload(path: str, model: ModelSpec, topology: Topology, cost: CostModel,
                             num_micro_batches: int, packing: str, seed: int = 0,
                             sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> Workload:
@@ -141,7 +129,7 @@ def replay_packing_workload(path: str, model: ModelSpec, topology: Topology, cos
         part = rr.select(ids) if len(groups) > 1 else rr
         assign = replay.batch_samples(part.sample_lengths, S, num_micro_batches=M)
         steps.append(SampleStep(part.sample_lengths.to(torch.int64), torch.zeros(part.num_samples, dtype=torch.int64),
-                                _per_sample_counts(part), assign.rank_N, assign.micro_batch_N))
+                                per_sample_counts(part.routed_experts_TLK, part.sample_lengths, part.num_experts), assign.rank_N, assign.micro_batch_N))
         caps.append(int(base.tokens_XMS[len(caps)].max()))
     out = []
     for x, st in enumerate(steps):
