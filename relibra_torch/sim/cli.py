@@ -6,7 +6,9 @@ imbalance, MoE-layer and step time, speedup over static and over oracle EPLB, fr
 the ideal step time, traffic and planner time. With no file it generates the default
 synthetic RL trace (seeded, mixed tasks). A routing replay file (relibra.routing/1) is
 batched into ranks and micro-batches by relibra_torch.replay.batch_samples (see
-docs/simulator.md); a loads file (relibra.loads/1) is used as batched.
+docs/simulator.md); a loads file (relibra.loads/1) is used as batched. --trace picks the
+synthetic trace family, --packing how each step's samples are packed into ranks and
+micro-batches (fixed: the source's rule; length; routepack: replay-aware, docs/packing.md).
 
 Precedence of settings: command-line options > --config FILE > built-in defaults. For the
 model: --set model.FIELD=VALUE > --model-config (a Hugging Face config.json) > --config FILE
@@ -19,6 +21,7 @@ examples:
   relibra simulate --model qwen3-235b-a22b --nodes 2 --systems static,eplb-oracle,relibra
   relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
   relibra simulate replay.safetensors --model-config Mixtral-8x7B/config.json --nodes 1
+  relibra simulate --trace long-tail --packing routepack --systems static,eplb-oracle,relibra
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ simulate --trace NAME`` picks one; more families slot into :data:`TRACE_FAMILIES
   longer than the budget truncated to it).
 * ``long-tail``: RL with long chain-of-thought responses: response lengths lognormal
   from 100 to 16,384 tokens (medians 3,000 / 2,200 / 1,400 / 500 for math / code /
-  science / chat, log-sigma 1.0, so about 2% of math responses reach the 16K clip), the
+  science / chat, log-sigma 1.0, so about 4% of math responses reach the 16K clip), the
   default task experts and skew. A sample longer than the micro-batch budget is kept whole
   in a micro-batch of its own (as a trainer must: it cannot cut a response).
 
