@@ -168,12 +168,17 @@ class PackingPlan:
     accepted: int = 0
 
     @property
+    def num_micro_batches(self) -> int:
+        return (self.bin_offsets.numel() - 1) // self.num_ranks
+
+    @property
     def num_ranks(self) -> int:
-        return int(self.rank_N.max()) + 1 if self.rank_N.numel() else 0
+        return int(self.rank_N.max()) + 1  # every rank holds M non-empty micro-batches
 
     def micro_batches_of(self, rank: int) -> list[torch.Tensor]:
         """Sample ids of each of ``rank``'s micro-batches, in order (int64 tensors)."""
-        M = (self.bin_offsets.numel() - 1) // max(self.num_ranks, 1)
+        check_int("rank", rank, 0, self.num_ranks - 1)
+        M = self.num_micro_batches
         o = self.bin_offsets
         return [self.permutation_N[int(o[rank * M + m]):int(o[rank * M + m + 1])] for m in range(M)]
 
@@ -256,6 +261,8 @@ class PackingProblem:
             check_tensor("counts_NLE", counts_NLE, dim=3, dtypes=_INT_DTYPES)
             if counts_NLE.shape[0] != N:
                 raise ValueError(f"counts_NLE has {counts_NLE.shape[0]} samples but lengths_N has {N}")
+            if int(counts_NLE.min()) < 0:
+                raise ValueError(f"counts_NLE holds {int(counts_NLE.min())}; allowed: counts >= 0")
             L, E = counts_NLE.shape[1:]
             self.L = L
             if node_LE is None:
