@@ -252,3 +252,13 @@ def test_relibra_trainer_repacks_file_steps_without_changing_the_loss(tmp_path):
         assert m["relibra/packing_objective_s"] <= m["relibra/packing_fixed_s"]
     assert sum(m["relibra/packing_moved_samples"] for m in packed[0]["metrics"]) > 0  # samples really moved
     assert "relibra/packing_objective_s" not in fixed[0]["metrics"][0]
+
+
+def test_config_file_packing_and_trace_are_checked(tmp_path, capsys):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"simulate": {"packing": "best"}}))
+    rc, _, err = _simulate(capsys, *SMALL, "--config", str(cfg))
+    assert rc == 2 and "--packing 'best'; allowed: fixed, length, routepack" in err
+    cfg.write_text(json.dumps({"simulate": {"trace": "spiky"}}))
+    rc, _, err = _simulate(capsys, *SMALL, "--config", str(cfg))
+    assert rc == 2 and "--trace 'spiky'; allowed: default, long-tail" in err
