@@ -183,6 +183,17 @@ class PackingPlan:
         return [self.permutation_N[int(o[rank * M + m]):int(o[rank * M + m + 1])] for m in range(M)]
 
 
+def _aggregate_LE(counts_f_NLE: torch.Tensor, max_count: int) -> torch.Tensor:
+    """float64 ``[L, E]``: float32 integer counts (each <= ``max_count``) summed over
+    samples exactly: chunks small enough that every float32 partial sum stays below 2**24."""
+    N, L, E = counts_f_NLE.shape
+    chunk = max(1, (1 << 24) // max(1, max_count))
+    out = torch.zeros(L, E, dtype=torch.float64)
+    for i in range(0, N, chunk):
+        out += counts_f_NLE[i:i + chunk].sum(0)
+    return out
+
+
 def balanced_node_placement(load_LE: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """int64 ``[L, E]`` node of every expert: heaviest expert first to the lightest node
     with room (``ceil(E / Q)`` experts per node), per layer, vectorised over layers.
@@ -265,15 +276,16 @@ class PackingProblem:
                 raise ValueError(f"counts_NLE holds {int(counts_NLE.min())}; allowed: counts >= 0")
             L, E = counts_NLE.shape[1:]
             self.L = L
+            counts_f = counts_NLE.to(torch.float32)
             if node_LE is None:
-                node_LE = balanced_node_placement(counts_NLE.sum(0, dtype=torch.int64), self.Q)
+                node_LE = balanced_node_placement(_aggregate_LE(counts_f, int(self.n_N.max())), self.Q)
             check_tensor("node_LE", node_LE, dim=2)
             if tuple(node_LE.shape) != (L, E) or int(node_LE.min()) < 0 or int(node_LE.max()) >= self.Q:
                 raise ValueError(f"node_LE must be [L, E] = [{L}, {E}] with nodes in [0, {self.Q}), got "
                                  f"shape {tuple(node_LE.shape)}")
             onehot_LEQ = torch.nn.functional.one_hot(node_LE.to(torch.int64), self.Q).to(torch.float32)
-            d = torch.einsum("nle,leq->nlq", counts_NLE.to(torch.float32), onehot_LEQ)
-            self.d_NLQ = d.to(torch.float64).numpy()
+            # exact in float32 while a sample has fewer than 2**24 token-expert pairs per layer
+            self.d_NLQ = torch.einsum("nle,leq->nlq", counts_f, onehot_LEQ).to(torch.float64).numpy()
             self.tot_NL = self.d_NLQ.sum(-1)
             self.moe = True
         self.node_S = np.arange(S) // g
@@ -299,12 +311,13 @@ class PackingProblem:
         P = np.bincount(bin_N, weights=self.pairs_N, minlength=B).reshape(self.M, self.S)
         node_N = self.node_S[bin_N % self.S]
         own_NL = self.d_NLQ[np.arange(self.N), :, node_N]
-        own = np.zeros((B, L))
-        np.add.at(own, bin_N, own_NL)
-        tot = np.zeros((B, L))
-        np.add.at(tot, bin_N, self.tot_NL)
-        NL = np.zeros((self.M, L, self.Q))
-        np.add.at(NL, bin_N // self.S, self.d_NLQ)
+        Q = self.Q
+        # one flat bincount per quantity (np.add.at is unbuffered and slow)
+        flat_NL = (bin_N[:, None] * L + np.arange(L)).ravel()
+        own = np.bincount(flat_NL, weights=own_NL.ravel(), minlength=B * L).reshape(B, L)
+        tot = np.bincount(flat_NL, weights=self.tot_NL.ravel(), minlength=B * L).reshape(B, L)
+        flat_NLQ = ((bin_N // self.S)[:, None] * (L * Q) + np.arange(L * Q)).ravel()
+        NL = np.bincount(flat_NLQ, weights=self.d_NLQ.ravel(), minlength=self.M * L * Q).reshape(self.M, L, Q)
         return T, P, own.reshape(self.M, self.S, L), tot.reshape(self.M, self.S, L), NL
 
     def _cost(self, T, P, own, tot, NL) -> np.ndarray:

@@ -98,10 +98,10 @@ def _note(method: str, cap, objectives: list[dict]) -> str:
     caps = cap if isinstance(cap, list) else [cap]
     parts = []
     for x, o in enumerate(objectives):
-        starts = ", ".join(f"{k.removesuffix('_start_s')} {v:.3f} s" if v is not None else
+        starts = ", ".join(f"{k.removesuffix('_start_s')} {v:.4g} s" if v is not None else
                            f"{k.removesuffix('_start_s')} infeasible"
                            for k, v in o.items() if k.endswith("_start_s"))
-        parts.append(f"step {x}: {o['objective_s']:.3f} s ({starts})")
+        parts.append(f"step {x}: {o['objective_s']:.4g} s ({starts})")
     return (f"{method}, at most {'/'.join(map(str, sorted(set(caps))))} tokens per micro-batch (a longer "
             f"sample alone); surrogate objective {'; '.join(parts)}")
 
