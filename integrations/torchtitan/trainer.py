@@ -233,9 +233,10 @@ class RelibraTrainer(Trainer):
             if P == 1:
                 return local.reshape(M * B, *local.shape[2:])
             group = self.parallel_dims.get_mesh("batch").get_group()
-            parts = [torch.empty_like(local) for _ in range(P)]
-            dist.all_gather(parts, local.contiguous(), group=group)
-            whole = torch.stack(parts, 1)  # [M, P, B, ...]: sample order of the file
+            local_dev = local.to(self.device).contiguous()  # NCCL gathers device tensors only
+            parts = [torch.empty_like(local_dev) for _ in range(P)]
+            dist.all_gather(parts, local_dev, group=group)
+            whole = torch.stack(parts, 1).to(local.device)  # [M, P, B, ...]: sample order of the file
             return whole.reshape(M * P * B, *local.shape[2:])
 
         keys = [key for key in microbatches[0][0] if key != ROUTING_KEY]
