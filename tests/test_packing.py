@@ -262,3 +262,20 @@ def test_config_file_packing_and_trace_are_checked(tmp_path, capsys):
     cfg.write_text(json.dumps({"simulate": {"trace": "spiky"}}))
     rc, _, err = _simulate(capsys, *SMALL, "--config", str(cfg))
     assert rc == 2 and "--trace 'spiky'; allowed: default, long-tail" in err
+
+
+def test_packing_module_imports_only_planning():
+    """planning/packing.py takes prices as plain numbers: it must not pull in the simulator,
+    the layer, the ops or the distributed code."""
+    import os
+    import subprocess
+    import sys
+
+    import relibra_torch
+    root = os.path.dirname(os.path.dirname(os.path.abspath(relibra_torch.__file__)))  # this checkout
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    code = ("import sys, relibra_torch.planning.packing; "
+            "print(sorted({m.split('.')[1] for m in sys.modules if m.startswith('relibra_torch.')}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    assert out.strip() == "['checks', 'planning']", out

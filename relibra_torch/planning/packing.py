@@ -52,7 +52,7 @@ import torch
 from ..checks import check_choice, check_int, check_number, check_tensor
 
 __all__ = ["PACKING_METHODS", "PackingCosts", "PackingConfig", "PackingPlan", "PackingProblem",
-           "balanced_node_placement", "plan_packing", "length_packing", "per_sample_counts", "pack_replay"]
+           "balanced_node_placement", "plan_packing", "per_sample_counts", "pack_replay"]
 
 PACKING_METHODS = ("fixed", "length", "routepack")
 
@@ -555,12 +555,6 @@ def _plan_from_bins(problem: PackingProblem, bin_N: np.ndarray, **kw) -> Packing
     offsets = torch.zeros(S * M + 1, dtype=torch.int64)
     offsets[1:] = torch.bincount(rank * M + micro, minlength=S * M).cumsum(0)
     return PackingPlan(rank, micro, perm, offsets, **kw)
-
-
-def length_packing(lengths_N: torch.Tensor, config: PackingConfig, costs: PackingCosts) -> PackingPlan:
-    """The ``length`` method alone (routing-blind): see :func:`plan_packing`."""
-    cfg = PackingConfig(**{**config.__dict__, "method": "length"})
-    return plan_packing(lengths_N, None, cfg, costs)
 
 
 def plan_packing(lengths_N: torch.Tensor, counts_NLE: torch.Tensor | None, config: PackingConfig,
