@@ -113,7 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--packing", choices=PACKING_METHODS,
                         help="how a step's samples are packed into ranks and micro-batches, one packing "
                              "per step shared by every system: fixed (the source's rule), length "
-                             "(longest first, attention-balanced), routepack (replay-aware search) "
+                             "(longest first, balancing attention and tokens), routepack (replay-aware "
+                             "search) "
                              f"(default {d['packing']})")
 
 
