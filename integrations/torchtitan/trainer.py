@@ -57,6 +57,16 @@ class RelibraTrainerConfig:
     """
     replay_dir: str = ""
     """Directory of the per-step files (``source="files"``)."""
+    packing: Literal["fixed", "length", "routepack"] = "fixed"
+    """How the step's samples are spread over data-parallel ranks and micro-batches
+    (``source="files"`` only: the file holds the whole step). ``fixed`` keeps the data
+    loader's order; ``length`` / ``routepack`` repack with
+    :func:`relibra_torch.planning.packing.pack_replay` (every rank computes the same plan from
+    the file) and all-gather the micro-batches' tokens over the data-parallel ranks so each
+    rank trains the samples the plan gives it. Samples keep their rows of ``seq_len``
+    tokens, so every micro-batch keeps ``local_batch_size`` rows."""
+    packing_hardware: str = "h200"
+    """Hardware preset that prices the packing objective (``relibra_torch.sim.presets``)."""
     log_metrics: bool = True
     """Add the planner's numbers to torchtitan's metrics."""
 
@@ -121,6 +131,13 @@ class RelibraTrainer(Trainer):
         rc = config.relibra
         if rc.source == "files" and not rc.replay_dir:
             raise ValueError("relibra.source='files' needs relibra.replay_dir")
+        if rc.packing not in ("fixed", "length", "routepack"):
+            raise ValueError(f"relibra.packing = {rc.packing!r}; allowed: one of 'fixed', 'length', 'routepack'")
+        if rc.packing != "fixed" and rc.source != "files":
+            raise ValueError(f"relibra.packing={rc.packing!r} needs relibra.source='files' (a source holding "
+                             "the whole step's samples); with another data loader, pack with "
+                             "relibra_torch.planning.packing.pack_replay and apply its permutation in the "
+                             "loader (integrations/torchtitan/README.md)")
         self.model = self.model_parts[0]
         if not relibra_moe_layers(self.model):
             raise ValueError("RelibraTrainer: the model has no RelibraMoE layer; add "
@@ -130,6 +147,7 @@ class RelibraTrainer(Trainer):
         self._routing: list[torch.Tensor] | None = None
         self._micro_batch = 0
         self.relibra_metrics: dict[str, float] = {}
+        self.relibra_packing: dict[str, float] = {}
         if rc.log_metrics:
             self._wrap_metrics_log()
 
@@ -177,16 +195,85 @@ class RelibraTrainer(Trainer):
 
     # ------------------------------------------------------------------ the step
 
+    def _packed_step(self, microbatches) -> tuple[list, list[torch.Tensor]]:
+        """Repack the step (``relibra.packing``): this rank's new micro-batches and routing.
+
+        Sample ``k = (m * P + p) * B + b`` of the step file is row ``b`` of micro-batch ``m``
+        on data-parallel rank ``p`` (the data loader's order); the plan moves whole samples,
+        so every rank all-gathers the step's token rows and keeps the ones it is given.
+        """
+        import torch.distributed as dist
+
+        from relibra_torch.planning.packing import PackingConfig, pack_replay
+        from relibra_torch.replay import load_routing
+        from relibra_torch.sim.cost import expert_cost_model
+        from relibra_torch.sim.packed import packing_costs
+
+        rc = self.config.relibra
+        M, (P, rank) = len(microbatches), self._dp()
+        B, S = self.config.training.local_batch_size, self.config.training.seq_len
+        path = step_file(rc.replay_dir, self.step)
+        # validates the file (samples, lengths, layers) like the unpacked path
+        micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=rank, batch=B, seq_len=S,
+                                      num_layers=self.balancer.num_layers)
+        replay = load_routing(path)
+        layer = self.balancer.moe_layers[0].routed_experts
+        topo = layer.topology
+        costs = packing_costs(expert_cost_model(layer.dim, layer.hidden_dim, layer.num_experts, layer.top_k,
+                                                rc.packing_hardware))
+        gpn = topo.gpus_per_node if P % topo.gpus_per_node == 0 else 1
+        k = torch.arange(M * P * B)
+        fixed = ((k // B) % P, k // (B * P))
+        plan = pack_replay(replay, PackingConfig(P, M, B * S, gpus_per_node=gpn, method=rc.packing, seed=self.step),
+                           costs, initial=fixed)
+        mine = plan.micro_batches_of(rank)
+
+        def gathered(values: list[torch.Tensor]) -> torch.Tensor:
+            local = torch.stack(values)  # [M, B, ...]
+            if P == 1:
+                return local.reshape(M * B, *local.shape[2:])
+            group = self.parallel_dims.get_mesh("batch").get_group()
+            local_dev = local.to(self.device).contiguous()  # NCCL gathers device tensors only
+            parts = [torch.empty_like(local_dev) for _ in range(P)]
+            dist.all_gather(parts, local_dev, group=group)
+            whole = torch.stack(parts, 1).to(local.device)  # [M, P, B, ...]: sample order of the file
+            return whole.reshape(M * P * B, *local.shape[2:])
+
+        keys = [key for key in microbatches[0][0] if key != ROUTING_KEY]
+        for key in keys:
+            if not isinstance(microbatches[0][0][key], torch.Tensor) or microbatches[0][0][key].shape[:1] != (B,):
+                raise ValueError(f"relibra.packing={rc.packing!r} moves whole rows, but input_dict[{key!r}] is not "
+                                 f"a tensor of {B} rows")
+        inputs = {key: gathered([mb[0][key] for mb in microbatches]) for key in keys}
+        labels = gathered([mb[1] for mb in microbatches])
+        ids = replay.routed_experts_TLK.view(M * P * B, S, self.balancer.num_layers, replay.top_k).to(torch.int64)
+        out, routing = [], []
+        for m in range(M):
+            rows = mine[m]
+            out.append(({key: v[rows].clone() for key, v in inputs.items()}, labels[rows].clone()))
+            routing.append(ids[rows].clone())
+        moved = int(((plan.rank_N != fixed[0]) | (plan.micro_batch_N != fixed[1])).sum())
+        self.relibra_packing = {"relibra/packing_objective_s": plan.objective_s,
+                                "relibra/packing_moved_samples": float(moved),
+                                **{f"relibra/packing_{k}_s": v for k, v in plan.start_objectives_s.items()
+                                   if v is not None}}
+        return out, routing
+
     def train_step(self, data_iterator):
         # torchtitan reads all micro-batches of the step before the first forward as well;
         # reading them here first lets the planner see the whole step.
         microbatches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
-        routing = self._step_routing(microbatches)
+        self.relibra_packing = {}
+        if self.config.relibra.packing != "fixed":
+            microbatches, routing = self._packed_step(microbatches)
+        else:
+            routing = self._step_routing(microbatches)
         t0 = time.perf_counter()
         self.balancer.plan_step(routing, _OptimizerState(self.optimizers))
         hook_s = time.perf_counter() - t0
         self._routing, self._micro_batch = routing, 0
-        self.relibra_metrics = {**self.balancer.metrics(), "relibra/hook_ms": 1000.0 * hook_s}
+        self.relibra_metrics = {**self.balancer.metrics(), "relibra/hook_ms": 1000.0 * hook_s,
+                                **self.relibra_packing}
         try:
             super().train_step(iter(microbatches))
         finally:

@@ -6,7 +6,9 @@ imbalance, MoE-layer and step time, speedup over static and over oracle EPLB, fr
 the ideal step time, traffic and planner time. With no file it generates the default
 synthetic RL trace (seeded, mixed tasks). A routing replay file (relibra.routing/1) is
 batched into ranks and micro-batches by relibra_torch.replay.batch_samples (see
-docs/simulator.md); a loads file (relibra.loads/1) is used as batched.
+docs/simulator.md); a loads file (relibra.loads/1) is used as batched. --trace picks the
+synthetic trace family, --packing how each step's samples are packed into ranks and
+micro-batches (fixed: the source's rule; length; routepack: replay-aware, docs/packing.md).
 
 Precedence of settings: command-line options > --config FILE > built-in defaults. For the
 model: --set model.FIELD=VALUE > --model-config (a Hugging Face config.json) > --config FILE
@@ -19,6 +21,7 @@ examples:
   relibra simulate --model qwen3-235b-a22b --nodes 2 --systems static,eplb-oracle,relibra
   relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
   relibra simulate replay.safetensors --model-config Mixtral-8x7B/config.json --nodes 1
+  relibra simulate --trace long-tail --packing routepack --systems static,eplb-oracle,relibra
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_conf
                       parse_override)
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
 from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_file
+from ..planning.packing import PACKING_METHODS
+from .packed import replay_packing_workload, sample_workload
+from .trace_families import TRACE_FAMILIES
+
+
+def _cost_model(s: dict):
+    from .cost import CostModel
+    return CostModel(s["model_spec"], s["hardware_spec"], s["cost_options"])
 
 HELP = "compare step times of static, EPLB, online replication and relibra balancing on a simulated cluster"
 
@@ -56,6 +67,8 @@ DEFAULTS = {
     "overlap_replication": False,
     "json": None,
     "plot": None,
+    "trace": "default",
+    "packing": "fixed",
 }
 
 
@@ -100,6 +113,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--trace", choices=tuple(TRACE_FAMILIES),
+                        help="synthetic trace family: " + "; ".join(f"{f.name}: {f.description}"
+                                                                    for f in TRACE_FAMILIES.values())
+                             + f" (default {d['trace']})")
+    parser.add_argument("--packing", choices=PACKING_METHODS,
+                        help="how a step's samples are packed into ranks and micro-batches, one packing "
+                             "per step shared by every system: fixed (the source's rule), length "
+                             "(longest first, balancing attention and tokens), routepack (replay-aware "
+                             "search) "
+                             f"(default {d['packing']})")
 
 
 def _int_option(name: str, value: object, minimum: int) -> int:
@@ -173,12 +196,29 @@ def resolve(args: argparse.Namespace) -> dict:
         _int_option("warmup_steps", opts["warmup_steps"], 0)
     baselines = _baseline_settings(args, file_cfg)
     systems = parse_systems(opts["systems"])
+    _check_trace_packing(args.file, opts)
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems, "cost_options": CostOptions(overlap_replication=overlap),
             "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
+
+
+def _check_trace_packing(file: str | None, opts: dict) -> None:
+    """--trace and --packing: known names; a file has no trace family, and a loads file has
+    no samples to repack."""
+    if opts["trace"] not in TRACE_FAMILIES:
+        raise ValueError(f"--trace {opts['trace']!r}; allowed: {', '.join(TRACE_FAMILIES)}")
+    if opts["packing"] not in PACKING_METHODS:
+        raise ValueError(f"--packing {opts['packing']!r}; allowed: {', '.join(PACKING_METHODS)}")
+    if file and opts["trace"] != "default":
+        raise ValueError(f"--trace {opts['trace']} selects a synthetic trace; it does not apply to the file "
+                         f"{file!r} (drop --trace or the file)")
+    if file and opts["packing"] != "fixed":
+        if file_shape(file).kind == "loads":
+            raise ValueError(f"--packing {opts['packing']} needs sample lengths, but the loads file {file!r} "
+                             f"holds only batched counts; use --packing fixed, or a routing replay file")
 
 
 def file_warmup(num_steps: int, workload_notes: dict) -> int:
@@ -219,15 +259,22 @@ def run(args: argparse.Namespace) -> int:
     s = resolve(args)
     model, topo = s["model_spec"], s["topology"]
     if args.file:
-        workload = workload_from_file(args.file, model, topo, s["micro_batches"], s["sample_tokens"])
+        if s["packing"] != "fixed":
+            workload = replay_packing_workload(args.file, model, topo, _cost_model(s), s["micro_batches"],
+                                               s["packing"], 0, s["sample_tokens"])
+        else:
+            workload = workload_from_file(args.file, model, topo, s["micro_batches"], s["sample_tokens"])
         if s["warmup_steps"] is None:
             s["warmup_steps"] = file_warmup(workload.num_steps, workload.notes)
         if s["warmup_steps"] >= workload.num_steps:
             raise ValueError(f"--warmup-steps {s['warmup_steps']} leaves no measured step: the file "
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
-    else:
+    elif s["trace"] == "default" and s["packing"] == "fixed":  # today's trace, bit for bit
         workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
                                       s["steps"], s["seed"], s["sample_tokens"])
+    else:
+        workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
+                                   s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
                        baseline_options=s["baseline_options"])
 
@@ -252,7 +299,10 @@ def run(args: argparse.Namespace) -> int:
     extra = {"model_from": s["model_from"],
              "micro_batch_tokens": s["micro_batch_tokens"] if not args.file else None,
              "seed": s["seed"] if not args.file else None, "file": args.file,
+
              "command": "relibra simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None}
+    if s["trace"] != "default" or s["packing"] != "fixed":  # the default JSON stays as it was
+        extra.update({"trace": s["trace"] if not args.file else None, "packing": s["packing"]})
     doc = result_json(result, extra)
     out = Console()
     if not out.is_terminal:

@@ -23,7 +23,7 @@ from .model import draw_samples, iter_step_states, sample_inclusion, sample_log_
 __all__ = ["SyntheticLoads", "generate_load_trace", "generate_loads", "max_over_mean"]
 
 # Samples drawn per block while packing micro-batches (a multiple of group_size is used).
-_DRAW_BLOCK = 4096
+DRAW_BLOCK = 4096
 # Rows (bin x layer) per block of the count draw: bounds the float64 temporaries.
 _COUNT_ROWS = 8192
 
@@ -59,7 +59,7 @@ class SyntheticLoads:
     tasks: tuple[str, ...]
 
 
-def _pack(lengths: list[int], budget: int, num_bins: int, start_bin: int,
+def pack_sequential(lengths: list[int], budget: int, num_bins: int, start_bin: int,
           start_fill: int) -> tuple[list[int], int, int]:
     """Sequential packing: a sample that does not fit closes the current bin.
 
@@ -81,7 +81,7 @@ def _pack(lengths: list[int], budget: int, num_bins: int, start_bin: int,
     return bins, b, fill
 
 
-def _bin_counts(p_RE: torch.Tensor, tokens_R: torch.Tensor, K: int,
+def bin_counts(p_RE: torch.Tensor, tokens_R: torch.Tensor, K: int,
                 g: torch.Generator) -> torch.Tensor:
     """Counts ``[R, E]`` of ``K * tokens`` expert slots with per-slot probabilities ``p / K``.
 
@@ -134,7 +134,7 @@ def generate_load_trace(cfg: TraceConfig, num_micro_batches: int, num_ranks: int
     L, E, K, A = cfg.num_layers, cfg.num_experts, cfg.top_k, cfg.num_tasks
     G = cfg.group_size
     B = M * S
-    block = max(G, (_DRAW_BLOCK // G) * G)
+    block = max(G, (DRAW_BLOCK // G) * G)
 
     loads = torch.empty(X, M, L, S, E, dtype=torch.int64)
     tokens_XMS = torch.zeros(X, M, S, dtype=torch.int64)
@@ -148,7 +148,7 @@ def generate_load_trace(cfg: TraceConfig, num_micro_batches: int, num_ranks: int
         while b < B:
             task_N, prompt_N, response_N = draw_samples(cfg, state.mix_A, block, g_samples)
             length_N = (prompt_N + response_N).clamp(max=budget)
-            bins, b, fill = _pack(length_N.tolist(), budget, B, b, fill)
+            bins, b, fill = pack_sequential(length_N.tolist(), budget, B, b, fill)
             used = len(bins)
             if G > 1 and b >= B:
                 used = -(-used // G) * G  # keep whole groups so noise draws align
@@ -186,7 +186,7 @@ def generate_load_trace(cfg: TraceConfig, num_micro_batches: int, num_ranks: int
             0, bin_N[keep] * A + task_N[keep], length_N[keep]).view(B, A)
         g_counts = seeded_generator(cfg.seed, "loads-counts", x)
         p_RE, tok_R = acc_BLE.view(B * L, E), tok_B.repeat_interleave(L)
-        counts = torch.cat([_bin_counts(p_RE[r:r + _COUNT_ROWS], tok_R[r:r + _COUNT_ROWS], K, g_counts)
+        counts = torch.cat([bin_counts(p_RE[r:r + _COUNT_ROWS], tok_R[r:r + _COUNT_ROWS], K, g_counts)
                             for r in range(0, B * L, _COUNT_ROWS)])
         # rank-major bins [S, M, L, E] -> [M, L, S, E]
         loads[x] = counts.view(S, M, L, E).permute(1, 2, 0, 3)

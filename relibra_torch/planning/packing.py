@@ -1,0 +1,653 @@
+"""Replay-aware packing of a step's samples into (data-parallel rank, micro-batch) bins.
+
+Legend (shape suffixes): N samples, L MoE layers, E experts, S data-parallel ranks (one
+per EP rank, node-major), M micro-batches per rank, B bins (``M * S``), Q nodes.
+
+Routing replay tells, before the training step, each sample's length and how many of its
+tokens every expert of every layer receives. Packing sets both halves of a step's time:
+
+* the dense attention work of each rank and micro-batch (sample lengths, quadratic in a
+  sample's length), where every layer waits for the slowest rank;
+* the sparse expert work: the experts a micro-batch's samples use, hence how evenly a
+  balanced plan can spread them over nodes and how much crosses the network.
+
+:func:`plan_packing` minimises the step time of a packing in the cost model's seconds
+(:class:`PackingCosts`, plain numbers: the simulator builds them from its ``CostModel``,
+a trainer from its model and hardware). Per micro-batch it charges
+
+* attention / dense: ``L_moe * max_s(a T_s + p P_s) + L_dense * max_s(d T_s + p P_s) +
+  max_s(h T_s)`` (``T`` tokens and ``P`` causal pairs ``sum n (n + 1) / 2`` of rank
+  ``s``'s samples), the slowest rank per layer, as the cost model does;
+* per MoE layer, a lower bound of a *balanced* plan instead of running a planner: experts
+  are placed on nodes once per step from the step's aggregate demand (greedy, heaviest
+  expert to the lightest node with room); expert compute is the busiest node's load over
+  its GPUs (what relibra's intra-node replication reaches); the all-to-all is the busiest
+  GPU's ``max(cross-node send, receive)`` plus ``max(intra-node send, receive)``, with a
+  node's receive spread evenly over its GPUs and a rank's intra-node tokens spread evenly
+  over its node.
+
+Starts: ``fixed`` (the caller's rule, e.g. :func:`relibra_torch.replay.batch_samples` or a
+generator's sequential packing; repaired when it leaves a micro-batch empty or overfills
+one) and ``length`` (longest first, each sample to the bin with the least attention work
+that has room; bins in micro-batch-major order, so the longest samples share micro-batches
+and their slowest-rank time is paid once). ``routepack`` then runs simulated annealing
+from the better start: moves of one sample and swaps of two samples of similar length
+(so routing changes while attention barely does), each priced by re-evaluating only the
+one or two micro-batches it touches. The result is never worse than either start on the
+objective, and it is deterministic for a given seed and proposal count (a wall-clock
+``time_budget_s`` is a safety cap only: when it ends the search, results depend on speed).
+
+Pure: imports nothing from the simulator, the layer or the distributed code.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..checks import check_choice, check_int, check_number, check_tensor
+
+__all__ = ["PACKING_METHODS", "PackingCosts", "PackingConfig", "PackingPlan", "PackingProblem",
+           "balanced_node_placement", "plan_packing", "per_sample_counts", "pack_replay"]
+
+PACKING_METHODS = ("fixed", "length", "routepack")
+
+_INT_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8, torch.int8)
+
+
+@dataclass(frozen=True)
+class PackingCosts:
+    """Seconds per unit of work (forward + backward), as plain numbers.
+
+    Attributes:
+        num_moe_layers / num_dense_layers: layers of each kind.
+        moe_layer_s_per_token: one MoE layer's attention projections, router and shared
+            experts per token of a rank.
+        dense_layer_s_per_token: one dense layer's attention projections and FFN per token.
+        s_per_attention_pair: one layer's causal score and value products per (query, key)
+            pair.
+        head_s_per_token: the LM head per token.
+        compute_s_per_token: expert compute per token-expert pair on one GPU.
+        cross_node_s_per_token / intra_node_s_per_token: all four all-to-all passes of one
+            token-expert pair over one GPU's inter-node / NVLink link.
+    """
+
+    num_moe_layers: int
+    moe_layer_s_per_token: float
+    s_per_attention_pair: float
+    num_dense_layers: int = 0
+    dense_layer_s_per_token: float = 0.0
+    head_s_per_token: float = 0.0
+    compute_s_per_token: float = 0.0
+    cross_node_s_per_token: float = 0.0
+    intra_node_s_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        check_int("num_moe_layers", self.num_moe_layers, 1)
+        check_int("num_dense_layers", self.num_dense_layers, 0)
+        for name in ("moe_layer_s_per_token", "s_per_attention_pair", "dense_layer_s_per_token",
+                     "head_s_per_token", "compute_s_per_token", "cross_node_s_per_token",
+                     "intra_node_s_per_token"):
+            check_number(name, getattr(self, name), 0.0)
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    """How to pack one step.
+
+    Attributes:
+        num_ranks: data-parallel ranks ``S`` (= EP ranks, node-major).
+        num_micro_batches: micro-batches per rank ``M`` (every rank gets exactly ``M``, none
+            empty).
+        max_tokens: token cap of one rank's micro-batch; a sample longer than it gets a
+            micro-batch of its own.
+        gpus_per_node: ranks per node (rank ``s`` is on node ``s // gpus_per_node``).
+        method: ``fixed`` (the given start, repaired if needed), ``length`` (longest-first
+            greedy), ``routepack`` (search from the better of both).
+        seed: seed of the search's random stream.
+        max_proposals: moves / swaps the search tries (the deterministic stopping rule).
+        time_budget_s: optional wall-clock cap on the search (``None``: none).
+        temperature: annealing start temperature, as a fraction of the mean micro-batch cost;
+            it falls linearly to 0.
+    """
+
+    num_ranks: int
+    num_micro_batches: int
+    max_tokens: int
+    gpus_per_node: int = 1
+    method: str = "routepack"
+    seed: int = 0
+    max_proposals: int = 12_000
+    time_budget_s: float | None = None
+    temperature: float = 1e-3
+
+    def __post_init__(self) -> None:
+        check_int("num_ranks", self.num_ranks, 1)
+        check_int("num_micro_batches", self.num_micro_batches, 1)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("gpus_per_node", self.gpus_per_node, 1)
+        if self.num_ranks % self.gpus_per_node:
+            raise ValueError(f"num_ranks = {self.num_ranks} is not a multiple of gpus_per_node = "
+                             f"{self.gpus_per_node}; allowed: whole nodes")
+        check_choice("method", self.method, PACKING_METHODS)
+        check_int("seed", self.seed, 0)
+        check_int("max_proposals", self.max_proposals, 0)
+        if self.time_budget_s is not None:
+            check_number("time_budget_s", self.time_budget_s, 0.0)
+        check_number("temperature", self.temperature, 0.0)
+
+
+@dataclass
+class PackingPlan:
+    """Where every sample of a step goes.
+
+    Attributes:
+        rank_N / micro_batch_N: int64 ``[N]``.
+        permutation_N: int64 ``[N]``: sample ids in (rank, micro-batch, original index)
+            order; rank ``r``'s micro-batch ``m`` is ``permutation_N[bin_offsets[r * M + m]:
+            bin_offsets[r * M + m + 1]]``.
+        bin_offsets: int64 ``[S * M + 1]`` (bins rank-major).
+        objective_s: the objective (seconds) of this packing.
+        start_objectives_s: objective of each start (``fixed``, ``length``) that was
+            evaluated; ``None`` for a fixed start that could not be made feasible.
+        method: the method that produced it; proposals / accepted: search counts.
+    """
+
+    rank_N: torch.Tensor
+    micro_batch_N: torch.Tensor
+    permutation_N: torch.Tensor
+    bin_offsets: torch.Tensor
+    objective_s: float
+    start_objectives_s: dict = field(default_factory=dict)
+    method: str = "routepack"
+    proposals: int = 0
+    accepted: int = 0
+
+    @property
+    def num_micro_batches(self) -> int:
+        return (self.bin_offsets.numel() - 1) // self.num_ranks
+
+    @property
+    def num_ranks(self) -> int:
+        return int(self.rank_N.max()) + 1  # every rank holds M non-empty micro-batches
+
+    def micro_batches_of(self, rank: int) -> list[torch.Tensor]:
+        """Sample ids of each of ``rank``'s micro-batches, in order (int64 tensors)."""
+        check_int("rank", rank, 0, self.num_ranks - 1)
+        M = self.num_micro_batches
+        o = self.bin_offsets
+        return [self.permutation_N[int(o[rank * M + m]):int(o[rank * M + m + 1])] for m in range(M)]
+
+
+def _aggregate_LE(counts_f_NLE: torch.Tensor, max_count: int) -> torch.Tensor:
+    """float64 ``[L, E]``: float32 integer counts (each <= ``max_count``) summed over
+    samples exactly: chunks small enough that every float32 partial sum stays below 2**24."""
+    N, L, E = counts_f_NLE.shape
+    chunk = max(1, (1 << 24) // max(1, max_count))
+    out = torch.zeros(L, E, dtype=torch.float64)
+    for i in range(0, N, chunk):
+        out += counts_f_NLE[i:i + chunk].sum(0)
+    return out
+
+
+def balanced_node_placement(load_LE: torch.Tensor, num_nodes: int) -> torch.Tensor:
+    """int64 ``[L, E]`` node of every expert: heaviest expert first to the lightest node
+    with room (``ceil(E / Q)`` experts per node), per layer, vectorised over layers.
+
+    Args: load_LE: ``[L, E]`` aggregate demand of the step (any real dtype).
+    """
+    check_tensor("load_LE", load_LE, dim=2)
+    Q = check_int("num_nodes", num_nodes, 1)
+    L, E = load_LE.shape
+    load = load_LE.to(torch.float64)
+    order_LE = torch.sort(-load, dim=1, stable=True).indices
+    room = -(-E // Q)
+    node_load_LQ = torch.zeros(L, Q, dtype=torch.float64)
+    node_count_LQ = torch.zeros(L, Q, dtype=torch.int64)
+    node_LE = torch.empty(L, E, dtype=torch.int64)
+    rows = torch.arange(L)
+    for j in range(E):
+        e_L = order_LE[:, j]
+        key = node_load_LQ.masked_fill(node_count_LQ >= room, math.inf)
+        q_L = key.argmin(1)
+        node_LE[rows, e_L] = q_L
+        node_load_LQ[rows, q_L] += load[rows, e_L]
+        node_count_LQ[rows, q_L] += 1
+    return node_LE
+
+
+class PackingProblem:
+    """One step's samples, demand and prices; evaluates packings (see the module docstring).
+
+    Args:
+        lengths_N: integer ``[N]`` sample lengths (>= 1).
+        counts_NLE: integer ``[N, L, E]`` token-expert pairs of each sample per layer and
+            expert (from the replay), or ``None`` to price attention only.
+        config: :class:`PackingConfig`; costs: :class:`PackingCosts`.
+        node_LE: optional int ``[L, E]`` expert-to-node map; default
+            :func:`balanced_node_placement` of the step's aggregate demand.
+    """
+
+    def __init__(self, lengths_N: torch.Tensor, counts_NLE: torch.Tensor | None, config: PackingConfig,
+                 costs: PackingCosts, node_LE: torch.Tensor | None = None):
+        check_tensor("lengths_N", lengths_N, dim=1, dtypes=_INT_DTYPES)
+        N = lengths_N.numel()
+        if N == 0:
+            raise ValueError("lengths_N is empty; allowed: at least one sample per micro-batch")
+        if int(lengths_N.min()) < 1:
+            i = int((lengths_N < 1).nonzero()[0, 0])
+            raise ValueError(f"lengths_N[{i}] = {int(lengths_N[i])}; allowed: >= 1")
+        self.config, self.costs = config, costs
+        S, M, g = config.num_ranks, config.num_micro_batches, config.gpus_per_node
+        self.S, self.M, self.g, self.Q = S, M, g, S // g
+        self.N = N
+        if N < S * M:
+            raise ValueError(f"{N} samples cannot fill num_ranks x num_micro_batches = {S} x {M} = "
+                             f"{S * M} micro-batches (none may be empty); allowed: at least {S * M} "
+                             f"samples, or fewer ranks / micro-batches")
+        self.n_N = lengths_N.to(torch.int64).numpy().copy()
+        cap = config.max_tokens
+        long_N = self.n_N > cap
+        if int(long_N.sum()) > S * M:
+            raise ValueError(f"{int(long_N.sum())} samples are longer than max_tokens = {cap} and each "
+                             f"needs a micro-batch of its own, but there are only {S * M}; allowed: a "
+                             f"larger max_tokens or more micro-batches")
+        rest_bins = S * M - int(long_N.sum())
+        rest_tokens = int(self.n_N[~long_N].sum())
+        if rest_tokens > rest_bins * cap:
+            raise ValueError(f"{rest_tokens} tokens of samples up to max_tokens = {cap} do not fit in the "
+                             f"{rest_bins} micro-batches left beside the over-long samples ({rest_bins * cap} "
+                             f"tokens); allowed: a larger max_tokens or more micro-batches")
+        self.pairs_N = (self.n_N.astype(np.float64) * (self.n_N + 1) / 2.0)
+        if counts_NLE is None:
+            self.L = 1
+            self.d_NLQ = np.zeros((N, 1, self.Q))
+            self.tot_NL = np.zeros((N, 1))
+            self.moe = False
+        else:
+            check_tensor("counts_NLE", counts_NLE, dim=3, dtypes=_INT_DTYPES)
+            if counts_NLE.shape[0] != N:
+                raise ValueError(f"counts_NLE has {counts_NLE.shape[0]} samples but lengths_N has {N}")
+            if int(counts_NLE.min()) < 0:
+                raise ValueError(f"counts_NLE holds {int(counts_NLE.min())}; allowed: counts >= 0")
+            L, E = counts_NLE.shape[1:]
+            self.L = L
+            counts_f = counts_NLE.to(torch.float32)
+            if node_LE is None:
+                node_LE = balanced_node_placement(_aggregate_LE(counts_f, int(self.n_N.max())), self.Q)
+            check_tensor("node_LE", node_LE, dim=2)
+            if tuple(node_LE.shape) != (L, E) or int(node_LE.min()) < 0 or int(node_LE.max()) >= self.Q:
+                raise ValueError(f"node_LE must be [L, E] = [{L}, {E}] with nodes in [0, {self.Q}), got "
+                                 f"shape {tuple(node_LE.shape)}")
+            onehot_LEQ = torch.nn.functional.one_hot(node_LE.to(torch.int64), self.Q).to(torch.float32)
+            # exact in float32 while a sample has fewer than 2**24 token-expert pairs per layer
+            self.d_NLQ = torch.einsum("nle,leq->nlq", counts_f, onehot_LEQ).to(torch.float64).numpy()
+            self.tot_NL = self.d_NLQ.sum(-1)
+            self.moe = True
+        self.node_S = np.arange(S) // g
+        c = costs
+        self._attn = (c.num_moe_layers * c.moe_layer_s_per_token, c.num_moe_layers * c.s_per_attention_pair,
+                      c.num_dense_layers * c.dense_layer_s_per_token, c.num_dense_layers * c.s_per_attention_pair,
+                      c.head_s_per_token)
+        # A sample's routing-blind work on its rank: attention and dense parts, plus the
+        # all-to-all send of its token-expert pairs if its experts were spread evenly over
+        # the nodes (a fraction (Q-1)/Q crosses nodes, (g-1)/(g Q) stays on other local GPUs).
+        a_t = self._attn[0] + self._attn[2] + self._attn[4]
+        a_p = self._attn[1] + self._attn[3]
+        send = c.cross_node_s_per_token * (self.Q - 1) / self.Q + c.intra_node_s_per_token * (g - 1) / (g * self.Q)
+        self.work_N = a_t * self.n_N + a_p * self.pairs_N + send * self.tot_NL.sum(-1)
+        if not self.work_N.any():
+            self.work_N = self.n_N.astype(np.float64)
+
+    # -- evaluation ------------------------------------------------------------------------
+    def _bin_state(self, bin_N: np.ndarray):
+        """Per-bin sums: tokens ``[M, S]``, pairs, own-node demand ``[M, S, L]``, total demand."""
+        B, L = self.M * self.S, self.L
+        T = np.bincount(bin_N, weights=self.n_N, minlength=B).reshape(self.M, self.S)
+        P = np.bincount(bin_N, weights=self.pairs_N, minlength=B).reshape(self.M, self.S)
+        node_N = self.node_S[bin_N % self.S]
+        own_NL = self.d_NLQ[np.arange(self.N), :, node_N]
+        Q = self.Q
+        # one flat bincount per quantity (np.add.at is unbuffered and slow)
+        flat_NL = (bin_N[:, None] * L + np.arange(L)).ravel()
+        own = np.bincount(flat_NL, weights=own_NL.ravel(), minlength=B * L).reshape(B, L)
+        tot = np.bincount(flat_NL, weights=self.tot_NL.ravel(), minlength=B * L).reshape(B, L)
+        flat_NLQ = ((bin_N // self.S)[:, None] * (L * Q) + np.arange(L * Q)).ravel()
+        NL = np.bincount(flat_NLQ, weights=self.d_NLQ.ravel(), minlength=self.M * L * Q).reshape(self.M, L, Q)
+        return T, P, own.reshape(self.M, self.S, L), tot.reshape(self.M, self.S, L), NL
+
+    def _cost(self, T, P, own, tot, NL) -> np.ndarray:
+        """Cost of micro-batches (leading dims ``[...]``): T, P ``[..., S]``, own/tot
+        ``[..., S, L]``, NL ``[..., L, Q]``; returns float64 ``[...]``."""
+        a_t, a_p, d_t, d_p, h_t = self._attn
+        attn = ((a_t * T + a_p * P).max(-1) + (d_t * T + d_p * P).max(-1) + (h_t * T).max(-1))
+        if not self.moe:
+            return attn
+        c, g = self.costs, self.g
+        compute = c.compute_s_per_token * NL.max(-1).sum(-1) / g
+        # node-level own sums: per node, the own-node demand of its ranks
+        sh = own.shape
+        own_Q = own.reshape(sh[:-2] + (self.Q, g, sh[-1])).sum(-2)        # [..., Q, L]
+        NL_QL = np.swapaxes(NL, -1, -2)                                    # [..., Q, L]
+        recv_cross = np.repeat((NL_QL - own_Q) / g, g, axis=-2)           # [..., S, L]
+        recv_intra = np.repeat(own_Q * ((g - 1) / (g * g)), g, axis=-2)
+        send_cross = tot - own
+        send_intra = own * ((g - 1) / g)
+        per_gpu = (c.cross_node_s_per_token * np.maximum(send_cross, recv_cross)
+                   + c.intra_node_s_per_token * np.maximum(send_intra, recv_intra))
+        return attn + compute + per_gpu.max(-2).sum(-1)
+
+    def micro_batch_costs(self, rank_N, micro_batch_N) -> np.ndarray:
+        """float64 ``[M]`` objective seconds per micro-batch of a packing."""
+        bin_N = self._bins(rank_N, micro_batch_N)
+        return self._cost(*self._bin_state(bin_N))
+
+    def objective(self, rank_N, micro_batch_N) -> float:
+        """The step's objective (seconds) of a packing (any, feasible or not)."""
+        return float(self.micro_batch_costs(rank_N, micro_batch_N).sum())
+
+    def _bins(self, rank_N, micro_batch_N) -> np.ndarray:
+        r = torch.as_tensor(rank_N).to(torch.int64).numpy()
+        m = torch.as_tensor(micro_batch_N).to(torch.int64).numpy()
+        if r.shape != (self.N,) or m.shape != (self.N,):
+            raise ValueError(f"rank_N and micro_batch_N must be [{self.N}], got {r.shape} and {m.shape}")
+        if r.min() < 0 or r.max() >= self.S or m.min() < 0 or m.max() >= self.M:
+            raise ValueError(f"ranks must be in [0, {self.S}) and micro-batches in [0, {self.M})")
+        return m * self.S + r
+
+    def violations(self, rank_N, micro_batch_N) -> list[str]:
+        """What makes a packing infeasible (empty micro-batches, overfilled ones); [] if none."""
+        bin_N = self._bins(rank_N, micro_batch_N)
+        B = self.M * self.S
+        cnt = np.bincount(bin_N, minlength=B)
+        T = np.bincount(bin_N, weights=self.n_N, minlength=B)
+        out = []
+        if (cnt == 0).any():
+            out.append(f"{int((cnt == 0).sum())} empty micro-batches")
+        over = (T > self.config.max_tokens) & (cnt > 1)
+        if over.any():
+            out.append(f"{int(over.sum())} micro-batches over max_tokens = {self.config.max_tokens} "
+                       f"with more than one sample")
+        return out
+
+    # -- starts ----------------------------------------------------------------------------
+    def length_start(self) -> np.ndarray:
+        """Longest first, each sample to the bin (micro-batch-major) with the least work that
+        has room; returns bins ``[N]`` (``m * S + s``). Work is routing-blind: attention and
+        dense time plus the all-to-all send of evenly spread tokens (``work_N``)."""
+        B, cap = self.M * self.S, self.config.max_tokens
+        order = np.argsort(-self.n_N, kind="stable")
+        T = np.zeros(B)
+        work = np.zeros(B)
+        cnt = np.zeros(B, dtype=np.int64)
+        bin_N = np.empty(self.N, dtype=np.int64)
+        for i in order:
+            n = self.n_N[i]
+            if n > cap:
+                key = np.where(cnt == 0, work, np.inf)
+            else:
+                key = np.where(T + n <= cap, work, np.inf)
+            b = int(key.argmin())
+            if not np.isfinite(key[b]):
+                raise ValueError(f"the longest-first greedy found no micro-batch with room for a sample of "
+                                 f"{n} tokens (max_tokens = {cap}); allowed: a larger max_tokens or more "
+                                 f"micro-batches")
+            bin_N[i] = b
+            T[b] += n
+            cnt[b] += 1
+            work[b] += self.work_N[i]
+        if (cnt == 0).any():  # only when long samples leave too few bins: handled by _repair
+            bin_N = self._repair(bin_N)
+        return bin_N
+
+    def _repair(self, bin_N: np.ndarray) -> np.ndarray | None:
+        """Make a packing feasible with few moves: overfilled bins give their shortest samples
+        to the emptiest bins with room; empty bins take the shortest sample of the bin with the
+        most samples. ``None`` if that fails."""
+        bin_N = bin_N.copy()
+        B, cap = self.M * self.S, self.config.max_tokens
+        T = np.bincount(bin_N, weights=self.n_N, minlength=B)
+        cnt = np.bincount(bin_N, minlength=B)
+        for b in np.nonzero((T > cap) & (cnt > 1))[0]:
+            members = np.nonzero(bin_N == b)[0]
+            members = members[np.argsort(self.n_N[members], kind="stable")]
+            for i in members:
+                if T[b] <= cap or cnt[b] <= 1:
+                    break
+                n = self.n_N[i]
+                if n > cap:
+                    continue
+                key = np.where((T + n <= cap) & (np.arange(B) != b), T, np.inf)
+                t = int(key.argmin())
+                if not np.isfinite(key[t]):
+                    return None
+                bin_N[i] = t
+                T[b] -= n
+                T[t] += n
+                cnt[b] -= 1
+                cnt[t] += 1
+            if T[b] > cap and cnt[b] > 1:
+                return None
+        for b in np.nonzero(cnt == 0)[0]:
+            donor = int(cnt.argmax())
+            if cnt[donor] < 2:
+                return None
+            members = np.nonzero(bin_N == donor)[0]
+            i = members[np.argmin(self.n_N[members])]
+            bin_N[i] = b
+            T[donor] -= self.n_N[i]
+            T[b] += self.n_N[i]
+            cnt[donor] -= 1
+            cnt[b] += 1
+        return bin_N
+
+    # -- search ----------------------------------------------------------------------------
+    def anneal(self, bin_N: np.ndarray) -> tuple[np.ndarray, int, int]:
+        """Simulated annealing from a feasible packing; returns the best (bins, proposals,
+        accepted). Every proposal keeps the packing feasible."""
+        cfg = self.config
+        rng = np.random.default_rng(cfg.seed)
+        S, M, N, cap = self.S, self.M, self.N, cfg.max_tokens
+        bin_N = bin_N.copy()
+        T, P, own, tot, NL = self._bin_state(bin_N)
+        cost_M = self._cost(T, P, own, tot, NL)
+        cnt = np.bincount(bin_N, minlength=M * S).reshape(M, S)
+        work_N = self.work_N
+        W = np.bincount(bin_N, weights=work_N, minlength=M * S).reshape(M, S)
+        cur = float(cost_M.sum())
+        best, best_bins = cur, bin_N.copy()
+        temp0 = cfg.temperature * cur / M
+        order = np.argsort(self.n_N, kind="stable")
+        pos = np.empty(N, dtype=np.int64)
+        pos[order] = np.arange(N)
+        n_N, p_N, d_NLQ, tot_NL, node_S = self.n_N, self.pairs_N, self.d_NLQ, self.tot_NL, self.node_S
+        width = 8
+        t_end = None if cfg.time_budget_s is None else time.perf_counter() + cfg.time_budget_s
+        total = cfg.max_proposals
+        accepted = 0
+        done = 0
+
+        def shift(i, m, s, sign):
+            T[m, s] += sign * n_N[i]
+            P[m, s] += sign * p_N[i]
+            own[m, s] += sign * d_NLQ[i, :, node_S[s]]
+            tot[m, s] += sign * tot_NL[i]
+            NL[m] += sign * d_NLQ[i]
+            cnt[m, s] += sign
+            W[m, s] += sign * work_N[i]
+
+        for it in range(total):
+            if t_end is not None and (it & 63) == 0 and time.perf_counter() > t_end:
+                break
+            done = it + 1
+            kind = rng.random()
+            if kind < 0.4:
+                # Balance one micro-batch: from its busiest rank to its least busy one.
+                m1 = m2 = int(rng.integers(M))
+                s1, s2 = int(W[m1].argmax()), int(W[m1].argmin())
+                if s1 == s2:
+                    continue
+                b1, b2 = m1 * S + s1, m1 * S + s2
+                members = np.flatnonzero(bin_N == b1)
+                i = int(members[rng.integers(members.size)])
+                swap = members.size < 2 or rng.random() < 0.5
+                if swap:
+                    others = np.flatnonzero(bin_N == b2)
+                    j = int(others[rng.integers(others.size)])
+                    if work_N[j] >= work_N[i]:
+                        continue
+            else:
+                i = int(rng.integers(N))
+                b1 = int(bin_N[i])
+                m1, s1 = divmod(b1, S)
+                swap = kind < 0.7
+                if swap:  # a sample of similar length elsewhere: routing changes, attention barely
+                    j = int(order[min(N - 1, max(0, pos[i] + int(rng.integers(-width, width + 1))))])
+                    b2 = int(bin_N[j])
+                else:
+                    b2 = int(rng.integers(M * S))
+                if b2 == b1:
+                    continue
+                m2, s2 = divmod(b2, S)
+            if swap:
+                dn = n_N[j] - n_N[i]
+                if (cnt[m1, s1] > 1 and T[m1, s1] + dn > cap) or (cnt[m2, s2] > 1 and T[m2, s2] - dn > cap):
+                    continue
+            elif cnt[m1, s1] < 2 or T[m2, s2] + n_N[i] > cap:
+                continue
+            ms = (m1,) if m1 == m2 else (m1, m2)
+            saved = [(T[m].copy(), P[m].copy(), own[m].copy(), tot[m].copy(), NL[m].copy(), cnt[m].copy(),
+                      W[m].copy()) for m in ms]
+            shift(i, m1, s1, -1)
+            shift(i, m2, s2, +1)
+            if swap:
+                shift(j, m2, s2, -1)
+                shift(j, m1, s1, +1)
+            new = [float(self._cost(T[m], P[m], own[m], tot[m], NL[m])) for m in ms]
+            delta = sum(new) - sum(float(cost_M[m]) for m in ms)
+            temp = temp0 * (1.0 - it / max(total, 1))
+            if delta <= 0 or (temp > 0 and rng.random() < math.exp(-delta / temp)):
+                for m, c in zip(ms, new):
+                    cost_M[m] = c
+                bin_N[i] = b2
+                if swap:
+                    bin_N[j] = b1
+                cur += delta
+                accepted += 1
+                if cur < best - 1e-12 * abs(best):
+                    best, best_bins = cur, bin_N.copy()
+            else:
+                for m, (t_, p_, o_, to_, nl_, c_, w_) in zip(ms, saved):
+                    T[m], P[m], own[m], tot[m], NL[m], cnt[m], W[m] = t_, p_, o_, to_, nl_, c_, w_
+        return best_bins, done, accepted
+
+
+def _plan_from_bins(problem: PackingProblem, bin_N: np.ndarray, **kw) -> PackingPlan:
+    S, M = problem.S, problem.M
+    rank = torch.from_numpy(bin_N % S).to(torch.int64)
+    micro = torch.from_numpy(bin_N // S).to(torch.int64)
+    key = (rank * M + micro) * problem.N + torch.arange(problem.N)
+    perm = torch.argsort(key)
+    offsets = torch.zeros(S * M + 1, dtype=torch.int64)
+    offsets[1:] = torch.bincount(rank * M + micro, minlength=S * M).cumsum(0)
+    return PackingPlan(rank, micro, perm, offsets, **kw)
+
+
+def plan_packing(lengths_N: torch.Tensor, counts_NLE: torch.Tensor | None, config: PackingConfig,
+                 costs: PackingCosts, *, initial: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 node_LE: torch.Tensor | None = None) -> PackingPlan:
+    """Pack one step's samples (every rank's, gathered) into ``S x M`` micro-batches.
+
+    Args:
+        lengths_N: integer ``[N]`` sample lengths.
+        counts_NLE: integer ``[N, L, E]`` per-sample token-expert counts from the replay
+            (``None``: attention only).
+        config: :class:`PackingConfig` (ranks, micro-batches, cap, method, search).
+        costs: :class:`PackingCosts` in seconds.
+        initial: the ``fixed`` rule's ``(rank_N, micro_batch_N)``; required for
+            ``method="fixed"``, a start for ``routepack``.
+        node_LE: expert-to-node map for the objective (default: balanced from the step).
+    Returns:
+        :class:`PackingPlan`: every sample exactly once, ``M`` non-empty micro-batches per
+        rank, none over ``max_tokens`` unless it holds a single longer sample.
+    Raises:
+        ValueError when no such packing exists (too few samples, too many over-long ones,
+        too many tokens), naming the setting to change.
+    """
+    problem = PackingProblem(lengths_N, counts_NLE, config, costs, node_LE)
+    starts: dict[str, float | None] = {}
+    candidates: list[tuple[float, int, np.ndarray]] = []
+    if initial is not None:
+        fixed = problem._bins(*initial)
+        if problem.violations(*initial):
+            fixed = problem._repair(fixed)
+        if fixed is None:
+            starts["fixed"] = None
+        else:
+            obj = float(problem._cost(*problem._bin_state(fixed)).sum())
+            starts["fixed"] = obj
+            candidates.append((obj, 0, fixed))
+    elif config.method == "fixed":
+        raise ValueError("method = 'fixed' needs initial=(rank_N, micro_batch_N): the fixed rule's packing")
+    if config.method == "fixed":
+        if not candidates:
+            raise ValueError("the fixed packing could not be made feasible (empty or overfilled micro-batches)")
+        obj, _, bins = candidates[0]
+        return _plan_from_bins(problem, bins, objective_s=obj, start_objectives_s=starts, method="fixed")
+    length = problem.length_start()
+    obj = float(problem._cost(*problem._bin_state(length)).sum())
+    starts["length"] = obj
+    if config.method == "length":
+        return _plan_from_bins(problem, length, objective_s=obj, start_objectives_s=starts, method="length")
+    candidates.append((obj, 1, length))
+    start_obj, _, start = min(candidates, key=lambda c: (c[0], c[1]))
+    bins, proposals, accepted = problem.anneal(start)
+    # Recompute from scratch: the running sum of deltas may drift by rounding.
+    final = float(problem._cost(*problem._bin_state(bins)).sum())
+    if final > start_obj:
+        bins, final = start, start_obj
+    return _plan_from_bins(problem, bins, objective_s=final, start_objectives_s=starts, method="routepack",
+                           proposals=proposals, accepted=accepted)
+
+
+def per_sample_counts(routed_experts_TLK: torch.Tensor, sample_lengths_N: torch.Tensor,
+                      num_experts: int) -> torch.Tensor:
+    """int32 ``[N, L, E]`` token-expert pairs of each sample (tokens of sample ``n`` are the
+    ``sample_lengths_N[n]`` rows after the previous samples'); ids ``< 0`` (padding) count nothing."""
+    check_tensor("routed_experts_TLK", routed_experts_TLK, dim=3, dtypes=_INT_DTYPES)
+    check_tensor("sample_lengths_N", sample_lengths_N, dim=1, dtypes=_INT_DTYPES)
+    E = check_int("num_experts", num_experts, 1)
+    T, L, _ = routed_experts_TLK.shape
+    if int(sample_lengths_N.sum()) != T:
+        raise ValueError(f"sample_lengths_N sums to {int(sample_lengths_N.sum())} tokens but routed_experts_TLK "
+                         f"has {T}")
+    N = sample_lengths_N.numel()
+    ids = routed_experts_TLK.to(torch.int64)
+    if int(ids.max()) >= E:
+        raise ValueError(f"routed_experts_TLK holds expert {int(ids.max())}; allowed: < num_experts = {E}")
+    sample_T = torch.repeat_interleave(torch.arange(N), sample_lengths_N.to(torch.int64))
+    flat = (sample_T.view(-1, 1, 1) * L + torch.arange(L).view(1, L, 1)) * E + ids
+    valid = ids >= 0
+    out = torch.zeros(N * L * E, dtype=torch.int32)
+    out.index_add_(0, flat[valid], torch.ones(int(valid.sum()), dtype=torch.int32))
+    return out.view(N, L, E)
+
+
+def pack_replay(replay, config: PackingConfig, costs: PackingCosts, *,
+                initial: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackingPlan:
+    """Pack a step's routing replay (every rank's samples, gathered; a
+    :class:`relibra_torch.replay.RoutingReplay` or anything with ``routed_experts_TLK``,
+    ``sample_lengths`` and ``num_experts``): :func:`plan_packing` on its lengths and
+    per-sample counts.
+
+    Apply the result with ``plan.micro_batches_of(rank)``: rank ``r``'s micro-batch ``m``
+    holds the samples whose ids are listed there (ids index the replay's samples), or with
+    ``plan.permutation_N`` (all samples, rank-major) and ``plan.bin_offsets``.
+    """
+    lengths = replay.sample_lengths.to(torch.int64)
+    counts = per_sample_counts(replay.routed_experts_TLK, lengths, replay.num_experts)
+    return plan_packing(lengths, counts, config, costs, initial=initial)
