@@ -1,223 +1,18 @@
-"""Replay-aware packing of a step's samples into (data-parallel rank, micro-batch) bins.
+"""The packing problem: evaluate a packing's step time, the starts, and the annealing search.
 
-Legend (shape suffixes): N samples, L MoE layers, E experts, S data-parallel ranks (one
-per EP rank, node-major), M micro-batches per rank, B bins (``M * S``), Q nodes.
-
-Routing replay tells, before the training step, each sample's length and how many of its
-tokens every expert of every layer receives. Packing sets both halves of a step's time:
-
-* the dense attention work of each rank and micro-batch (sample lengths, quadratic in a
-  sample's length), where every layer waits for the slowest rank;
-* the sparse expert work: the experts a micro-batch's samples use, hence how evenly a
-  balanced plan can spread them over nodes and how much crosses the network.
-
-:func:`plan_packing` minimises the step time of a packing in the cost model's seconds
-(:class:`PackingCosts`, plain numbers: the simulator builds them from its ``CostModel``,
-a trainer from its model and hardware). Per micro-batch it charges
-
-* attention / dense: ``L_moe * max_s(a T_s + p P_s) + L_dense * max_s(d T_s + p P_s) +
-  max_s(h T_s)`` (``T`` tokens and ``P`` causal pairs ``sum n (n + 1) / 2`` of rank
-  ``s``'s samples), the slowest rank per layer, as the cost model does;
-* per MoE layer, a lower bound of a *balanced* plan instead of running a planner: experts
-  are placed on nodes once per step from the step's aggregate demand (greedy, heaviest
-  expert to the lightest node with room); expert compute is the busiest node's load over
-  its GPUs (what relibra's intra-node replication reaches); the all-to-all is the busiest
-  GPU's ``max(cross-node send, receive)`` plus ``max(intra-node send, receive)``, with a
-  node's receive spread evenly over its GPUs and a rank's intra-node tokens spread evenly
-  over its node.
-
-Starts: ``fixed`` (the caller's rule, e.g. :func:`relibra_torch.replay.batch_samples` or a
-generator's sequential packing; repaired when it leaves a micro-batch empty or overfills
-one) and ``length`` (longest first, each sample to the bin with the least attention work
-that has room; bins in micro-batch-major order, so the longest samples share micro-batches
-and their slowest-rank time is paid once). ``routepack`` then runs simulated annealing
-from the better start: moves of one sample and swaps of two samples of similar length
-(so routing changes while attention barely does), each priced by re-evaluating only the
-one or two micro-batches it touches. The result is never worse than either start on the
-objective, and it is deterministic for a given seed and proposal count (a wall-clock
-``time_budget_s`` is a safety cap only: when it ends the search, results depend on speed).
-
-Pure: imports nothing from the simulator, the layer or the distributed code.
+Legend: see :mod:`relibra_torch.planning.packing`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from ..checks import check_choice, check_int, check_number, check_tensor
-
-__all__ = ["PACKING_METHODS", "PackingCosts", "PackingConfig", "PackingPlan", "PackingProblem",
-           "balanced_node_placement", "plan_packing", "per_sample_counts", "pack_replay"]
-
-PACKING_METHODS = ("fixed", "length", "routepack")
-
-_INT_DTYPES = (torch.int16, torch.int32, torch.int64, torch.uint8, torch.int8)
-
-
-@dataclass(frozen=True)
-class PackingCosts:
-    """Seconds per unit of work (forward + backward), as plain numbers.
-
-    Attributes:
-        num_moe_layers / num_dense_layers: layers of each kind.
-        moe_layer_s_per_token: one MoE layer's attention projections, router and shared
-            experts per token of a rank.
-        dense_layer_s_per_token: one dense layer's attention projections and FFN per token.
-        s_per_attention_pair: one layer's causal score and value products per (query, key)
-            pair.
-        head_s_per_token: the LM head per token.
-        compute_s_per_token: expert compute per token-expert pair on one GPU.
-        cross_node_s_per_token / intra_node_s_per_token: all four all-to-all passes of one
-            token-expert pair over one GPU's inter-node / NVLink link.
-    """
-
-    num_moe_layers: int
-    moe_layer_s_per_token: float
-    s_per_attention_pair: float
-    num_dense_layers: int = 0
-    dense_layer_s_per_token: float = 0.0
-    head_s_per_token: float = 0.0
-    compute_s_per_token: float = 0.0
-    cross_node_s_per_token: float = 0.0
-    intra_node_s_per_token: float = 0.0
-
-    def __post_init__(self) -> None:
-        check_int("num_moe_layers", self.num_moe_layers, 1)
-        check_int("num_dense_layers", self.num_dense_layers, 0)
-        for name in ("moe_layer_s_per_token", "s_per_attention_pair", "dense_layer_s_per_token",
-                     "head_s_per_token", "compute_s_per_token", "cross_node_s_per_token",
-                     "intra_node_s_per_token"):
-            check_number(name, getattr(self, name), 0.0)
-
-
-@dataclass(frozen=True)
-class PackingConfig:
-    """How to pack one step.
-
-    Attributes:
-        num_ranks: data-parallel ranks ``S`` (= EP ranks, node-major).
-        num_micro_batches: micro-batches per rank ``M`` (every rank gets exactly ``M``, none
-            empty).
-        max_tokens: token cap of one rank's micro-batch; a sample longer than it gets a
-            micro-batch of its own.
-        gpus_per_node: ranks per node (rank ``s`` is on node ``s // gpus_per_node``).
-        method: ``fixed`` (the given start, repaired if needed), ``length`` (longest-first
-            greedy), ``routepack`` (search from the better of both).
-        seed: seed of the search's random stream.
-        max_proposals: moves / swaps the search tries (the deterministic stopping rule).
-        time_budget_s: optional wall-clock cap on the search (``None``: none).
-        temperature: annealing start temperature, as a fraction of the mean micro-batch cost;
-            it falls linearly to 0.
-    """
-
-    num_ranks: int
-    num_micro_batches: int
-    max_tokens: int
-    gpus_per_node: int = 1
-    method: str = "routepack"
-    seed: int = 0
-    max_proposals: int = 12_000
-    time_budget_s: float | None = None
-    temperature: float = 1e-3
-
-    def __post_init__(self) -> None:
-        check_int("num_ranks", self.num_ranks, 1)
-        check_int("num_micro_batches", self.num_micro_batches, 1)
-        check_int("max_tokens", self.max_tokens, 1)
-        check_int("gpus_per_node", self.gpus_per_node, 1)
-        if self.num_ranks % self.gpus_per_node:
-            raise ValueError(f"num_ranks = {self.num_ranks} is not a multiple of gpus_per_node = "
-                             f"{self.gpus_per_node}; allowed: whole nodes")
-        check_choice("method", self.method, PACKING_METHODS)
-        check_int("seed", self.seed, 0)
-        check_int("max_proposals", self.max_proposals, 0)
-        if self.time_budget_s is not None:
-            check_number("time_budget_s", self.time_budget_s, 0.0)
-        check_number("temperature", self.temperature, 0.0)
-
-
-@dataclass
-class PackingPlan:
-    """Where every sample of a step goes.
-
-    Attributes:
-        rank_N / micro_batch_N: int64 ``[N]``.
-        permutation_N: int64 ``[N]``: sample ids in (rank, micro-batch, original index)
-            order; rank ``r``'s micro-batch ``m`` is ``permutation_N[bin_offsets[r * M + m]:
-            bin_offsets[r * M + m + 1]]``.
-        bin_offsets: int64 ``[S * M + 1]`` (bins rank-major).
-        objective_s: the objective (seconds) of this packing.
-        start_objectives_s: objective of each start (``fixed``, ``length``) that was
-            evaluated; ``None`` for a fixed start that could not be made feasible.
-        method: the method that produced it; proposals / accepted: search counts.
-    """
-
-    rank_N: torch.Tensor
-    micro_batch_N: torch.Tensor
-    permutation_N: torch.Tensor
-    bin_offsets: torch.Tensor
-    objective_s: float
-    start_objectives_s: dict = field(default_factory=dict)
-    method: str = "routepack"
-    proposals: int = 0
-    accepted: int = 0
-
-    @property
-    def num_micro_batches(self) -> int:
-        return (self.bin_offsets.numel() - 1) // self.num_ranks
-
-    @property
-    def num_ranks(self) -> int:
-        return int(self.rank_N.max()) + 1  # every rank holds M non-empty micro-batches
-
-    def micro_batches_of(self, rank: int) -> list[torch.Tensor]:
-        """Sample ids of each of ``rank``'s micro-batches, in order (int64 tensors)."""
-        check_int("rank", rank, 0, self.num_ranks - 1)
-        M = self.num_micro_batches
-        o = self.bin_offsets
-        return [self.permutation_N[int(o[rank * M + m]):int(o[rank * M + m + 1])] for m in range(M)]
-
-
-def _aggregate_LE(counts_f_NLE: torch.Tensor, max_count: int) -> torch.Tensor:
-    """float64 ``[L, E]``: float32 integer counts (each <= ``max_count``) summed over
-    samples exactly: chunks small enough that every float32 partial sum stays below 2**24."""
-    N, L, E = counts_f_NLE.shape
-    chunk = max(1, (1 << 24) // max(1, max_count))
-    out = torch.zeros(L, E, dtype=torch.float64)
-    for i in range(0, N, chunk):
-        out += counts_f_NLE[i:i + chunk].sum(0)
-    return out
-
-
-def balanced_node_placement(load_LE: torch.Tensor, num_nodes: int) -> torch.Tensor:
-    """int64 ``[L, E]`` node of every expert: heaviest expert first to the lightest node
-    with room (``ceil(E / Q)`` experts per node), per layer, vectorised over layers.
-
-    Args: load_LE: ``[L, E]`` aggregate demand of the step (any real dtype).
-    """
-    check_tensor("load_LE", load_LE, dim=2)
-    Q = check_int("num_nodes", num_nodes, 1)
-    L, E = load_LE.shape
-    load = load_LE.to(torch.float64)
-    order_LE = torch.sort(-load, dim=1, stable=True).indices
-    room = -(-E // Q)
-    node_load_LQ = torch.zeros(L, Q, dtype=torch.float64)
-    node_count_LQ = torch.zeros(L, Q, dtype=torch.int64)
-    node_LE = torch.empty(L, E, dtype=torch.int64)
-    rows = torch.arange(L)
-    for j in range(E):
-        e_L = order_LE[:, j]
-        key = node_load_LQ.masked_fill(node_count_LQ >= room, math.inf)
-        q_L = key.argmin(1)
-        node_LE[rows, e_L] = q_L
-        node_load_LQ[rows, q_L] += load[rows, e_L]
-        node_count_LQ[rows, q_L] += 1
-    return node_LE
+from ...checks import check_tensor
+from .config import INT_DTYPES, PackingConfig, PackingCosts, aggregate_LE, balanced_node_placement
 
 
 class PackingProblem:
@@ -234,7 +29,7 @@ class PackingProblem:
 
     def __init__(self, lengths_N: torch.Tensor, counts_NLE: torch.Tensor | None, config: PackingConfig,
                  costs: PackingCosts, node_LE: torch.Tensor | None = None):
-        check_tensor("lengths_N", lengths_N, dim=1, dtypes=_INT_DTYPES)
+        check_tensor("lengths_N", lengths_N, dim=1, dtypes=INT_DTYPES)
         N = lengths_N.numel()
         if N == 0:
             raise ValueError("lengths_N is empty; allowed: at least one sample per micro-batch")
@@ -269,7 +64,7 @@ class PackingProblem:
             self.tot_NL = np.zeros((N, 1))
             self.moe = False
         else:
-            check_tensor("counts_NLE", counts_NLE, dim=3, dtypes=_INT_DTYPES)
+            check_tensor("counts_NLE", counts_NLE, dim=3, dtypes=INT_DTYPES)
             if counts_NLE.shape[0] != N:
                 raise ValueError(f"counts_NLE has {counts_NLE.shape[0]} samples but lengths_N has {N}")
             if int(counts_NLE.min()) < 0:
@@ -278,7 +73,7 @@ class PackingProblem:
             self.L = L
             counts_f = counts_NLE.to(torch.float32)
             if node_LE is None:
-                node_LE = balanced_node_placement(_aggregate_LE(counts_f, int(self.n_N.max())), self.Q)
+                node_LE = balanced_node_placement(aggregate_LE(counts_f, int(self.n_N.max())), self.Q)
             check_tensor("node_LE", node_LE, dim=2)
             if tuple(node_LE.shape) != (L, E) or int(node_LE.min()) < 0 or int(node_LE.max()) >= self.Q:
                 raise ValueError(f"node_LE must be [L, E] = [{L}, {E}] with nodes in [0, {self.Q}), got "
@@ -546,108 +341,3 @@ class PackingProblem:
         return best_bins, done, accepted
 
 
-def _plan_from_bins(problem: PackingProblem, bin_N: np.ndarray, **kw) -> PackingPlan:
-    S, M = problem.S, problem.M
-    rank = torch.from_numpy(bin_N % S).to(torch.int64)
-    micro = torch.from_numpy(bin_N // S).to(torch.int64)
-    key = (rank * M + micro) * problem.N + torch.arange(problem.N)
-    perm = torch.argsort(key)
-    offsets = torch.zeros(S * M + 1, dtype=torch.int64)
-    offsets[1:] = torch.bincount(rank * M + micro, minlength=S * M).cumsum(0)
-    return PackingPlan(rank, micro, perm, offsets, **kw)
-
-
-def plan_packing(lengths_N: torch.Tensor, counts_NLE: torch.Tensor | None, config: PackingConfig,
-                 costs: PackingCosts, *, initial: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 node_LE: torch.Tensor | None = None) -> PackingPlan:
-    """Pack one step's samples (every rank's, gathered) into ``S x M`` micro-batches.
-
-    Args:
-        lengths_N: integer ``[N]`` sample lengths.
-        counts_NLE: integer ``[N, L, E]`` per-sample token-expert counts from the replay
-            (``None``: attention only).
-        config: :class:`PackingConfig` (ranks, micro-batches, cap, method, search).
-        costs: :class:`PackingCosts` in seconds.
-        initial: the ``fixed`` rule's ``(rank_N, micro_batch_N)``; required for
-            ``method="fixed"``, a start for ``routepack``.
-        node_LE: expert-to-node map for the objective (default: balanced from the step).
-    Returns:
-        :class:`PackingPlan`: every sample exactly once, ``M`` non-empty micro-batches per
-        rank, none over ``max_tokens`` unless it holds a single longer sample.
-    Raises:
-        ValueError when no such packing exists (too few samples, too many over-long ones,
-        too many tokens), naming the setting to change.
-    """
-    problem = PackingProblem(lengths_N, counts_NLE, config, costs, node_LE)
-    starts: dict[str, float | None] = {}
-    candidates: list[tuple[float, int, np.ndarray]] = []
-    if initial is not None:
-        fixed = problem._bins(*initial)
-        if problem.violations(*initial):
-            fixed = problem._repair(fixed)
-        if fixed is None:
-            starts["fixed"] = None
-        else:
-            obj = float(problem._cost(*problem._bin_state(fixed)).sum())
-            starts["fixed"] = obj
-            candidates.append((obj, 0, fixed))
-    elif config.method == "fixed":
-        raise ValueError("method = 'fixed' needs initial=(rank_N, micro_batch_N): the fixed rule's packing")
-    if config.method == "fixed":
-        if not candidates:
-            raise ValueError("the fixed packing could not be made feasible (empty or overfilled micro-batches)")
-        obj, _, bins = candidates[0]
-        return _plan_from_bins(problem, bins, objective_s=obj, start_objectives_s=starts, method="fixed")
-    length = problem.length_start()
-    obj = float(problem._cost(*problem._bin_state(length)).sum())
-    starts["length"] = obj
-    if config.method == "length":
-        return _plan_from_bins(problem, length, objective_s=obj, start_objectives_s=starts, method="length")
-    candidates.append((obj, 1, length))
-    start_obj, _, start = min(candidates, key=lambda c: (c[0], c[1]))
-    bins, proposals, accepted = problem.anneal(start)
-    # Recompute from scratch: the running sum of deltas may drift by rounding.
-    final = float(problem._cost(*problem._bin_state(bins)).sum())
-    if final > start_obj:
-        bins, final = start, start_obj
-    return _plan_from_bins(problem, bins, objective_s=final, start_objectives_s=starts, method="routepack",
-                           proposals=proposals, accepted=accepted)
-
-
-def per_sample_counts(routed_experts_TLK: torch.Tensor, sample_lengths_N: torch.Tensor,
-                      num_experts: int) -> torch.Tensor:
-    """int32 ``[N, L, E]`` token-expert pairs of each sample (tokens of sample ``n`` are the
-    ``sample_lengths_N[n]`` rows after the previous samples'); ids ``< 0`` (padding) count nothing."""
-    check_tensor("routed_experts_TLK", routed_experts_TLK, dim=3, dtypes=_INT_DTYPES)
-    check_tensor("sample_lengths_N", sample_lengths_N, dim=1, dtypes=_INT_DTYPES)
-    E = check_int("num_experts", num_experts, 1)
-    T, L, _ = routed_experts_TLK.shape
-    if int(sample_lengths_N.sum()) != T:
-        raise ValueError(f"sample_lengths_N sums to {int(sample_lengths_N.sum())} tokens but routed_experts_TLK "
-                         f"has {T}")
-    N = sample_lengths_N.numel()
-    ids = routed_experts_TLK.to(torch.int64)
-    if int(ids.max()) >= E:
-        raise ValueError(f"routed_experts_TLK holds expert {int(ids.max())}; allowed: < num_experts = {E}")
-    sample_T = torch.repeat_interleave(torch.arange(N), sample_lengths_N.to(torch.int64))
-    flat = (sample_T.view(-1, 1, 1) * L + torch.arange(L).view(1, L, 1)) * E + ids
-    valid = ids >= 0
-    out = torch.zeros(N * L * E, dtype=torch.int32)
-    out.index_add_(0, flat[valid], torch.ones(int(valid.sum()), dtype=torch.int32))
-    return out.view(N, L, E)
-
-
-def pack_replay(replay, config: PackingConfig, costs: PackingCosts, *,
-                initial: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackingPlan:
-    """Pack a step's routing replay (every rank's samples, gathered; a
-    :class:`relibra_torch.replay.RoutingReplay` or anything with ``routed_experts_TLK``,
-    ``sample_lengths`` and ``num_experts``): :func:`plan_packing` on its lengths and
-    per-sample counts.
-
-    Apply the result with ``plan.micro_batches_of(rank)``: rank ``r``'s micro-batch ``m``
-    holds the samples whose ids are listed there (ids index the replay's samples), or with
-    ``plan.permutation_N`` (all samples, rank-major) and ``plan.bin_offsets``.
-    """
-    lengths = replay.sample_lengths.to(torch.int64)
-    counts = per_sample_counts(replay.routed_experts_TLK, lengths, replay.num_experts)
-    return plan_packing(lengths, counts, config, costs, initial=initial)
