@@ -19,6 +19,7 @@ examples:
   relibra simulate --model qwen3-235b-a22b --nodes 2 --systems static,eplb-oracle,relibra
   relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
   relibra simulate replay.safetensors --model-config Mixtral-8x7B/config.json --nodes 1
+  relibra simulate --trace rank-mix --dispatch hierarchical
 """
 
 from __future__ import annotations
@@ -26,13 +27,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checks import check_int
+from ..checks import check_choice, check_int
 from ..planning.topology import Topology
 from .cost import CostOptions
+from .dispatch import DISPATCH_MODES
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, get_model, load_config_file,
                       parse_override)
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
+from .traces.families import FAMILIES
 from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_file
 
 HELP = "compare step times of static, EPLB and relibra balancing on a simulated cluster"
@@ -52,6 +55,8 @@ DEFAULTS = {
     "seed": 0,
     "sample_tokens": DEFAULT_SAMPLE_TOKENS,
     "overlap_replication": False,
+    "dispatch": "flat",
+    "trace": "default",
     "json": None,
     "plot": None,
 }
@@ -88,6 +93,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"sample lengths (default {d['sample_tokens']})")
     parser.add_argument("--overlap-replication", action="store_true", default=None,
                         help="hide replica fill / gradient return behind attention compute")
+    parser.add_argument("--dispatch", choices=DISPATCH_MODES,
+                        help=f"all-to-all model: flat = one copy per token-expert pair; hierarchical = "
+                             f"one copy per token and remote node, NVLink fan-out (DeepEP) "
+                             f"(default {d['dispatch']})")
+    parser.add_argument("--trace", help=f"synthetic trace family: {', '.join(FAMILIES)} "
+                        f"(default {d['trace']}; see docs/traces.md)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a preset field, e.g. hardware.nvlink_gbps=300 (repeatable)")
     parser.add_argument("--config", metavar="FILE", help="JSON or TOML file with model/hardware/simulate sections")
@@ -169,8 +180,14 @@ def resolve(args: argparse.Namespace) -> dict:
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
+    check_choice("--dispatch", opts["dispatch"], DISPATCH_MODES)
+    check_choice("--trace", opts["trace"], tuple(FAMILIES))
+    if args.file and opts["trace"] != "default":
+        raise ValueError(f"--trace {opts['trace']} names a synthetic trace, but a file "
+                         f"{args.file!r} was given; drop --trace or the file")
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
-            "systems": systems, "cost_options": CostOptions(overlap_replication=overlap),
+            "systems": systems,
+            "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"]),
             "model_from": named_by, "model_notes": notes}
 
 
@@ -202,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
     else:
         workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
-                                      s["steps"], s["seed"], s["sample_tokens"])
+                                      s["steps"], s["seed"], s["sample_tokens"], s["trace"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"])
 
     err = Console(stderr=True)
@@ -225,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         workload.notes["approximated"] = "; ".join(s["model_notes"])
     extra = {"model_from": s["model_from"],
              "micro_batch_tokens": s["micro_batch_tokens"] if not args.file else None,
+             "trace": s["trace"] if not args.file else None,
              "seed": s["seed"] if not args.file else None, "file": args.file,
              "command": "relibra simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None}
     doc = result_json(result, extra)
