@@ -239,3 +239,23 @@ def test_hierarchical_metrics_top1_equals_flat():
     assert torch.allclose(hier.cross_send_MLG, flat.cross_send_MLG.double())
     assert torch.allclose(hier.cross_recv_MLG.sum(-1), flat.cross_recv_MLG.sum(-1).double())
     del model
+
+
+def test_cli_dispatch_from_config_file_and_notes(tmp_path, capsys):
+    from test_sim_cli import loads_file, routing_file, run
+    f, r = tmp_path / "loads.safetensors", tmp_path / "routing.safetensors"
+    loads_file(f)
+    routing_file(r, steps=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"simulate": {"dispatch": "hierarchical", "systems": "static",
+                                            "nodes": 2, "gpus_per_node": 2}}))
+    for path, word in ((f, "estimated"), (r, "exact")):
+        out_json = tmp_path / f"{word}.json"
+        rc, out, err = run(capsys, str(path), "--config", str(cfg), "--no-progress", "--json", str(out_json))
+        assert rc == 0, err
+        doc = json.loads(out_json.read_text())
+        assert doc["config"]["cost_options"]["dispatch"] == "hierarchical"
+        assert word in doc["config"]["notes"]["dispatch"] and "dispatch:" in out
+        assert doc["systems"]["static"]["cross_node_recv_imbalance"] >= 1.0
+    rc, out, err = run(capsys, str(f), "--trace", "rank-mix", "--nodes", "2", "--gpus-per-node", "2")
+    assert rc == 2 and "--trace rank-mix names a synthetic trace" in err
