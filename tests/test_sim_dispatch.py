@@ -259,3 +259,17 @@ def test_cli_dispatch_from_config_file_and_notes(tmp_path, capsys):
         assert doc["systems"]["static"]["cross_node_recv_imbalance"] >= 1.0
     rc, out, err = run(capsys, str(f), "--trace", "rank-mix", "--nodes", "2", "--gpus-per-node", "2")
     assert rc == 2 and "--trace rank-mix names a synthetic trace" in err
+
+
+def test_plot_clips_far_systems_and_stacks_parts_to_the_step(tmp_path):
+    from relibra_torch.sim.report import STEP_PARTS, imbalance_ylim, write_plot
+    top, clipped = imbalance_ylim({"static": 3.4, "eplb": 1.2, "relibra": 1.05, "ideal": 1.0})
+    assert top == 1.3 and clipped == ["static"]
+    top, clipped = imbalance_ylim({"static": 1.8, "relibra": 1.02, "ideal": 1.0})
+    assert clipped == [] and top == pytest.approx(1.8 * 1.02)
+    wl = workload_from_loads(skewed_loads(X=1, tokens=128), MODEL, Topology(2, 2, 8, 1))
+    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "relibra", "ideal")))
+    for f in res.figures().values():  # the stacked bars add up to the step time
+        assert sum(f[key] for _, key, _ in STEP_PARTS) == pytest.approx(f["step_time_s"], rel=1e-12)
+    write_plot(res, str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").stat().st_size > 10_000
