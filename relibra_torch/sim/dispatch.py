@@ -54,7 +54,8 @@ from ..planning.plan import StepPlan, token_split
 from ..planning.topology import Topology
 
 __all__ = ["DISPATCH_MODES", "TokenRouting", "approx_cross_tokens", "exact_cross_tokens",
-           "hierarchical_traffic", "hierarchical_metrics", "uniform_remote_node_probability",
+           "hierarchical_traffic", "hierarchical_metrics", "token_routing_from_bins",
+           "uniform_remote_node_probability",
            "ESTIMATE_NOTE", "EXACT_NOTE"]
 
 DISPATCH_MODES = ("flat", "hierarchical")
@@ -88,13 +89,15 @@ class TokenRouting:
     num_ranks: int
 
     def micro_batch(self, x: int, m: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids_TLK, source_T)`` of micro-batch ``m`` of step ``x``: int64 ids of its tokens
-        (sources in rank order, each in file order) and the source rank of each token."""
+        """``(rows_T, source_T)`` of micro-batch ``m`` of step ``x``: the rows of
+        ``routed_experts_TLK`` holding its tokens (sources in rank order, each in file order)
+        and the source rank of each token (int64 ``[T_m]`` both; ids are gathered one layer
+        at a time by :func:`exact_cross_tokens`, so memory stays ``O(T_m K)``)."""
         S = self.num_ranks
         offs = self.bin_offsets[x][m * S : (m + 1) * S + 1]
         rows = self.token_index[x][int(offs[0]) : int(offs[-1])]
         source_T = torch.repeat_interleave(torch.arange(S), offs[1:] - offs[:-1])
-        return self.routed_experts_TLK[rows].to(torch.int64), source_T
+        return rows, source_T
 
 
 def token_routing_from_bins(routed_experts_TLK: torch.Tensor, sample_offsets_N1: torch.Tensor,
@@ -176,9 +179,13 @@ def approx_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor,
 
 
 def exact_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, ids_TLK: torch.Tensor,
-                       source_T: torch.Tensor, topo: Topology) -> torch.Tensor:
+                       source_T: torch.Tensor, topo: Topology, rows_T: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[L, S, N]``: tokens of source ``s`` with at least one pair bound for remote
     node ``n`` (0 for the own node), from the per-token ids of one micro-batch.
+
+    ``ids_TLK`` holds the micro-batch's ids (token ``t`` from source ``source_T[t]``,
+    sources in rank order), or, with ``rows_T``, a larger table whose rows ``rows_T`` are
+    the micro-batch's tokens (gathered one layer at a time).
 
     Pairs go to slots by the layer's rule: source ``s``'s pairs of expert ``e`` in flat
     ``t * K + k`` order fill ``e``'s instances in slot order, each up to its quota
@@ -186,7 +193,8 @@ def exact_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, 
     """
     L, S, G, J = split_LSGJ.shape
     X, E, N = G * J, topo.num_experts, topo.num_nodes
-    T, _, K = ids_TLK.shape
+    K = ids_TLK.shape[2]
+    T = source_T.numel()
     node_S = torch.arange(S) // topo.gpus_per_node
     out = torch.zeros(L, S, N, dtype=torch.int64)
     src_pair = source_T.repeat_interleave(K)
@@ -197,7 +205,8 @@ def exact_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, 
         order_X = (e_X * X + torch.arange(X)).argsort()
         quota_SX = (split_LSGJ[l].reshape(S, X) * (e_X >= 0))[:, order_X]
         cum = quota_SX.reshape(-1).cumsum(0)
-        e_P = ids_TLK[:, l, :].reshape(-1)
+        ids_TK = ids_TLK[:, l] if rows_T is None else ids_TLK[rows_T, l]
+        e_P = ids_TK.to(torch.int64).reshape(-1)
         keep = e_P >= 0
         e_P, s_P, t_P = e_P[keep], src_pair[keep], token_pair[keep]
         # Position of each pair in (source, expert, flat index) order = its place in the
@@ -260,8 +269,9 @@ def hierarchical_metrics(plan: StepPlan, metrics: PlanMetrics, loads_MLSE: torch
         split_LSGJ = token_split(plan.micro_batch(m), loads_MLSE[m : m + 1])[0]
         slot_expert_LGJ = plan.slot_expert_MLGJ[m]
         if routing is not None:
-            ids_TLK, source_T = routing.micro_batch(step, m)
-            cross = exact_cross_tokens(split_LSGJ, slot_expert_LGJ, ids_TLK, source_T, topo)
+            rows_T, source_T = routing.micro_batch(step, m)
+            cross = exact_cross_tokens(split_LSGJ, slot_expert_LGJ, routing.routed_experts_TLK, source_T,
+                                       topo, rows_T)
         else:
             cross = approx_cross_tokens(split_LSGJ, slot_expert_LGJ, tokens_MS[m], top_k, topo)
         for acc, t in zip(parts, hierarchical_traffic(split_LSGJ.sum(-1), cross, topo)):
