@@ -22,6 +22,7 @@ examples:
   relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
   relibra simulate replay.safetensors --model-config Mixtral-8x7B/config.json --nodes 1
   relibra simulate --trace long-tail --packing routepack --systems static,eplb-oracle,relibra
+  relibra simulate --trace rank-mix --dispatch hierarchical
 """
 
 from __future__ import annotations
@@ -29,19 +30,25 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checks import check_int
+from ..checks import check_choice, check_int
 from ..planning.topology import Topology
 from .baselines import SECTIONS as BASELINE_SECTIONS
 from .baselines import baseline_options
 from .cost import CostOptions
+from .dispatch import DISPATCH_MODES
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_config_file,
                       parse_override)
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
+from .traces.families import FAMILIES
 from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_file
 from ..planning.packing import PACKING_METHODS
 from .packed import replay_packing_workload, sample_workload
 from .trace_families import TRACE_FAMILIES
+
+# Count-level families (generated per rank and micro-batch) and sample-level ones (per
+# sample, so --packing can repack them); "default" is both.
+ALL_TRACES = tuple(FAMILIES) + tuple(f for f in TRACE_FAMILIES if f not in FAMILIES)
 
 
 def _cost_model(s: dict):
@@ -65,6 +72,7 @@ DEFAULTS = {
     "seed": 0,
     "sample_tokens": DEFAULT_SAMPLE_TOKENS,
     "overlap_replication": False,
+    "dispatch": "flat",
     "json": None,
     "plot": None,
     "trace": "default",
@@ -104,6 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-replication", action="store_true", default=None,
                         help="hide replica fill / gradient return behind attention (and shared "
                              "experts), for every system")
+    parser.add_argument("--dispatch", choices=DISPATCH_MODES,
+                        help=f"all-to-all model: flat = one copy per token-expert pair; hierarchical = "
+                             f"one copy per token and remote node, NVLink fan-out (DeepEP) "
+                             f"(default {d['dispatch']})")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a preset field or a baseline setting, e.g. "
                              "hardware.nvlink_gbps=300, eplb.interval=4, online.plan_latency_us=50 "
@@ -113,10 +125,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--trace", choices=tuple(TRACE_FAMILIES),
+    parser.add_argument("--trace", choices=ALL_TRACES,
                         help="synthetic trace family: " + "; ".join(f"{f.name}: {f.description}"
                                                                     for f in TRACE_FAMILIES.values())
-                             + f" (default {d['trace']})")
+                             + "; rank-mix: per-rank task mixes that drift (static imbalance >= 3); "
+                               "collapsed: in some layers a few experts take most tokens, changing every "
+                               f"micro-batch (default {d['trace']}; see docs/traces.md)")
     parser.add_argument("--packing", choices=PACKING_METHODS,
                         help="how a step's samples are packed into ranks and micro-batches, one packing "
                              "per step shared by every system: fixed (the source's rule), length "
@@ -200,16 +214,22 @@ def resolve(args: argparse.Namespace) -> dict:
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
+    check_choice("--dispatch", opts["dispatch"], DISPATCH_MODES)
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
-            "systems": systems, "cost_options": CostOptions(overlap_replication=overlap),
+            "systems": systems,
+            "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"]),
             "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
 
 
 def _check_trace_packing(file: str | None, opts: dict) -> None:
     """--trace and --packing: known names; a file has no trace family, and a loads file has
     no samples to repack."""
-    if opts["trace"] not in TRACE_FAMILIES:
-        raise ValueError(f"--trace {opts['trace']!r}; allowed: {', '.join(TRACE_FAMILIES)}")
+    if opts["trace"] not in ALL_TRACES:
+        raise ValueError(f"--trace {opts['trace']!r}; allowed: {', '.join(ALL_TRACES)}")
+    if opts["trace"] not in TRACE_FAMILIES and opts["packing"] != "fixed":
+        raise ValueError(f"--packing {opts['packing']} repacks samples, but --trace {opts['trace']} is generated "
+                         f"as counts per rank and micro-batch; use --packing fixed, or a sample-level trace "
+                         f"({', '.join(TRACE_FAMILIES)})")
     if opts["packing"] not in PACKING_METHODS:
         raise ValueError(f"--packing {opts['packing']!r}; allowed: {', '.join(PACKING_METHODS)}")
     if file and opts["trace"] != "default":
@@ -269,9 +289,9 @@ def run(args: argparse.Namespace) -> int:
         if s["warmup_steps"] >= workload.num_steps:
             raise ValueError(f"--warmup-steps {s['warmup_steps']} leaves no measured step: the file "
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
-    elif s["trace"] == "default" and s["packing"] == "fixed":  # today's trace, bit for bit
+    elif s["trace"] in FAMILIES and s["packing"] == "fixed":  # count-level; default: today's trace, bit for bit
         workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
-                                      s["steps"], s["seed"], s["sample_tokens"])
+                                      s["steps"], s["seed"], s["sample_tokens"], s["trace"])
     else:
         workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
                                    s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"])
@@ -298,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
         workload.notes["approximated"] = "; ".join(s["model_notes"])
     extra = {"model_from": s["model_from"],
              "micro_batch_tokens": s["micro_batch_tokens"] if not args.file else None,
+             "trace": s["trace"] if not args.file else None,
              "seed": s["seed"] if not args.file else None, "file": args.file,
 
              "command": "relibra simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None}

@@ -45,9 +45,18 @@ Per micro-batch ``m`` and MoE layer ``l``:
   time, at ``bf16_tflops * dense_efficiency``. Norms, embeddings, the loss and the
   optimizer step are the same for every system and are left out.
 
+  Which tokens cross which link depends on ``CostOptions.dispatch``: ``flat`` (one copy per
+  token-expert pair, ``evaluate``'s counts) or ``hierarchical`` (one copy per token and
+  remote node, NVLink fan-out on the landing GPU; :mod:`relibra_torch.sim.dispatch`
+  replaces the four per-GPU counts). The per-GPU time rule is the same for both.
+
 The ideal system gets the mean expert load on every GPU, the all-to-all traffic of uniform
-routing (each source sends ``(G - g) / G`` of its tokens to other nodes and ``(g - 1) / G`` to
-the other GPUs of its node, and every GPU receives the mean), no replicas and no migration.
+routing spread evenly (flat: each source sends ``(G - g) / G`` of its pairs to other nodes
+and ``(g - 1) / G`` to the other GPUs of its node; hierarchical: each token crosses to
+``(N - 1) * (1 - C(E - E/N, K) / C(E, K))`` remote nodes, and NVLink carries the node's own
+pairs plus the fan-out ``(G - g) / G * (g - 1) / g`` of the pairs; every GPU receives the
+mean), no replicas and no migration. A system whose routing sends fewer bytes than uniform
+routing can therefore exceed 1.0 of ideal.
 """
 
 from __future__ import annotations
@@ -56,10 +65,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_int
-from ..planning.evaluate import PlanMetrics
+from ..checks import check_choice, check_int
+from ..planning.evaluate import PlanMetrics, imbalance
 from ..planning.plan import StepPlan
 from ..planning.pricing import ReorderWeights, reorder_weights
+from .dispatch import DISPATCH_MODES, uniform_remote_node_probability
 from .presets import HardwareSpec, ModelSpec
 
 # ReorderWeights lives with the planner's pricing (relibra_torch.planning.pricing); it is
@@ -80,6 +90,9 @@ class CostOptions:
         master_weights: migration also moves an fp32 master copy of the weights.
         optimizer_state_bytes: bytes of optimizer state per parameter moved by migration
             (8 = Adam's two fp32 moments).
+        dispatch: ``"flat"`` (one copy per token-expert pair) or ``"hierarchical"``
+            (DeepEP / HybridEP: one copy per token and remote node, NVLink fan-out there);
+            see :mod:`relibra_torch.sim.dispatch`.
     """
 
     overlap_replication: bool = False
@@ -88,11 +101,13 @@ class CostOptions:
     grad_bytes: int = 2
     master_weights: bool = True
     optimizer_state_bytes: int = 8
+    dispatch: str = "flat"
 
     def __post_init__(self) -> None:
         for f in ("activation_bytes", "param_bytes", "grad_bytes"):
             check_int(f, getattr(self, f))
         check_int("optimizer_state_bytes", self.optimizer_state_bytes, 0)
+        check_choice("--dispatch", self.dispatch, DISPATCH_MODES)
 
 
 @dataclass
@@ -117,6 +132,8 @@ class StepCost:
     migrated_experts: int
     migrated_bytes: float
     planning_exposed_s_ML: torch.Tensor | None = None  # run-time planning charged (online systems)
+    # max / mean over GPUs of cross-node receive, mean over micro-batches x layers
+    cross_node_recv_imbalance: float = 1.0
 
     @property
     def moe_s(self) -> float:
@@ -314,9 +331,11 @@ class CostModel:
         replica_bytes = n_res * (self.expert_weight_bytes + self.expert_grad_bytes)
         mig_s, migrated, mig_bytes = self.migration(plan)
         dense = self.dense_s(tokens_MS, attn_pairs_MS)
-        return self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s,
-                             migrated, mig_bytes, metrics.cross_send_MLG.sum(),
-                             metrics.intra_send_MLG.sum(), replica_bytes, plan_latency_s)
+        out = self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s,
+                            migrated, mig_bytes, metrics.cross_send_MLG.sum(),
+                            metrics.intra_send_MLG.sum(), replica_bytes, plan_latency_s)
+        out.cross_node_recv_imbalance = float(imbalance(metrics.cross_recv_MLG).mean())
+        return out
 
     def ideal_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,
                         tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> StepCost:
@@ -327,8 +346,17 @@ class CostModel:
         mean_ML = loads.sum((2, 3)) / G
         expert_fwd, expert_bwd = self.expert_compute_s(mean_ML)
         send_MLS = loads.sum(3)
-        cross_send = send_MLS * (G - g) / G
-        intra_send = send_MLS * (g - 1) / G
+        if self.options.dispatch == "hierarchical":
+            # one copy per token and remote node: uniform routing's expected remote nodes
+            # per token; NVLink carries the node's own pairs plus the fan-out of pairs
+            # that landed on a GPU other than their destination.
+            N = num_nodes
+            p_node = uniform_remote_node_probability(E, self.model.top_k, N)
+            cross_send = send_MLS / self.model.top_k * (N - 1) * p_node
+            intra_send = send_MLS * ((g - 1) / G + (G - g) / G * (g - 1) / g)
+        else:
+            cross_send = send_MLS * (G - g) / G
+            intra_send = send_MLS * (g - 1) / G
         cross_recv = cross_send.mean(-1, keepdim=True).expand_as(cross_send)
         intra_recv = intra_send.mean(-1, keepdim=True).expand_as(intra_send)
         a2a_one = self.all_to_all_s(cross_send, cross_recv, intra_send, intra_recv)

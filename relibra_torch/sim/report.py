@@ -12,7 +12,8 @@ import os
 
 from .simulator import SimResult
 
-__all__ = ["result_json", "write_json", "format_seconds", "format_table", "print_table", "write_plot"]
+__all__ = ["result_json", "write_json", "format_seconds", "format_table", "print_table", "write_plot",
+           "imbalance_ylim", "STEP_PARTS"]
 
 # colours per system, shared by the table and the plot
 COLOURS = {"static": "#7f7f7f", "eplb": "#ff7f0e", "eplb-oracle": "#d62728",
@@ -178,45 +179,83 @@ def print_table(doc: dict, console=None) -> None:
                       highlight=False)
 
 
+# step-time parts of the plot's stacked bars: (label, figure key, colour)
+STEP_PARTS = (("expert compute", "expert_compute_s", "#4c72b0"),
+              ("all-to-all", "all_to_all_s", "#dd8452"),
+              ("replica transfer", "replica_exposed_s", "#55a868"),
+              ("migration", "migration_s", "#c44e52"),
+              ("attention / dense", "attention_dense_s", "#b0b0b0"))
+
+
+def imbalance_ylim(tops: dict[str, float], floor: float = 1.3) -> tuple[float, list[str]]:
+    """Upper y limit of the imbalance panel and the systems drawn past it.
+
+    The panel shows ``[0.95, top]`` with ``top`` at least ``floor`` and at most what the
+    balanced systems need, so that 1.0-1.3 stays readable; a system whose mean imbalance is
+    more than twice the best non-ideal one (static, usually 2-4) is clipped and annotated.
+    """
+    others = {n: v for n, v in tops.items() if n != "ideal"}
+    if not others:
+        return floor, []
+    best = min(others.values())
+    clipped = [n for n, v in others.items() if v > 2.0 * best]
+    kept = [v for n, v in others.items() if n not in clipped]
+    top = max([floor] + [1.02 * v for v in kept])
+    return top, clipped
+
+
 def write_plot(result: SimResult, path: str) -> None:
     """PNG: per-micro-batch imbalance of each system over the first measured step (mean and
-    max over layers), and step-time bars split into MoE and attention/dense time."""
+    max over layers; systems far above the rest are clipped and their mean is written on the
+    panel), and step-time bars stacked by expert compute, all-to-all, exposed replica
+    transfer, migration and attention/dense time."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     figures = result.figures()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    means = {name: float(r.imbalance_XML[0].mean(1).max()) for name, r in result.systems.items()}
+    top, clipped = imbalance_ylim(means)
+    notes = []
     for name, r in result.systems.items():
         imb_ML = r.imbalance_XML[0]
         m = range(imb_ML.shape[0])
         colour = COLOURS.get(name)
-        ax1.plot(m, imb_ML.mean(1).tolist(), color=colour, label=f"{name} (mean over layers)")
+        label = f"{name} (mean over layers)"
+        if name in clipped:
+            label = f"{name}: off scale, mean {float(imb_ML.mean()):.2f}"
+            notes.append(label)
+        ax1.plot(m, imb_ML.mean(1).tolist(), color=colour, label=label)
         if name != "ideal":
             ax1.plot(m, imb_ML.max(1).values.tolist(), color=colour, linestyle=":", linewidth=1)
     ax1.set_xlabel("micro-batch")
     ax1.set_ylabel("max / mean GPU load")
     ax1.set_title("per-micro-batch imbalance (dotted: worst layer)")
-    ax1.set_ylim(bottom=0.95)
+    ax1.set_ylim(0.95, top)
+    if notes:
+        ax1.text(0.01, 0.98, "\n".join(notes) + " (clipped)", transform=ax1.transAxes, va="top",
+                 fontsize=8, bbox={"facecolor": "white", "alpha": 0.85, "edgecolor": "#999999"})
     ax1.grid(alpha=0.3)
     ax1.legend(fontsize=8, loc="center right", framealpha=0.85)
 
     names = list(figures)
-    moe = [figures[n]["moe_layer_time_s"] for n in names]
-    rest = [figures[n]["step_time_s"] - figures[n]["moe_layer_time_s"] for n in names]
-    colours = [COLOURS.get(n, "#333333") for n in names]
-    ax2.bar(names, rest, color="#cccccc", label="attention, dense, migration")
-    ax2.bar(names, moe, bottom=rest, color=colours, label="MoE layers")
+    bottom = [0.0] * len(names)
+    for label, key, colour in STEP_PARTS:
+        part = [figures[n][key] for n in names]
+        ax2.bar(names, part, bottom=bottom, color=colour, label=label)
+        bottom = [b + p for b, p in zip(bottom, part)]
     for i, n in enumerate(names):
         ax2.text(i, figures[n]["step_time_s"], f"{figures[n]['speedup_vs_static']:.2f}x",
                  ha="center", va="bottom", fontsize=9)
     ax2.set_ylabel("step time (s)")  # one axis for all bars: seconds, as in the JSON
-    ax2.set_title("step time (label: speedup over static)")
+    ax2.set_title("step time by part (label: speedup over static)")
     plt.setp(ax2.get_xticklabels(), rotation=30, ha="right")  # nine system names
-    ax2.legend(fontsize=8, loc="lower right")
+    ax2.legend(fontsize=8, loc="upper right")
     cfg = result.config
     fig.suptitle(f"{cfg.model.name}, {cfg.topology.num_nodes} x {cfg.topology.gpus_per_node} "
-                 f"{cfg.hardware.name}, R={cfg.topology.replica_slots}", fontsize=11)
+                 f"{cfg.hardware.name}, R={cfg.topology.replica_slots}, "
+                 f"{cfg.cost_options.dispatch} dispatch", fontsize=11)
     fig.tight_layout()
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)

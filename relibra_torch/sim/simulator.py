@@ -29,6 +29,7 @@ from ..planning.plan import validate_plan
 from ..planning.topology import Topology
 from .baselines import BaselineOptions
 from .cost import CostModel, CostOptions, StepCost
+from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
 from .presets import HardwareSpec, ModelSpec
 from .workload import Workload
 
@@ -128,6 +129,7 @@ class SystemResult:
             "migration_s": self.mean("migration_s"),
             "step_time_s": self.mean("step_s"),
             "cross_node_bytes": self.mean("cross_node_bytes"),
+            "cross_node_recv_imbalance": self.mean("cross_node_recv_imbalance"),
             "intra_node_bytes": self.mean("intra_node_bytes"),
             "replica_bytes": self.mean("replica_bytes"),
             "migrated_experts": self.mean("migrated_experts"),
@@ -183,6 +185,8 @@ def simulate(workload: Workload, config: SimConfig,
     if planner_factory is default_planner_factory:
         def planner_factory(name, topology, cost_model):
             return default_planner_factory(name, topology, cost_model, config.baseline_options)
+    if cost.options.dispatch == "hierarchical":  # say how remote nodes per token were counted
+        workload.notes["dispatch"] = EXACT_NOTE if workload.routing is not None else ESTIMATE_NOTE
     results: dict[str, SystemResult] = {}
     for name in config.systems:
         imb, costs, planner_s = [], [], []
@@ -204,6 +208,9 @@ def simulate(workload: Workload, config: SimConfig,
                     validate_plan(plan, loads_MLSE)
                 if measured:  # a warm-up step only advances the planner's state
                     metrics = evaluate(plan, loads_MLSE)
+                    if cost.options.dispatch == "hierarchical":
+                        metrics = hierarchical_metrics(plan, metrics, loads_MLSE, tokens_MS,
+                                                       config.model.top_k, workload.routing, x)
                     costs.append(cost.step_cost(plan, metrics, tokens_MS, pairs_MS,
                                                 getattr(planner, "plan_latency_s", 0.0)))
                     imb.append(metrics.imbalance_ML)

@@ -19,6 +19,7 @@ import torch
 
 from ..checks import check_int
 from ..planning.topology import Topology
+from .dispatch import TokenRouting, token_routing_from_bins
 from .presets import ModelSpec
 
 __all__ = ["Workload", "causal_pairs", "packed_pairs", "workload_from_loads", "synthetic_workload",
@@ -40,6 +41,9 @@ class Workload:
         attn_pairs_XMS: float64 ``[X, M, S]`` causal attention (query, key) pairs.
         source: a short description for reports.
         notes: assumptions made while building it (for the report's config section).
+        routing: per-token expert ids grouped by (step, micro-batch, rank), when the source
+            has them (routing replay files); hierarchical dispatch then counts each
+            token's remote nodes exactly instead of estimating them from counts.
     """
 
     loads_XMLSE: torch.Tensor
@@ -47,6 +51,7 @@ class Workload:
     attn_pairs_XMS: torch.Tensor
     source: str
     notes: dict = field(default_factory=dict)
+    routing: "TokenRouting | None" = None
 
     @property
     def num_steps(self) -> int:
@@ -129,21 +134,28 @@ def workload_from_loads(loads: torch.Tensor, model: ModelSpec, topology: Topolog
 
 def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: int,
                        tokens_per_rank: int, steps: int, seed: int,
-                       sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> Workload:
-    """The default synthetic RL trace (seeded, mixed tasks) from :mod:`relibra_torch.sim.traces`."""
+                       sample_tokens: int = DEFAULT_SAMPLE_TOKENS, trace: str = "default") -> Workload:
+    """A synthetic RL trace (seeded, mixed tasks) from :mod:`relibra_torch.sim.traces`:
+    ``trace`` names a family of ``relibra_torch.sim.traces.families.FAMILIES`` (``default``:
+    the calibrated trace of docs/traces.md)."""
     try:
         from . import traces
+        from .traces.families import FAMILIES
     except ImportError as exc:  # the trace generator ships separately
         raise ValueError("the synthetic trace generator (relibra_torch.sim.traces) is not "
                          f"available ({exc}); pass a loads or routing replay file") from None
+    if trace not in FAMILIES:
+        raise ValueError(f"--trace = {trace!r}; allowed: one of {', '.join(FAMILIES)}")
+    family = trace
     cfg = _trace_config(traces, model, seed)
-    trace = traces.generate_load_trace(cfg, num_micro_batches, topology.num_gpus, tokens_per_rank,
-                                       steps=steps)
+    trace = FAMILIES[family](cfg, num_micro_batches, topology.num_gpus, tokens_per_rank, steps=steps)
     X, M, S = trace.tokens_XMS.shape
     pairs_XMS = torch.zeros(X * M * S, dtype=torch.int64).index_add_(
         0, trace.sample_bin_N, causal_pairs(trace.sample_length_N)).view(X, M, S)
     return workload_from_loads(trace.loads_XMLSE, model, topology, sample_tokens,
-                               source=f"synthetic RL trace (seed {seed}, tasks {','.join(trace.tasks)})",
+                               source=(f"synthetic RL trace (seed {seed}, tasks {','.join(trace.tasks)})"
+                                       if family == "default" else
+                                       f"synthetic RL trace '{family}' (seed {seed}, tasks {','.join(trace.tasks)})"),
                                tokens_XMS=trace.tokens_XMS, attn_pairs_XMS=pairs_XMS.to(torch.float64))
 
 
@@ -200,17 +212,21 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
     else:
         groups = [torch.arange(rr.num_samples)]
     G = topology.num_gpus
-    loads, tokens, pairs = [], [], []
+    loads, tokens, pairs, bins = [], [], [], []
     for ids in groups:
         part = rr.select(ids) if len(groups) > 1 else rr
         lengths = part.sample_lengths
         assign = replay.batch_samples(lengths, G, num_micro_batches=num_micro_batches)
+        bins.append(assign.micro_batch_N * G + assign.rank_N)
         loads.append(part.counts(assign))
         flat = assign.micro_batch_N * G + assign.rank_N
         M = assign.num_micro_batches
         tokens.append(torch.zeros(M * G, dtype=torch.int64).scatter_add_(0, flat, lengths).view(M, G))
         pairs.append(torch.zeros(M * G, dtype=torch.int64).scatter_add_(0, flat, causal_pairs(lengths))
                      .view(M, G).to(torch.float64))
-    return workload_from_loads(torch.stack(loads), model, topology, sample_tokens,
-                               source=f"routing replay {name} ({rr.num_samples} samples)",
-                               tokens_XMS=torch.stack(tokens), attn_pairs_XMS=torch.stack(pairs))
+    wl = workload_from_loads(torch.stack(loads), model, topology, sample_tokens,
+                             source=f"routing replay {name} ({rr.num_samples} samples)",
+                             tokens_XMS=torch.stack(tokens), attn_pairs_XMS=torch.stack(pairs))
+    wl.routing = token_routing_from_bins(rr.routed_experts_TLK, rr.sample_offsets, bins, groups,
+                                         num_micro_batches * G, G)
+    return wl

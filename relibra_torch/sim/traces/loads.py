@@ -20,7 +20,7 @@ from ...checks import check_int
 from .config import TraceConfig, check_cfg
 from .model import draw_samples, iter_step_states, sample_inclusion, sample_log_weights, seeded_generator
 
-__all__ = ["SyntheticLoads", "generate_load_trace", "generate_loads", "max_over_mean"]
+__all__ = ["SyntheticLoads", "draw_counts", "generate_load_trace", "generate_loads", "max_over_mean"]
 
 # Samples drawn per block while packing micro-batches (a multiple of group_size is used).
 DRAW_BLOCK = 4096
@@ -104,6 +104,14 @@ def bin_counts(p_RE: torch.Tensor, tokens_R: torch.Tensor, K: int,
         left = left - c
     out_ER[E - 1] = left
     return out_ER.t().to(torch.int64)
+
+
+def draw_counts(p_RE: torch.Tensor, tokens_R: torch.Tensor, K: int, g: torch.Generator) -> torch.Tensor:
+    """int64 ``[R, E]`` counts of ``K * tokens`` expert slots per row with inclusion
+    probabilities ``p_RE`` (rows ~ sum ``K``), each count at most ``tokens``: the count draw
+    of :func:`generate_load_trace`, in blocks of rows (for other trace families)."""
+    return torch.cat([bin_counts(p_RE[r:r + _COUNT_ROWS], tokens_R[r:r + _COUNT_ROWS], K, g)
+                      for r in range(0, p_RE.shape[0], _COUNT_ROWS)])
 
 
 def generate_load_trace(cfg: TraceConfig, num_micro_batches: int, num_ranks: int,
