@@ -261,7 +261,10 @@ def test_config_file_packing_and_trace_are_checked(tmp_path, capsys):
     assert rc == 2 and "--packing 'best'; allowed: fixed, length, routepack" in err
     cfg.write_text(json.dumps({"simulate": {"trace": "spiky"}}))
     rc, _, err = _simulate(capsys, *SMALL, "--config", str(cfg))
-    assert rc == 2 and "--trace 'spiky'; allowed: default, long-tail" in err
+    assert rc == 2 and "--trace 'spiky'; allowed: default, rank-mix, collapsed, long-tail" in err
+    # count-level families cannot be repacked
+    rc, _, err = _simulate(capsys, *SMALL, "--trace", "collapsed", "--packing", "routepack")
+    assert rc == 2 and "--trace collapsed is generated as counts" in err and "use --packing fixed" in err
 
 
 def test_packing_module_imports_only_planning():

@@ -34,13 +34,19 @@ def test_flat_mode_reproduces_the_numbers_stored_before_dispatch_modes():
     # (before this change) for exactly this workload and config; planner_s (wall time) left out.
     with open(FIXTURE) as fh:
         expected = json.load(fh)
+    # Only the systems whose plans no later change touched: static's plan is fixed and ideal
+    # is a formula, so their figures test the flat cost model itself (the planners of eplb
+    # and relibra changed on purpose after the fixture was written: issues 11 and 12).
+    expected = {k: v for k, v in expected.items() if k in ("static", "ideal")}
     wl = workload_from_loads(skewed_loads(X=2, seed=3, tokens=256), MODEL, Topology(2, 2, 8, 1))
-    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), warmup_steps=1))
+    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "ideal"), warmup_steps=1))
     assert res.config.cost_options.dispatch == "flat"
     figures = res.figures()
-    assert set(figures) == set(expected)
+    assert set(figures) == set(expected) == {"static", "ideal"}
     for name, exp in expected.items():
         for key, value in exp.items():
+            if key == "speedup_vs_eplb_oracle":  # a ratio to eplb-oracle, which is not run here
+                continue
             got = figures[name][key]
             assert got == pytest.approx(value, rel=1e-12, abs=0), (name, key)
         assert "cross_node_recv_imbalance" in figures[name]
@@ -258,7 +264,7 @@ def test_cli_dispatch_from_config_file_and_notes(tmp_path, capsys):
         assert word in doc["config"]["notes"]["dispatch"] and "dispatch:" in out
         assert doc["systems"]["static"]["cross_node_recv_imbalance"] >= 1.0
     rc, out, err = run(capsys, str(f), "--trace", "rank-mix", "--nodes", "2", "--gpus-per-node", "2")
-    assert rc == 2 and "--trace rank-mix names a synthetic trace" in err
+    assert rc == 2 and "--trace rank-mix selects a synthetic trace" in err
 
 
 def test_plot_clips_far_systems_and_stacks_parts_to_the_step(tmp_path):
