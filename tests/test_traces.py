@@ -278,7 +278,7 @@ def test_bin_counts_invariants(weights, K, tokens, seed):
     w = torch.tensor(weights, dtype=torch.float64) + 1e-3
     p = tr_model.cap_inclusion(w.expand(len(tokens), E).clone(), K, 1.0)
     n = torch.tensor(tokens)
-    c = tr_loads._bin_counts(p, n, K, torch.Generator().manual_seed(seed))
+    c = tr_loads.bin_counts(p, n, K, torch.Generator().manual_seed(seed))
     assert torch.equal(c.sum(-1), n * K)
     assert bool((c >= 0).all()) and bool((c <= n.unsqueeze(-1)).all())
 
