@@ -190,7 +190,8 @@ def test_token_split_sends_remote_tokens_to_every_instance_in_proportion():
 def test_traffic_replicas_take_their_nodes_own_tokens_and_pay(problem):
     """Cross-node replicas (relibra's traffic slots): at most ceil(R/2) per GPU, each holds an
     expert owned by another node with exactly its node's tokens for it, never two per node
-    of one expert, and a new residency only when the saving beats the inter-node fill."""
+    of one expert, and per (layer, node) the traffic they save beats their fills (one per
+    residency)."""
     from relibra_torch.planning.traffic import traffic_replicas
 
     topo, loads = problem
@@ -198,7 +199,8 @@ def test_traffic_replicas_take_their_nodes_own_tokens_and_pay(problem):
     N, g, El, R = topo.num_nodes, topo.gpus_per_node, topo.experts_per_gpu, topo.replica_slots
     placement = topo.static_placement(L)
     r = (R + 1) // 2
-    token_s, fill_s = 3.6e-7 / g, 4.2e-4
+    token_s = 3.6e-7 / g
+    fill_s = 40 * token_s  # a replica pays from 40 tokens kept home
     exp_MLGr, quota_MLGr = traffic_replicas(loads, topo, placement, r, token_s, fill_s)
     assert exp_MLGr.shape == (M, L, topo.num_gpus, r)
     demand_MLNE = loads.view(M, L, N, g, E).sum(3)
@@ -206,12 +208,16 @@ def test_traffic_replicas_take_their_nodes_own_tokens_and_pay(problem):
     for m, l, gpu, j in (exp_MLGr >= 0).nonzero().tolist():
         e, n = int(exp_MLGr[m, l, gpu, j]), gpu // g
         assert owner_node_LE[l, e] != n
-        assert quota_MLGr[m, l, gpu, j] == demand_MLNE[m, l, n, e] > 0
+        assert quota_MLGr[m, l, gpu, j] == demand_MLNE[m, l, n, e]
         assert int((exp_MLGr[m, l, n * g:(n + 1) * g] == e).sum()) == 1
-        new = m == 0 or not (exp_MLGr[m - 1, l, gpu, j] == e)
-        if new:
-            assert float(demand_MLNE[m, l, n, e]) * token_s > fill_s
     assert (quota_MLGr[exp_MLGr < 0] == 0).all()
+    for l in range(L):
+        for n in range(N):
+            e_Mr = exp_MLGr[:, l, n * g:(n + 1) * g].reshape(M, -1)
+            saved = float(quota_MLGr[:, l, n * g:(n + 1) * g].sum()) * token_s
+            prev = torch.cat([torch.full_like(e_Mr[:1], -1), e_Mr[:-1]])
+            fills = int(((e_Mr >= 0) & (e_Mr != prev)).sum())
+            assert saved - fills * fill_s >= 0, (l, n, saved, fills)
 
 
 @SETTINGS

@@ -8,8 +8,13 @@ expert ``e`` on a GPU of node ``n`` that takes exactly node ``n``'s tokens for `
 them from the inter-node exchange (``planning.token_split`` keeps tokens local first), and
 the owner no longer receives them: it relieves the node that holds a hot expert too.
 
-Per micro-batch, layer and node, the node's ``g * r`` traffic slots hold the non-owned
-experts with the most local demand whose saving pays for their fill. A replica that stays
+Per layer and node, two ways of filling the node's ``g * r`` traffic slots are compared by
+the seconds they save net of their fills, and the better one is kept: a set fixed for the
+step (the remote experts with the most step demand, each filled once, EPLB's economics but
+with the node's exact demand), or a set chosen per micro-batch (below), which follows hot
+experts that change from one micro-batch to the next. Per micro-batch, layer and node, the
+traffic slots hold the non-owned experts with the most local demand whose saving pays for
+their fill. A replica that stays
 from the previous micro-batch is already filled (the cost model charges fills per
 residency), so it only has to be worth its slot; a new one must save more than an
 inter-node fill (weights in, gradients back). Kept replicas stay in their slot; new ones go
@@ -95,4 +100,56 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
         quota_MLGr[m] = quota.view(L, G, r)
         held_LNE = torch.zeros(L, N, E, dtype=torch.bool)
         held_LNE.scatter_(2, slot_t.clamp(min=0), slot_t >= 0)
+
+    # The alternative: one set per (layer, node) for the whole step, chosen from the step's
+    # demand and filled once (EPLB's economics, with each node's exact demand). Per (layer,
+    # node) the option that saves more seconds net of fills wins.
+    static_e_MLGr, static_q_MLGr = _step_replicas(remote_MLNE, native_MLG.sum(0), topology, r, token_s, fill_s)
+    dyn_value_LN = _net_value(expert_MLGr, quota_MLGr, N, g, token_s, fill_s)
+    static_value_LN = _net_value(static_e_MLGr, static_q_MLGr, N, g, token_s, fill_s)
+    use_static_LG = (static_value_LN > dyn_value_LN).repeat_interleave(g, dim=1)          # [L, G]
+    pick = use_static_LG.view(1, L, G, 1)
+    expert_MLGr = torch.where(pick, static_e_MLGr, expert_MLGr)
+    quota_MLGr = torch.where(pick, static_q_MLGr, quota_MLGr)
     return expert_MLGr.contiguous(), quota_MLGr.contiguous()
+
+
+def _net_value(expert_MLGr: torch.Tensor, quota_MLGr: torch.Tensor, N: int, g: int, token_s: float,
+               fill_s: float) -> torch.Tensor:
+    """float64 ``[L, N]``: seconds of inter-node traffic the replicas save over the step,
+    less one fill per residency (a slot whose expert differs from the previous micro-batch)."""
+    M, L, G, r = expert_MLGr.shape
+    saved = quota_MLGr.to(torch.float64).sum((0, 3)) * token_s                          # [L, G]
+    prev = torch.cat([torch.full_like(expert_MLGr[:1], -1), expert_MLGr[:-1]])
+    new = ((expert_MLGr >= 0) & (expert_MLGr != prev)).sum((0, 3)).to(torch.float64)   # [L, G]
+    return (saved - new * fill_s).view(L, N, g).sum(-1)
+
+
+def _step_replicas(remote_MLNE: torch.Tensor, native_LG: torch.Tensor, topology: Topology, r: int,
+                   token_s: float, fill_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Traffic replicas fixed for the step: per (layer, node) the ``g * r`` remote experts with
+    the most step demand whose saving beats one fill, heaviest first to the node's GPU with
+    the least step load; quotas per micro-batch are the node's demand then."""
+    M, L, N, E = remote_MLNE.shape
+    g, G = topology.gpus_per_node, topology.num_gpus
+    B = g * r
+    step_LNE = remote_MLNE.sum(0)
+    value_LNE = step_LNE.to(torch.float64) * token_s - fill_s
+    order_LNE = (-value_LNE).argsort(dim=2, stable=True)[..., :B]
+    chosen = order_LNE.masked_fill(value_LNE.gather(2, order_LNE) <= 0, -1).tolist()
+    step, native = step_LNE.tolist(), native_LG.tolist()
+    slot_LNB = [[[-1] * B for _ in range(N)] for _ in range(L)]
+    for l in range(L):
+        for n in range(N):
+            gpu_load = native[l][n * g:(n + 1) * g]
+            for e in chosen[l][n]:
+                if e < 0:
+                    continue
+                free = [b for b in range(B) if slot_LNB[l][n][b] < 0]
+                b = min(free, key=lambda q: (gpu_load[q // r], q))
+                slot_LNB[l][n][b] = e
+                gpu_load[b // r] += step[l][n][e]
+    slot_t = torch.tensor(slot_LNB, dtype=torch.int64)                                # [L, N, B]
+    expert_MLGr = slot_t.view(1, L, G, r).expand(M, L, G, r)
+    quota = remote_MLNE.gather(3, slot_t.clamp(min=0).unsqueeze(0).expand(M, L, N, B)) * (slot_t >= 0)
+    return expert_MLGr.contiguous(), quota.view(M, L, G, r)
