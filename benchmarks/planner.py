@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from relibra_torch.planning import ReLibraConfig, Topology, evaluate, make_planner
+from relibra_torch.planning import ReLibraConfig, Topology, evaluate, lis, lis_summary, make_planner
 from relibra_torch.sim.traces import TraceConfig, generate_loads, uniform_max_over_mean
 
 
@@ -95,7 +95,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"relibra vs static imbalance: {rows['static']['imbalance_mean'] / rows['relibra']['imbalance_mean']:.2f}x lower; "
           f"relibra planning {rows['relibra']['layer_plans_per_s'] / rows['eplb']['layer_plans_per_s']:.2f}x "
           f"the layer-plans/s of eplb")
-    result = {"config": vars(args) | {"json": str(args.json)}, "systems": rows,
+    lis_ML = lis(loads_MLSE.sum(2))  # depends on the loads only: once, not per system
+    print(f"LIS (max expert / equal share) over micro-batches x layers: mean {float(lis_ML.mean()):.3f}, "
+          f"max {float(lis_ML.max()):.3f}")
+    result = {"config": vars(args) | {"json": str(args.json)}, **lis_summary(lis_ML), "systems": rows,
               "uniform_expert_max_over_mean": uniform}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

@@ -12,6 +12,7 @@ Planners: ``static`` (Megatron-LM / torchtitan contiguous placement), ``eplb`` a
 from .base import Planner, StaticPlanner, check_loads, native_plan, static_plan
 from .eplb import EPLBPlanner, balanced_packing, eplb_plan, replicate_experts
 from .evaluate import PlanMetrics, evaluate
+from .lis import lis, lis_summary
 from .plan import StepPlan, plan_digest, token_split, validate_plan
 from .relibra import ReLibraConfig, ReLibraPlanner, relibra_plan, reorder, replicate
 from .topology import Topology
@@ -37,6 +38,6 @@ def make_planner(name: str, topology: Topology, **kwargs) -> Planner:
 __all__ = [
     "EPLBPlanner", "PLANNER_NAMES", "PlanMetrics", "Planner", "ReLibraConfig", "ReLibraPlanner",
     "StaticPlanner", "StepPlan", "Topology", "balanced_packing", "check_loads", "eplb_plan",
-    "evaluate", "make_planner", "native_plan", "plan_digest", "relibra_plan", "reorder",
+    "evaluate", "lis", "lis_summary", "make_planner", "native_plan", "plan_digest", "relibra_plan", "reorder",
     "replicate", "replicate_experts", "static_plan", "token_split", "validate_plan",
 ]
