@@ -74,8 +74,10 @@ def test_inspect_prints_lis_per_layer_with_mean_and_max(tmp_path, capsys):
 def test_simulator_json_has_lis_once_per_run(tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
     X, M, L, S, E, K = 2, 2, 3, 4, 16, 2
-    loads = torch.randint(0, 20, (X, M, L, S, E), generator=g) * 2  # whole tokens of top-2
-    loads[..., 0] += 100  # a hot expert
+    scores = torch.rand(X, M, L, S, 24, E, generator=g)
+    scores[..., 0] += 0.5  # a hot expert
+    picks = scores.topk(K, dim=-1).indices.flatten(-2)  # 24 tokens per source, top-2 distinct
+    loads = torch.zeros(X, M, L, S, E, dtype=torch.int64).scatter_add_(-1, picks, torch.ones_like(picks))
     f = tmp_path / "loads.safetensors"
     save_loads(str(f), loads, K)
     rc = main(["simulate", str(f), "--nodes", "1", "--gpus-per-node", "4", "--no-progress", "--warmup-steps", "1",
