@@ -73,10 +73,10 @@ def test_inspect_prints_lis_per_layer_with_mean_and_max(tmp_path, capsys):
 
 def test_simulator_json_has_lis_once_per_run(tmp_path, capsys):
     g = torch.Generator().manual_seed(0)
-    X, M, L, S, E, K = 2, 2, 3, 4, 16, 2
-    scores = torch.rand(X, M, L, S, 24, E, generator=g)
+    X, M, L, S, E, K = 2, 2, 48, 4, 128, 8  # qwen3-30b-a3b shapes (a preset gives the dims)
+    scores = torch.rand(X, M, L, S, 16, E, generator=g)
     scores[..., 0] += 0.5  # a hot expert
-    picks = scores.topk(K, dim=-1).indices.flatten(-2)  # 24 tokens per source, top-2 distinct
+    picks = scores.topk(K, dim=-1).indices.flatten(-2)  # 16 tokens per source, top-8 distinct
     loads = torch.zeros(X, M, L, S, E, dtype=torch.int64).scatter_add_(-1, picks, torch.ones_like(picks))
     f = tmp_path / "loads.safetensors"
     save_loads(str(f), loads, K)
