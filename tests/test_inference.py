@@ -158,3 +158,19 @@ def test_four_gloo_ranks_equal_one_process(pool, case):
     quota_GJ = even_quota(d.slot_expert_GJ, counts_E)
     for g, r in enumerate(res):
         np.testing.assert_array_equal(r["slot_tokens"], quota_GJ[g].numpy())
+
+
+def test_example_runs_and_keeps_memory(tmp_path):
+    """examples/replicate_quantize.py end to end at toy size (the documented run is larger)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    import replicate_quantize
+
+    res = replicate_quantize.main(["--train-steps", "3", "--batch", "8", "--calib", "16", "--held-out", "64",
+                                   "--out", str(tmp_path)])
+    assert res["held_out"] == 64 and res["expert_bytes_after"] <= res["expert_bytes_before"]
+    assert (tmp_path / "result.json").exists()
+    for layer in res["layers"]:
+        assert layer["after"]["imbalance"] >= 1.0 and layer["before"]["lis"] >= 1.0
+        assert layer["expert_bytes"] <= layer["original_bytes"]

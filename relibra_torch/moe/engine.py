@@ -309,7 +309,8 @@ class ExpertEngine:
         return False
 
     def _native_schedule(self, counts_E: torch.Tensor, device: torch.device, bad_ids: int) -> RankSchedule:
-        """No usable plan: gather every rank's counts and run the native placement.
+        """No usable plan: gather every rank's counts and run the native placement (or the
+        ``runtime_planner``'s plan for those counts).
 
         The gathered row carries this rank's bad-id count too, so all ranks raise together.
         """
