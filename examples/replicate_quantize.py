@@ -11,8 +11,8 @@
 3. *Transform* for an EP layout (``--nodes`` x ``--gpus-per-node`` GPUs, ``--replica-slots``
    per GPU) within the original expert memory: resident replicas of heavy experts, int8 for
    the least important ones (:func:`relibra_torch.inference.replicate_and_quantize`).
-4. *Measure*, before and after, greedy decoding of ``--held-out`` held-out prompts in one
-   batch: exact-match accuracy (with its binomial standard error and the number of prompts
+4. *Measure*, before and after, greedy decoding of ``--held-out`` held-out prompts in
+   batches of ``--batch-prompts``: exact-match accuracy (with its binomial standard error and the number of prompts
    whose answer changed), teacher-forced answer loss, per layer the GPU imbalance (max/mean
    token-expert pairs per GPU under the layout, per forward, as the engine splits them
    live) and LIS, and the expert memory.
@@ -100,17 +100,24 @@ def count_forwards(model):
 
 
 @torch.no_grad()
-def measure(model, held_out, slot_expert_LGJ, top_k: int) -> dict:
+def measure(model, held_out, slot_expert_LGJ, batch: int) -> dict:
+    """Greedy decoding of ``held_out`` in batches of ``batch`` prompts (one forward = one
+    prefill or decoding step of a batch), teacher-forced answer loss, per-layer balance."""
     tok = tiny_lm.Tokenizer()
     counts, handles = count_forwards(model)
-    out = tiny_lm.generate(model, [tok.encode(p) for p, _ in held_out], 4, eos=tok.eos,
-                           generator=torch.Generator(), greedy=True)
+    answers, lp = [], []
+    for i in range(0, len(held_out), batch):
+        part = held_out[i : i + batch]
+        out = tiny_lm.generate(model, [tok.encode(p) for p, _ in part], 4, eos=tok.eos,
+                               generator=torch.Generator(), greedy=True)
+        answers += [tok.decode(r) for r in out.responses()]
     for h in handles:
         h.remove()
-    answers = [tok.decode(r) for r in out.responses()]
+    for i in range(0, len(held_out), batch):
+        part = held_out[i : i + batch]
+        seqs = [tok.encode(p) + tok.encode(a, bos=False) + [tok.eos] for p, a in part]
+        lp += tiny_lm.sequence_logprobs(model, seqs, [len(tok.encode(p)) for p, _ in part])
     correct = [a == want for a, (_, want) in zip(answers, held_out)]
-    seqs = [tok.encode(p) + tok.encode(a, bos=False) + [tok.eos] for p, a in held_out]
-    lp = tiny_lm.sequence_logprobs(model, seqs, [len(tok.encode(p)) for p, _ in held_out])
     layers = []
     for l, rows in enumerate(counts):
         c_FE = torch.stack(rows)  # forwards x experts
@@ -130,10 +137,11 @@ def main(argv=None) -> dict:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--gpus-per-node", type=int, default=4)
     p.add_argument("--replica-slots", type=int, default=1)
-    p.add_argument("--train-steps", type=int, default=2000)
+    p.add_argument("--train-steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=64, help="training sequences per step")
     p.add_argument("--calib", type=int, default=256, help="calibration prompts (from the training split)")
     p.add_argument("--held-out", type=int, default=3000, help="held-out prompts (at most 3000)")
+    p.add_argument("--batch-prompts", type=int, default=250, help="prompts decoded together (one batch)")
     p.add_argument("--budget", type=float, default=1.0, help="expert memory budget, fraction of the original")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="out/replicate_quantize")
@@ -147,16 +155,17 @@ def main(argv=None) -> dict:
     topo = Topology(args.nodes, args.gpus_per_node, cfg.num_experts, args.replica_slots)
     native = torch.full((topo.num_gpus, topo.slots_per_gpu), -1, dtype=torch.int64)
     native[:, : topo.experts_per_gpu] = torch.arange(cfg.num_experts).view(topo.num_gpus, -1)
-    before = measure(model, held_out, [native] * cfg.n_layers, cfg.top_k)
+    before = measure(model, held_out, [native] * cfg.n_layers, args.batch_prompts)
 
     tok = tiny_lm.Tokenizer()
     calib_prompts = [tok.encode(q) for q, _ in random.Random(args.seed + 1).sample(train_set, args.calib)]
-    stats = calibrate(model, lambda m: tiny_lm.generate(m, calib_prompts, 4, eos=tok.eos,
-                                                        generator=torch.Generator(), greedy=True))
+    stats = calibrate(model, lambda m: [tiny_lm.generate(m, calib_prompts[i : i + args.batch_prompts], 4, eos=tok.eos,
+                                                         generator=torch.Generator(), greedy=True)
+                                        for i in range(0, len(calib_prompts), args.batch_prompts)])
     original = sum(p.numel() * p.element_size() for _, l in moe_layers(model) for p in l.expert_params().values())
     budget = int(args.budget * original / cfg.n_layers)
     report = replicate_and_quantize(model, stats, topology=topo, budget_bytes=budget)
-    after = measure(model, held_out, [d.slot_expert_GJ for _, d in report.layers], cfg.top_k)
+    after = measure(model, held_out, [d.slot_expert_GJ for _, d in report.layers], args.batch_prompts)
 
     n = len(held_out)
     changed = sum(a != b for a, b in zip(before["correct"], after["correct"]))

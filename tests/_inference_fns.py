@@ -65,4 +65,5 @@ def run_transformed(case: dict, topology, budget_bytes) -> dict:
     return {"out": out.numpy(), "ids": m.last_expert_ids_TK.numpy(), "slot_tokens": m.last_slot_tokens_J.numpy(),
             "fills": m.last_fills, "nbytes": m.resident_experts.nbytes(), "slot_expert": d.slot_expert_GJ.numpy(),
             "quantized": d.quantized_E.numpy(), "expert_bytes": d.expert_bytes,
-            "load": rep.calibration.load_LE.numpy(), "importance": rep.calibration.importance_LE.numpy()}
+            "load": rep.calibration.load_LE.numpy(), "forward_load": rep.calibration.forward_load_LFE.numpy(),
+            "importance": rep.calibration.importance_LE.numpy()}

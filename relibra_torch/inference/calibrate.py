@@ -32,12 +32,14 @@ __all__ = ["CalibrationStats", "calibrate", "expert_importance"]
 class CalibrationStats:
     """Attributes: ``names`` of the layers (module order); ``load_LE`` int64 token-expert
     pairs; ``importance_LE`` float64 summed gate-weighted output norms; ``tokens`` seen per
-    layer (all ranks)."""
+    layer (all ranks); ``forward_load_LFE`` int64 the loads of every calibration forward
+    (``F`` forwards; every rank's summed)."""
 
     names: tuple[str, ...]
     load_LE: torch.Tensor
     importance_LE: torch.Tensor
     tokens: int
+    forward_load_LFE: torch.Tensor | None = None
 
 
 def expert_importance(x_TD: torch.Tensor, ids_TK: torch.Tensor, gates_TK: torch.Tensor,
@@ -75,6 +77,7 @@ def calibrate(model: nn.Module, run: Callable[[nn.Module], Any]) -> CalibrationS
     load_LE = torch.zeros(len(layers), E, dtype=torch.int64)
     imp_LE = torch.zeros(len(layers), E, dtype=torch.float64)
     tokens = torch.zeros(len(layers), dtype=torch.int64)
+    forwards: list[list[torch.Tensor]] = [[] for _ in layers]
     handles = []
     for i, (_, layer) in enumerate(layers):
         def hook(module, args, kwargs, output, i=i):
@@ -83,7 +86,8 @@ def calibrate(model: nn.Module, run: Callable[[nn.Module], Any]) -> CalibrationS
             x_TD = x.reshape(-1, module.dim)
             ids_TK, gates_TK = module._route(x, x_TD, routed)  # the layer's own routing rule
             flat = ids_TK.reshape(-1)
-            load_LE[i] += torch.bincount(flat[flat >= 0], minlength=E).cpu()
+            forwards[i].append(torch.bincount(flat[flat >= 0], minlength=E).cpu())
+            load_LE[i] += forwards[i][-1]
             w = {n: v.to(x_TD.device) for n, v in weights[i].items()}
             imp_LE[i] += expert_importance(x_TD, ids_TK, gates_TK, w["w1_EFD"], w["w2_EDF"], w["w3_EFD"])
             tokens[i] += x_TD.shape[0]
@@ -93,11 +97,15 @@ def calibrate(model: nn.Module, run: Callable[[nn.Module], Any]) -> CalibrationS
     finally:
         for h in handles:
             h.remove()
+    if len({len(f) for f in forwards}) != 1:
+        raise ValueError("every MoE layer must run in every calibration forward (the layers ran "
+                         f"{[len(f) for f in forwards]} times)")
+    forward_LFE = torch.stack([torch.stack(f) if f else torch.zeros(0, E, dtype=torch.int64) for f in forwards])
     group = layers[0][1].engine.ep.group
-    if group is not None:
+    if group is not None:  # every rank runs the same forwards (they are collective)
         device = layers[0][1].placement_E.device
-        for t in (load_LE, imp_LE, tokens):
+        for t in (load_LE, imp_LE, tokens, forward_LFE):
             buf = t.to(device)
             dist.all_reduce(buf, group=group)
             t.copy_(buf.cpu())
-    return CalibrationStats(tuple(n for n, _ in layers), load_LE, imp_LE, int(tokens[0]))
+    return CalibrationStats(tuple(n for n, _ in layers), load_LE, imp_LE, int(tokens[0]), forward_LFE)

@@ -2,13 +2,13 @@
 
 Per MoE layer, from calibration loads and importances:
 
-1. :func:`choose_replicas` adds resident replicas greedily: take the busiest GPU (its load =
-   the sum over the instances it holds of ``load_e / instances_e``: the live split divides
-   an expert's tokens evenly) and, over its experts and every GPU with a free replica slot
-   that does not hold the expert yet, add the replica that gives the lowest maximum GPU
-   load, then the lowest sum of squared GPU loads (ties: lower expert, then GPU). It is
-   kept if the maximum does not rise and the sum of squares falls; the search stops when
-   no replica helps or the slots run out.
+1. :func:`choose_replicas` adds resident replicas greedily. A GPU's load is the sum over
+   the instances it holds of ``load_e / instances_e`` (the live split divides an expert's
+   tokens evenly), per calibration forward when the loads are given per forward. Over
+   every used expert and every GPU with a free replica slot that does not hold it yet, it
+   adds the replica giving the lowest sum over forwards of the busiest GPU's load, then the
+   lowest sum of squared GPU loads (ties: lower expert, then GPU); kept if the first does
+   not rise and the second falls. It stops when no replica helps or the slots run out.
 2. :func:`fit_budget` keeps the replicas while the layer's expert memory fits the budget:
    it quantizes experts to int8 (every instance of an expert, so a token's result never
    depends on which instance computes it) in increasing order of importance until the
@@ -96,42 +96,51 @@ def gpu_loads(slot_expert_GJ: torch.Tensor, count_E: torch.Tensor) -> torch.Tens
     return even_quota(slot_expert_GJ, count_E).sum(-1)
 
 
-def _fractional_loads(se_GJ: torch.Tensor, load_E: torch.Tensor) -> torch.Tensor:
-    E = load_E.numel()
+def _fractional_loads(se_GJ: torch.Tensor, load_FE: torch.Tensor) -> torch.Tensor:
+    """float64 ``[F, G]``: every GPU's load per forward when each expert's load is divided
+    evenly over its instances."""
+    E = load_FE.shape[-1]
     valid = se_GJ >= 0
     inst_E = torch.bincount(se_GJ[valid], minlength=E).clamp(min=1).to(torch.float64)
-    share = (load_E.to(torch.float64) / inst_E)[se_GJ.clamp(min=0)]
-    return torch.where(valid, share, 0.0).sum(-1)
+    share_FGJ = (load_FE.to(torch.float64) / inst_E)[:, se_GJ.clamp(min=0)]
+    return torch.where(valid, share_FGJ, 0.0).sum(-1)
 
 
 def choose_replicas(load_E: torch.Tensor, topology: Topology, placement_E: torch.Tensor) -> list[tuple[int, int]]:
-    """``(expert, gpu)`` of every replica to add, in the order added (greedy, see module doc)."""
+    """``(expert, gpu)`` of every replica to add, in the order added (greedy, see module doc).
+
+    ``load_E``: ``[E]`` calibration loads, or ``[F, E]`` per calibration forward: then the
+    objective is the sum over forwards of the busiest GPU's load (a batch waits for its
+    busiest GPU), so routing that changes between forwards (prefill vs decoding) counts as
+    it runs, not only in aggregate.
+    """
     G, El, R = topology.num_gpus, topology.experts_per_gpu, topology.replica_slots
+    load_FE = load_E.reshape(-1, load_E.shape[-1])
     se = _native_slots(topology, placement_E)
     free_G = [R] * G
     added: list[tuple[int, int]] = []
+    used = [int(e) for e in (load_FE.sum(0) > 0).nonzero().flatten()]
+
+    def cost(se_GJ):
+        load_FG = _fractional_loads(se_GJ, load_FE)
+        return float(load_FG.max(-1).values.sum()), float((load_FG ** 2).sum())
+
     while True:
-        load_G = _fractional_loads(se, load_E)
-        peak, sq = float(load_G.max()), float((load_G ** 2).sum())
-        busy = int(load_G.argmax())
+        peak, sq = cost(se)
         best = None
-        for e in [int(e) for e in se[busy] if e >= 0 and load_E[e] > 0]:
+        for e in used:
             for g in range(G):
                 if free_G[g] == 0 or bool((se[g] == e).any()):
                     continue
                 trial = se.clone()
                 trial[g, El + R - free_G[g]] = e
-                new_G = _fractional_loads(trial, load_E)
-                key = (float(new_G.max()), float((new_G ** 2).sum()), e, g)
+                key = (*cost(trial), e, g)
                 if best is None or key < best[0]:
                     best = (key, e, g, trial)
-        tol = 1e-12 * max(sq, 1.0)
-        done = None
-        if best is not None and best[0][0] <= peak + tol and best[0][1] < sq - tol:
-            done = best[1:]
-        if done is None:
+        tol = 1e-12 * max(sq, peak, 1.0)
+        if best is None or best[0][0] > peak + tol or best[0][1] >= sq - tol:
             return added
-        e, g, se = done
+        _, e, g, se = best
         free_G[g] -= 1
         added.append((e, g))
 
@@ -163,11 +172,14 @@ def fit_budget(replicas: list[tuple[int, int]], importance_E: torch.Tensor, full
 
 def decide_layer(load_E: torch.Tensor, importance_E: torch.Tensor, topology: Topology, placement_E: torch.Tensor,
                  full_bytes: int, int8_bytes: int, budget_bytes: int | None = None) -> LayerDecision:
-    """Replicas and quantization of one layer (budget default: the original expert memory)."""
+    """Replicas and quantization of one layer (budget default: the original expert memory).
+
+    ``load_E``: ``[E]`` or per calibration forward ``[F, E]`` (see :func:`choose_replicas`)."""
     E = topology.num_experts
     for name, t in (("load_E", load_E), ("importance_E", importance_E)):
-        if tuple(t.shape) != (E,) or bool((t < 0).any()):
-            raise ValueError(f"{name} must be [E={E}] and >= 0, got shape {tuple(t.shape)}")
+        if t.shape[-1:] != (E,) or t.dim() > (2 if name == "load_E" else 1) or bool((t < 0).any()):
+            raise ValueError(f"{name} must be [E={E}] (loads also [forwards, E]) and >= 0, got shape "
+                             f"{tuple(t.shape)}")
     original = E * full_bytes
     budget = original if budget_bytes is None else int(budget_bytes)
     wanted = choose_replicas(load_E, topology, placement_E)

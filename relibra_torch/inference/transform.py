@@ -158,7 +158,8 @@ def replicate_and_quantize(model: nn.Module, calibration: CalibrationStats | Cal
                              f"{own.replica_slots} (MoEConfig.replica_slots); allowed: at most that")
         placement = layer.placement_cpu  # physical slot p is GPU p // El of any layout
         full, q = expert_sizes(layer)
-        d = decide_layer(stats.load_LE[i], stats.importance_LE[i], topo, placement, full, q, budget_bytes)
+        load = stats.load_LE[i] if stats.forward_load_LFE is None else stats.forward_load_LFE[i]
+        d = decide_layer(load, stats.importance_LE[i], topo, placement, full, q, budget_bytes)
         decisions.append((name, d))
         weights = layer.logical_expert_weights()  # collective with a mesh
         dtype = weights["w1_EFD"].dtype
