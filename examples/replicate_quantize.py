@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--gpus-per-node", type=int, default=4)
-    p.add_argument("--replica-slots", type=int, default=1)
+    p.add_argument("--replica-slots", type=int, default=2)
     p.add_argument("--train-steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=64, help="training sequences per step")
     p.add_argument("--calib", type=int, default=256, help="calibration prompts (from the training split)")
