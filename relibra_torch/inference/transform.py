@@ -150,6 +150,8 @@ def replicate_and_quantize(model: nn.Module, calibration: CalibrationStats | Cal
     for i, (name, layer) in enumerate(layers.items()):
         own = layer.topology
         topo = topology or own
+        if topo.num_experts != layer.num_experts:
+            raise ValueError(f"topology has {topo.num_experts} experts but layer {name} has {layer.num_experts}")
         if own.num_gpus > 1 and (topo.num_nodes, topo.gpus_per_node) != (own.num_nodes, own.gpus_per_node):
             raise ValueError(f"topology {topo} is not layer {name}'s EP layout {own}; allowed: the layer's own, "
                              f"or any for a one-process layer")
@@ -163,7 +165,6 @@ def replicate_and_quantize(model: nn.Module, calibration: CalibrationStats | Cal
         decisions.append((name, d))
         weights = layer.logical_expert_weights()  # collective with a mesh
         dtype = weights["w1_EFD"].dtype
-        El = own.experts_per_gpu
         replicas = d.slot_expert_GJ[layer.ep_rank, topo.experts_per_gpu:].tolist() if own.num_gpus > 1 else []
         replicas += [-1] * (own.replica_slots - len(replicas))
         store = ResidentExperts(weights, layer.native_experts(), replicas[: own.replica_slots], d.quantized_E, dtype)
