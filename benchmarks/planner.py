@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from relibra_torch.planning import Topology, evaluate, make_planner
+from relibra_torch.planning import Topology, evaluate, lis, lis_summary, make_planner
 from relibra_torch.planning.pricing import priced_config
 from relibra_torch.sim.traces import TraceConfig, generate_loads, uniform_max_over_mean
 
@@ -127,7 +127,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"planning CPU time (median of {args.repeats}): whole step in one process {rows['relibra']['plan_s']:.3f} s "
           f"(target <= 1 s); one EP rank's share of split planning {1000 * rows['relibra']['rank_share_s']:.1f} ms "
           f"(target <= 100 ms)")
-    result = {"config": vars(args) | {"json": str(args.json)}, "systems": rows,
+    lis_ML = lis(loads_MLSE.sum(2))  # depends on the loads only: once, not per system
+    print(f"LIS (max expert / equal share) over micro-batches x layers: mean {float(lis_ML.mean()):.3f}, "
+          f"max {float(lis_ML.max()):.3f}")
+    result = {"config": vars(args) | {"json": str(args.json)}, **lis_summary(lis_ML), "systems": rows,
               "uniform_expert_max_over_mean": uniform}
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))

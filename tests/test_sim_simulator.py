@@ -193,7 +193,8 @@ def test_reports_json_table_and_plot(tmp_path):
     path = tmp_path / "out" / "r.json"
     write_json(doc, str(path))
     back = json.loads(path.read_text())
-    assert set(back) == {"config", "systems"}
+    assert set(back) == {"config", "lis_mean", "lis_max", "systems"}  # LIS: once per run, from the loads
+    assert 1.0 <= back["lis_mean"] <= back["lis_max"]
     assert back["config"]["ep_size"] == 4 and back["config"]["seed"] == 3
     assert back["config"]["model"]["name"] == "tiny-moe"
     for key in REQUIRED:

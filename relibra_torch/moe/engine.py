@@ -113,6 +113,18 @@ class ExpertEngine:
         self.last_expert_tokens = 0
         #: ``(slot, logical expert)`` of every fill this GPU received in the last forward.
         self.last_fills: list[tuple[int, int]] = []
+        #: Inference hooks (``None`` in training; set on every EP rank alike, see
+        #: ``relibra_torch.inference``). ``runtime_planner(counts_SE) -> LayerPlan``: the plan
+        #: of a forward run without an installed plan, from every rank's gathered int64 CPU
+        #: ``[S, E]`` counts (default: the native placement, ``native_layer_plan``); with it,
+        #: one process also runs planned.
+        self.runtime_planner = None
+        #: ``resident``: this GPU's own expert storage, an object with ``native_weights()``
+        #: ``-> (w1, w2, w3)`` ``[El, ...]`` (physical rows) and ``replica_weights(slots,
+        #: experts) -> (w1, w2, w3)`` ``[len(slots), ...]``. When set, the engine computes
+        #: with these instead of the weights it is handed, and replica slots use their
+        #: resident copies instead of fetching fills (no weight exchange).
+        self.resident = None
 
     @property
     def num_experts(self) -> int:
@@ -149,7 +161,9 @@ class ExpertEngine:
             placement_E: the layer's placement on ``x_TD``'s device (same values as
                 ``placement_cpu``; a buffer, so a local forward needs no host copy).
         """
-        if self.ep.group is None and self.plan is None:
+        if self.resident is not None:
+            weights = self.resident.native_weights()
+        if self.ep.group is None and self.plan is None and self.runtime_planner is None:
             return self._run_local(x_TD, ids_TK, gates_TK, weights, placement_E)
         return self._run_planned(x_TD, ids_TK, gates_TK, weights)
 
@@ -199,7 +213,14 @@ class ExpertEngine:
         x_grp = x_recv.index_select(0, perm)
         wl = tuple(local_tensor(w) for w in weights)
         n_own = sched.num_own_rows
-        if sched.any_fill:
+        if sched.any_fill and self.resident is not None:
+            # Resident replicas: no weight exchange on any rank (all ranks hold them alike).
+            y_own = expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)
+            if sched.fill_slots:
+                bufs = self.resident.replica_weights(sched.fill_slots, sched.fill_experts)
+                y_own = torch.cat([y_own, expert_ffn(x_grp[n_own:], *bufs, sched.fill_offsets)])
+            y_grp = y_own
+        elif sched.any_fill:
             spec = FillSpec(sched.fill_send_idx, sched.fill_send_sizes, sched.fill_recv_sizes, ep.group)
             if self.refetch_replicas:
                 y_own = expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)
@@ -288,7 +309,8 @@ class ExpertEngine:
         return False
 
     def _native_schedule(self, counts_E: torch.Tensor, device: torch.device, bad_ids: int) -> RankSchedule:
-        """No usable plan: gather every rank's counts and run the native placement.
+        """No usable plan: gather every rank's counts and run the native placement (or the
+        ``runtime_planner``'s plan for those counts).
 
         The gathered row carries this rank's bad-id count too, so all ranks raise together.
         """
@@ -303,7 +325,10 @@ class ExpertEngine:
             rows_SE = torch.stack(gathered).cpu()
         if rows_SE[:, -1].any():
             self._raise_bad_ids(rows_SE[:, -1] > 0)
-        plan = native_layer_plan(self.topology, self.placement_cpu, rows_SE[:, :-1])
+        if self.runtime_planner is None:
+            plan = native_layer_plan(self.topology, self.placement_cpu, rows_SE[:, :-1])
+        else:
+            plan = check_layer_plan(self.runtime_planner(rows_SE[:, :-1]), self.topology, self.placement_cpu)
         return build_rank_schedule(self.topology, self.placement_cpu, plan, ep.rank).to(device)
 
     # ------------------------------------------------------------------ placement

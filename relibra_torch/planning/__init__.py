@@ -17,6 +17,7 @@ from .base import Planner, StaticPlanner, check_loads, native_plan, static_plan
 from .eplb import EPLBPlanner, balanced_packing, eplb_plan, eplb_replica_table, replicate_experts
 from .evaluate import PlanMetrics, evaluate
 from .online import OnlinePlanner, online_global_plan, online_node_plan
+from .lis import lis, lis_summary
 from .plan import StepPlan, plan_digest, token_split, validate_plan
 from .relibra import ReLibraConfig, ReLibraPlanner, relibra_plan, reorder, replicate
 from .topology import Topology
@@ -47,7 +48,7 @@ def make_planner(name: str, topology: Topology, **kwargs) -> Planner:
 __all__ = [
     "EPLBPlanner", "OnlinePlanner", "PLANNER_NAMES", "PlanMetrics", "Planner", "ReLibraConfig",
     "ReLibraPlanner", "StaticPlanner", "StepPlan", "Topology", "balanced_packing", "check_loads",
-    "eplb_plan", "eplb_replica_table", "evaluate", "make_planner", "native_plan",
+    "eplb_plan", "eplb_replica_table", "evaluate", "lis", "lis_summary", "make_planner", "native_plan",
     "online_global_plan", "online_node_plan", "plan_digest", "relibra_plan", "reorder",
     "replicate", "replicate_experts", "static_plan", "token_split", "validate_plan",
 ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .lis import lis
 from .plan import StepPlan, token_split
 
 __all__ = ["PlanMetrics", "evaluate", "imbalance"]
@@ -44,6 +45,8 @@ class PlanMetrics:
         migrated_L: experts whose owner GPU changed from ``previous_placement_LE`` (0 if the
             plan has none).
         migrated_cross_node_L: of those, experts that changed node.
+        lis_ML: float64 Load-Imbalance Score of the loads (max expert / equal share, summed
+            over source ranks; ``nan`` for an empty micro-batch): the same for every plan.
     """
 
     gpu_load_MLG: torch.Tensor
@@ -59,6 +62,7 @@ class PlanMetrics:
     slot_changed_MLGJ: torch.Tensor
     migrated_L: torch.Tensor
     migrated_cross_node_L: torch.Tensor
+    lis_ML: torch.Tensor
 
 
 def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:
@@ -126,4 +130,5 @@ def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:
         slot_changed_MLGJ=slot_changed_MLGJ,
         migrated_L=migrated_L,
         migrated_cross_node_L=migrated_cross_L,
+        lis_ML=lis(loads_MLSE.sum(2)),
     )

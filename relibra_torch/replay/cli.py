@@ -1,12 +1,14 @@
 """Summarise a routing replay file (relibra.routing/1) or a loads file (relibra.loads/1).
 
 Prints the sizes (samples, tokens, layers, experts, top-k) and, per MoE layer, the max and
-mean expert load and their ratio next to the uniform-routing baseline: the expected
+mean expert load and their ratio, the Load-Imbalance Score (LIS = max_j n_j / (n * k / m),
+:func:`relibra_torch.planning.lis`), with its mean and max over the layers, next to the
+uniform-routing baseline: the expected
 max/mean if every token picked top-k distinct experts uniformly at random at the same token
 count (:func:`relibra_torch.replay.baseline.uniform_max_over_mean`, an exact seeded
 simulation; the output says how many trials).
 
-For a loads file, ratios are computed per (step, micro-batch) on loads summed over source
+For a loads file, LIS is computed per (step, micro-batch) on loads summed over source
 ranks, then averaged (and the worst shown) over the non-empty micro-batches; so is the
 baseline, simulated for all distinct token counts in one sweep, with fewer trials per
 count when there are many counts, so that a large file stays fast.
@@ -21,12 +23,13 @@ import argparse
 
 import torch
 
+from ..planning.lis import lis
 from .baseline import mean_over_token_counts, uniform_max_over_mean
 from .fileio import one_line, read_header
 from .loads import LOADS_FORMAT, LoadsFile, load_loads
 from .routing import ROUTING_FORMAT, RoutingReplay, load_routing
 
-HELP = "summarise a routing replay or loads file (sizes, per-layer max/mean load vs uniform routing)"
+HELP = "summarise a routing replay or loads file (sizes, per-layer LIS = max/mean expert load vs uniform routing)"
 
 # Trials of the baseline simulation for a routing file (one token count): ~0.05 s at 128
 # experts, top-8, whatever the token count (measured at 1e5 and 1e6 tokens). A loads file
@@ -66,15 +69,15 @@ def _print_routing(path: str, replay: RoutingReplay) -> None:
         f"  uniform      expected max/mean at {T} tokens = {base:.4f} "
         f"(exact simulation, {BASELINE_TRIALS} trials)"
     )
-    print("per layer, loads over the whole file:")
-    print(f"{'layer':>5} {'max load':>10} {'mean load':>12} {'max/mean':>9} {'uniform':>9}")
+    print("per layer, loads over the whole file (LIS = max expert load / (tokens * top-k / experts)):")
+    print(f"{'layer':>5} {'max load':>10} {'mean load':>12} {'LIS':>9} {'uniform':>9}")
     max_L = counts_LE.max(dim=1).values
-    ratio_L = max_L.double() / mean
+    ratio_L = lis(counts_LE, T, K)
     for layer in range(L):
         print(f"{layer:>5} {int(max_L[layer]):>10} {mean:>12.1f} {ratio_L[layer].item():>9.3f} {base:>9.3f}")
     worst = int(ratio_L.argmax())
     print(
-        f"all layers: max/mean mean {ratio_L.mean().item():.3f}, worst {ratio_L[worst].item():.3f} "
+        f"all layers: LIS mean {ratio_L.mean().item():.3f}, max {ratio_L[worst].item():.3f} "
         f"(layer {worst}); uniform {base:.3f}"
     )
 
@@ -98,7 +101,7 @@ def _print_loads(path: str, loads: LoadsFile) -> None:
     print(f"  top-k          {K}")
     t = tokens_XM[nonempty_XM]
     if n_nonempty == 0:
-        print(f"  tokens         0")
+        print("  tokens         0")
         print("no tokens: no per-layer loads to report")
         return
     print(
@@ -107,22 +110,22 @@ def _print_loads(path: str, loads: LoadsFile) -> None:
     )
     # Baseline per distinct token count, then averaged over the same micro-batches.
     base_mean, trials = mean_over_token_counts(t.tolist(), E, K, max_trials=BASELINE_TRIALS)
-    mean_XM = tokens_XM.double() * K / E
-    ratio_XML = expert_XMLE.max(dim=-1).values.double() / mean_XM.clamp(min=1e-300)[..., None]
+    ratio_XML = lis(expert_XMLE, tokens_XM.unsqueeze(-1), K)
     ratio_NL = ratio_XML[nonempty_XM]  # [non-empty micro-batches, L]
     print(
         f"  uniform        expected max/mean, mean over micro-batches = {base_mean:.4f} "
         f"(exact simulation, {trials} trial{'s' if trials > 1 else ''} per distinct token count)"
     )
-    print("per layer, loads per (step, micro-batch) summed over source ranks:")
-    print(f"{'layer':>5} {'mean max/mean':>14} {'worst max/mean':>15} {'uniform':>9}")
+    print("per layer, loads per (step, micro-batch) summed over source ranks "
+          "(LIS = max expert load / (tokens * top-k / experts)):")
+    print(f"{'layer':>5} {'mean LIS':>14} {'max LIS':>15} {'uniform':>9}")
     for layer in range(L):
         col = ratio_NL[:, layer]
         print(f"{layer:>5} {col.mean().item():>14.3f} {col.max().item():>15.3f} {base_mean:>9.3f}")
     worst = int(ratio_NL.mean(dim=0).argmax())
     print(
-        f"all layers: max/mean mean {ratio_NL.mean().item():.3f}, worst layer {worst} "
-        f"({ratio_NL[:, worst].mean().item():.3f}); uniform {base_mean:.3f}"
+        f"all layers: LIS mean {ratio_NL.mean().item():.3f}, max {ratio_NL.max().item():.3f}, worst layer "
+        f"{worst} (mean {ratio_NL[:, worst].mean().item():.3f}); uniform {base_mean:.3f}"
     )
 
 

@@ -10,6 +10,9 @@ import json
 import math
 import os
 
+import torch
+
+from ..planning.lis import lis, lis_summary
 from .simulator import SimResult
 
 __all__ = ["result_json", "write_json", "format_seconds", "format_table", "print_table", "write_plot",
@@ -22,7 +25,10 @@ COLOURS = {"static": "#7f7f7f", "eplb": "#ff7f0e", "eplb-oracle": "#d62728",
 
 
 def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
-    """``{"config": {...}, "systems": {NAME: figures}}`` (figures: see ``SimResult.figures``)."""
+    """``{"config": {...}, "lis_mean", "lis_max", "systems": {NAME: figures}}`` (figures: see
+    ``SimResult.figures``). ``lis_*``: the Load-Imbalance Score of every measured (step,
+    micro-batch, layer), loads summed over source ranks: once per run, it depends on the
+    loads only."""
     cfg = result.config
     topo = cfg.topology
     wl = result.workload
@@ -46,7 +52,8 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
     }
     if extra_config:
         config.update(extra_config)
-    return {"config": config, "systems": result.figures()}
+    lis_XML = lis(wl.loads_XMLSE[cfg.warmup_steps:].sum(3, dtype=torch.int64))
+    return {"config": config, **lis_summary(lis_XML), "systems": result.figures()}
 
 
 def write_json(doc: dict, path: str) -> None:
