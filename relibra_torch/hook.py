@@ -41,7 +41,7 @@ from .distributed.schedule import layer_plans
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.evaluate import imbalance
 from .planning.pricing import relibra_config_for
-from .replay.counts import count_micro_batches
+from .replay.counts import count_micro_batches, count_pairs
 
 __all__ = ["PlanDivergence", "ReplayBalancer", "StepReport", "count_loads", "relibra_config_for"]
 
@@ -158,11 +158,13 @@ class ReplayBalancer:
         all_gather_single(out, t.contiguous().view(-1).to(device), group=self.ep.group)
         return out.cpu().view(self.ep.size, *t.shape)
 
-    def _inputs_digest(self, loads_MLSE: torch.Tensor) -> int:
-        """62-bit digest of everything the planner reads: loads, its state and config."""
+    def _inputs_digest(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> int:
+        """62-bit digest of everything the planner reads: loads, pair counts, its state and config."""
         h = hashlib.sha256()
         h.update(repr((type(self.planner).__qualname__, self.planner.name, self.topology)).encode())
         h.update(loads_MLSE.contiguous().numpy().tobytes())
+        if pairs_LEE is not None:
+            h.update(pairs_LEE.contiguous().numpy().tobytes())
         for key, value in sorted(vars(self.planner).items()):
             h.update(key.encode())
             items = value if isinstance(value, (list, tuple)) else [value]
@@ -178,12 +180,32 @@ class ReplayBalancer:
                 "the planner must be deterministic and every rank must use the same planner, config "
                 "and relibra_torch version")
 
-    def _plan_share(self, loads_MLSE: torch.Tensor) -> tuple[StepPlan | None, int]:
+    def _gather_pairs(self, routed_experts) -> torch.Tensor | None:
+        """The step's co-activation counts ``[L, E, E]`` summed over micro-batches and EP ranks
+        (one all-reduce), for planners that price them (hierarchical dispatch); else None."""
+        if not getattr(self.planner, "uses_coactivation", False) or routed_experts is None:
+            return None
+        E = self.topology.num_experts
+        pairs_LEE = torch.zeros(self.num_layers, E, E, dtype=torch.int64)
+        for ids in routed_experts:
+            pairs_LEE += count_pairs(ids, E).cpu()
+        if self.ep.group is not None:
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend(self.ep.group) == "nccl" else torch.device("cpu"))
+            pairs_LEE = pairs_LEE.to(device)
+            dist.all_reduce(pairs_LEE, group=self.ep.group)
+            pairs_LEE = pairs_LEE.cpu()
+        return pairs_LEE
+
+    def _plan_share(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None
+                    ) -> tuple[StepPlan | None, int]:
         """This rank's share of the layers (every G-th from its rank), or ``None`` on failure."""
         mine = list(range(self.ep.rank, self.num_layers, self.ep.size))
         if not mine:
             return None, 0
         try:
+            if pairs_LEE is not None:
+                return self.planner.plan_layers(loads_MLSE, mine, pairs_LEE), 0
             return self.planner.plan_layers(loads_MLSE, mine), 0
         except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
             warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
@@ -246,19 +268,22 @@ class ReplayBalancer:
         elif tuple(counts_MLE.shape[1:]) != (self.num_layers, E):
             raise ValueError(f"counts_MLE has shape {tuple(counts_MLE.shape)}, expected [M, {self.num_layers}, {E}]")
         loads_MLSE = self._gather_loads(counts_MLE.to(torch.int64))
+        pairs_LEE = self._gather_pairs(routed_experts)
         previous_LE = self.planner.previous_placement(self.num_layers).clone()
 
         split = (self.split_planning and self.ep.group is not None and self.ep.size > 1
                  and getattr(self.planner, "splits_layers", False))
         if split:  # agree on the inputs: the assembled plan is then the same everywhere
-            self._check_agreement(self._inputs_digest(loads_MLSE), "planner inputs (loads, planner state or config)")
+            self._check_agreement(self._inputs_digest(loads_MLSE, pairs_LEE),
+                                  "planner inputs (loads, planner state or config)")
         t0 = time.perf_counter()
         failed, part, plan = 0, None, None
         if split:
-            part, failed = self._plan_share(loads_MLSE)
+            part, failed = self._plan_share(loads_MLSE, pairs_LEE)
         else:
             try:
-                plan = self.planner.plan(loads_MLSE)
+                plan = (self.planner.plan(loads_MLSE, pairs_LEE) if pairs_LEE is not None
+                        else self.planner.plan(loads_MLSE))
             except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
                 warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
                               "this step runs on the previous placement without replicas", RuntimeWarning)

@@ -94,7 +94,8 @@ def reference_single_process(cfg) -> dict:
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def split_vs_whole_plans(cfg, steps: int = 3, rank_dependent_config: bool = False) -> list[tuple[str, str]]:
+def split_vs_whole_plans(cfg, steps: int = 3, rank_dependent_config: bool = False,
+                         hierarchical: bool = False) -> list[tuple[str, str]]:
     """Plan ``steps`` steps of the loop's routing with split planning (each rank plans every
     G-th layer, parts all-gathered) and, from the same planner state, the whole step in one
     go; return both digests per step. With ``rank_dependent_config`` rank 1 prices its
@@ -106,12 +107,15 @@ def split_vs_whole_plans(cfg, steps: int = 3, rank_dependent_config: bool = Fals
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh("cpu", (cfg.nodes, cfg.gpus_per_node), mesh_dim_names=("node", "gpu"))
     model = custom_loop.MoEStack(cfg, mesh)
-    config = ReLibraConfig(migration_s_per_expert=0.0 if not rank_dependent_config else 1e-3 * (1 + dist.get_rank()))
+    config = ReLibraConfig(migration_s_per_expert=0.0 if not rank_dependent_config else 1e-3 * (1 + dist.get_rank()),
+                           dispatch="hierarchical" if hierarchical else "flat")
     balancer = ReplayBalancer(model, "relibra", {"config": config})
     out = []
     for step in range(steps):
         ids = [b[2] for b in custom_loop.make_data(cfg, step, dist.get_rank())]
         loads = balancer._gather_loads(count_loads(ids, balancer.num_layers, balancer.topology.num_experts))
-        whole = balancer.planner.plan(loads)
+        pairs = balancer._gather_pairs(ids)  # the step's co-activation, summed over ranks
+        assert (pairs is not None) == hierarchical
+        whole = balancer.planner.plan(loads, pairs) if hierarchical else balancer.planner.plan(loads)
         out.append((plan_digest(balancer.plan_step(ids)), plan_digest(whole)))
     return out

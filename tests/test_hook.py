@@ -85,8 +85,9 @@ def test_split_planning_assembles_the_whole_plan(pool):
     whole step (same planner state), step after step (placements carried over)."""
     cfg = _hook_fns.custom_loop.LoopConfig(steps=3, micro_batches=2, samples_per_micro_batch=2,
                                            max_tokens_per_micro_batch=48, num_layers=6)
-    for rank_digests in pool.run(_hook_fns.split_vs_whole_plans, cfg, 3):
-        assert all(split == whole for split, whole in rank_digests), rank_digests
+    for hierarchical in (False, True):  # hierarchical: co-activation counts all-reduced too
+        for rank_digests in pool.run(_hook_fns.split_vs_whole_plans, cfg, 3, False, hierarchical):
+            assert all(split == whole for split, whole in rank_digests), rank_digests
     # a planner priced differently on every rank: the input digests disagree -> every rank raises
     with pytest.raises(RankFailure) as info:
         pool.run(_hook_fns.split_vs_whole_plans, cfg, 1, True)

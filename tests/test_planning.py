@@ -416,3 +416,47 @@ def test_validate_plan_catches_broken_plans():
     plan.slot_expert_MLGJ[0, 0, 0, 1] = 0                                # duplicate on GPU 0
     with pytest.raises(ValueError, match="two instances"):
         validate_plan(plan, loads)
+
+
+def test_hierarchical_reordering_puts_co_activated_experts_together():
+    """Under hierarchical dispatch a token crosses to a remote node once, so experts chosen
+    together belong on one node. Equal loads from every node (placement indifferent for
+    load and flat traffic): with the step's pair counts the planner moves experts 0 and 2
+    together and 1 and 3 together; flat dispatch, or no pair counts, keeps the placement."""
+    from relibra_torch.planning.relibra import _colocated_pairs
+    from relibra_torch.replay.counts import count_pairs
+
+    topo = Topology(2, 1, 4, 0)
+    ids = torch.tensor([[0, 2], [1, 3]] * 50).view(100, 1, 2)              # tokens choose {0,2} or {1,3}
+    pairs = count_pairs(ids, 4)
+    assert pairs[0, 0, 2] == pairs[0, 2, 0] == 50 and pairs[0, 0, 1] == 0
+    loads = torch.full((1, 1, 2, 4), 25, dtype=torch.int64)                # every node sends 25 to each
+    cfg = ReLibraConfig(migration_s_per_expert=1e-9, dispatch="hierarchical", cross_node_replicas=False)
+    plan = relibra_plan(loads, topo, config=cfg, pairs_LEE=pairs)
+    node = plan.placement_LE[0] // topo.experts_per_gpu // topo.gpus_per_node
+    assert node[0] == node[2] and node[1] == node[3] and node[0] != node[1]
+    assert int(_colocated_pairs(pairs, node.view(1, 4), 2)) == 100
+    for other in (dataclasses.replace(cfg, dispatch="flat"), cfg):
+        kept = relibra_plan(loads, topo, config=other, pairs_LEE=pairs if other.dispatch == "flat" else None)
+        assert torch.equal(kept.placement_LE, topo.static_placement(1))
+
+
+@SETTINGS
+@given(problems(), st.integers(0, 2**31 - 1))
+def test_count_pairs_matches_brute_force(problem, seed):
+    from relibra_torch.replay.counts import count_pairs
+    topo, _ = problem
+    E = topo.num_experts
+    gen = torch.Generator().manual_seed(seed)
+    K = min(3, E)
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(12)]).view(6, 2, K)
+    ids[torch.rand(ids.shape, generator=gen) < 0.2] = -1                  # pads in no pair
+    want = torch.zeros(2, E, E, dtype=torch.int64)
+    for t in range(6):
+        for l in range(2):
+            row = [int(v) for v in ids[t, l] if v >= 0]
+            for a in row:
+                for b in row:
+                    if a != b:
+                        want[l, a, b] += 1
+    assert torch.equal(count_pairs(ids, E), want)

@@ -38,10 +38,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..checks import check_int, check_number
+from ..checks import check_choice, check_int, check_number
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
+from .balance import replicate
 from .traffic import traffic_replicas
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
@@ -73,6 +74,13 @@ class ReLibraConfig:
             stay inside it, when the saved inter-node traffic pays for the fill
             (:mod:`relibra_torch.planning.traffic`). ``False`` keeps every replica inside
             its owner's node (the original ReLibra rule).
+        dispatch: the all-to-all the cluster runs. ``"hierarchical"`` (DeepEP-style: a token
+            crosses to each remote node once) makes reordering value co-activation: every
+            pair of experts a token chooses together that sits on one node saves that
+            token a crossing (``cross_node_s_per_token / g`` for the share ``(N-1)/N`` of
+            tokens from other nodes). It needs the step's pair counts
+            (:func:`relibra_torch.replay.counts.count_pairs`, which only replay gives);
+            without them, or with ``"flat"``, placement ignores co-activation.
         reorder: choose a new placement each step (False: keep the previous one).
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
@@ -86,6 +94,7 @@ class ReLibraConfig:
     replica_fill_s_per_expert: float = 0.0
     cross_replica_fill_s_per_expert: float = 0.0
     cross_node_replicas: bool = True
+    dispatch: str = "flat"
     reorder: bool = True
     max_swap_rounds: int = 64
     swap_candidates: int = 8
@@ -128,6 +137,7 @@ class ReLibraConfig:
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
                      "cross_replica_fill_s_per_expert"):
             check_number(name, getattr(self, name), 0)
+        check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
         check_int("swap_candidates", self.swap_candidates, 1)
 
@@ -141,9 +151,20 @@ def _objective(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tenso
             + moved.to(torch.float64) * cfg.migration_s_per_expert)
 
 
+def _coactivation_weight(config: ReLibraConfig, pairs_LEE: torch.Tensor | None, N: int, g: int) -> float:
+    """Seconds one co-located co-activated pair saves (0: co-activation not priced)."""
+    if pairs_LEE is None or config.dispatch != "hierarchical" or N < 2:
+        return 0.0
+    return config.cross_node_s_per_token / g * (N - 1) / N
+
+
 def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
-            config: ReLibraConfig = ReLibraConfig()) -> torch.Tensor:
-    """Choose the step's placement ``[L, E]`` (int64 physical native slot per expert)."""
+            config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None) -> torch.Tensor:
+    """Choose the step's placement ``[L, E]`` (int64 physical native slot per expert).
+
+    ``pairs_LEE``: optional int ``[L, E, E]`` co-activation counts of the step
+    (:func:`relibra_torch.replay.counts.count_pairs`), priced under hierarchical dispatch.
+    """
     M, L, S, E = loads_MLSE.shape
     N, g, El = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu
     per_node = E // N
@@ -163,9 +184,15 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     def cross(node_LE: torch.Tensor) -> torch.Tensor:
         return (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
 
+    coloc_w = _coactivation_weight(config, pairs_LEE, N, g)
+    pairs_LEE = pairs_LEE.to(torch.int64) if coloc_w else None
+
     def full_objective(node_LE: torch.Tensor) -> torch.Tensor:
         moved_L = (node_LE != prev_node_LE).sum(1)
-        return _objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g)
+        obj = _objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g)
+        if coloc_w:
+            obj = obj - coloc_w * _colocated_pairs(pairs_LEE, node_LE, N).to(torch.float64)
+        return obj
 
     # Start 1: keep the previous nodes. Start 2: greedy in decreasing load.
     best_node_LE = prev_node_LE.clone()
@@ -190,11 +217,19 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         use_greedy_L = full_objective(greedy_LE) < full_objective(best_node_LE)
         best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
         best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
-                                    prev_node_LE, config, N, g, full_objective)
+                                    prev_node_LE, config, N, g, full_objective, pairs_LEE, coloc_w)
     return _assign_gpus(best_node_LE, total_LE, prev_gpu_LE, topology)
 
 
-def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective):
+def _colocated_pairs(pairs_LEE: torch.Tensor, node_LE: torch.Tensor, N: int) -> torch.Tensor:
+    """int64 ``[L]``: co-activated token pairs whose two experts share a node."""
+    onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
+    partners_LEN = torch.bmm(pairs_LEE, onehot_LEN)                      # pairs of e on node n
+    return partners_LEN.gather(2, node_LE.unsqueeze(-1)).squeeze(-1).sum(1) // 2
+
+
+def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective,
+                 pairs_LEE=None, coloc_w=0.0):
     """Steepest-descent node swaps, all layers at once, until no layer improves.
 
     Candidates per round: on every node its ``swap_candidates`` heaviest and as many lightest experts (by
@@ -247,6 +282,13 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
         moved_now_L = (node_LE != prev_node_LE).sum(1)
         obj_LW = _objective(max_sum_LW, cross_now_L.unsqueeze(1) - local_delta_LW,
                                        moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
+        if coloc_w:  # co-located pairs gained: a's partners on nb (less b) and b's on na (less a)
+            E_ = pairs_LEE.shape[1]
+            part_LX = torch.bmm(pairs_LEE, onehot).reshape(L, E_ * N)
+            c_ab = pairs_LEE.reshape(L, E_ * E_).gather(1, a_LW * E_ + b_LW)
+            gain_LW = (part_LX.gather(1, a_LW * N + nb_W) - part_LX.gather(1, a_LW * N + na_W)
+                       + part_LX.gather(1, b_LW * N + na_W) - part_LX.gather(1, b_LW * N + nb_W) - 2 * c_ab)
+            obj_LW = obj_LW - coloc_w * gain_LW.to(torch.float64)
         best_W = obj_LW.argmin(1)
         best_obj_L = obj_LW[rows, best_W]
         improve_L = best_obj_L < current_L * (1 - 1e-12)
@@ -297,110 +339,23 @@ def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: tor
     return torch.tensor(placement, dtype=torch.int64)
 
 
-def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-              min_tokens: int = 0, prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
-              min_cross_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-micro-batch intra-node replication under a fixed placement.
-
-    ``min_tokens``: a replica is made only if it takes at least this many tokens (see
-    :attr:`ReLibraConfig.min_replica_tokens`). ``prefilled``: ``(expert_MLGr, quota_MLGr)``
-    replicas already placed in the first ``r`` replica slots of every GPU (e.g. cross-node
-    traffic replicas); their quotas come off their experts' owners and count as their
-    GPU's load, and balancing uses the remaining ``R - r`` slots. A GPU overloaded by such a
-    replica can give part of its quota to another GPU of the node like a native expert's
-    (a second copy, filled from the owner's node: at least ``min_cross_tokens`` tokens).
-
-    Returns:
-        ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
-    """
-    M, L, S, E = loads_MLSE.shape
-    N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
-    G, J = topology.num_gpus, topology.slots_per_gpu
-    inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
-    native_LGl = inverse_LE.view(L, G, El)
-    load_MLE = loads_MLSE.to(torch.int64).sum(2)
-    r0 = 0 if prefilled is None else prefilled[0].shape[-1]
-    if prefilled is not None and r0:
-        pre_e, pre_q = prefilled
-        load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
-            2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
-    rem_MLGl = load_MLE.gather(2, native_LGl.reshape(1, L, -1).expand(M, L, G * El)).view(M, L, G, El)
-    B = M * L * N
-    rem = rem_MLGl.reshape(B, g, El).clone()
-    experts = native_LGl.view(1, L, N, g, El).expand(M, L, N, g, El).reshape(B, g, El)
-    rep_expert = torch.full((B, g, max(R, 1)), -1, dtype=torch.int64)
-    rep_quota = torch.zeros(B, g, max(R, 1), dtype=torch.int64)
-    used = torch.zeros(B, g, dtype=torch.int64)
-    load = rem.sum(-1)
-    if r0:
-        rep_expert[..., :r0] = pre_e.reshape(B, g, r0)
-        rep_quota[..., :r0] = pre_q.reshape(B, g, r0)
-        used += r0
-        load = load + rep_quota[..., :r0].sum(-1)
-    target = (load.sum(-1) + g - 1) // g
-    rows = torch.arange(B)
-    # What a GPU can give away: its native experts' remaining load, then its prefilled
-    # replicas' quotas (a copy of those is filled from another node).
-    giveable = torch.cat([rem, rep_quota[..., :r0]], -1)                   # [B, g, El + r0]
-    give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
-    need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
-    for _ in range(g * R):
-        h = load.argmax(-1)                       # busiest GPU (first on ties)
-        excess = load[rows, h] - target
-        # The busiest GPU's largest remaining expert among those whose share would pay for
-        # its fill (at most the least-loaded receiver's deficit, see below).
-        open_ = (used < R) & (load < target.unsqueeze(1))
-        room = (target - load.masked_fill(~open_, torch.iinfo(torch.int64).max).min(-1).values).clamp(min=0)
-        cand = giveable[rows, h]
-        pays = torch.minimum(cand, room.unsqueeze(1)) >= need_K
-        idx = cand.masked_fill(~pays, -1).argmax(-1)
-        expert_B = give_expert[rows, h, idx]
-        holds = (rep_expert == expert_B.view(B, 1, 1)).any(-1)             # a GPU holds it already
-        can_take = (used < R) & (load < target.unsqueeze(1)) & ~holds
-        u = load.masked_fill(~can_take, torch.iinfo(torch.int64).max).argmin(-1)
-        deficit = target - load[rows, u]
-        # A receiver's last free slot takes all it can, even past the giver's excess (the
-        # giver then becomes a receiver with its own free slots): per-GPU slots, not total
-        # slots, are what run out first.
-        last_slot = used[rows, u] == R - 1
-        give = torch.where(last_slot, deficit, torch.minimum(excess, deficit))
-        amount = torch.minimum(give, giveable[rows, h, idx])
-        need = torch.where(idx >= El, min_cross_tokens, min_tokens)
-        active = (excess > 0) & can_take.any(-1) & (amount > 0) & (amount >= need)
-        if not active.any():
-            break
-        amount = amount * active
-        r, hh, uu, ii = rows[active], h[active], u[active], idx[active]
-        amt = amount[active]
-        slot = used[r, uu]
-        rep_expert[r, uu, slot] = give_expert[r, hh, ii]
-        rep_quota[r, uu, slot] = amt
-        used[r, uu] += 1
-        giveable[r, hh, ii] -= amt
-        load[r, hh] -= amt
-        load[r, uu] += amt
-    rem = giveable[..., :El]
-    rep_quota[..., :r0] = giveable[..., El:]
-    slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
-    slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
-    return slot_expert.contiguous(), slot_tokens.contiguous()
-
-
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
-                 config: ReLibraConfig = ReLibraConfig()) -> StepPlan:
+                 config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None) -> StepPlan:
     """Reorder (if ``config.reorder``) then replicate per micro-batch. See the module docstring.
 
     Args:
         loads_MLSE: int ``[M, L, S, E]`` the step's known loads (from routing replay).
         previous_placement_LE: int64 ``[L, E]`` placement in force (static if ``None``).
+        pairs_LEE: optional int ``[L, E, E]`` co-activation counts of the step (used with
+            ``config.dispatch == "hierarchical"``).
     """
     check_loads(loads_MLSE, topology)
     L = loads_MLSE.shape[1]
     if previous_placement_LE is None:
         previous_placement_LE = topology.static_placement(L)
     if config.reorder:
-        placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config)
+        placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE)
     else:
         placement_LE = previous_placement_LE.clone()
     prefilled = None
@@ -427,10 +382,17 @@ class ReLibraPlanner(Planner):
     # layers plans exactly as in the full plan: EP ranks can each plan a share.
     splits_layers = True
 
-    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
-        return relibra_plan(loads_MLSE, self.topology,
-                            self.previous_placement(loads_MLSE.shape[1]), self.config)
+    @property
+    def uses_coactivation(self) -> bool:
+        """Whether :meth:`plan` takes the step's pair counts (hierarchical dispatch)."""
+        return self.config.dispatch == "hierarchical" and self.config.reorder
 
-    def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
+    def plan(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> StepPlan:
+        return relibra_plan(loads_MLSE, self.topology,
+                            self.previous_placement(loads_MLSE.shape[1]), self.config, pairs_LEE)
+
+    def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int],
+                    pairs_LEE: torch.Tensor | None = None) -> StepPlan:
         prev_LE = self.previous_placement(loads_MLSE.shape[1])[layers]
-        return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config)
+        return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config,
+                            None if pairs_LEE is None else pairs_LEE[layers])

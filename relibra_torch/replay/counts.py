@@ -23,6 +23,7 @@ from ..checks import check_int, check_tensor
 from .fileio import dtype_name
 
 __all__ = [
+    "count_pairs",
     "ID_DTYPES",
     "MAX_EXPERTS",
     "check_expert_ids",
@@ -194,3 +195,29 @@ def count_micro_batches(routed_experts: Sequence[torch.Tensor], num_layers: int,
         check_tensor(where, ids, dtypes=ID_DTYPES)
         out[m] = count_experts(ids, num_experts, name=where, num_layers=L, pads=True).cpu()
     return out
+
+
+def count_pairs(expert_ids_TLK, num_experts: int, *, name: str = "expert_ids") -> torch.Tensor:
+    """Co-activation counts: int64 ``[L, E, E]``, entry ``[l, a, b]`` the tokens whose top-k
+    at layer ``l`` holds both ``a`` and ``b`` (symmetric, zero diagonal; pads, ``-1``, are in
+    no pair). All leading dims of ``expert_ids_TLK`` ``[..., L, K]`` are tokens.
+
+    Only replay gives these for the coming step: with hierarchical dispatch a token crosses
+    to each remote node once, so experts chosen together are cheaper on one node.
+    """
+    ids_TLK = _check_layered(expert_ids_TLK, num_experts, name, None, pads=True)
+    T, L, K = ids_TLK.shape
+    E = num_experts
+    out = torch.zeros(L * E * E, dtype=torch.int64, device=ids_TLK.device)
+    if K < 2 or T == 0:
+        return out.view(L, E, E)
+    i, j = torch.triu_indices(K, K, offset=1, device=ids_TLK.device)
+    layer_L = (torch.arange(L, device=ids_TLK.device) * E * E).view(1, L, 1)
+    for start, stop in token_chunks(T, L * K * K):
+        ids = ids_TLK[start:stop].long()
+        a, b = ids[..., i], ids[..., j]                                   # [t, L, P] pairs
+        ok = (a >= 0) & (b >= 0)
+        idx = (torch.minimum(a, b) * E + torch.maximum(a, b)).clamp(min=0) + layer_L
+        out += torch.bincount(idx[ok], minlength=out.numel())
+    upper = out.view(L, E, E)
+    return upper + upper.transpose(1, 2)

@@ -27,6 +27,7 @@ from ..planning.base import Planner, StaticPlanner
 from ..planning.evaluate import evaluate
 from ..planning.plan import validate_plan
 from ..planning.topology import Topology
+from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
@@ -62,7 +63,10 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
         return StaticPlanner(topology)
     from ..planning import ReLibraConfig, make_planner
     if name == "relibra":
-        return make_planner(name, topology, config=ReLibraConfig.from_weights(cost.reorder_weights()))
+        # dispatch: under hierarchical dispatch relibra prices co-activation (when the source
+        # has per-token ids to count pairs from)
+        return make_planner(name, topology, config=ReLibraConfig.from_weights(
+            cost.reorder_weights(), dispatch=cost.options.dispatch))
     kwargs = (options or BaselineOptions()).planner_kwargs(name)
     if name.startswith("eplb") and kwargs.get("num_groups", 1) == 1:
         # EPLB's hierarchical policy packs the model's expert groups (n_group), unless the
@@ -202,7 +206,12 @@ def simulate(workload: Workload, config: SimConfig,
                     imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
             else:
                 t0 = time.perf_counter()
-                plan = planner.plan(loads_MLSE)
+                if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
+                    r = workload.routing  # the step's exact pair counts, as replay gives them
+                    pairs_LEE = count_pairs(r.routed_experts_TLK[r.token_index[x]], topo.num_experts)
+                    plan = planner.plan(loads_MLSE, pairs_LEE)
+                else:
+                    plan = planner.plan(loads_MLSE)
                 secs = time.perf_counter() - t0
                 if config.validate:
                     validate_plan(plan, loads_MLSE)
