@@ -188,7 +188,7 @@ def test_token_split_sends_remote_tokens_to_every_instance_in_proportion():
 @SETTINGS
 @given(problems())
 def test_traffic_replicas_take_their_nodes_own_tokens_and_pay(problem):
-    """Cross-node replicas (relibra's traffic slots): at most ceil(R/2) per GPU, each holds an
+    """Cross-node replicas (relibra's traffic slots): at most r per GPU, each holds an
     expert owned by another node with exactly its node's tokens for it, never two per node
     of one expert, and per (layer, node) the traffic they save beats their fills (one per
     residency)."""

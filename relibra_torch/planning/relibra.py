@@ -12,7 +12,7 @@ two starts (the previous placement, and a greedy assignment of experts in decrea
 to the node with the smallest objective increase), the better one refined by steepest-
 descent swaps between nodes over a deterministic candidate set, all layers at once.
 
-Replication, per micro-batch: first, cross-node *traffic replicas* (up to ``ceil(R / 2)``
+Replication, per micro-batch: first, cross-node *traffic replicas* (``R // 2``
 slots per GPU, :mod:`relibra_torch.planning.traffic`) copy each node's most-requested remote
 experts onto it with exactly the node's tokens for them, when the saved inter-node traffic
 pays for the fill (``cross_node_replicas``). Then, per layer and node, balancing moves load
@@ -70,7 +70,7 @@ class ReLibraConfig:
         cross_replica_fill_s_per_expert: the same for a replica whose owner is on another
             node (inter-node link). Default 0 (free), priced like the intra-node fill.
         cross_node_replicas: per micro-batch, replicate each node's most-requested remote
-            experts onto the node (up to ``ceil(R / 2)`` slots per GPU) so that their tokens
+            experts onto the node (``R // 2`` slots per GPU) so that their tokens
             stay inside it, when the saved inter-node traffic pays for the fill
             (:mod:`relibra_torch.planning.traffic`). ``False`` keeps every replica inside
             its owner's node (the original ReLibra rule).
@@ -361,7 +361,7 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     prefilled = None
     R, g = topology.replica_slots, topology.gpus_per_node
     if config.cross_node_replicas and topology.num_nodes > 1 and R:
-        prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, (R + 1) // 2,
+        prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2,
                                      config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
     slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE, config.min_replica_tokens, prefilled,
                                          config.min_cross_replica_tokens)
