@@ -9,30 +9,21 @@ Timings are figures, not pass/fail; a check fails only when a result disagrees w
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from relibra_torch.gpu_check.report import Report, Skip
+from relibra_torch.gpu_check.report import Report, load_benchmark
 
 PART = "bench"
-CHECKOUT = Path(__file__).resolve().parents[2]
 MAX_REL_ERR = 2e-2  # bf16 outputs of two fp32-accumulating GEMMs: ~4e-3 expected
 DEFAULT = {"model": "qwen3-30b-a3b", "slots": [8], "rows": [16384, 65536], "dists": ["balanced", "skewed"]}
 FULL = {"model": "qwen3-30b-a3b", "slots": [8, 32], "rows": [4096, 16384, 65536], "dists": ["balanced", "skewed"]}
 
 
 def load_kernels_benchmark():
-    path = CHECKOUT / "benchmarks" / "kernels.py"
-    if not path.exists():
-        raise Skip(f"{path} is not in this checkout")
-    spec = importlib.util.spec_from_file_location("relibra_bench_kernels", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("kernels")
 
 
 def _geomean(values: list[float]) -> float | None:

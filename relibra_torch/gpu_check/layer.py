@@ -14,21 +14,18 @@ Shape legend: T tokens, D model dim, F expert hidden dim, E experts, K top-k.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from relibra_torch.gpu_check import reference as ref
 from relibra_torch.gpu_check.kernels import first_configs
-from relibra_torch.gpu_check.report import Report, Skip
+from relibra_torch.gpu_check.report import Report, Skip, load_benchmark
 
 PART = "layer"
 SHAPE = {"D": 512, "F": 384, "E": 16, "K": 4, "T": 4096}
 # max |a - b| / max |b| allowed: fp32 on both sides differs only in summation order;
 # bf16 parameters and activations against the fp32 layer carry bf16 rounding throughout.
 TOL = {torch.float32: 1e-4, torch.bfloat16: 5e-2}
-CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 def _layer(dtype: torch.dtype, device, seed: int, **kw):
@@ -102,17 +99,11 @@ def _planned_vs_local(device, gen) -> dict:
 
 
 def _load_bench_moe_layer():
-    path = CHECKOUT / "benchmarks" / "moe_layer.py"
-    if not path.exists():
-        raise Skip(f"{path} is not in this checkout")
-    spec = importlib.util.spec_from_file_location("relibra_bench_moe_layer", path)
-    mod = importlib.util.module_from_spec(spec)
     try:
-        spec.loader.exec_module(mod)  # imports torchtitan's MoE modules
+        return load_benchmark("moe_layer")  # imports torchtitan's MoE modules
     except ImportError as e:
         raise Skip(f"torchtitan's MoE does not import here ({type(e).__name__}: {e}); "
                    f"the comparison with it is skipped")
-    return mod
 
 
 def _vs_torchtitan(device, gen) -> dict:

@@ -8,15 +8,34 @@ it failed (recorded with its message and the end of its traceback) and the run g
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 import traceback
 from pathlib import Path
+from types import ModuleType
 from typing import Any, Callable
+
+#: The checkout the gpu-check runs from (``PYTHONPATH=.``): its benchmarks and pyproject.
+CHECKOUT = Path(__file__).resolve().parents[2]
 
 
 class Skip(Exception):
     """Raised by a check that does not apply here; the message says why."""
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` of the checkout as a module (``Skip`` when it is not there).
+
+    Import errors of the script itself propagate: the caller decides whether they skip.
+    """
+    path = CHECKOUT / "benchmarks" / f"{name}.py"
+    if not path.exists():
+        raise Skip(f"{path} is not in this checkout")
+    spec = importlib.util.spec_from_file_location(f"relibra_bench_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 class Report:

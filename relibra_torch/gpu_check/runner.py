@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-CHECKOUT = Path(__file__).resolve().parents[2]
+from relibra_torch.gpu_check.report import CHECKOUT  # stdlib only: runs before torch is known
+
 MODES = ("default", "full")
 
 
