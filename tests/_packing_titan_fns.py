@@ -36,18 +36,7 @@ def trainer_files_run(dump_folder: str, replay_dir: str, steps: int, packing: st
     trainer = config.build()
     for part in trainer.model_parts:
         force_sum_reduction(part)
-    logged = []
-    inner = trainer.metrics_processor.log
+    from _titan_fns import run_trainer
 
-    def record(step, loss, max_loss, grad_norm, extra_metrics=None):
-        logged.append(loss)
-        return inner(step, loss, max_loss, grad_norm, extra_metrics=extra_metrics)
-
-    trainer.metrics_processor.log = record
-    metrics = []
-    data = trainer.batch_generator(trainer.dataloader)
-    while trainer.should_continue_training():
-        trainer.step += 1
-        trainer.train_step(data)
-        metrics.append(dict(trainer.relibra_metrics))
-    return {"losses": logged, "metrics": metrics}
+    losses, metrics = run_trainer(trainer)
+    return {"losses": losses, "metrics": metrics}

@@ -184,11 +184,20 @@ def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
     trainer = config.build()
     for part in trainer.model_parts:
         force_sum_reduction(part)
+    losses, metrics = run_trainer(trainer)
+    return {"losses": losses, "metrics": metrics,
+            "placement": [layer.routed_experts.placement_E.tolist()
+                          for layer in trainer.balancer.moe_layers]}
+
+
+def run_trainer(trainer) -> tuple[list[float], list[dict]]:
+    """torchtitan's training loop, step by step as ``Trainer.train`` runs it: every logged
+    loss and the balancer's metrics after each step."""
     logged = []
     inner = trainer.metrics_processor.log
 
     def record(step, loss, max_loss, grad_norm, extra_metrics=None):
-        logged.append((step, loss))
+        logged.append(loss)
         return inner(step, loss, max_loss, grad_norm, extra_metrics=extra_metrics)
 
     trainer.metrics_processor.log = record
@@ -198,9 +207,7 @@ def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
         trainer.step += 1
         trainer.train_step(data)
         metrics.append(dict(trainer.relibra_metrics))
-    return {"losses": [loss for _, loss in logged], "metrics": metrics,
-            "placement": [layer.routed_experts.placement_E.tolist()
-                          for layer in trainer.balancer.moe_layers]}
+    return logged, metrics
 
 
 def efsdp_reorder_error(name: str, n_layers: int, ep: int) -> str:
