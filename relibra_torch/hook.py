@@ -147,12 +147,17 @@ class ReplayBalancer:
         return len(self.layers)
 
     # -- collectives (every rank calls each of them, in the same order, with fixed sizes) --
+    def _collective_device(self) -> torch.device:
+        """Where the EP group exchanges: the GPU for NCCL, the CPU for gloo."""
+        if dist.get_backend(self.ep.group) == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
     def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """``[S, *t.shape]`` on the CPU: every rank's ``t`` (NCCL groups exchange on the GPU)."""
         if self.ep.group is None:
             return t.unsqueeze(0)
-        device = (torch.device("cuda", torch.cuda.current_device())
-                  if dist.get_backend(self.ep.group) == "nccl" else torch.device("cpu"))
+        device = self._collective_device()
         # a flat output (what gloo wants): [S * numel], viewed back as [S, *shape]
         out = torch.empty(self.ep.size * t.numel(), dtype=t.dtype, device=device)
         all_gather_single(out, t.contiguous().view(-1).to(device), group=self.ep.group)
@@ -182,17 +187,19 @@ class ReplayBalancer:
 
     def _gather_pairs(self, routed_experts) -> torch.Tensor | None:
         """The step's co-activation counts ``[L, E, E]`` summed over micro-batches and EP ranks
-        (one all-reduce), for planners that price them (hierarchical dispatch); else None."""
-        if not getattr(self.planner, "uses_coactivation", False) or routed_experts is None:
+        (one all-reduce), for planners that price them (hierarchical dispatch); else None.
+
+        Decided by the planner alone, so every rank joins the all-reduce; a rank that passed
+        ``counts_MLE`` instead of routed ids has no pairs to add and contributes zeros.
+        """
+        if not getattr(self.planner, "uses_coactivation", False):
             return None
         E = self.topology.num_experts
         pairs_LEE = torch.zeros(self.num_layers, E, E, dtype=torch.int64)
-        for ids in routed_experts:
+        for ids in routed_experts or ():
             pairs_LEE += count_pairs(ids, E).cpu()
         if self.ep.group is not None:
-            device = (torch.device("cuda", torch.cuda.current_device())
-                      if dist.get_backend(self.ep.group) == "nccl" else torch.device("cpu"))
-            pairs_LEE = pairs_LEE.to(device)
+            pairs_LEE = pairs_LEE.to(self._collective_device())
             dist.all_reduce(pairs_LEE, group=self.ep.group)
             pairs_LEE = pairs_LEE.cpu()
         return pairs_LEE
