@@ -53,8 +53,8 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     M, L, S, E = loads_MLSE.shape
     N, g, El = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu
     G, r = topology.num_gpus, slots_per_gpu
-    expert_MLGr = torch.full((M, L, G, max(r, 1)), -1, dtype=torch.int64)[..., :r]
-    quota_MLGr = torch.zeros(M, L, G, max(r, 1), dtype=torch.int64)[..., :r]
+    expert_MLGr = torch.full((M, L, G, r), -1, dtype=torch.int64)
+    quota_MLGr = torch.zeros(M, L, G, r, dtype=torch.int64)
     if r == 0 or N == 1 or M == 0:
         return expert_MLGr.contiguous(), quota_MLGr.contiguous()
     B = g * r
