@@ -139,32 +139,70 @@ def test_reordering_never_worsens_its_balance_term(problem):
 @SETTINGS
 @given(problems())
 def test_token_split_keeps_traffic_local_and_spreads_the_rest_evenly(problem):
-    """Every planner's plan: cross-node tokens are the fewest the quotas allow, and each node's
-    surplus (deficit) is shared by its sources (instances) in proportion to tokens (quota)."""
+    """Every planner's plan: cross-node tokens are the fewest the quotas allow, each node's
+    surplus is shared by its sources in proportion to tokens, no instance receives more
+    remote tokens than its quota, and every node's busiest GPU receives no more cross-node
+    tokens than under proportional deficit shares (instance x of node n: quota_x * deficit_n
+    / Q_n, floored cumulatively)."""
     topo, loads = problem
     N, g, J = topo.num_nodes, topo.gpus_per_node, topo.slots_per_gpu
     for name, plan in _plans(topo, loads).items():
         split = token_split(plan, loads)                                   # [M, L, S, G, J]
         M, L, S, E = loads.shape
         se = plan.slot_expert_MLGJ
+        quota = plan.slot_tokens_MLGJ
         node_of_slot = (torch.arange(topo.num_gpus) // g).view(1, 1, 1, -1, 1)
         node_of_src = (torch.arange(S) // g).view(1, 1, -1, 1, 1)
         cross = split * (node_of_slot != node_of_src)
         for m in range(M):
             for l in range(L):
+                proportional_G = torch.zeros(topo.num_gpus)
                 for e in range(E):
                     inst = se[m, l] == e                                   # [G, J]
                     D = loads[m, l, :, e].view(N, g).sum(1)
-                    Q = torch.stack([(plan.slot_tokens_MLGJ[m, l] * inst).view(N, g, J)[n].sum() for n in range(N)])
+                    Q = torch.stack([(quota[m, l] * inst).view(N, g, J)[n].sum() for n in range(N)])
                     fewest = int((D - Q).clamp(min=0).sum())
                     assert int((cross[m, l] * inst).sum()) == fewest, (name, m, l, e)
-                    # deficit shares: instance x of node n receives ~ quota_x * deficit_n / Q_n
+                    # surplus shares: source s of node n sends ~ tokens_s * surplus_n / D_n
+                    sent = (cross[m, l] * inst).sum((1, 2))                 # [S]
+                    for s_ in range(S):
+                        n = s_ // g
+                        share = int(loads[m, l, s_, e]) * int((D[n] - Q[n]).clamp(min=0)) / max(int(D[n]), 1)
+                        assert abs(int(sent[s_]) - share) < 1.0 + 1e-9, (name, m, l, e, s_)
                     recv = (cross[m, l] * inst).sum(0)                     # [G, J]
+                    assert (recv <= quota[m, l] * inst).all(), (name, m, l, e)
                     for gg, j in inst.nonzero().tolist():
                         n = gg // g
-                        q = int(plan.slot_tokens_MLGJ[m, l, gg, j])
-                        share = q * int((Q[n] - D[n]).clamp(min=0)) / max(int(Q[n]), 1)
-                        assert abs(int(recv[gg, j]) - share) < 1.0 + 1e-9, (name, m, l, e, gg, j)
+                        q = int(quota[m, l, gg, j])
+                        proportional_G[gg] += q * int((Q[n] - D[n]).clamp(min=0)) / max(int(Q[n]), 1)
+                recv_G = cross[m, l].sum((0, 2)).to(torch.float64)
+                for n in range(N):
+                    node = slice(n * g, (n + 1) * g)
+                    # floors of the cumulative shares: within one token per instance
+                    assert recv_G[node].max() <= proportional_G[node].max() + J + 1e-9, (name, m, l, n)
+
+
+def test_token_split_evens_each_gpus_cross_node_receive():
+    """Node 1 (GPUs 2, 3) holds expert 2 on GPU 2 and expert 3 on GPU 3, with a replica of
+    expert 2 on GPU 3. Node 0 sends 8 tokens for expert 2 and 4 for expert 3; node 1 has
+    4 of its own for expert 2. Proportional shares give GPU 2 four remote tokens of expert
+    2 and GPU 3 four of expert 2 plus four of expert 3 (8 vs 4); evening moves two of
+    expert 2's remote tokens to GPU 2 and two local ones back: 6 and 6."""
+    topo = Topology(2, 2, 4, 1)
+    loads = torch.zeros(1, 1, 4, 4, dtype=torch.int64)
+    loads[0, 0, :, 2] = torch.tensor([5, 3, 1, 3])
+    loads[0, 0, :, 3] = torch.tensor([2, 2, 0, 0])
+    plan = static_plan(loads, topo)
+    plan.slot_expert_MLGJ[0, 0, 3, 1] = 2
+    plan.slot_tokens_MLGJ[0, 0, 2, 0] = 6
+    plan.slot_tokens_MLGJ[0, 0, 3, 1] = 6
+    validate_plan(plan, loads, intra_node_replicas=True)
+    split = token_split(plan, loads)[0, 0]                                 # [S, G, J]
+    _check_split(plan, loads)
+    cross_recv_G = split[:2].sum((0, 2))                                   # node 0's sources
+    assert cross_recv_G.tolist() == [0, 0, 6, 6]
+    assert split[:2, 2, 0].sum() == 6 and split[:2, 3, 1].sum() == 2       # expert 2's remote
+    assert split[2:, 2, 0].sum() == 0 and split[2:, 3, 1].sum() == 4       # its local tokens
 
 
 def test_token_split_sends_remote_tokens_to_every_instance_in_proportion():

@@ -108,7 +108,11 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
        its tokens, and every instance receives the node's deficit in proportion to its quota
        (floor of the cumulative share, so integers that sum exactly): cross-node send and
        receive follow tokens and compute instead of piling onto the first rank or instance.
-    3. **Matching.** Local tokens go to the node's instances, and surplus tokens to the
+    3. **Even receive.** Where an expert has several instances in a node, remote tokens move
+       from the instance on the node's busiest-receiving GPU to one on a GPU that receives
+       less, and as many local tokens back (:func:`_even_receive`): each GPU's cross-node
+       receive comes out even, not only each expert's.
+    4. **Matching.** Local tokens go to the node's instances, and surplus tokens to the
        deficit instances, in order: sources by rank, instances by slot (``gpu``, then ``j``),
        each taking consecutive runs (interval overlap).
 
@@ -160,6 +164,7 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     cap_X = cap_MLNE.view(M, L, N * E).gather(2, group_MLX)
     deficit_X = deficit_MLNE.view(M, L, N * E).gather(2, group_MLX)
     take_remote_MLX = _cum_floor(quota_MLX, cum_in_group_MLX, cap_X, deficit_X)
+    take_remote_MLX = _even_receive(take_remote_MLX, quota_MLX, e_MLX, valid_MLX, topo)
     take_local_MLX = quota_MLX - take_remote_MLX
 
     def intervals_by_expert(amount_MLSE, amount_MLX, same_node):
@@ -192,6 +197,71 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
                   + intervals_by_expert(remote_MLSE, take_remote_MLX, False))
     split_MLSX = split_MLSX * valid_MLX.unsqueeze(2)
     return split_MLSX.view(M, L, S, G, J)
+
+
+def _even_receive(remote_MLX: torch.Tensor, quota_MLX: torch.Tensor, e_MLX: torch.Tensor,
+                  valid_MLX: torch.Tensor, topo: Topology) -> torch.Tensor:
+    """Move cross-node tokens between instances of one expert inside a node so that the
+    node's busiest-receiving GPU receives less.
+
+    Proportional deficit shares give every instance of an expert the same remote fraction,
+    so a GPU whose experts the other nodes want receives more than its node-mates at equal
+    load. Per round and (m, l, node): take the GPU with the most cross-node receive, and among
+    the pairs (its instance ``x`` of expert ``e``, an instance ``y`` of ``e`` on another GPU of
+    the node) move the largest ``t = min(remote_x, local_y, gap // 2)`` remote tokens from ``x``
+    to ``y`` and as many local ones back (``gap``: the two GPUs' receive difference). Quotas,
+    each (node, expert)'s remote total and the fewest-crossings property are unchanged; the
+    node's maximum never rises and the sum of squared receives falls with every move, so it
+    stops; ``g * J`` rounds bound the work (a few suffice in practice). Integer arithmetic
+    and first-index ties: identical on every rank.
+
+    Args:
+        remote_MLX: int64 ``[M, L, X]`` cross-node tokens each slot receives (X = G * J).
+        quota_MLX: int64 ``[M, L, X]`` slot quotas (0 for empty slots).
+        e_MLX, valid_MLX: the slot's expert (clamped to >= 0) and whether it holds one.
+
+    Returns:
+        int64 ``[M, L, X]``: the new cross-node tokens per slot.
+    """
+    M, L, X = remote_MLX.shape
+    G, J, g, N, E = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node, topo.num_nodes, topo.num_experts
+    if g < 2 or N < 2 or M * L == 0:
+        return remote_MLX
+    gpu_X = torch.arange(X) // J
+    # slot of expert e on GPU q, -1 if none (column E collects empty slots and stays -1)
+    inst_MLQ = torch.full((M, L, G * (E + 1)), -1, dtype=torch.int64)
+    key_MLX = gpu_X * (E + 1) + torch.where(valid_MLX, e_MLX, E)
+    inst_MLQ.scatter_(2, key_MLX, torch.arange(X).expand(M, L, X).contiguous())
+    inst_MLQ.view(M, L, G, E + 1)[..., E] = -1
+    node_gpus_N1g = (torch.arange(N).view(N, 1) * g + torch.arange(g)).view(N, 1, g)
+    P = M * L * N
+    rows_P = torch.arange(P)
+    base_P = (torch.arange(M * L) * X).repeat_interleave(N)
+    remote = remote_MLX.clone()
+    for _ in range(g * J):
+        recv_MLNg = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
+            2, gpu_X.expand(M, L, X), remote).view(M, L, N, g)
+        hi_MLN = recv_MLNg.argmax(-1)                                    # busiest GPU (local index)
+        xs_MLNJ = (torch.arange(N).view(N, 1) * g + hi_MLN.unsqueeze(-1)) * J + torch.arange(J)
+        xs = xs_MLNJ.view(M, L, N * J)
+        e_hi = torch.where(valid_MLX.gather(2, xs), e_MLX.gather(2, xs), E).view(M, L, N, J, 1)
+        ys_MLNJg = inst_MLQ.gather(2, (node_gpus_N1g * (E + 1) + e_hi).reshape(M, L, -1)).view(M, L, N, J, g)
+        ys = ys_MLNJg.clamp(min=0).view(M, L, -1)
+        local_y = (quota_MLX.gather(2, ys) - remote.gather(2, ys)).view(M, L, N, J, g)
+        gap_MLNg = (recv_MLNg.gather(3, hi_MLN.unsqueeze(-1)) - recv_MLNg) // 2
+        t_MLNJg = torch.minimum(torch.minimum(remote.gather(2, xs).view(M, L, N, J, 1), local_y),
+                                gap_MLNg.unsqueeze(3))
+        t_PW = torch.where(ys_MLNJg >= 0, t_MLNJg, 0).clamp(min=0).view(P, J * g)
+        best_P = t_PW.argmax(1)
+        t_P = t_PW[rows_P, best_P]
+        if not bool((t_P > 0).any()):
+            break
+        x_P = xs_MLNJ.reshape(P, J)[rows_P, best_P // g]
+        y_P = ys_MLNJg.reshape(P, J * g)[rows_P, best_P].clamp(min=0)
+        flat = remote.view(-1)
+        flat.index_add_(0, base_P + x_P, -t_P)  # rows are disjoint (m, l, node) slot sets
+        flat.index_add_(0, base_P + y_P, t_P)
+    return remote
 
 
 def _fail(msg: str) -> None:
