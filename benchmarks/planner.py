@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from relibra_torch.planning import Topology, evaluate, lis, lis_summary, make_planner
+from relibra_torch.planning import Topology, evaluate, lis, lis_summary, make_planner, token_split
 from relibra_torch.planning.pricing import priced_config
 from relibra_torch.sim.traces import TraceConfig, generate_loads, uniform_max_over_mean
 
@@ -101,6 +101,14 @@ def main(argv: list[str] | None = None) -> dict:
             "fills_per_micro_batch_layer": float(m.fill_MLGJ.sum() / layer_plans),
             "migrated_experts": int(m.migrated_L.sum()),
         }
+    # The layer's host-side schedule: one token_split per micro-batch for all layers
+    # (moe.schedule.layer_plans), on relibra's plan (the last planned above).
+    split_s = []
+    for m_ in range(min(args.repeats, args.micro_batches)):
+        t0 = time.process_time()
+        token_split(plan.micro_batch(m_), loads_MLSE[m_:m_ + 1])
+        split_s.append(time.process_time() - t0)
+    rows["relibra"]["token_split_ms_per_micro_batch"] = 1000 * statistics.median(split_s)
     mean = loads_MLSE.to(torch.float64).sum((2, 3)) / topo.num_gpus
     lb = m.lower_bound_ML / mean
     rows["lower-bound"] = {"imbalance_mean": float(lb.mean()), "imbalance_p50": _quantile(lb, 0.5),
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"planning CPU time (median of {args.repeats}): whole step in one process {rows['relibra']['plan_s']:.3f} s "
           f"(target <= 1 s); one EP rank's share of split planning {1000 * rows['relibra']['rank_share_s']:.1f} ms "
           f"(target <= 100 ms)")
+    print(f"token split of one micro-batch, all {args.layers} layers (the layer's host-side schedule, "
+          f"median of {len(split_s)}): {rows['relibra']['token_split_ms_per_micro_batch']:.1f} ms")
     lis_ML = lis(loads_MLSE.sum(2))  # depends on the loads only: once, not per system
     print(f"LIS (max expert / equal share) over micro-batches x layers: mean {float(lis_ML.mean()):.3f}, "
           f"max {float(lis_ML.max()):.3f}")
