@@ -461,7 +461,7 @@ def test_hierarchical_reordering_puts_co_activated_experts_together():
     together belong on one node. Equal loads from every node (placement indifferent for
     load and flat traffic): with the step's pair counts the planner moves experts 0 and 2
     together and 1 and 3 together; flat dispatch, or no pair counts, keeps the placement."""
-    from relibra_torch.planning.relibra import _colocated_pairs
+    from relibra_torch.planning.reorder_traffic import colocated_pairs
     from relibra_torch.replay.counts import count_pairs
 
     topo = Topology(2, 1, 4, 0)
@@ -473,7 +473,7 @@ def test_hierarchical_reordering_puts_co_activated_experts_together():
     plan = relibra_plan(loads, topo, config=cfg, pairs_LEE=pairs)
     node = plan.placement_LE[0] // topo.experts_per_gpu // topo.gpus_per_node
     assert node[0] == node[2] and node[1] == node[3] and node[0] != node[1]
-    assert int(_colocated_pairs(pairs, node.view(1, 4), 2)) == 100
+    assert int(colocated_pairs(pairs, node.view(1, 4), 2)) == 100
     for other in (dataclasses.replace(cfg, dispatch="flat"), cfg):
         kept = relibra_plan(loads, topo, config=other, pairs_LEE=pairs if other.dispatch == "flat" else None)
         assert torch.equal(kept.placement_LE, topo.static_placement(1))

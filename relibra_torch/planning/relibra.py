@@ -10,7 +10,12 @@ expert that changes GPU inside its node), so it moves only what pays. The busies
 the time because replication inside the node spreads its load over its ``g`` GPUs. Search:
 two starts (the previous placement, and a greedy assignment of experts in decreasing load
 to the node with the smallest objective increase), the better one refined by steepest-
-descent swaps between nodes over a deterministic candidate set, all layers at once.
+descent swaps between nodes over a deterministic candidate set, all layers at once. A
+second swap search (:mod:`relibra_torch.planning.reorder_traffic`) then prices what the
+all-to-all pays: each node's cross-node send and receive per micro-batch, net of the traffic
+replicas it will get, busiest node first, so that experts sit near their heaviest senders
+where no replica keeps those tokens home (on the six trace x dispatch tables of
+docs/results.md it cuts relibra's step by 0.4-2.0%).
 
 Replication, per micro-batch: first, cross-node *traffic replicas* (``R // 2``
 slots per GPU, :mod:`relibra_torch.planning.traffic`) copy each node's most-requested remote
@@ -43,6 +48,8 @@ from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
 from .balance import replicate
+from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
+                              traffic_swap_search)
 from .traffic import traffic_replicas
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
@@ -72,8 +79,9 @@ class ReLibraConfig:
         cross_node_replicas: per micro-batch, replicate each node's most-requested remote
             experts onto the node (``R // 2`` slots per GPU) so that their tokens
             stay inside it, when the saved inter-node traffic pays for the fill
-            (:mod:`relibra_torch.planning.traffic`). ``False`` keeps every replica inside
-            its owner's node (the original ReLibra rule).
+            (:mod:`relibra_torch.planning.traffic`); reordering's traffic search models
+            them. ``False`` keeps every replica inside its owner's node (the original
+            ReLibra rule).
         dispatch: the all-to-all the cluster runs. ``"hierarchical"`` (DeepEP-style: a token
             crosses to each remote node once) makes reordering value co-activation: every
             pair of experts a token chooses together that sits on one node saves that
@@ -191,7 +199,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         moved_L = (node_LE != prev_node_LE).sum(1)
         obj = _objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g)
         if coloc_w:
-            obj = obj - coloc_w * _colocated_pairs(pairs_LEE, node_LE, N).to(torch.float64)
+            obj = obj - coloc_w * colocated_pairs(pairs_LEE, node_LE, N).to(torch.float64)
         return obj
 
     # Start 1: keep the previous nodes. Start 2: greedy in decreasing load.
@@ -218,14 +226,12 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
         best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
                                     prev_node_LE, config, N, g, full_objective, pairs_LEE, coloc_w)
+        # Then each node's cross-node send and receive, net of its traffic replicas.
+        own_LMNE = loads_MLSE.view(M, L, N, g, E).sum(3).permute(1, 0, 2, 3).contiguous()
+        slots = topology.replica_slots // 2 if config.cross_node_replicas else 0
+        best_node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g, slots,
+                                           pairs_LEE, coloc_w)
     return _assign_gpus(best_node_LE, total_LE, prev_gpu_LE, topology)
-
-
-def _colocated_pairs(pairs_LEE: torch.Tensor, node_LE: torch.Tensor, N: int) -> torch.Tensor:
-    """int64 ``[L]``: co-activated token pairs whose two experts share a node."""
-    onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
-    partners_LEN = torch.bmm(pairs_LEE, onehot_LEN)                      # pairs of e on node n
-    return partners_LEN.gather(2, node_LE.unsqueeze(-1)).squeeze(-1).sum(1) // 2
 
 
 def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective,
@@ -239,56 +245,50 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
     """
     L, M, E = load_LME.shape
     per_side = min(cfg.swap_candidates, E // N // 2) or 1
+    C = 2 * per_side
     current_L = full_objective(node_LE)
     rows = torch.arange(L)
-    # Pair structure (constant): node pairs (i < j) x candidate positions (ci, cj).
-    ni, nj = torch.triu_indices(N, N, offset=1)
-    C = 2 * per_side  # candidates per node
-    ci, cj = torch.meshgrid(torch.arange(C), torch.arange(C), indexing="ij")
-    pos_a = (ni.view(-1, 1) * C + ci.reshape(1, -1)).reshape(-1)       # [W] into cand [N*C]
-    pos_b = (nj.view(-1, 1) * C + cj.reshape(1, -1)).reshape(-1)
-    na_W = ni.repeat_interleave(C * C)
-    nb_W = nj.repeat_interleave(C * C)
-    W = pos_a.numel()
-    # max over nodes other than (i, j), for every node pair: [.., N, N]
-    others = torch.ones(N, N, N, dtype=torch.bool)
-    idx = torch.arange(N)
-    others[idx, :, idx] = False
-    others[:, idx, idx] = False
+    pairs = swap_pairs(N, C)
+    ni, nj = pairs.ni_P, pairs.nj_P
+    P = ni.numel()
+    slot_node = torch.arange(N * C) // C
+
+    def a_side(x_LX: torch.Tensor) -> torch.Tensor:   # [.., N*C] -> [.., P, C, 1]
+        return x_LX.reshape(*x_LX.shape[:-1], N, C)[..., ni, :].unsqueeze(-1)
+
+    def b_side(x_LX: torch.Tensor) -> torch.Tensor:   # [.., N*C] -> [.., P, 1, C]
+        return x_LX.reshape(*x_LX.shape[:-1], N, C)[..., nj, :].unsqueeze(-2)
+
     for _ in range(cfg.max_swap_rounds):
         onehot = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
         nl_LMN = torch.bmm(load_LME, onehot)
-        key_LE = total_LE + node_LE * (total_LE.max() + 1)   # group by node, then load
-        order_LNE = key_LE.sort(dim=1, stable=True).indices.view(L, N, E // N)
-        cand_LNC = torch.cat([order_LNE[:, :, :per_side], order_LNE[:, :, -per_side:]], 2).reshape(L, N * C)
-        a_LW, b_LW = cand_LNC[:, pos_a], cand_LNC[:, pos_b]
-        masked = nl_LMN.unsqueeze(2).unsqueeze(2).expand(L, M, N, N, N).masked_fill(~others, -1)
-        other_max_LMNN = masked.max(-1).values                          # [L, M, N, N]
-        other_max_LMW = other_max_LMNN[:, :, na_W, nb_W]
-        d_LMW = (load_LME.gather(2, b_LW.unsqueeze(1).expand(L, M, W))
-                 - load_LME.gather(2, a_LW.unsqueeze(1).expand(L, M, W)))
-        new_a = nl_LMN[:, :, na_W] + d_LMW
-        new_b = nl_LMN[:, :, nb_W] - d_LMW
-        max_sum_LW = torch.maximum(torch.maximum(new_a, new_b), other_max_LMW).sum(1)
-        src_a, src_b = src_node_LNE.gather(2, a_LW.unsqueeze(1).expand(L, N, W)), \
-            src_node_LNE.gather(2, b_LW.unsqueeze(1).expand(L, N, W))
+        cand_LX = swap_candidates(node_LE, total_LE, N, per_side)
+        load_LMX = load_LME.gather(2, cand_LX.unsqueeze(1).expand(L, M, N * C))
+        nl_out_LMX = nl_LMN.gather(2, slot_node.expand(L, M, N * C)) - load_LMX  # node without it
+        # Only the swap's two nodes change: new max = max(the other nodes, node a, node b).
+        new_max = torch.maximum(a_side(nl_out_LMX) + b_side(load_LMX), b_side(nl_out_LMX) + a_side(load_LMX))
+        torch.maximum(new_max, max_without_pair(nl_LMN, pairs).view(L, M, P, 1, 1), out=new_max)
+        max_sum_LW = new_max.sum(1).reshape(L, -1)
         # tokens kept inside their node: a leaves na for nb, b leaves nb for na
-        local_delta_LW = (src_a[:, nb_W, torch.arange(W)] + src_b[:, na_W, torch.arange(W)]
-                          - src_a[:, na_W, torch.arange(W)] - src_b[:, nb_W, torch.arange(W)])
+        src_LNX = src_node_LNE.gather(2, cand_LX.unsqueeze(1).expand(L, N, N * C))
+        home_LX = src_LNX.gather(1, slot_node.expand(L, 1, N * C)).squeeze(1)
+        src_view = src_LNX.view(L, N, N, C)                                  # [L, node, slot node, C]
+        gain_a = src_view[:, nj, ni].unsqueeze(-1) - a_side(home_LX)          # a's tokens from nb
+        gain_b = src_view[:, ni, nj].unsqueeze(-2) - b_side(home_LX)          # b's tokens from na
+        local_delta_LW = (gain_a + gain_b).reshape(L, -1)
         cross_now_L = (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
-        pa, pb = prev_node_LE.gather(1, a_LW), prev_node_LE.gather(1, b_LW)
-        moved_delta_LW = ((nb_W != pa).to(torch.int64) - (na_W != pa).to(torch.int64)
-                          + (na_W != pb).to(torch.int64) - (nb_W != pb).to(torch.int64))
+        prev_X = prev_node_LE.gather(1, cand_LX)
+        moved_a = (nj.view(1, P, 1) != prev_X.view(L, N, C)[:, ni]).to(torch.int64) \
+            - (ni.view(1, P, 1) != prev_X.view(L, N, C)[:, ni]).to(torch.int64)
+        moved_b = (ni.view(1, P, 1) != prev_X.view(L, N, C)[:, nj]).to(torch.int64) \
+            - (nj.view(1, P, 1) != prev_X.view(L, N, C)[:, nj]).to(torch.int64)
+        moved_delta_LW = (moved_a.unsqueeze(-1) + moved_b.unsqueeze(-2)).reshape(L, -1)
         moved_now_L = (node_LE != prev_node_LE).sum(1)
         obj_LW = _objective(max_sum_LW, cross_now_L.unsqueeze(1) - local_delta_LW,
-                                       moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
-        if coloc_w:  # co-located pairs gained: a's partners on nb (less b) and b's on na (less a)
-            E_ = pairs_LEE.shape[1]
-            part_LX = torch.bmm(pairs_LEE, onehot).reshape(L, E_ * N)
-            c_ab = pairs_LEE.reshape(L, E_ * E_).gather(1, a_LW * E_ + b_LW)
-            gain_LW = (part_LX.gather(1, a_LW * N + nb_W) - part_LX.gather(1, a_LW * N + na_W)
-                       + part_LX.gather(1, b_LW * N + na_W) - part_LX.gather(1, b_LW * N + nb_W) - 2 * c_ab)
-            obj_LW = obj_LW - coloc_w * gain_LW.to(torch.float64)
+                            moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
+        a_LW, b_LW = cand_LX[:, pairs.pos_a_W], cand_LX[:, pairs.pos_b_W]
+        if coloc_w:  # co-located pairs gained by the swap
+            obj_LW = obj_LW - coloc_w * coactivation_gain(pairs_LEE, node_LE, a_LW, b_LW, pairs, N).to(torch.float64)
         best_W = obj_LW.argmin(1)
         best_obj_L = obj_LW[rows, best_W]
         improve_L = best_obj_L < current_L * (1 - 1e-12)
