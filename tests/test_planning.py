@@ -182,21 +182,28 @@ def test_token_split_keeps_traffic_local_and_spreads_the_rest_evenly(problem):
                     assert recv_G[node].max() <= proportional_G[node].max() + J + 1e-9, (name, m, l, n)
 
 
+def _expert_2_on_both_gpus_of_node_1(expert_3):
+    """2 nodes x 2 GPUs, 4 experts: expert 2 native on GPU 2 and replicated on GPU 3 (6 tokens
+    each; sources send 5, 3, 1, 3 of its tokens), expert 3 on GPU 3 with ``expert_3`` tokens."""
+    topo = Topology(2, 2, 4, 1)
+    loads = torch.zeros(1, 1, 4, 4, dtype=torch.int64)
+    loads[0, 0, :, 2] = torch.tensor([5, 3, 1, 3])
+    loads[0, 0, :, 3] = torch.tensor(expert_3)
+    plan = static_plan(loads, topo)
+    plan.slot_expert_MLGJ[0, 0, 3, 1] = 2
+    plan.slot_tokens_MLGJ[0, 0, 2, 0] = 6
+    plan.slot_tokens_MLGJ[0, 0, 3, 1] = 6
+    validate_plan(plan, loads, intra_node_replicas=True)
+    return plan, loads
+
+
 def test_token_split_evens_each_gpus_cross_node_receive():
     """Node 1 (GPUs 2, 3) holds expert 2 on GPU 2 and expert 3 on GPU 3, with a replica of
     expert 2 on GPU 3. Node 0 sends 8 tokens for expert 2 and 4 for expert 3; node 1 has
     4 of its own for expert 2. Proportional shares give GPU 2 four remote tokens of expert
     2 and GPU 3 four of expert 2 plus four of expert 3 (8 vs 4); evening moves two of
     expert 2's remote tokens to GPU 2 and two local ones back: 6 and 6."""
-    topo = Topology(2, 2, 4, 1)
-    loads = torch.zeros(1, 1, 4, 4, dtype=torch.int64)
-    loads[0, 0, :, 2] = torch.tensor([5, 3, 1, 3])
-    loads[0, 0, :, 3] = torch.tensor([2, 2, 0, 0])
-    plan = static_plan(loads, topo)
-    plan.slot_expert_MLGJ[0, 0, 3, 1] = 2
-    plan.slot_tokens_MLGJ[0, 0, 2, 0] = 6
-    plan.slot_tokens_MLGJ[0, 0, 3, 1] = 6
-    validate_plan(plan, loads, intra_node_replicas=True)
+    plan, loads = _expert_2_on_both_gpus_of_node_1(expert_3=[2, 2, 0, 0])
     split = token_split(plan, loads)[0, 0]                                 # [S, G, J]
     _check_split(plan, loads)
     cross_recv_G = split[:2].sum((0, 2))                                   # node 0's sources
@@ -209,14 +216,7 @@ def test_token_split_sends_remote_tokens_to_every_instance_in_proportion():
     """Expert 0 on node 1 (native on GPU 2, replica on GPU 3, 6 tokens each); node 0's
     sources have 8 of its tokens, node 1's 4: node 1 keeps its 4, each instance gets 4
     remote + 2 local (the rank-ordered rule gave the first instance all 6 remote ones)."""
-    topo = Topology(2, 2, 4, 1)
-    loads = torch.zeros(1, 1, 4, 4, dtype=torch.int64)
-    loads[0, 0, :, 2] = torch.tensor([5, 3, 1, 3])
-    plan = static_plan(loads, topo)
-    plan.slot_expert_MLGJ[0, 0, 3, 1] = 2
-    plan.slot_tokens_MLGJ[0, 0, 2, 0] = 6
-    plan.slot_tokens_MLGJ[0, 0, 3, 1] = 6
-    validate_plan(plan, loads, intra_node_replicas=True)
+    plan, loads = _expert_2_on_both_gpus_of_node_1(expert_3=[0, 0, 0, 0])
     split = token_split(plan, loads)[0, 0]                                 # [S, G, J]
     assert split[:2, 2, 0].sum() == 4 and split[:2, 3, 1].sum() == 4       # remote per instance
     assert split[2:, 2, 0].sum() == 2 and split[2:, 3, 1].sum() == 2       # local per instance
