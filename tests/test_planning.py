@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import _rank_fns
 from relibra_torch.planning import (
+    StepPlan,
     PLANNER_NAMES, EPLBPlanner, ReLibraConfig, ReLibraPlanner, Topology, balanced_packing,
     eplb_plan, evaluate, make_planner, online_global_plan, online_node_plan, plan_digest, relibra_plan,
     replicate, replicate_experts, static_plan, token_split, validate_plan,
@@ -338,6 +339,24 @@ def test_replicate_hand_example():
     se, st_ = replicate(loads, topo, topo.static_placement(1))
     assert se.tolist() == [[[[0, -1], [1, 0]]]]
     assert st_.tolist() == [[[[6, 0], [2, 4]]]]
+
+
+def test_replicate_copies_the_expert_that_also_carries_remote_tokens():
+    """Node 0 (GPUs 0, 1) of two: GPU 0 holds expert 0 (10 tokens from node 0's own
+    sources) and expert 1 (8 tokens, all from node 1); GPU 1 holds expert 2 (6 local
+    tokens). Both experts can move the 6 tokens GPU 1 has room for; copying expert 1 (its
+    tokens come from node 1) also moves them off GPU 0's inter-node receive: loads 12/12 and
+    cross-node receive 2/6, where copying expert 0 would leave GPU 0 receiving all 8."""
+    topo = Topology(2, 2, 8, 1)
+    loads = torch.zeros(1, 1, 4, 8, dtype=torch.int64)
+    loads[0, 0, 0, 0] = 10
+    loads[0, 0, 2, 1] = 8
+    loads[0, 0, 1, 2] = 6
+    se, st_ = replicate(loads, topo, topo.static_placement(1))
+    assert se[0, 0, 1, 2] == 1 and st_[0, 0, 1, 2] == 6                    # expert 1 copied to GPU 1
+    assert st_[0, 0, :2].sum(-1).tolist() == [12, 12]
+    plan = StepPlan(topo, topo.static_placement(1), se, st_)
+    assert evaluate(plan, loads).cross_recv_MLG[0, 0, :2].tolist() == [2, 6]
 
 
 def test_replicas_only_where_the_fill_pays():

@@ -1,6 +1,9 @@
 """relibra's balancing replication: per micro-batch, layer and node, move load from the
 busiest GPU to the least-loaded GPU with a free replica slot (see
 :mod:`relibra_torch.planning.relibra`, whose planner runs it after the traffic replicas).
+The expert copied is the one that moves the most tokens, counting those from other nodes
+twice, so that copies also carry inter-node receive away from the giver (on the trace
+families of docs/results.md: 0.5-1.7% shorter steps than copying the largest expert).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs, g GPUs per
 node, El native experts per GPU, R replica slots per GPU, J = El + R, B batched problems
@@ -43,7 +46,14 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         pre_e, pre_q = prefilled
         load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
             2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
-    rem_MLGl = load_MLE.gather(2, native_LGl.reshape(1, L, -1).expand(M, L, G * El)).view(M, L, G, El)
+    native_idx = native_LGl.reshape(1, L, -1).expand(M, L, G * El)
+    rem_MLGl = load_MLE.gather(2, native_idx).view(M, L, G, El)
+    # The part of each native's remaining load that comes from other nodes' sources (its
+    # owner node's own demand stays; traffic replicas elsewhere took their nodes' demand).
+    owner_node_LE = placement_LE // El // g
+    home_MLE = loads_MLSE.to(torch.int64).view(M, L, N, g, E).sum(3).gather(
+        2, owner_node_LE.view(1, L, 1, E).expand(M, L, 1, E)).squeeze(2)
+    remote_MLGl = (load_MLE - home_MLE).clamp(min=0).gather(2, native_idx).view(M, L, G, El)
     B = M * L * N
     rem = rem_MLGl.reshape(B, g, El).clone()
     experts = native_LGl.view(1, L, N, g, El).expand(M, L, N, g, El).reshape(B, g, El)
@@ -61,18 +71,24 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     # What a GPU can give away: its native experts' remaining load, then its prefilled
     # replicas' quotas (a copy of those is filled from another node).
     giveable = torch.cat([rem, rep_quota[..., :r0]], -1)                   # [B, g, El + r0]
+    # ... and how much of it is remote (a cross-node copy's tokens are its node's own)
+    give_remote = torch.cat([remote_MLGl.reshape(B, g, El), torch.zeros_like(rep_quota[..., :r0])], -1)
     give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
     need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
     for _ in range(g * R):
         h = load.argmax(-1)                       # busiest GPU (first on ties)
         excess = load[rows, h] - target
-        # The busiest GPU's largest remaining expert among those whose share would pay for
-        # its fill (at most the least-loaded receiver's deficit, see below).
+        # Among the busiest GPU's experts whose share would pay for its fill (at most the
+        # least-loaded receiver's deficit, see below), the one that moves the most tokens,
+        # counting those from other nodes twice: with the copy they can leave the giver's
+        # inter-node receive too (token_split sends remote tokens to the instance whose GPU
+        # receives less).
         open_ = (used < R) & (load < target.unsqueeze(1))
         room = (target - load.masked_fill(~open_, torch.iinfo(torch.int64).max).min(-1).values).clamp(min=0)
         cand = giveable[rows, h]
-        pays = torch.minimum(cand, room.unsqueeze(1)) >= need_K
-        idx = cand.masked_fill(~pays, -1).argmax(-1)
+        movable = torch.minimum(cand, room.unsqueeze(1))
+        pays = movable >= need_K
+        idx = (movable + torch.minimum(movable, give_remote[rows, h])).masked_fill(~pays, -1).argmax(-1)
         expert_B = give_expert[rows, h, idx]
         holds = (rep_expert == expert_B.view(B, 1, 1)).any(-1)             # a GPU holds it already
         can_take = (used < R) & (load < target.unsqueeze(1)) & ~holds
@@ -96,6 +112,7 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         rep_quota[r, uu, slot] = amt
         used[r, uu] += 1
         giveable[r, hh, ii] -= amt
+        give_remote[r, hh, ii] = (give_remote[r, hh, ii] - amt).clamp(min=0)   # copies take remote first
         load[r, hh] -= amt
         load[r, uu] += amt
     rem = giveable[..., :El]

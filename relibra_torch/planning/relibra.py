@@ -22,8 +22,9 @@ slots per GPU, :mod:`relibra_torch.planning.traffic`) copy each node's most-requ
 experts onto it with exactly the node's tokens for them, when the saved inter-node traffic
 pays for the fill (``cross_node_replicas``). Then, per layer and node, balancing moves load
 from the busiest GPU to the least
-busy GPU that still has a free replica slot, by copying the busiest GPU's largest remaining
-native expert there with a quota of exactly what both sides can take, until every GPU is at
+busy GPU that still has a free replica slot, by copying there the busiest GPU's native
+expert that moves the most tokens (those from other nodes counted twice: they leave its
+inter-node receive too) with a quota of exactly what both sides can take, until every GPU is at
 ``ceil(node_load / g)`` or the slots run out. Vectorised over every (micro-batch, layer,
 node) at once; at most ``g * R`` rounds.
 
