@@ -3,6 +3,8 @@
 import sys
 from pathlib import Path
 
+import torch
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 
@@ -10,9 +12,13 @@ def test_planner_benchmark_reports_every_system_and_the_split_time(tmp_path, cap
     import planner
 
     out = tmp_path / "p.json"
-    result = planner.main(["--nodes", "2", "--gpus-per-node", "2", "--experts", "8", "--top-k", "2",
-                           "--layers", "3", "--micro-batches", "2", "--tokens", "64", "--warmup", "1",
-                           "--repeats", "2", "--json", str(out)])
+    threads = torch.get_num_threads()
+    try:  # the benchmark pins one thread (its target is one core); later tests keep theirs
+        result = planner.main(["--nodes", "2", "--gpus-per-node", "2", "--experts", "8", "--top-k", "2",
+                               "--layers", "3", "--micro-batches", "2", "--tokens", "64", "--warmup", "1",
+                               "--repeats", "2", "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)
     text = capsys.readouterr().out
     assert "token split of one micro-batch, all 3 layers" in text
     rows = result["systems"]

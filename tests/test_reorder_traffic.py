@@ -100,3 +100,35 @@ def test_relibra_plans_stay_valid_with_the_traffic_search():
     validate_plan(plan, loads)
     again = relibra_plan(loads.clone(), topo, config=config)
     assert torch.equal(plan.placement_LE, again.placement_LE)
+
+
+def test_modelled_replicas_break_ties_toward_lower_ids_like_the_traffic_planner():
+    """Node 1's sources want experts 0-7 (node 0) 5 tokens each, expert k in micro-batch k
+    only: equal step demand, one traffic slot (g = 1, r = 1). Like the traffic planner's
+    stable sort, the model replicates expert 0, so micro-batch 0, where node 0 also sends
+    6 residual tokens to node 1, costs 6 and every other micro-batch 5: 41 token-times
+    (any other choice would give 36)."""
+    own_LMNE = torch.zeros(1, 8, 2, 10, dtype=torch.int64)
+    for k in range(8):
+        own_LMNE[0, k, 1, k] = 5
+    own_LMNE[0, 0, 0, 8:] = 6                     # node 0 wants experts 8 and 9 (node 1): 8 is replicated
+    node_LE = torch.tensor([[0] * 8 + [1] * 2])
+    config = ReLibraConfig(compute_s_per_token=0.0, cross_node_s_per_token=1.0, migration_s_per_expert=0.0)
+    objective = traffic_objective(node_LE, own_LMNE.sum(2), own_LMNE, node_LE, config, 1, 1)
+    assert float(objective) == 41.0
+
+
+def test_a_swap_that_changes_nothing_is_not_taken_when_the_objective_is_negative():
+    """With co-activation the objective can be negative; a swap of two idle experts (no
+    tokens, no pairs) is no improvement and must not be taken (with an odd round limit a
+    back-and-forth would leave them swapped)."""
+    own_LMNE = torch.zeros(1, 1, 2, 6, dtype=torch.int64)
+    own_LMNE[0, 0, 0, [0, 4]] = 10
+    own_LMNE[0, 0, 1, [2, 5]] = 10
+    pairs_LEE = torch.zeros(1, 6, 6, dtype=torch.int64)
+    pairs_LEE[0, 0, 4] = pairs_LEE[0, 4, 0] = pairs_LEE[0, 2, 5] = pairs_LEE[0, 5, 2] = 100
+    node_LE = torch.tensor([[0, 0, 1, 1, 0, 1]])
+    config = ReLibraConfig(migration_s_per_expert=0.0, max_swap_rounds=3)
+    args = (own_LMNE.sum(2), own_LMNE, node_LE, config, 1, 0, pairs_LEE, 1e-7)
+    assert float(traffic_objective(node_LE, *args)) < 0
+    assert torch.equal(traffic_swap_search(node_LE, *args), node_LE)

@@ -292,7 +292,7 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
             obj_LW = obj_LW - coloc_w * coactivation_gain(pairs_LEE, node_LE, a_LW, b_LW, pairs, N).to(torch.float64)
         best_W = obj_LW.argmin(1)
         best_obj_L = obj_LW[rows, best_W]
-        improve_L = best_obj_L < current_L * (1 - 1e-12)
+        improve_L = best_obj_L < current_L - 1e-12 * current_L.abs()
         if not improve_L.any():
             break
         a_L, b_L = a_LW[rows, best_W], b_LW[rows, best_W]

@@ -21,7 +21,8 @@ Search: steepest descent over node swaps, all layers at once, on the same candid
 the first search (each node's heaviest and lightest experts). A swap changes only its two
 nodes' terms, and every term is a sum of a part of expert ``a`` and a part of ``b``, so all
 ``W`` candidate swaps are scored by broadcasting ``[.., P, C, 1]`` against ``[.., P, 1, C]``
-(P node pairs, C candidates per node) without per-swap gathers. The scoring freezes the
+(P node pairs, C candidates per node): no per-swap gathers over micro-batches (only the
+``[L, W]`` migration and co-activation terms gather per swap). The scoring freezes the
 replica sets of the round (an expert entering a node's remote set joins its replicas when
 its demand beats the set's smallest); each round's chosen swap is then re-scored exactly,
 with fresh replica sets, and kept only if the exact objective falls, so the search is a
@@ -124,9 +125,11 @@ def _replica_sets(node_LE: torch.Tensor, own_step_LNE: torch.Tensor, B: int,
     if B == 0:
         return torch.zeros(L, N, E, dtype=torch.bool), torch.full((L, N), torch.iinfo(torch.int64).max)
     remote_LNE = own_step_LNE.masked_fill(node_LE.unsqueeze(1) == torch.arange(N).view(1, N, 1), -1)
-    top = remote_LNE.topk(min(B, E), dim=2)  # ties: any of equal demand, the sums are the same
-    in_LNE = torch.zeros(L, N, E, dtype=torch.bool).scatter_(2, top.indices, top.values >= floor)
-    return in_LNE, top.values[..., -1].clamp(min=floor)
+    # stable sort: among equal demands the lower ids, as the traffic planner picks them
+    top_LNB = (-remote_LNE).argsort(dim=2, stable=True)[..., :min(B, E)]
+    top_values = remote_LNE.gather(2, top_LNB)
+    in_LNE = torch.zeros(L, N, E, dtype=torch.bool).scatter_(2, top_LNB, top_values >= floor)
+    return in_LNE, top_values[..., -1].clamp(min=floor)
 
 
 def _residual(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: torch.Tensor,
@@ -157,6 +160,12 @@ def traffic_objective(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: t
     return obj
 
 
+def _below(x: torch.Tensor) -> torch.Tensor:
+    """What an objective must beat to count as a strict improvement on ``x`` (a relative
+    margin against float noise; the objective can be negative with co-activation)."""
+    return x - 1e-12 * x.abs()
+
+
 def _min_tokens(config, g: int) -> int:
     """Fewest step tokens a node's traffic replica must keep home to pay for its inter-node fill."""
     token_s = config.cross_node_s_per_token / g
@@ -184,6 +193,8 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
         int64 ``[L, E]``: the refined node of every expert.
     """
     L, M, N, E = own_LMNE.shape
+    if N < 2 or L == 0:
+        return node_LE
     B = g * traffic_slots
     min_tokens = _min_tokens(config, g)
     tc, tx = config.compute_s_per_token / g, config.cross_node_s_per_token / g
@@ -258,7 +269,7 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
                 pairs_LEE, node_LE, a_LW, b_LW, pairs, N)
             obj_LW = obj_LW - coloc_w * gain_LW.to(torch.float64)
         best_W = obj_LW.argmin(1)
-        improve_L = active_L & (obj_LW[rows, best_W] < current_L * (1 - 1e-12))
+        improve_L = active_L & (obj_LW[rows, best_W] < _below(current_L))
         if not improve_L.any():
             break
         a_L, b_L = a_LW[rows, best_W], b_LW[rows, best_W]
@@ -266,7 +277,7 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
         trial_LE[rows, a_L] = torch.where(improve_L, node_LE[rows, b_L], node_LE[rows, a_L])
         trial_LE[rows, b_L] = torch.where(improve_L, node_LE[rows, a_L], node_LE[rows, b_L])
         exact_L = objective(trial_LE)
-        keep_L = improve_L & (exact_L < current_L * (1 - 1e-12))
+        keep_L = improve_L & (exact_L < _below(current_L))
         active_L = active_L & (keep_L | ~improve_L)     # a layer whose estimate misled it stops
         node_LE = torch.where(keep_L.unsqueeze(1), trial_LE, node_LE)
         current_L = torch.where(keep_L, exact_L, current_L)
