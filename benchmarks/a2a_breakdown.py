@@ -108,19 +108,25 @@ def main(argv: list[str] | None = None) -> dict:
     tokens_MLNg = loads_MLSE.sum(-1).double().view(*loads_MLSE.shape[:2], N, g)
     rank_tokens = float((tokens_MLNg.max(-1).values / tokens_MLNg.mean(-1).clamp(min=1e-12)).max(-1).values.mean())
 
-    print(f"\n{model.name} on {N} x {g} {s['hardware_spec'].name}, trace {s['trace']}, last of "
-          f"{workload.num_steps} step(s); max/mean over GPUs (gpu) = node level x inside a node")
-    head = (f"{'system':<14} {'recv gpu':>8} {'node':>6} {'inside':>6} {'send gpu':>8} {'node':>6} {'inside':>6}"
-            f" {'a2a s':>7} {'recv ev':>7} {'send ev':>7} {'both ev':>7} {'+nvlink':>7} {'all ev':>7}")
-    print(head)
-    print("-" * len(head))
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{model.name} on {N} x {g} {s['hardware_spec'].name}, trace {s['trace']}, last of "
+                        f"{workload.num_steps} step(s): cross-node max/mean over GPUs (gpu), of the node "
+                        "means (node), inside the worst node; all-to-all s per step as planned and if even")
+    for col in ("system", "recv gpu", "node", "inside", "send gpu", "node", "inside",
+                "a2a s", "recv ev", "send ev", "both ev", "+nvlink", "all ev"):
+        table.add_column(col, justify="left" if col == "system" else "right")
     for name, r in rows.items():
         rv, sd = r["cross_recv_imbalance"], r["cross_send_imbalance"]
-        print(f"{name:<14} {rv['gpu']:>8.3f} {rv['node']:>6.3f} {rv['inside_worst_node']:>6.3f} "
-              f"{sd['gpu']:>8.3f} {sd['node']:>6.3f} {sd['inside_worst_node']:>6.3f} {r['all_to_all_s']:>7.2f} "
-              f"{r['if_recv_even_in_node_s']:>7.2f} {r['if_send_even_in_node_s']:>7.2f} "
-              f"{r['if_both_even_in_node_s']:>7.2f} {r['if_both_and_nvlink_even_in_node_s']:>7.2f} "
-              f"{r['if_all_even_s']:>7.2f}")
+        ratios = [rv["gpu"], rv["node"], rv["inside_worst_node"], sd["gpu"], sd["node"], sd["inside_worst_node"]]
+        seconds = [r[k] for k in ("all_to_all_s", "if_recv_even_in_node_s", "if_send_even_in_node_s",
+                                  "if_both_even_in_node_s", "if_both_and_nvlink_even_in_node_s", "if_all_even_s")]
+        table.add_row(name, *(f"{x:.3f}" for x in ratios), *(f"{x:.2f}" for x in seconds))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=160)
+    console.print(table)
     print(f"\nranks' token-expert pairs per micro-batch, max/mean inside the worst node: {rank_tokens:.3f} "
           "(flat dispatch sends each token from its own rank: a packing matter)")
     result = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (str, int, float, bool, type(None)))},
