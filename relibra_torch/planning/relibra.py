@@ -179,8 +179,9 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     per_node = E // N
     loads_MLSE = loads_MLSE.to(torch.int64)
     load_LME = loads_MLSE.sum(2).transpose(0, 1).contiguous()            # [L, M, E]
-    # tokens for e coming from sources on node n, summed over the step
-    src_node_LNE = loads_MLSE.sum(0).view(L, N, g, E).sum(2)              # [L, N, E]
+    # tokens for e from the sources of node n, per micro-batch and summed over the step
+    own_LMNE = loads_MLSE.view(M, L, N, g, E).sum(3).permute(1, 0, 2, 3).contiguous()
+    src_node_LNE = own_LMNE.sum(1)                                        # [L, N, E]
     total_LE = load_LME.sum(1)
     prev_gpu_LE = previous_placement_LE // El
     prev_node_LE = prev_gpu_LE // g
@@ -228,7 +229,6 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
                                     prev_node_LE, config, N, g, full_objective, pairs_LEE, coloc_w)
         # Then each node's cross-node send and receive, net of its traffic replicas.
-        own_LMNE = loads_MLSE.view(M, L, N, g, E).sum(3).permute(1, 0, 2, 3).contiguous()
         slots = topology.replica_slots // 2 if config.cross_node_replicas else 0
         best_node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g, slots,
                                            pairs_LEE, coloc_w)
@@ -252,13 +252,7 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
     pairs = swap_pairs(N, C)
     ni, nj = pairs.ni_P, pairs.nj_P
     P = ni.numel()
-    slot_node = torch.arange(N * C) // C
-
-    def a_side(x_LX: torch.Tensor) -> torch.Tensor:   # [.., N*C] -> [.., P, C, 1]
-        return x_LX.reshape(*x_LX.shape[:-1], N, C)[..., ni, :].unsqueeze(-1)
-
-    def b_side(x_LX: torch.Tensor) -> torch.Tensor:   # [.., N*C] -> [.., P, 1, C]
-        return x_LX.reshape(*x_LX.shape[:-1], N, C)[..., nj, :].unsqueeze(-2)
+    a_side, b_side, slot_node = pairs.a_side, pairs.b_side, pairs.slot_node_X
 
     for _ in range(cfg.max_swap_rounds):
         onehot = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)

@@ -55,6 +55,7 @@ class SwapPairs:
         na_W, nb_W: their nodes; ``W`` is ordered pair-major, so ``[.., W]`` views as
             ``[.., P, C, C]`` (``a``'s candidate index, then ``b``'s).
         others_NNN: ``others[i, j, n]`` is true when ``n`` is neither ``i`` nor ``j``.
+        slot_node_X: the node of every candidate position ``X = N * C`` (node-major).
     """
 
     ni_P: torch.Tensor
@@ -64,6 +65,18 @@ class SwapPairs:
     na_W: torch.Tensor
     nb_W: torch.Tensor
     others_NNN: torch.Tensor
+    slot_node_X: torch.Tensor
+
+    def a_side(self, x_X: torch.Tensor) -> torch.Tensor:
+        """``[.., N * C]`` per candidate -> ``[.., P, C, 1]``: the value of each swap's ``a``
+        (a candidate of the pair's first node), to broadcast against :meth:`b_side`."""
+        N = self.others_NNN.shape[0]
+        return x_X.reshape(*x_X.shape[:-1], N, -1)[..., self.ni_P, :].unsqueeze(-1)
+
+    def b_side(self, x_X: torch.Tensor) -> torch.Tensor:
+        """``[.., N * C]`` -> ``[.., P, 1, C]``: the value of each swap's ``b`` (second node)."""
+        N = self.others_NNN.shape[0]
+        return x_X.reshape(*x_X.shape[:-1], N, -1)[..., self.nj_P, :].unsqueeze(-2)
 
 
 def swap_pairs(N: int, C: int) -> SwapPairs:
@@ -76,7 +89,8 @@ def swap_pairs(N: int, C: int) -> SwapPairs:
     idx = torch.arange(N)
     others[idx, :, idx] = False
     others[:, idx, idx] = False
-    return SwapPairs(ni, nj, pos_a, pos_b, ni.repeat_interleave(C * C), nj.repeat_interleave(C * C), others)
+    return SwapPairs(ni, nj, pos_a, pos_b, ni.repeat_interleave(C * C), nj.repeat_interleave(C * C), others,
+                     torch.arange(N * C) // C)
 
 
 def swap_candidates(node_LE: torch.Tensor, total_LE: torch.Tensor, N: int, per_side: int) -> torch.Tensor:
@@ -205,16 +219,11 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
     pairs = swap_pairs(N, C)
     P = pairs.ni_P.numel()
     rows = torch.arange(L)
-    slot_node = torch.arange(N * C) // C                                   # node of candidate slot
 
     def objective(n_LE: torch.Tensor) -> torch.Tensor:
         return traffic_objective(n_LE, load_LME, own_LMNE, prev_node_LE, config, g, traffic_slots, pairs_LEE, coloc_w)
 
-    def a_side(x_LMX: torch.Tensor) -> torch.Tensor:   # [L, M, N*C] -> [L, M, P, C, 1]
-        return x_LMX.view(L, M, N, C)[:, :, pairs.ni_P].unsqueeze(-1)
-
-    def b_side(x_LMX: torch.Tensor) -> torch.Tensor:   # [L, M, N*C] -> [L, M, P, 1, C]
-        return x_LMX.view(L, M, N, C)[:, :, pairs.nj_P].unsqueeze(-2)
+    a_side, b_side, slot_node = pairs.a_side, pairs.b_side, pairs.slot_node_X
 
     current_L = objective(node_LE)
     active_L = torch.ones(L, dtype=torch.bool)
