@@ -42,7 +42,9 @@ __all__ = ["EPLB_SPLITS", "EPLBPlanner", "balanced_packing", "eplb_plan", "eplb_
 
 
 def balanced_packing(weight_RI: torch.Tensor, num_packs: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy balanced packing of ``I`` items into ``num_packs`` packs of ``I / num_packs`` items.
+    """Greedy balanced packing of ``I`` items into ``num_packs`` packs of at most
+    ``ceil(I / num_packs)`` items (exactly ``I / num_packs`` when it divides, as EPLB's
+    packings do): heaviest item first to the lightest pack with room, ties to the lower index.
 
     Args:
         weight_RI: float ``[R, I]`` item weights, ``R`` independent problems.
@@ -50,7 +52,7 @@ def balanced_packing(weight_RI: torch.Tensor, num_packs: int) -> tuple[torch.Ten
         ``(pack_RI, rank_RI)`` int64: each item's pack and its position inside the pack.
     """
     R, I = weight_RI.shape
-    per_pack = I // num_packs
+    per_pack = -(-I // num_packs)
     order_RI = weight_RI.sort(dim=1, descending=True, stable=True).indices
     pack_RI = torch.empty(R, I, dtype=torch.int64)
     rank_RI = torch.empty(R, I, dtype=torch.int64)

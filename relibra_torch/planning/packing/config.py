@@ -5,12 +5,12 @@ Legend: see :mod:`relibra_torch.planning.packing`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ...checks import check_choice, check_int, check_number, check_tensor
+from ..eplb import balanced_packing
 
 PACKING_METHODS = ("fixed", "length", "routepack")
 
@@ -154,27 +154,13 @@ def aggregate_LE(counts_f_NLE: torch.Tensor, max_count: int) -> torch.Tensor:
 
 def balanced_node_placement(load_LE: torch.Tensor, num_nodes: int) -> torch.Tensor:
     """int64 ``[L, E]`` node of every expert: heaviest expert first to the lightest node
-    with room (``ceil(E / Q)`` experts per node), per layer, vectorised over layers.
+    with room (``ceil(E / Q)`` experts per node), per layer, vectorised over layers
+    (:func:`relibra_torch.planning.eplb.balanced_packing` with the nodes as packs).
 
     Args: load_LE: ``[L, E]`` aggregate demand of the step (any real dtype).
     """
     check_tensor("load_LE", load_LE, dim=2)
     Q = check_int("num_nodes", num_nodes, 1)
-    L, E = load_LE.shape
-    load = load_LE.to(torch.float64)
-    order_LE = torch.sort(-load, dim=1, stable=True).indices
-    room = -(-E // Q)
-    node_load_LQ = torch.zeros(L, Q, dtype=torch.float64)
-    node_count_LQ = torch.zeros(L, Q, dtype=torch.int64)
-    node_LE = torch.empty(L, E, dtype=torch.int64)
-    rows = torch.arange(L)
-    for j in range(E):
-        e_L = order_LE[:, j]
-        key = node_load_LQ.masked_fill(node_count_LQ >= room, math.inf)
-        q_L = key.argmin(1)
-        node_LE[rows, e_L] = q_L
-        node_load_LQ[rows, q_L] += load[rows, e_L]
-        node_count_LQ[rows, q_L] += 1
-    return node_LE
+    return balanced_packing(load_LE.to(torch.float64), Q)[0]
 
 
