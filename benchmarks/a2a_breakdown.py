@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from relibra_torch.planning import evaluate
+from relibra_torch.planning.evaluate import imbalance
 from relibra_torch.sim import cli
 from relibra_torch.sim.cost import CostModel
 from relibra_torch.sim.simulator import default_planner_factory
@@ -45,14 +46,13 @@ def _node_even(x_MLG: torch.Tensor, N: int, g: int) -> torch.Tensor:
 
 
 def _imbalance(x_MLG: torch.Tensor, N: int, g: int) -> dict:
-    """max/mean over GPUs, over nodes (node means), and inside the worst node (mean over M x L)."""
-    x = x_MLG.double()
-    M, L, G = x.shape
-    node_MLN = x.view(M, L, N, g).mean(-1)
-    safe = lambda v: v.clamp(min=1e-12)  # noqa: E731
-    return {"gpu": float((x.max(-1).values / safe(x.mean(-1))).mean()),
-            "node": float((node_MLN.max(-1).values / safe(node_MLN.mean(-1))).mean()),
-            "inside_worst_node": float((x.view(M, L, N, g).max(-1).values / safe(node_MLN)).max(-1).values.mean())}
+    """max/mean over GPUs (the simulator's ``cross_node_recv_imbalance`` for receive), over
+    the node means, and inside the worst node; each averaged over micro-batches x layers."""
+    M, L, G = x_MLG.shape
+    x_MLNg = x_MLG.double().view(M, L, N, g)
+    return {"gpu": float(imbalance(x_MLG).mean()),
+            "node": float(imbalance(x_MLNg.mean(-1)).mean()),
+            "inside_worst_node": float(imbalance(x_MLNg).max(-1).values.mean())}
 
 
 def breakdown(metrics, cost: CostModel, N: int, g: int) -> dict:
