@@ -155,8 +155,10 @@ def ep_load_checkpoint(name: str, model_kwargs: dict, full_params: dict, ckpt_di
     return {"params": params if dist.get_rank() == 0 else None, "placements": placements}
 
 
-def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
-    """torchtitan's training loop (RelibraTrainer) on the pool's ranks, EP = world size."""
+def build_trainer(dump_folder: str, steps: int, override: dict, relibra: dict, **dataloader) -> object:
+    """A RelibraTrainer for the CPU example model on the pool's ranks, EP = world size, two
+    micro-batches of one 16-token row per rank and step; ``relibra`` are the
+    ``RelibraTrainerConfig`` fields, ``dataloader`` extra ``SyntheticDataLoader.Config`` fields."""
     import os
 
     from integrations.torchtitan.data import SyntheticDataLoader
@@ -172,9 +174,8 @@ def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
     world = dist.get_world_size()
     config = example.relibra_qwen3_cpu(n_layers=2, moe_hidden_dim=32)
     model = config.model_spec.model
-    config.dataloader = SyntheticDataLoader.Config(vocab_size=model.vocab_size, seed=1, num_moe_layers=2,
-                                                   num_experts=64, top_k=8, skew=2.5)
-    config.relibra = RelibraTrainerConfig(source="dataloader")
+    config.dataloader = SyntheticDataLoader.Config(vocab_size=model.vocab_size, seed=1, **dataloader)
+    config.relibra = RelibraTrainerConfig(**relibra)
     config.parallelism.expert_parallel_degree = world
     config.training.seq_len = 16
     config.training.steps = steps
@@ -184,10 +185,26 @@ def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
     trainer = config.build()
     for part in trainer.model_parts:
         force_sum_reduction(part)
+    return trainer
+
+
+def trainer_run(dump_folder: str, steps: int, override: dict) -> dict:
+    """torchtitan's training loop (RelibraTrainer) on the pool's ranks, EP = world size."""
+    trainer = build_trainer(dump_folder, steps, override, {"source": "dataloader"},
+                            num_moe_layers=2, num_experts=64, top_k=8, skew=2.5)
     losses, metrics = run_trainer(trainer)
     return {"losses": losses, "metrics": metrics,
             "placement": [layer.routed_experts.placement_E.tolist()
                           for layer in trainer.balancer.moe_layers]}
+
+
+def trainer_files_run(dump_folder: str, replay_dir: str, steps: int, packing: str) -> dict:
+    """RelibraTrainer with ``relibra.source='files'`` and ``relibra.packing`` (see :func:`build_trainer`)."""
+    trainer = build_trainer(dump_folder, steps, {"planner": "relibra", "replica_slots": 1, "gpus_per_node": 1,
+                                                 "expert_dtype": None},
+                            {"source": "files", "replay_dir": replay_dir, "packing": packing})
+    losses, metrics = run_trainer(trainer)
+    return {"losses": losses, "metrics": metrics}
 
 
 def run_trainer(trainer) -> tuple[list[float], list[dict]]:

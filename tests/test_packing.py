@@ -230,7 +230,7 @@ def test_relibra_trainer_repacks_file_steps_without_changing_the_loss(tmp_path):
     """torchtitan's loop on 2 gloo ranks (EP 2 as 2 nodes): routepack moves whole samples
     between ranks and micro-batches (tokens all-gathered, routing from the file); the step's
     loss is that of the loader's order, and the packing objective is no worse than fixed."""
-    import _packing_titan_fns as fns
+    import _titan_fns as fns
 
     from integrations.torchtitan.data import skewed_routing
     from integrations.torchtitan.trainer import step_file
