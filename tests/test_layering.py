@@ -237,3 +237,14 @@ def test_old_submodule_paths_are_the_moved_modules():
     import relibra_torch.rollout.recorder as recorder
 
     assert old_recorder is recorder and old_explore is explore
+
+
+def test_every_rollout_name_is_still_served_from_replay():
+    """replay/ lists the moved rollout names itself (it may not import rollout at import time):
+    the list must keep up with rollout's exports."""
+    import relibra_torch.replay as replay
+    import relibra_torch.rollout as rollout
+
+    assert set(rollout.__all__) <= set(replay.__all__)
+    for name in rollout.__all__:
+        assert getattr(replay, name) is getattr(rollout, name), name
