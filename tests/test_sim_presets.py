@@ -71,7 +71,7 @@ def test_parse_override():
 
 def test_hardware_spec_rejects_non_numbers():
     with pytest.raises(TypeError, match="hardware.bf16_tflops is str 'fast'; allowed: a finite number > 0"):
-        HardwareSpec("x", "fast", 0.5, 0.5, 1.0, 1.0)
+        HardwareSpec("x", "fast", 0.5, 0.5, 1.0, 1.0, 80.0, 3000.0)
 
 
 def test_config_files_json_and_toml(tmp_path):

@@ -41,6 +41,8 @@ class HardwareSpec:
         dense_efficiency: fraction of ``bf16_tflops`` attention and dense layers achieve.
         nvlink_gbps: achievable NVLink bandwidth per GPU per direction, GB/s.
         inter_node_gbps: achievable inter-node (RDMA) bandwidth per GPU per direction, GB/s.
+        hbm_gb: HBM capacity per GPU, GB (1e9 bytes), as the datasheet lists it.
+        hbm_gbps: peak HBM bandwidth per GPU, GB/s (decode and other memory-bound kernels).
     """
 
     name: str
@@ -49,9 +51,11 @@ class HardwareSpec:
     dense_efficiency: float
     nvlink_gbps: float
     inter_node_gbps: float
+    hbm_gb: float
+    hbm_gbps: float
 
     def __post_init__(self) -> None:
-        for f in ("bf16_tflops", "nvlink_gbps", "inter_node_gbps"):
+        for f in ("bf16_tflops", "nvlink_gbps", "inter_node_gbps", "hbm_gb", "hbm_gbps"):
             check_number(f"hardware.{f}", getattr(self, f), 0, strict=True)
         for f in ("grouped_gemm_efficiency", "dense_efficiency"):  # fractions of peak
             check_number(f"hardware.{f}", getattr(self, f), 0, strict=True, maximum=1)
@@ -74,11 +78,16 @@ class HardwareSpec:
 # hence 0.55 (H100) and 0.60 (H200). Attention (FlashAttention-3: 600-750 TFLOP/s forward
 # bf16, less backward) and dense projections: 0.55 for both. These two efficiencies are
 # estimates: measure your own kernels and override them.
+# HBM: H100 SXM 80 GB HBM3 at 3.35 TB/s; H200 SXM 141 GB HBM3e at 4.8 TB/s (NVIDIA H100 and
+# H200 datasheets). Capacity is the datasheet's decimal GB; usable memory is less (CUDA
+# context, allocator fragmentation): the memory model keeps its own headroom.
 HARDWARE: dict[str, HardwareSpec] = {
     "h100": HardwareSpec("h100", bf16_tflops=989.0, grouped_gemm_efficiency=0.55,
-                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0),
+                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0,
+                         hbm_gb=80.0, hbm_gbps=3350.0),
     "h200": HardwareSpec("h200", bf16_tflops=989.0, grouped_gemm_efficiency=0.60,
-                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0),
+                         dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0,
+                         hbm_gb=141.0, hbm_gbps=4800.0),
 }
 
 
