@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checks import check_choice, check_int
+from ..checks import check_choice, check_int, check_number
 from ..planning.topology import Topology
 from .baselines import SECTIONS as BASELINE_SECTIONS
 from .baselines import baseline_options
@@ -209,6 +209,10 @@ def resolve(args: argparse.Namespace) -> dict:
     if opts["warmup_steps"] is not None:  # a file's default depends on its steps (see run)
         _int_option("warmup_steps", opts["warmup_steps"], 0)
     baselines = _baseline_settings(args, file_cfg)
+    opts["skew"] = _trace_skew(args, file_cfg)
+    if args.file and opts["skew"] != 1.0:
+        raise ValueError(f"--set trace.skew={opts['skew']:g} shapes the synthetic trace; it does not apply to "
+                         f"the file {args.file!r} (drop trace.skew or the file)")
     systems = parse_systems(opts["systems"])
     _check_trace_packing(args.file, opts)
     overlap = opts["overlap_replication"]
@@ -239,6 +243,28 @@ def _check_trace_packing(file: str | None, opts: dict) -> None:
         if file_shape(file).kind == "loads":
             raise ValueError(f"--packing {opts['packing']} needs sample lengths, but the loads file {file!r} "
                              f"holds only batched counts; use --packing fixed, or a routing replay file")
+
+
+def _trace_skew(args: argparse.Namespace, file_cfg: dict) -> float:
+    """``trace.skew`` from ``--config``'s ``[trace]`` table, then ``--set trace.skew=X`` over it
+    (the only trace field the command line sets: the exponent on the trace's expert weights)."""
+    raw = file_cfg.get("trace")
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"--config: 'trace' must be a table of FIELD = VALUE, got {raw!r}")
+    fields = dict(raw or {})
+    for text in args.set or []:
+        section, name, value = parse_override(text)
+        if section == "trace":
+            fields[name] = value
+    unknown = set(fields) - {"skew"}
+    if unknown:
+        raise ValueError(f"--set/--config trace.{sorted(unknown)[0]}: unknown trace field; allowed: trace.skew")
+    value = fields.get("skew", 1.0)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--set trace.skew={value!r}; allowed: a number in [0, 4] (1: the calibrated trace)") from None
+    return check_number("--set trace.skew", value, 0.0, maximum=4.0)
 
 
 def file_warmup(num_steps: int, workload_notes: dict) -> int:
@@ -291,10 +317,11 @@ def run(args: argparse.Namespace) -> int:
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
     elif s["trace"] in FAMILIES and s["packing"] == "fixed":  # count-level; default: today's trace, bit for bit
         workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
-                                      s["steps"], s["seed"], s["sample_tokens"], s["trace"])
+                                      s["steps"], s["seed"], s["sample_tokens"], s["trace"], s["skew"])
     else:
         workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
-                                   s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"])
+                                   s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"],
+                                   s["skew"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
                        baseline_options=s["baseline_options"])
 
@@ -322,6 +349,8 @@ def run(args: argparse.Namespace) -> int:
              "seed": s["seed"] if not args.file else None, "file": args.file,
 
              "command": "relibra simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None}
+    if not args.file:
+        extra["trace_skew"] = s["skew"]
     if s["trace"] != "default" or s["packing"] != "fixed":  # the default JSON stays as it was
         extra.update({"trace": s["trace"] if not args.file else None, "packing": s["packing"]})
     doc = result_json(result, extra)

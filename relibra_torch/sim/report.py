@@ -52,8 +52,24 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
     }
     if extra_config:
         config.update(extra_config)
+    config["static_imbalance"] = static_imbalance(wl.loads_XMLSE[cfg.warmup_steps:], topo.num_gpus)
     lis_XML = lis(wl.loads_XMLSE[cfg.warmup_steps:].sum(3, dtype=torch.int64))
     return {"config": config, **lis_summary(lis_XML), "systems": result.figures()}
+
+
+def static_imbalance(loads_XMLSE: torch.Tensor, num_gpus: int) -> float:
+    """How skewed a trace is at this EP size: max/mean GPU load under static placement
+    (expert ``e`` on GPU ``e // (E / G)``), averaged over (step, micro-batch, layer) with
+    tokens. The same trace gives different values at different EP sizes, so every speedup is
+    reported next to it."""
+    X, M, L, S, E = loads_XMLSE.shape
+    gpu_R = loads_XMLSE.sum(3, dtype=torch.int64).view(X * M * L, num_gpus, E // num_gpus).sum(-1)
+    total_R = gpu_R.sum(-1)
+    busy = total_R > 0
+    if not bool(busy.any()):
+        return 1.0
+    ratio = gpu_R[busy].max(-1).values.double() * num_gpus / total_R[busy].double()
+    return float(ratio.mean())
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -157,6 +173,11 @@ def print_table(doc: dict, console=None) -> None:
                   f"{cfg['hardware']['name']} (EP {cfg['ep_size']}, R={cfg['replica_slots']}), "
                   f"{cfg['micro_batches']} micro-batches, {cfg['measured_steps']} measured step(s), "
                   f"figures per step", highlight=False)
+    if "static_imbalance" in cfg:
+        console.print(f"trace skew: static imbalance {cfg['static_imbalance']:.2f} at EP {cfg['ep_size']} "
+                      f"(max/mean GPU load under static placement)"
+                      + (f", trace.skew = {cfg['trace_skew']:g}" if cfg.get("trace_skew") is not None else ""),
+                      highlight=False)
     if cfg.get("model_from") and cfg.get("file"):
         console.print(f"model dims from {cfg['model_from']}", highlight=False)
     elif cfg.get("model_from", "").startswith("--model-config"):
