@@ -125,6 +125,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--compare-ep", metavar="SIZES",
+                        help="compare EP layouts on this cluster, e.g. 8,16,32: the same trace split into "
+                             "EP groups of each size, every system, expert gradient sync priced "
+                             "(docs/simulator.md, 'EP layouts')")
     parser.add_argument("--trace", choices=ALL_TRACES,
                         help="synthetic trace family: " + "; ".join(f"{f.name}: {f.description}"
                                                                     for f in TRACE_FAMILIES.values())
@@ -325,6 +329,9 @@ def run(args: argparse.Namespace) -> int:
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
                        baseline_options=s["baseline_options"])
 
+    if getattr(args, "compare_ep", None):
+        return _run_layouts(args, s, workload, config)
+
     err = Console(stderr=True)
     show = not args.no_progress and err.is_terminal
     if show:
@@ -364,4 +371,32 @@ def run(args: argparse.Namespace) -> int:
     if s["plot"]:
         write_plot(result, s["plot"])
         out.print(f"wrote {s['plot']}")
+    return 0
+
+
+def _run_layouts(args: argparse.Namespace, s: dict, workload, config) -> int:
+    """``--compare-ep``: every system at every EP size (relibra_torch.sim.layouts)."""
+    from rich.console import Console
+
+    from .layouts import compare_layouts, layouts_json, parse_ep_sizes, print_layouts
+    from .report import write_json
+
+    topo = s["topology"]
+    sizes = parse_ep_sizes(args.compare_ep, topo.num_gpus, topo.num_experts, topo.gpus_per_node)
+    if s["plot"]:
+        raise ValueError("--plot does not apply to --compare-ep (use --json)")
+    err = Console(stderr=True)
+    rows = compare_layouts(workload, config, sizes,
+                           progress=None if args.no_progress else lambda line: err.print(line, highlight=False))
+    out = Console() if Console().is_terminal else Console(width=200)
+    cfg = s["model_spec"]
+    out.print(f"{cfg.name} on {topo.num_nodes} x {topo.gpus_per_node} {s['hardware_spec'].name} "
+              f"(R={topo.replica_slots}), {s['dispatch']} dispatch, {workload.num_micro_batches} micro-batches, "
+              f"source: {workload.source}", highlight=False)
+    print_layouts(rows, out)
+    if s["json"]:
+        write_json({"config": {"model": cfg.name, "nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
+                               "replica_slots": topo.replica_slots, "dispatch": s["dispatch"],
+                               "source": workload.source}, **layouts_json(rows)}, s["json"])
+        out.print(f"wrote {s['json']}")
     return 0
