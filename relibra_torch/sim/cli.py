@@ -72,7 +72,7 @@ DEFAULTS = {
     "seed": 0,
     "sample_tokens": DEFAULT_SAMPLE_TOKENS,
     "overlap_replication": False,
-    "dispatch": "flat",
+    "dispatch": None,  # hierarchical with more than one node (DeepEP-style, what cross-node EP runs), else flat
     "json": None,
     "plot": None,
     "trace": "default",
@@ -115,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatch", choices=DISPATCH_MODES,
                         help=f"all-to-all model: flat = one copy per token-expert pair; hierarchical = "
                              f"one copy per token and remote node, NVLink fan-out (DeepEP) "
-                             f"(default {d['dispatch']})")
+                             f"(default: hierarchical with more than one node, flat inside one)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a preset field or a baseline setting, e.g. "
                              "hardware.nvlink_gbps=300, eplb.interval=4, online.plan_latency_us=50 "
@@ -222,6 +222,8 @@ def resolve(args: argparse.Namespace) -> dict:
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
+    if opts["dispatch"] is None:  # what cross-node EP runs in practice; one node: the two are the same
+        opts["dispatch"] = "hierarchical" if nodes > 1 else "flat"
     check_choice("--dispatch", opts["dispatch"], DISPATCH_MODES)
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems,
