@@ -207,7 +207,7 @@ def apply_overrides(spec, section: str, overrides: dict[str, object]):
 
 # Sections of --set and of config files: the presets, then the baselines' settings
 # (relibra_torch.sim.baselines.SECTIONS).
-SET_SECTIONS = ("hardware", "model", "eplb", "online", "trace")
+SET_SECTIONS = ("hardware", "model", "eplb", "online", "trace", "planning", "relibra")
 
 
 def parse_override(text: str) -> tuple[str, str, str]:

@@ -205,6 +205,24 @@ def print_table(doc: dict, console=None) -> None:
         console.print(f"{', '.join(online)}: run-time planning {b.get('online_plan_latency_us')} us per "
                       f"layer and micro-batch on the critical path (--set online.plan_latency_us=...)",
                       highlight=False)
+    console.print(host_planning_line(doc), highlight=False)
+
+
+def host_planning_line(doc: dict) -> str:
+    """What each system's host work ahead of the step cost and what of it was charged."""
+    ahead = {n: f for n, f in doc["systems"].items() if f.get("host_cpu_s")}
+    if not ahead:
+        return "host planning ahead of the step: none"
+    window = cfg_window = doc["config"].get("baseline_options", {}).get("planning_overlap_s")
+    window = "the forward pass" if cfg_window is None else f"{format_seconds(cfg_window)} (planning.overlap_s)"
+    line = ("host planning ahead of the step (one thread's CPU: planner + token splits): "
+            + ", ".join(f"{n} {format_seconds(f['host_cpu_s'])}" for n, f in ahead.items())
+            + f"; overlap window {window}")
+    charged = {n: f["planning_charged_s"] for n, f in ahead.items() if f["planning_charged_s"] > 0}
+    if not charged:
+        return line + "; charged: none (every system fits the window)"
+    return line + ("; charged (measured CPU time: varies run to run): "
+                   + ", ".join(f"{n} {format_seconds(v)}" for n, v in charged.items()))
 
 
 # step-time parts of the plot's stacked bars: (label, figure key, colour)
@@ -212,6 +230,7 @@ STEP_PARTS = (("expert compute", "expert_compute_s", "#4c72b0"),
               ("all-to-all", "all_to_all_s", "#dd8452"),
               ("replica transfer", "replica_exposed_s", "#55a868"),
               ("migration", "migration_s", "#c44e52"),
+              ("host planning", "planning_charged_s", "#8172b3"),
               ("attention / dense", "attention_dense_s", "#b0b0b0"))
 
 
