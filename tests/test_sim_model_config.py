@@ -293,3 +293,31 @@ def test_format_seconds_keeps_three_digits(x):
     value, unit = format_seconds(x).split()
     back = float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
     assert abs(back - x) <= 0.006 * x and 1 <= float(value) < 1000 or unit == "s"
+
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2, 300), st.floats(allow_nan=True), st.text(max_size=4),
+                  st.lists(st.integers(-1, 60), max_size=4), st.lists(st.sampled_from(["dense", "sparse", "x"])),
+                  st.dictionaries(st.sampled_from(["model_type", "num_experts"]), st.integers(0, 4), max_size=2))
+
+
+@settings(max_examples=int(os.environ.get("RELIBRA_FUZZ_EXAMPLES", 150)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(EXPECTED)), data=st.data())
+def test_damaged_configs_load_or_fail_with_one_value_error(name, data):
+    """Any field of any fixture replaced or deleted: a model, or a ValueError naming --model-config."""
+    cfg = json.load(open(config_path(name)))
+    inner = cfg.get("text_config", cfg)
+    for _ in range(data.draw(st.integers(1, 3))):
+        target = data.draw(st.sampled_from([cfg, inner]))
+        key = data.draw(st.sampled_from(sorted(target) + ["moe_layers", "mlp_layer_types", "moe_layer_freq",
+                                                          "layer_types", "attn_type_list", "zero_expert_num"]))
+        if data.draw(st.booleans()) and key in target:
+            del target[key]
+        else:
+            target[key] = data.draw(_JUNK)
+    try:
+        model_from_hf_config(cfg)
+    except ValueError as exc:
+        assert "\n" not in str(exc) and "--model-config" in str(exc) or str(exc).startswith("model.")

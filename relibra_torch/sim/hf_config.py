@@ -127,9 +127,10 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
         notes.append(f"chunked attention (chunks of {cfg['attention_chunk_size']} tokens) priced as full causal attention")
     if cfg.get("index_topk") is not None:
         notes.append(f"DeepSeek sparse attention (index_topk {cfg['index_topk']}) priced as full causal attention")
-    kinds = [t for t in (cfg.get("layer_types") or cfg.get("layers_block_type") or [])
-             if isinstance(t, str) and any(w in t for w in ("linear", "mamba"))]
-    kinds += [t for t in (cfg.get("attn_type_list") or []) if t == 0]  # MiniMax: 0 = lightning attention
+    types = [cfg.get(k) for k in ("layer_types", "layers_block_type") if isinstance(cfg.get(k), list)]
+    kinds = [t for t in (types[0] if types else []) if isinstance(t, str) and any(w in t for w in ("linear", "mamba"))]
+    attn = cfg.get("attn_type_list")
+    kinds += [t for t in (attn if isinstance(attn, list) else []) if t == 0]  # MiniMax: 0 = lightning attention
     if kinds:
         notes.append(f"{len(kinds)} linear-attention / Mamba layers priced as full-attention layers")
     return out
