@@ -123,8 +123,13 @@ def test_unknown_model_type_with_moe_fields_loads_by_meaning():
 
 def test_features_the_cost_model_lacks_are_approximated_with_a_note_not_refused():
     hunyuan = model_from_hf_config(_moe(model_type="hunyuan_v1_moe", num_experts=8, moe_topk=[2, 2, 2, 2],
-                                        moe_intermediate_size=[32, 32, 64, 64], num_shared_expert=1))
+                                        moe_intermediate_size=[32, 32, 64, 64], num_shared_expert=[1, 1, 1, 1]))
     assert hunyuan.spec.moe_ffn == 48 and "expert widths differ across layers (32..64)" in " ".join(hunyuan.notes)
+    assert (hunyuan.spec.num_shared_experts, hunyuan.spec.shared_ffn) == (1, 48)
+    dbrx = model_from_hf_config({"model_type": "dbrx", "d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 100,
+                                 "attn_config": {"kv_n_heads": 2}, "ffn_config": {
+                                     "moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 96}})
+    assert (dbrx.spec.num_experts, dbrx.spec.top_k, dbrx.spec.moe_ffn, dbrx.spec.num_kv_heads) == (16, 4, 96, 2)
     zero = model_from_hf_config(config_path("LongCat-Flash-Chat"))
     assert "256 zero-computation (identity) experts" in " ".join(zero.notes)
     hybrid = model_from_hf_config(_moe(model_type="qwen3_next", num_experts=8, num_experts_per_tok=2,

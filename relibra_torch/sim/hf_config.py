@@ -151,7 +151,10 @@ def _experts(f: Fields, kind: str, notes: list[str]) -> dict:
                      f"expert ids {E}..{E + zero - 1} of the routing and are priced as routed experts")
         E += zero
     out = dict(num_experts=E, top_k=K, moe_ffn=F)
-    count = f.int("shared_count", 0, minimum=0)
+    count, per_count = f.per_layer("shared_count", 0, minimum=0)  # Hunyuan: one per layer
+    if per_count is not None and len(set(per_count)) > 1:
+        notes.append(f"shared-expert counts differ across layers ({min(per_count)}..{max(per_count)}); "
+                     f"priced at their mean")
     total = f.int("shared_total", 0, minimum=0)
     if count:
         out.update(num_shared_experts=count, shared_ffn=count * f.int("shared_width", F))

@@ -12,7 +12,7 @@ Layer legend: H hidden (transformer) layers; the MoE map is a bool per hidden la
 
 from __future__ import annotations
 
-__all__ = ["SPELLINGS", "NESTED", "MOE_TYPES", "Fields", "find_moe_config", "layer_map"]
+__all__ = ["SPELLINGS", "NESTED", "MERGED", "MOE_TYPES", "Fields", "find_moe_config", "layer_map"]
 
 # quantity -> its spellings, in the order they are tried
 SPELLINGS: dict[str, tuple[str, ...]] = {
@@ -23,7 +23,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
               "moe_top_k"),
     "expert_ffn": ("moe_intermediate_size", "expert_ffn_hidden_size", "moe_ffn_hidden_size",
                    "expert_intermediate_size"),
-    "expert_ffn_fallback": ("intermediate_size",),  # Mixtral, OLMoE, gpt-oss, Llama 4, MiniMax
+    "expert_ffn_fallback": ("intermediate_size", "ffn_hidden_size"),  # Mixtral, gpt-oss, Llama 4, MiniMax, DBRX
     "dense_ffn": ("intermediate_size_mlp", "dense_intermediate_size", "ffn_hidden_size", "intermediate_size"),
     "shared_count": ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts", "num_shared_expert"),
     "shared_width": ("moe_shared_expert_intermediate_size",),
@@ -31,7 +31,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "layers": ("num_hidden_layers", "num_layers", "n_layers"),
     "hidden": ("hidden_size", "d_model", "n_embd"),
     "heads": ("num_attention_heads", "n_heads", "n_head"),
-    "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num"),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "kv_n_heads"),
     "head_dim": ("head_dim", "attention_head_dim"),
     "vocab": ("vocab_size", "padded_vocab_size"),
     "groups": ("n_group", "num_expert_group", "moe_n_group"),
@@ -41,6 +41,8 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
 }
 # wrappers whose text model is nested (multimodal, omni)
 NESTED = ("text_config", "llm_config", "language_config", "thinker_config")
+# sub-tables whose fields belong to the model itself (DBRX: ffn_config.moe_num_experts, attn_config.kv_n_heads)
+MERGED = ("ffn_config", "attn_config", "moe_config")
 # model types that are MoE by architecture: a missing expert field is an error, not "not an MoE"
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next", "deepseek_v2", "deepseek_v3",
              "kimi_k2", "glm4_moe", "glm_moe_dsa", "mixtral", "olmoe", "gpt_oss", "llama4_text",
@@ -113,6 +115,9 @@ def find_moe_config(outer: dict, where: str) -> dict:
     todo, seen = [outer], []
     while todo:
         cfg = todo.pop(0)
+        subs = [cfg[k] for k in MERGED if isinstance(cfg.get(k), dict)]
+        if subs:  # the model's own fields first, then those of its sub-tables
+            cfg = {**{k: v for sub in subs for k, v in sub.items()}, **cfg}
         seen.append(cfg)
         if _has_experts(cfg):
             return cfg
