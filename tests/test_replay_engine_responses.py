@@ -126,6 +126,9 @@ def test_vllm_generated_only_rows_are_refused_unless_asked_and_then_marked(tmp_p
     assert replay.coverage == "completion-only" and torch.equal(replay.routed_experts_TLK.long(), ids[P - 1:])
     assert main(["inspect", path]) == 0
     assert "coverage     completion-only" in capsys.readouterr().out
+    assert main(["simulate", path, "--model-config", cfg, "--nodes", "1", "--gpus-per-node", "4",
+                 "--systems", "static", "--no-progress"]) == 0
+    assert "coverage: completion-only: some samples lack their prompt tokens' rows" in capsys.readouterr().out
     # without token counts the rows cannot be told apart: refused, naming what to send
     rc, _, err, _ = convert(tmp_path, capsys, "vllm", [vllm_chat(ids, token_ids=False) | {"usage": None}],
                             "--model-config", cfg)
