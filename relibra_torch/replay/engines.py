@@ -180,7 +180,7 @@ def sglang_samples(records: Sequence[dict], moe_map, num_layers: int | None, top
     return samples
 
 
-def _ids_of(rec: dict, keys: Sequence[str], what: str, moe_map, **decode):
+def _ids_of(rec: dict, keys: Sequence[str], what: str, moe_map, hint: str = "", **decode):
     """``(field, [T, L, K] ids, kept engine layers)`` of the first of ``keys`` a record has."""
     for key in keys:
         if rec.get(key) is not None:
@@ -189,7 +189,7 @@ def _ids_of(rec: dict, keys: Sequence[str], what: str, moe_map, **decode):
     if rec.get("routed_experts_by_layer") is not None:
         ids, layers = from_per_layer(rec["routed_experts_by_layer"], moe_map, f"{what}: routed_experts_by_layer")
         return "routed_experts_by_layer", ids, layers
-    raise ValueError(f"{what} has none of the fields {list(keys) + ['routed_experts_by_layer']}")
+    raise ValueError(f"{what} has none of the fields {list(keys) + ['routed_experts_by_layer']}{hint}")
 
 
 def slime_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None,
@@ -208,7 +208,8 @@ def slime_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_
 def _vllm_choice(rec: dict, i: int, j: int, choice: dict, prompt: Piece | None, P: int | None,
                  n_choices: int, moe_map, completion_only: bool) -> EngineSample:
     what = f"record {i}: choices[{j}]"
-    fld, ids, layers = _ids_of(choice, ("routed_experts",), what, moe_map)
+    fld, ids, layers = _ids_of(choice, ("routed_experts",), what, moe_map,
+                               hint="; start vLLM with --enable-return-routed-experts")
     usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
     tokens = choice.get("token_ids")
     C = len(tokens) if isinstance(tokens, list) else (_int(usage, "completion_tokens") if n_choices == 1 else None)
