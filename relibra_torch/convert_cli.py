@@ -5,11 +5,15 @@ engine's responses; OUT is the replay file ``relibra simulate`` reads. Only the 
 and only real tokens reach the file: the per-layer MoE map (from --model-config, or
 --moe-layers) drops the dense layers slime and SGLang count in the layer dim, and pad rows
 (an attention_mask or a length) are dropped. A record's "step" (an int) becomes its
-samples' optimizer step. See docs/replay.md for each engine's fields.
+samples' optimizer step. SGLang: /generate or OpenAI-compatible (sglext) responses. vLLM
+rows of the generated tokens only (no prompt routing) are refused unless --completion-only.
+Errors name the record, the field's row and the engine's layer. See docs/replay.md for each
+engine's fields.
 
 examples:
   relibra convert sglang responses.jsonl rollout.safetensors --model-config Qwen3-30B-A3B/config.json
   relibra convert vllm responses.json rollout.safetensors --model-config DeepSeek-V3/config.json
+  relibra convert slime samples.jsonl rollout.safetensors --num-experts 128 --top-k 8 --moe-layers 1-45
   relibra convert verl batch.json rollout.safetensors --num-experts 64 --moe-layers 1-26
 """
 
