@@ -58,8 +58,13 @@ def read_records(path: str) -> list[dict]:
     """The JSON objects of a JSON file (an object or a list) or a JSONL file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"IN {path!r} does not exist")
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:  # a folder, no permission
+        raise ValueError(f"IN {path!r} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"IN {path!r} is not UTF-8 text; allowed: JSON or JSONL") from None
     try:
         data = json.loads(text)
         records = data if isinstance(data, list) else [data]

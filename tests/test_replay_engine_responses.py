@@ -177,6 +177,18 @@ def test_unwritable_output_is_one_line(tmp_path, capsys, cfg, out, monkeypatch):
     assert rc == 2 and len(err.strip().splitlines()) == 1 and err.startswith("relibra convert: error: OUT")
 
 
+@pytest.mark.parametrize("content", [None, b"\xff\xfe{}"])
+def test_unreadable_input_is_one_line(tmp_path, capsys, content):
+    src = tmp_path / "in.json"
+    if content is None:
+        src.mkdir()
+    else:
+        src.write_bytes(content)
+    assert main(["convert", "vllm", str(src), str(tmp_path / "o.safetensors"), "--num-experts", "8"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "IN " in err
+
+
 # --- malformed responses: one line naming the record, never a traceback -----------------
 
 _JUNK = st.one_of(st.none(), st.booleans(), st.integers(-3, 10**6), st.text(max_size=6),
