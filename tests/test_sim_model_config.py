@@ -119,6 +119,15 @@ def test_unknown_model_type_with_moe_fields_loads_by_meaning():
     jamba = model_from_hf_config({"model_type": "wrapper", "llm_config": _moe(
         model_type="x", num_experts=8, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1)})
     assert jamba.moe_layers == (False, True, False, True) and jamba.spec.moe_ffn == 256
+    nemotron = model_from_hf_config(_moe(model_type="nemotron_h", n_routed_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, hybrid_override_pattern="ME*E"))
+    assert nemotron.moe_layers == (False, True, False, True) and "1 linear-attention / Mamba" in nemotron.notes[0]
+    step3 = model_from_hf_config({"model_type": "step3_vl", "text_config": _moe(
+        model_type="step3_text", moe_num_experts=8, moe_top_k=3, moe_intermediate_size=32, moe_layers_enum="2,3")})
+    assert step3.moe_layers == (False, False, True, True) and step3.spec.top_k == 3
+    omni = model_from_hf_config({"model_type": "qwen3_omni_moe", "thinker_config": {"text_config": _moe(
+        model_type="qwen3_omni_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)}})
+    assert omni.model_type == "qwen3_omni_moe_text" and omni.spec.num_experts == 8
 
 
 def test_features_the_cost_model_lacks_are_approximated_with_a_note_not_refused():

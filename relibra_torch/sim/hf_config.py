@@ -131,6 +131,8 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
     kinds = [t for t in (types[0] if types else []) if isinstance(t, str) and any(w in t for w in ("linear", "mamba"))]
     attn = cfg.get("attn_type_list")
     kinds += [t for t in (attn if isinstance(attn, list) else []) if t == 0]  # MiniMax: 0 = lightning attention
+    pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: "M" = Mamba layer
+    kinds += [c for c in (pattern if isinstance(pattern, str) else "") if c == "M"]
     if kinds:
         notes.append(f"{len(kinds)} linear-attention / Mamba layers priced as full-attention layers")
     return out

@@ -137,7 +137,9 @@ def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:
     """Per hidden layer, whether it holds routed experts, from whichever pattern the config uses.
 
     An explicit list wins (``moe_layers``: indices, Llama 4; ``mlp_layer_types``: ``"dense"`` /
-    ``"sparse"``, GLM-5; ``moe_layer_freq`` as a 0/1 list). Otherwise layer ``i`` is MoE when
+    ``"sparse"``, GLM-5; ``hybrid_override_pattern``: ``"E"`` per MoE layer, Nemotron-H;
+    ``layers_block_type``: ``"moe"``; ``moe_layers_enum``: ``"4,5,..."``, Step 3;
+    ``moe_layer_freq`` as a 0/1 list). Otherwise layer ``i`` is MoE when
     ``i >= first_k_dense_replace`` (or ``first_k_dense``, ``moe_layer_start_index``), ``i <=
     moe_layer_end_index`` (ERNIE; -1 = the last), ``i % moe_layer_freq == 0`` (DeepSeek),
     ``(i + 1) % decoder_sparse_step == 0`` (Qwen), ``(i + 1) % interleave_moe_layer_step == 0``
@@ -155,6 +157,20 @@ def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:
         if len(types) != H or not all(t in ("dense", "sparse") for t in types):
             raise ValueError(f"--model-config {where}: mlp_layer_types needs {H} entries of 'dense'/'sparse'")
         return tuple(t == "sparse" for t in types)
+    pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: one char per layer, "E" = MoE
+    if isinstance(pattern, str) and len(pattern) == H:
+        return tuple(c == "E" for c in pattern)
+    blocks = cfg.get("layers_block_type")
+    if isinstance(blocks, list) and len(blocks) == H and "moe" in blocks:
+        return tuple(b == "moe" for b in blocks)
+    enum = cfg.get("moe_layers_enum")  # Step 3: "4,5,...,59"
+    if isinstance(enum, str):
+        try:
+            idx = {int(x) for x in enum.split(",") if x.strip()}
+        except ValueError:
+            raise ValueError(f"--model-config {where}: moe_layers_enum = {enum!r}; allowed: comma-separated "
+                             f"layer indices") from None
+        return tuple(i in idx for i in range(H))
     freq = cfg.get("moe_layer_freq")
     if isinstance(freq, list):
         if len(freq) != H or not all(v in (0, 1) for v in freq):
