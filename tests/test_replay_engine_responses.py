@@ -22,7 +22,7 @@ import torch
 from _replay_helpers import random_ids_TLK
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_replay_engines import CONFIG, E, H, K, L, with_dense
+from test_replay_engines import CONFIG, E, K, L, with_dense
 
 from relibra_torch.cli import main
 from relibra_torch.replay import load_routing
@@ -246,4 +246,4 @@ def test_malformed_responses_give_one_line_errors(tmp_path, capsys, engine, data
     rc, _, err, _ = convert(tmp_path, capsys, engine, records, *flags)  # any other exception fails the test
     assert rc in (0, 2), err
     if rc == 2:
-        assert len(err.strip().splitlines()) == 1 and err.startswith(f"relibra convert: error: "), err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("relibra convert: error: "), err
