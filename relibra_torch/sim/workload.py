@@ -230,4 +230,6 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
                              tokens_XMS=torch.stack(tokens), attn_pairs_XMS=torch.stack(pairs))
     wl.routing = token_routing_from_bins(rr.routed_experts_TLK, rr.sample_offsets, bins, groups,
                                          num_micro_batches * G, G)
+    if rr.coverage == "completion-only":  # relibra convert --completion-only: say it under every table
+        wl.notes["coverage"] = "completion-only: some samples lack their prompt tokens' rows (loads understated)"
     return wl
