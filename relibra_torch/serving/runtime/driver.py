@@ -8,6 +8,8 @@ per step, so logits can be compared with a one-process forward whatever the batc
 
 * :func:`run_prefill`: batches of prompts, each one packed forward with a fresh cache; every
   prompt's KV goes to the :class:`~.kv.KVHandoff`; a batch may wait for its arrival time.
+  :func:`run_prefill_online` forms the batches as requests arrive (all arrived requests, up
+  to a token budget).
 * :func:`run_decode`: each step, requests whose prompt KV has arrived join (the step blocks
   only when nothing is active), every active request is fed its next token, and requests
   whose continuation is used up leave between steps.
@@ -25,7 +27,7 @@ import torch
 from .kv import KVHandoff, drop_sequences
 from .transport import Backoff
 
-__all__ = ["Request", "run_prefill", "run_decode"]
+__all__ = ["Request", "run_prefill", "run_prefill_online", "run_decode"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,27 @@ class PhaseLog:
     steps: list[list[int]] = field(default_factory=list)
 
 
+def _prefill_batch(model, kv: KVHandoff, batch: list[Request], log: PhaseLog, t0: float, keep_logits: bool) -> None:
+    tokens = torch.tensor([t for r in batch for t in r.prompt], dtype=torch.int64)
+    sample = torch.tensor([r.rid for r in batch for _ in r.prompt], dtype=torch.int64)
+    pos = torch.tensor([i for r in batch for i in range(len(r.prompt))], dtype=torch.int64)
+    cache = model.new_cache()
+    logits_TV = model(tokens, sample, pos, cache=cache)
+    start = 0
+    for r in batch:
+        kv.put(cache, r.rid, r.rid)
+        if keep_logits:
+            log.logits[r.rid] = logits_TV[start:start + len(r.prompt)].clone()
+        log.times[r.rid] = [time.monotonic() - t0]
+        start += len(r.prompt)
+    log.steps.append([r.rid for r in batch])
+
+
+def _sleep_until(t: float) -> None:
+    while time.monotonic() < t:
+        time.sleep(min(2e-3, max(0.0, t - time.monotonic())))
+
+
 @torch.no_grad()
 def run_prefill(model, kv: KVHandoff, batches: list[list[Request]], *, t0: float | None = None,
                 keep_logits: bool = True) -> PhaseLog:
@@ -56,22 +79,28 @@ def run_prefill(model, kv: KVHandoff, batches: list[list[Request]], *, t0: float
     log = PhaseLog()
     t0 = time.monotonic() if t0 is None else t0
     for batch in batches:
-        ready_at = t0 + max(r.arrival for r in batch)
-        while time.monotonic() < ready_at:
-            time.sleep(min(2e-3, ready_at - time.monotonic()))
-        tokens = torch.tensor([t for r in batch for t in r.prompt], dtype=torch.int64)
-        sample = torch.tensor([r.rid for r in batch for _ in r.prompt], dtype=torch.int64)
-        pos = torch.tensor([i for r in batch for i in range(len(r.prompt))], dtype=torch.int64)
-        cache = model.new_cache()
-        logits_TV = model(tokens, sample, pos, cache=cache)
-        start = 0
-        for r in batch:
-            kv.put(cache, r.rid, r.rid)
-            if keep_logits:
-                log.logits[r.rid] = logits_TV[start:start + len(r.prompt)].clone()
-            log.times[r.rid] = [time.monotonic() - t0]
-            start += len(r.prompt)
-        log.steps.append([r.rid for r in batch])
+        _sleep_until(t0 + max(r.arrival for r in batch))
+        _prefill_batch(model, kv, batch, log, t0, keep_logits)
+    return log
+
+
+@torch.no_grad()
+def run_prefill_online(model, kv: KVHandoff, requests: list[Request], *, max_tokens: int,
+                       t0: float | None = None, keep_logits: bool = False) -> PhaseLog:
+    """Prefill ``requests`` (sorted by arrival) as they arrive: each batch takes every arrived
+    request, up to ``max_tokens`` prompt tokens (at least one request)."""
+    log = PhaseLog()
+    t0 = time.monotonic() if t0 is None else t0
+    queue = sorted(requests, key=lambda r: r.arrival)
+    while queue:
+        _sleep_until(t0 + queue[0].arrival)
+        now = time.monotonic() - t0
+        batch = [queue.pop(0)]
+        tokens = len(batch[0].prompt)
+        while queue and queue[0].arrival <= now and tokens + len(queue[0].prompt) <= max_tokens:
+            tokens += len(queue[0].prompt)
+            batch.append(queue.pop(0))
+        _prefill_batch(model, kv, batch, log, t0, keep_logits)
     return log
 
 
