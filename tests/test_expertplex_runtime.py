@@ -2,8 +2,10 @@
 no cross-phase blocking by event count, failures, malformed buffers, the transport.
 
 Multi-process tests: one mesh of 2 prefill + 2 decode attention ranks and 2 expert ranks
-(RankPool, gloo ranks that never use gloo in the data path); a 1+1+1 mesh for the blocking
-count; raw spawned processes for a rank that dies. Budget: ~45 s on 2 loaded cores.
+(RankPool, gloo ranks that never use gloo in the data path), also used for the blocking
+count; raw spawned processes for a rank that dies. Measured: ~90 s wall on
+2 cores under a load average of ~16 (about 30 s of CPU), almost all of it process start-up;
+the serving itself takes about a second.
 
 Legend: T tokens, V vocabulary, D dim, E experts.
 """
