@@ -101,6 +101,15 @@ def test_an_unpublished_table_is_never_claimed_and_idle_programs_leave():
                                 control=ctrl, max_idle_polls=3)
     assert torch.equal(y[:8], torch.zeros(8, 16))  # decode rows untouched
     assert ctrl.tolist()[0] == 0 and ctrl.tolist()[6] == tp.shape[0] and ctrl.tolist()[7] == 2  # both timed out
+    # publishing the decode table (and closing) lets the next launch take exactly those tiles
+    pg.publish(ctrl, pg.DECODE, td.shape[0], close=True)
+    assert ctrl.tolist()[2:5] == [td.shape[0], tp.shape[0], 1]
+    pg.two_phase_grouped_mm(x, w1, td, tp, tile_m=TM, tile_n=TN, tile_k=TK, programs=2, decode_programs=1,
+                            control=ctrl, y_RN=y)
+    ex, b = oracle.grouped_mm(x, w1, offs, s2w)
+    oracle.check_within(y, ex, b, torch.float32, "decode published after a first launch")
+    pg.wait_done(ctrl, pg.DECODE, td.shape[0], max_polls=1)  # returns: every decode tile is done
+    assert ctrl.tolist()[5:7] == [td.shape[0], tp.shape[0]]
 
 
 def test_malformed_tables_are_rejected():

@@ -212,12 +212,12 @@ def _wait_done_kernel(ctrl_ptr, phase, n_tiles, max_polls):
 
 def publish(control: torch.Tensor, phase: int, n_tiles: int, *, close: bool = True) -> None:
     """Raise ``phase``'s published tile count to ``n_tiles`` (and ``closed``) from the current stream."""
-    _publish_kernel[(1,)](control, phase, n_tiles, int(close))
+    _publish_kernel[(1,)](control, phase, n_tiles, int(close), num_warps=1)
 
 
 def wait_done(control: torch.Tensor, phase: int, n_tiles: int, max_polls: int = 1 << 30) -> None:
     """Enqueue a one-program kernel that returns when ``n_tiles`` tiles of ``phase`` are done."""
-    _wait_done_kernel[(1,)](control, phase, n_tiles, max_polls)
+    _wait_done_kernel[(1,)](control, phase, n_tiles, max_polls, num_warps=1)
 
 
 def _check_table(name: str, tab: torch.Tensor, R: int, G: int, N: int, BM: int, BN: int) -> None:
