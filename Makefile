@@ -10,7 +10,7 @@ TRITON_PIN := triton==3.9.0
 # run a second time under it, from a folder inside the venv put first on PYTHONPATH.
 TRITON_OLD_VERSION := 3.6.0
 TRITON_OLD := $(VENV)/triton-$(TRITON_OLD_VERSION)
-TRITON_TESTS := tests/test_ops_triton.py tests/test_ops_aot.py
+TRITON_TESTS := tests/test_ops_triton.py tests/test_ops_aot.py tests/test_expertplex_kernel.py tests/test_expertplex_gpucheck.py
 # `make gpu-check` runs on a CUDA machine with torch and triton already installed: it uses
 # that Python (override with PYTHON=...), not the venv, and installs nothing.
 PYTHON ?= python3

@@ -263,7 +263,7 @@ def test_bench_part_runs_the_kernel_benchmark_in_the_interpreter(monkeypatch):
 
 
 def test_main_runs_the_parts_in_order_and_fails_only_on_a_failed_check(monkeypatch, tmp_path, capsys):
-    from relibra_torch.gpu_check import bench, layer
+    from relibra_torch.gpu_check import bench, expertplex, layer
 
     calls = []
     # main() clears TRITON_INTERPRET and sets the ops backend: restored after the test
@@ -277,14 +277,15 @@ def test_main_runs_the_parts_in_order_and_fails_only_on_a_failed_check(monkeypat
         def run(report, *args):
             calls.append((name, args))
             report.check(name, "stub", (lambda: 1 / 0) if fail else (lambda: "fine"))
-            return [f"{name} figure"] if name == "bench" else None
+            return [f"{name} figure"] if name == "bench" else [] if name == "expertplex" else None
         return run
 
-    for mod, name in ((kernels, "kernels"), (layer, "layer"), (bench, "bench"), (ep, "ep")):
+    for mod, name in ((kernels, "kernels"), (layer, "layer"), (bench, "bench"), (expertplex, "expertplex"),
+                      (ep, "ep")):
         monkeypatch.setattr(mod, "run", part(name))
     monkeypatch.setattr(layer, "run_full", part("layer_full"))
     assert runner.main(["--out", str(tmp_path / "a"), "--seed", "5"]) == 0
-    assert [c[0] for c in calls] == ["kernels", "layer", "bench", "ep"]
+    assert [c[0] for c in calls] == ["kernels", "layer", "bench", "expertplex", "ep"]
     assert calls[0][1][1:] == (False, 5)  # kernels: device, full, seed
     data = json.loads((tmp_path / "a" / "gpu_check.json").read_text())
     assert data["mode"] == "default" and data["env"]["seed"] == 5 and data["highlights"] == ["bench figure"]
@@ -292,5 +293,5 @@ def test_main_runs_the_parts_in_order_and_fails_only_on_a_failed_check(monkeypat
     monkeypatch.setattr(ep, "run", part("ep", fail=True))
     monkeypatch.setenv("GPU_CHECK", "full")
     assert runner.main(["--out", str(tmp_path / "b")]) == 1
-    assert [c[0] for c in calls] == ["kernels", "layer", "bench", "ep", "layer_full"]
+    assert [c[0] for c in calls] == ["kernels", "layer", "bench", "expertplex", "ep", "layer_full"]
     assert "1 failed" in capsys.readouterr().out.strip().splitlines()[-1]

@@ -17,6 +17,9 @@ after a failure:
   the CPU layer, a planned forward, and torchtitan's MoE when torchtitan imports; ``full``
   adds ``torch.compile`` and CUDA-graph replay of a planned forward;
 * ``bench`` (:mod:`.bench`): a subset of ``benchmarks/kernels.py`` (figures);
+* ``expertplex`` (:mod:`.expertplex`): ExpertPlex's kernel microbenchmark (a decode injected
+  into a prefill: plain launches, priority streams, the persistent two-phase kernel); writes
+  the measured tile time under ``expertplex.tile_time_us`` of ``gpu_check.json``;
 * ``ep`` (:mod:`.ep`): expert parallelism over NCCL on every visible GPU, if more than one.
 
 Writes ``gpu_check.json`` (everything) and ``summary.md`` (environment, figures, one line

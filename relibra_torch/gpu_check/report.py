@@ -45,6 +45,8 @@ class Report:
         self.mode = mode
         self.env: dict[str, Any] = {}
         self.checks: list[dict[str, Any]] = []
+        #: extra top-level keys of gpu_check.json (e.g. ``expertplex``: its measured tile time)
+        self.keys: dict[str, Any] = {}
         self.t0 = time.perf_counter()
 
     def check(self, part: str, name: str, fn: Callable[[], Any]) -> Any:
@@ -82,7 +84,7 @@ class Report:
         """Write ``gpu_check.json`` and ``summary.md`` into ``out_dir``; return both paths."""
         out_dir.mkdir(parents=True, exist_ok=True)
         data = {"mode": self.mode, "seconds": round(time.perf_counter() - self.t0, 1), "counts": self.counts(),
-                "env": self.env, "highlights": highlights, "checks": self.checks}
+                "env": self.env, "highlights": highlights, "checks": self.checks, **self.keys}
         json_path = out_dir / "gpu_check.json"
         json_path.write_text(json.dumps(data, indent=1, default=str))
         md_path = out_dir / "summary.md"

@@ -29,8 +29,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default=None,
                    help="default: ~4 min on one H200; full adds every autotune config, torch.compile and "
                         "CUDA-graph replay (default: $GPU_CHECK, else 'default')")
-    p.add_argument("--parts", nargs="+", default=["kernels", "layer", "bench", "ep"],
-                   choices=["kernels", "layer", "bench", "ep"], help="parts to run (default: all)")
+    p.add_argument("--parts", nargs="+", default=["kernels", "layer", "bench", "expertplex", "ep"],
+                   choices=["kernels", "layer", "bench", "expertplex", "ep"], help="parts to run (default: all)")
     p.add_argument("--seed", type=int, default=None,
                    help="seed of the random inputs (default: fresh each run, recorded in the JSON)")
     args = p.parse_args(argv)
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ["RELIBRA_OPS_BACKEND"] = "auto"
 
-    from relibra_torch.gpu_check import bench, ep, kernels, layer
+    from relibra_torch.gpu_check import bench, ep, expertplex, kernels, layer
     from relibra_torch.gpu_check.report import Report
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         layer.run(report, device, seed + 1)
     if "bench" in args.parts:
         highlights += bench.run(report, device, full)
+    if "expertplex" in args.parts:
+        highlights += expertplex.run(report, device)
     if "ep" in args.parts:
         ep.run(report, seed + 2)
     if "layer" in args.parts and full:

@@ -254,6 +254,13 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         logits_TE = F.linear(x_TD.float(), self.gate.weight.float())
         return logits_TE.softmax(-1) if self.score_func == "softmax" else logits_TE.sigmoid()
 
+    def route(self, x_TD: torch.Tensor, routed_experts: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids_TK int64, gates_TK fp32)`` of tokens ``x_TD`` ``[T, D]`` (replayed ids
+        ``[T, K]`` optional, checked as in :meth:`forward`): the router of :meth:`forward`
+        without the experts (ExpertPlex's attention ranks route, expert ranks compute)."""
+        return self._route(x_TD, x_TD, routed_experts)
+
     def _route(self, x: torch.Tensor, x_TD: torch.Tensor,
                routed_experts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         scores_TE = self.router_scores(x_TD)

@@ -111,6 +111,21 @@ def _compile_all(arch: int, all_configs: bool) -> list[dict]:
                          **cfg.kwargs, "sxk": 1, "sdn": 1, "swn": 1},
                         ["x_ptr", "dy_ptr", "dw_ptr", "offs_ptr", "s2w_ptr", "K", "N", "sxm", "sdm", "swg", "swk"],
                         cfg.num_warps, cfg.num_stages, gemm=True)
+    # ExpertPlex's persistent two-phase grouped GEMM (plain and SwiGLU-gated) and its
+    # publish / wait kernels (relibra_torch.ops.persistent_gemm)
+    from relibra_torch.ops import persistent_gemm as pg
+
+    for dt in ("bf16", "fp32") if all_configs else ("bf16",):
+        ptypes = {"x_ptr": f"*{dt}", "w1_ptr": f"*{dt}", "w3_ptr": f"*{dt}", "y_ptr": f"*{dt}",
+                  "tab_ptr": "*i32", "ctrl_ptr": "*i32"}
+        for gated in (False, True):
+            compile_one(pg._two_phase_kernel, f"{'gated' if gated else 'plain'} {dt} 128x128x64 w8s3", ptypes,
+                        {"GATED": gated, "UPCAST": False, "IEEE": dt == "fp32", "FIX_BF16": False,
+                         "BM": 128, "BN": 128, "BK": 64, "sxk": 1, "swn": 1, "syn": 1},
+                        ["x_ptr", "w1_ptr", "w3_ptr", "y_ptr", "tab_ptr", "ctrl_ptr", "N", "K", "sxm", "swg",
+                         "swk", "sym"], 8, 3, gemm=True)
+    compile_one(pg._publish_kernel, "", {"ctrl_ptr": "*i32"}, {}, ["ctrl_ptr"], 1, 1)
+    compile_one(pg._wait_done_kernel, "", {"ctrl_ptr": "*i32"}, {}, ["ctrl_ptr"], 1, 1)
     return results
 
 
