@@ -9,9 +9,12 @@ For each system the simulator walks the steps in order: ``plan = planner.plan(lo
 step's migration is counted from the placement actually in force. The first
 ``warmup_steps`` steps are run but left out of the figures (EPLB has no history yet).
 
-"static" and "ideal" are always computed, because the speedup and fraction-of-ideal
-figures are relative to them. A planner with a ``plan_latency_s`` attribute (the online
-systems) plans at run time: the cost model charges that much per layer and micro-batch.
+"static", "uniform" and "bound" are always computed, because the speedup, "of uniform" and
+"of bound" figures are relative to them. ``bound`` is a lower bound no plan can beat
+(:mod:`relibra_torch.sim.bound`); ``uniform`` is the reference of uniform routing on
+balanced GPUs, which a plan can beat (named ``ideal`` before; renamed because it is not one).
+A planner with a ``plan_latency_s`` attribute (the online systems) plans at run time: the
+cost model charges that much per layer and micro-batch.
 """
 
 from __future__ import annotations
@@ -29,29 +32,33 @@ from ..planning.plan import validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
+from .bound import balanced_at_own_bytes_s, bound_step_cost
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
 from .presets import HardwareSpec, ModelSpec
 from .workload import Workload
 
-__all__ = ["SYSTEMS", "SimConfig", "SystemResult", "SimResult", "simulate", "default_planner_factory",
+__all__ = ["REFERENCES", "SYSTEMS", "SimConfig", "SystemResult", "SimResult", "simulate", "default_planner_factory",
            "parse_systems"]
 
 SYSTEMS = ("static", "eplb", "eplb-oracle", "eplb-instance", "eplb-oracle-instance", "online-node",
-           "online-global", "relibra", "ideal")
+           "online-global", "online-global-planned", "eplb-node-demand", "relibra", "uniform", "bound")
+REFERENCES = ("uniform", "bound")
+"""Systems with no planner: uniform routing on balanced GPUs (a reference) and the lower bound."""
 
 PlannerFactory = Callable[[str, Topology, CostModel], Planner]
 
 
 def parse_systems(text: str) -> tuple[str, ...]:
-    """``"static,relibra"`` -> the systems to run, in the canonical order, static and ideal added."""
+    """``"static,relibra"`` -> the systems to run, in the canonical order, static, uniform and
+    bound added."""
     names = [s.strip().lower() for s in str(text).split(",") if s.strip()]
     if not names:
         raise ValueError(f"--systems is empty; allowed: {','.join(SYSTEMS)}")
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise ValueError(f"--systems has unknown {','.join(bad)}; allowed: {','.join(SYSTEMS)}")
-    wanted = set(names) | {"static", "ideal"}
+    wanted = set(names) | {"static", *REFERENCES}
     return tuple(s for s in SYSTEMS if s in wanted)
 
 
@@ -68,6 +75,11 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
         return make_planner(name, topology, config=ReLibraConfig.from_weights(
             cost.reorder_weights(), dispatch=cost.options.dispatch))
     kwargs = (options or BaselineOptions()).planner_kwargs(name)
+    if name == "eplb-node-demand":
+        # relibra's prices for its step-long traffic replicas (the same rule, the same costs)
+        w = cost.reorder_weights()
+        kwargs.update(cross_node_s_per_token=w.cross_node_s_per_token,
+                      cross_replica_fill_s_per_expert=w.cross_replica_fill_s_per_expert)
     if name.startswith("eplb") and kwargs.get("num_groups", 1) == 1:
         # EPLB's hierarchical policy packs the model's expert groups (n_group), unless the
         # [eplb] section sets num_groups itself
@@ -103,13 +115,16 @@ class SystemResult:
         name: the system.
         imbalance_XML: float64 ``[X, M, L]`` per measured step, micro-batch and layer.
         costs: one :class:`StepCost` per measured step.
-        planner_s: wall seconds of ``plan()`` per measured step (empty for ideal).
+        planner_s: wall seconds of ``plan()`` per measured step (empty for the references).
+        balanced_s: per measured step, :func:`~relibra_torch.sim.bound.balanced_at_own_bytes_s`
+            (the step time itself for the references).
     """
 
     name: str
     imbalance_XML: torch.Tensor
     costs: list[StepCost]
     planner_s: list[float]
+    balanced_s: list[float] = field(default_factory=list)
 
     def mean(self, attr: str) -> float:
         return sum(float(getattr(c, attr)) for c in self.costs) / len(self.costs)
@@ -139,6 +154,8 @@ class SystemResult:
             "migrated_experts": self.mean("migrated_experts"),
             "migrated_bytes": self.mean("migrated_bytes"),
             "planner_s": sum(self.planner_s) / len(self.planner_s) if self.planner_s else 0.0,
+            "balanced_at_own_bytes_s": (sum(self.balanced_s) / len(self.balanced_s) if self.balanced_s
+                                        else self.mean("step_s")),
         }
 
 
@@ -152,15 +169,19 @@ class SimResult:
 
     def figures(self) -> dict[str, dict]:
         """Per-system figures with the ratios: ``speedup_vs_static``, ``speedup_vs_eplb_oracle``
-        (when that system ran) and ``fraction_of_ideal`` (ideal step time / the system's)."""
+        (when that system ran), ``fraction_of_bound`` (bound step time / the system's, at most
+        1) and ``fraction_of_uniform`` (uniform-routing reference / the system's; was
+        ``fraction_of_ideal``)."""
         out = {name: r.figures() for name, r in self.systems.items()}
         static = out["static"]["step_time_s"]
-        ideal = out["ideal"]["step_time_s"]
+        uniform = out["uniform"]["step_time_s"]
+        bound = out["bound"]["step_time_s"]
         oracle = out.get("eplb-oracle", {}).get("step_time_s")
         for fig in out.values():
             fig["speedup_vs_static"] = static / fig["step_time_s"]
             fig["speedup_vs_eplb_oracle"] = oracle / fig["step_time_s"] if oracle else None
-            fig["fraction_of_ideal"] = ideal / fig["step_time_s"]
+            fig["fraction_of_bound"] = bound / fig["step_time_s"]
+            fig["fraction_of_uniform"] = uniform / fig["step_time_s"]
         return out
 
 
@@ -172,7 +193,8 @@ def simulate(workload: Workload, config: SimConfig,
     Args:
         workload: loads ``[X, M, L, S, E]`` and token counts.
         config: model, hardware, topology, systems, cost options, warm-up steps.
-        planner_factory: ``(name, topology, cost_model) -> Planner`` for every system but ideal.
+        planner_factory: ``(name, topology, cost_model) -> Planner`` for every system but the
+            references (uniform, bound).
         progress: called as ``progress(system, steps_done, steps_total)`` after each step.
     Returns:
         :class:`SimResult`.
@@ -192,17 +214,23 @@ def simulate(workload: Workload, config: SimConfig,
     if cost.options.dispatch == "hierarchical":  # say how remote nodes per token were counted
         workload.notes["dispatch"] = EXACT_NOTE if workload.routing is not None else ESTIMATE_NOTE
     results: dict[str, SystemResult] = {}
-    for name in config.systems:
-        imb, costs, planner_s = [], [], []
-        planner = None if name == "ideal" else planner_factory(name, topo, cost)
+    # the ratios need static and the references: always run them (references last)
+    systems = [n for n in config.systems if n not in REFERENCES]
+    systems = (["static"] if "static" not in systems else []) + systems + list(REFERENCES)
+    for name in systems:
+        imb, costs, planner_s, balanced = [], [], [], []
+        planner = None if name in REFERENCES else planner_factory(name, topo, cost)
         for x in range(X):
             loads_MLSE = workload.loads_XMLSE[x]
             tokens_MS, pairs_MS = workload.tokens_XMS[x], workload.attn_pairs_XMS[x]
             measured = x >= config.warmup_steps
             if planner is None:
                 if measured:
-                    costs.append(cost.ideal_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
-                                                      tokens_MS, pairs_MS))
+                    if name == "bound":
+                        costs.append(bound_step_cost(cost, loads_MLSE, topo, tokens_MS, pairs_MS))
+                    else:
+                        costs.append(cost.uniform_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
+                                                            tokens_MS, pairs_MS))
                     imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
             else:
                 t0 = time.perf_counter()
@@ -224,8 +252,9 @@ def simulate(workload: Workload, config: SimConfig,
                                                 getattr(planner, "plan_latency_s", 0.0)))
                     imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
+                    balanced.append(balanced_at_own_bytes_s(cost, metrics, tokens_MS, pairs_MS))
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
-        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s)
+        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, balanced)
     return SimResult(config, workload, results)
