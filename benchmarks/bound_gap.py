@@ -1,7 +1,8 @@
 """How far the lower bound (relibra_torch/sim/bound.py) sits below the best plan found.
 
 On tiny instances (2 nodes x 2 GPUs, up to 8 experts, R <= 1, M <= 2) it prices, through
-the cost model, every registered planner's plan and many valid step plans: random ones
+the cost model, every registered planner's plan, every fill-free plan where ``E = 4`` and
+``R = 0`` (all 24 placements), and many valid step plans: random ones
 (random placement, random replica slots, random integer split of every expert's load over
 its instances) and a hill climb from the best of them (move one slot's expert, move tokens
 between two instances of an expert, swap two experts' owners). No plan may cost less than
@@ -78,6 +79,18 @@ def random_plan(topo: Topology, loads: torch.Tensor, rng: random.Random) -> Step
                         plan.slot_expert_MLGJ[m, l, q, j] = rng.choice(options)
     _random_quotas(plan, loads, rng)
     return plan
+
+
+def all_native_plans(topo: Topology, loads: torch.Tensor):
+    """Every placement with each expert on its owner only (``E!`` plans; ``R = 0`` and
+    ``E = G``: every plan without fills), so the best of them is the optimum there."""
+    import itertools
+
+    from relibra_torch.planning import native_plan
+    M, L, S, E = loads.shape
+    for perm in itertools.product(itertools.permutations(range(E)), repeat=L):
+        placement = torch.tensor(perm, dtype=torch.int64).view(L, E)
+        yield native_plan(loads, topo, placement, "enumerated", topo.static_placement(L))
 
 
 def _random_quotas(plan: StepPlan, loads: torch.Tensor, rng: random.Random) -> None:
@@ -157,6 +170,8 @@ def search(loads, tokens, topo: Topology, cost: CostModel, samples: int, climb: 
         planner = make_planner(name, topo)
         plans.append(planner.plan(loads))
     plans += [random_plan(topo, loads, rng) for _ in range(samples)]
+    if topo.replica_slots == 0 and topo.num_experts <= 4:
+        plans += list(all_native_plans(topo, loads))
     best, best_s, n = None, float("inf"), 0
     for plan in plans:
         validate_plan(plan, loads)

@@ -6,7 +6,7 @@ per-micro-batch planning.
   other ``R // 2``: per layer and node, the ``g * (R // 2)`` remote experts (no EPLB
   instance on the node) with the most demand from the node's tokens over the step whose
   saved inter-node traffic beats one cross-node fill, heaviest first to the node's GPU with
-  the least step load (:func:`relibra_torch.planning.traffic._step_replicas`, the same
+  the least step load (:func:`relibra_torch.planning.traffic.step_replicas`, the same
   rule and prices as relibra's step-long option). Each takes exactly its node's tokens for
   the expert in every micro-batch and is filled once per step (the cost model charges the
   residency like relibra's). Traffic slots left empty (too few remote experts pay) get
@@ -35,7 +35,7 @@ from .eplb_layout import assign_owners
 from .online import DEFAULT_MIN_REPLICA_TOKENS, OnlinePlanner
 from .plan import StepPlan
 from .topology import Topology
-from .traffic import _step_replicas  # relibra's step-long traffic set, shared on purpose
+from .traffic import step_replicas  # relibra's step-long traffic set, shared on purpose
 
 __all__ = ["EPLBNodeDemandPlanner", "PlannedOnlinePlanner", "eplb_node_demand_plan", "node_demand_replicas"]
 
@@ -96,7 +96,7 @@ def node_demand_replicas(loads_MLSE: torch.Tensor, topology: Topology, previous_
     on_node_LNE = torch.zeros(L, N, E + 1, dtype=torch.bool).scatter_(
         2, (table_LGJe.reshape(L, N, g * Je) + 1), True)[..., 1:]
     remote_MLNE = loads.view(M, L, N, g, E).sum(3).masked_fill(on_node_LNE.unsqueeze(0), 0)
-    traffic_e_MLGr, traffic_q_MLGr = _step_replicas(remote_MLNE, _eplb_gpu_load_LG(table_LGJe, weight_LE),
+    traffic_e_MLGr, traffic_q_MLGr = step_replicas(remote_MLNE, _eplb_gpu_load_LG(table_LGJe, weight_LE),
                                                     topology, r, cross_node_s_per_token / g,
                                                     cross_replica_fill_s_per_expert)
     traffic_LGr = traffic_e_MLGr[0] if M else torch.full((L, G, r), -1, dtype=torch.int64)
