@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
     cost = CostModel(model, s["hardware_spec"], s["cost_options"])
     loads_MLSE = workload.loads_XMLSE[-1]
     rows = {}
-    for name in (n for n in s["systems"] if n not in ("static", "ideal")):
+    from relibra_torch.sim.simulator import REFERENCES
+    for name in (n for n in s["systems"] if n != "static" and n not in REFERENCES):
         planner = default_planner_factory(name, topo, cost, s["baseline_options"])
         for x in range(workload.num_steps):     # earlier steps: history and placement
             plan = planner.plan(workload.loads_XMLSE[x])

@@ -119,9 +119,10 @@ def test_balanced_node_placement_fills_nodes_evenly():
     assert balanced_node_placement(torch.ones(3, 6), 3).tolist() == [[0, 1, 2, 0, 1, 2]] * 3
 
 
-def test_surrogate_is_the_cost_models_ideal_step_on_one_node():
-    """On one node the surrogate's balanced plan is the ideal one: its objective equals the
-    cost model's ideal step time of the same packing (attention, compute and traffic)."""
+def test_surrogate_is_the_cost_models_uniform_step_on_one_node():
+    """On one node the surrogate's balanced plan is the uniform reference: its objective equals
+    the cost model's uniform reference step time of the same packing (attention, compute and
+    traffic)."""
     from relibra_torch.planning.topology import Topology
     from relibra_torch.sim import CostModel, get_hardware, get_model
     from relibra_torch.sim.packed import packing_costs
@@ -136,8 +137,8 @@ def test_surrogate_is_the_cost_models_ideal_step_on_one_node():
     plan = plan_packing(step.lengths_N, step.counts_NLE, pc, packing_costs(cost),
                         initial=(step.rank_N, step.micro_batch_N))
     loads, tokens, pairs = packed_loads(step, plan.rank_N, plan.micro_batch_N, 2, 4)
-    ideal = cost.ideal_step_cost(loads, topo.num_nodes, topo.gpus_per_node, tokens, pairs)
-    assert plan.objective_s == pytest.approx(ideal.step_s, rel=1e-9)
+    uniform = cost.uniform_step_cost(loads, topo.num_nodes, topo.gpus_per_node, tokens, pairs)
+    assert plan.objective_s == pytest.approx(uniform.step_s, rel=1e-9)
     fixed = PackingProblem(step.lengths_N, step.counts_NLE, pc, packing_costs(cost)).objective(
         step.rank_N, step.micro_batch_N)
     assert plan.objective_s < fixed  # long samples: packing pays on this trace
@@ -219,7 +220,7 @@ def test_synthetic_long_tail_packings(tmp_path, capsys):
         assert rc == 0, err
         docs[p] = json.loads((tmp_path / f"{p}.json").read_text())
     # the same samples: total tokens equal; attention cheaper once long samples share micro-batches
-    att = {p: d["systems"]["ideal"]["attention_dense_s"] for p, d in docs.items()}
+    att = {p: d["systems"]["uniform"]["attention_dense_s"] for p, d in docs.items()}
     assert att["length"] < att["fixed"] and att["routepack"] < att["fixed"]
     assert docs["fixed"]["config"]["trace"] == "long-tail"
     assert "long-tail" in docs["routepack"]["config"]["source"]

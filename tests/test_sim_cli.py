@@ -51,14 +51,14 @@ def test_loads_file_json_and_plot(tmp_path, capsys):
     rc, out, err = run(capsys, str(f), *SMALL, "--systems", "relibra",
                        "--json", str(tmp_path / "r.json"), "--plot", str(tmp_path / "r.png"))
     assert rc == 0, err
-    assert "relibra" in out and "static" in out and "ideal" in out and "eplb " not in out
+    assert "relibra" in out and "static" in out and "uniform" in out and "bound" in out and "eplb " not in out
     doc = json.loads((tmp_path / "r.json").read_text())
     assert doc["config"]["ep_size"] == 4 and doc["config"]["micro_batches"] == 2
     assert doc["config"]["file"] == str(f) and doc["config"]["warmup_steps"] == 0
     assert doc["config"]["notes"]["sample_tokens_assumed"] == 4096
     assert "plan it from uniform history" in doc["config"]["notes"]["warm-up"]  # a one-step file
-    assert set(doc["systems"]) == {"static", "relibra", "ideal"}
-    for key in ("imbalance_mean", "imbalance_p99", "step_time_s", "speedup_vs_static", "fraction_of_ideal",
+    assert set(doc["systems"]) == {"static", "relibra", "uniform", "bound"}
+    for key in ("imbalance_mean", "imbalance_p99", "step_time_s", "speedup_vs_static", "fraction_of_bound", "fraction_of_uniform",
                 "cross_node_bytes", "replica_bytes", "migrated_experts", "planner_s"):
         assert isinstance(doc["systems"]["relibra"][key], (int, float))
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
@@ -99,7 +99,7 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     assert c["nodes"] == 1 and c["gpus_per_node"] == 4  # command line beats the file
     assert c["hardware"]["name"] == "h100" and c["hardware"]["nvlink_gbps"] == 200.0
     assert c["hardware"]["inter_node_gbps"] == 20.0
-    assert c["systems"] == ["static", "ideal"]
+    assert c["systems"] == ["static", "uniform", "bound"]
 
 
 @pytest.mark.parametrize("make,argv,match", [

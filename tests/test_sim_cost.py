@@ -197,12 +197,12 @@ def test_overlap_hides_replica_transfer_behind_attention_up_to_its_length():
     assert float(expect.sum()) > 0
 
 
-def test_ideal_has_mean_load_uniform_traffic_and_nothing_moved():
+def test_uniform_has_mean_load_uniform_traffic_and_nothing_moved():
     cost = CostModel(MODEL, HW)
     loads = torch.zeros(1, 1, 4, 4, dtype=torch.int64)  # 2 nodes x 2 GPUs
     loads[0, 0, :, 0] = 40  # everything to expert 0
     tokens, pairs = torch.full((1, 4), 20), torch.full((1, 4), 210.0)
-    step = cost.ideal_step_cost(loads, 2, 2, tokens, pairs)
+    step = cost.uniform_step_cost(loads, 2, 2, tokens, pairs)
     mean = 160 / 4
     fwd, bwd = 6 * 4 * 2 * mean / EXPERT_RATE, 2 * 6 * 4 * 2 * mean / EXPERT_RATE
     cross = 40 * 2 / 4  # (G - g) / G of each source's 40 tokens, received evenly
@@ -212,16 +212,16 @@ def test_ideal_has_mean_load_uniform_traffic_and_nothing_moved():
     assert step.replica_bytes == 0 and step.migration_s == 0 and step.migrated_experts == 0
 
 
-def test_uniform_loads_make_static_equal_to_ideal():
+def test_uniform_loads_make_static_equal_to_uniform():
     topo = Topology(2, 2, 8, 0)
     loads = torch.full((2, 3, 4, 8), 5, dtype=torch.int64)
     cost = CostModel(MODEL, HW)
     tokens, pairs = torch.full((2, 4), 20), torch.full((2, 4), 210.0)
     plan = static_plan(loads, topo)
     real = cost.step_cost(plan, evaluate(plan, loads), tokens, pairs)
-    ideal = cost.ideal_step_cost(loads, 2, 2, tokens, pairs)
-    assert real.step_s == approx(ideal.step_s)
-    assert real.cross_node_bytes == approx(ideal.cross_node_bytes)
+    uniform = cost.uniform_step_cost(loads, 2, 2, tokens, pairs)
+    assert real.step_s == approx(uniform.step_s)
+    assert real.cross_node_bytes == approx(uniform.cross_node_bytes)
 
 
 def test_reorder_weights_for_qwen3_30b_on_h200():
@@ -259,7 +259,7 @@ def problems(draw):
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
-def test_invariants_ideal_bounds_compute_slower_links_never_help_and_parts_add_up(problem):
+def test_invariants_uniform_bounds_compute_slower_links_never_help_and_parts_add_up(problem):
     topo, loads, name = problem
     model = ModelSpec("inv", num_layers=loads.shape[1], num_moe_layers=loads.shape[1], hidden_size=64,
                       moe_ffn=32, num_experts=topo.num_experts, top_k=1, num_heads=2, num_kv_heads=1,
@@ -270,9 +270,9 @@ def test_invariants_ideal_bounds_compute_slower_links_never_help_and_parts_add_u
     tokens, pairs = loads[:, 0].sum(-1), loads[:, 0].sum(-1).double() * 3
     fast = CostModel(model, HW)
     step = fast.step_cost(plan, metrics, tokens, pairs)
-    ideal = fast.ideal_step_cost(loads, topo.num_nodes, topo.gpus_per_node, tokens, pairs)
+    uniform = fast.uniform_step_cost(loads, topo.num_nodes, topo.gpus_per_node, tokens, pairs)
     # the busiest GPU carries at least the mean
-    assert (step.expert_s_ML >= ideal.expert_s_ML * (1 - 1e-12)).all()
+    assert (step.expert_s_ML >= uniform.expert_s_ML * (1 - 1e-12)).all()
     # parts add up to the step
     total = float(step.moe_layer_s_ML.sum()) + step.attention_dense_s + step.migration_s
     assert step.step_s == pytest.approx(total, rel=1e-12)

@@ -36,18 +36,20 @@ def test_flat_mode_reproduces_the_numbers_stored_before_dispatch_modes():
     # (before this change) for exactly this workload and config; planner_s (wall time) left out.
     with open(FIXTURE) as fh:
         expected = json.load(fh)
-    # Only the systems whose plans no later change touched: static's plan is fixed and ideal
+    # Only the systems whose plans no later change touched: static's plan is fixed and uniform
     # is a formula, so their figures test the flat cost model itself (the planners of eplb
-    # and relibra changed on purpose after the fixture was written: issues 11 and 12).
-    expected = {k: v for k, v in expected.items() if k in ("static", "ideal")}
+    # and relibra changed on purpose after the fixture was written: issues 11 and 12). The
+    # fixture's "ideal" and "fraction_of_ideal" keys were renamed "uniform" and
+    # "fraction_of_uniform" with the reference (issue 21); the values are the ones written.
+    expected = {k: v for k, v in expected.items() if k in ("static", "uniform")}
     wl = workload_from_loads(skewed_loads(X=2, seed=3, tokens=256), MODEL, Topology(2, 2, 8, 1))
     # the tiny model's forward pass (microseconds) cannot hide host planning; the fixture
     # predates its charge (tests/test_sim_host_charge.py), so a window hides it here
-    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "ideal"), warmup_steps=1,
+    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "uniform"), warmup_steps=1,
                                  baseline_options=BaselineOptions(planning_overlap_s=1e9)))
     assert res.config.cost_options.dispatch == "flat"
     figures = res.figures()
-    assert set(figures) == set(expected) == {"static", "ideal"}
+    assert set(figures) - {"bound"} == set(expected) == {"static", "uniform"}
     for name, exp in expected.items():
         for key, value in exp.items():
             if key == "speedup_vs_eplb_oracle":  # a ratio to eplb-oracle, which is not run here
@@ -55,7 +57,7 @@ def test_flat_mode_reproduces_the_numbers_stored_before_dispatch_modes():
             got = figures[name][key]
             assert got == pytest.approx(value, rel=1e-12, abs=0), (name, key)
         assert "cross_node_recv_imbalance" in figures[name]
-    assert figures["ideal"]["cross_node_recv_imbalance"] == 1.0
+    assert figures["uniform"]["cross_node_recv_imbalance"] == 1.0
 
 
 def one_token_plan():
@@ -182,7 +184,7 @@ def test_exact_and_estimated_hierarchical_agree_on_a_routing_file(tmp_path):
     topo = Topology(4, 2, E, replica_slots=1)
     wl = workload_from_file(path, model, topo, num_micro_batches=2)
     assert wl.routing is not None
-    cfg = SimConfig(model, HW, topo, ("static", "eplb-oracle", "relibra", "ideal"),
+    cfg = SimConfig(model, HW, topo, ("static", "eplb-oracle", "relibra", "uniform"),
                     CostOptions(dispatch="hierarchical"))
     exact = simulate(wl, cfg).figures()
     wl_est = dataclasses.replace(wl, routing=None, notes={})
@@ -192,7 +194,7 @@ def test_exact_and_estimated_hierarchical_agree_on_a_routing_file(tmp_path):
         assert est[name]["cross_node_bytes"] == pytest.approx(exact[name]["cross_node_bytes"], rel=0.02), name
         assert exact[name]["cross_node_bytes"] < flat[name]["cross_node_bytes"]
         assert exact[name]["intra_node_bytes"] == est[name]["intra_node_bytes"]  # NVLink counts are exact
-    assert exact["ideal"]["step_time_s"] == est["ideal"]["step_time_s"]  # one definition
+    assert exact["uniform"]["step_time_s"] == est["uniform"]["step_time_s"]  # one definition
 
 
 def test_cross_node_recv_imbalance_by_hand():
@@ -211,12 +213,12 @@ def test_cross_node_recv_imbalance_by_hand():
     assert c.cross_node_recv_imbalance == pytest.approx((3 / 2 + 1.0) / 2)
 
 
-def test_hierarchical_ideal_by_hand():
+def test_hierarchical_uniform_by_hand():
     model = tiny_model(E=8, K=2, L=2)
     loads = skewed_loads(X=1, M=2, L=2, k=2)[0]
     tokens = torch.full((2, 4), 64)
-    flat = CostModel(model, HW).ideal_step_cost(loads, 2, 2, tokens, tokens.double())
-    hier = CostModel(model, HW, CostOptions(dispatch="hierarchical")).ideal_step_cost(
+    flat = CostModel(model, HW).uniform_step_cost(loads, 2, 2, tokens, tokens.double())
+    hier = CostModel(model, HW, CostOptions(dispatch="hierarchical")).uniform_step_cost(
         loads, 2, 2, tokens, tokens.double())
     token_bytes = model.hidden_size * 2
     pairs = float(loads.sum())
@@ -230,7 +232,7 @@ def test_hierarchical_ideal_by_hand():
 
 def test_estimated_hierarchical_runs_on_count_only_loads_and_says_so():
     wl = workload_from_loads(skewed_loads(X=1, tokens=128), MODEL, Topology(2, 2, 8, 1))
-    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "relibra", "ideal"),
+    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "relibra", "uniform"),
                                  CostOptions(dispatch="hierarchical")))
     assert "estimated" in res.workload.notes["dispatch"]
     f = res.figures()
@@ -274,12 +276,12 @@ def test_cli_dispatch_from_config_file_and_notes(tmp_path, capsys):
 
 def test_plot_clips_far_systems_and_stacks_parts_to_the_step(tmp_path):
     from relibra_torch.sim.report import STEP_PARTS, imbalance_ylim, write_plot
-    top, clipped = imbalance_ylim({"static": 3.4, "eplb": 1.2, "relibra": 1.05, "ideal": 1.0})
+    top, clipped = imbalance_ylim({"static": 3.4, "eplb": 1.2, "relibra": 1.05, "uniform": 1.0, "bound": 1.0})
     assert top == 1.3 and clipped == ["static"]
-    top, clipped = imbalance_ylim({"static": 1.8, "relibra": 1.02, "ideal": 1.0})
+    top, clipped = imbalance_ylim({"static": 1.8, "relibra": 1.02, "uniform": 1.0})
     assert clipped == [] and top == pytest.approx(1.8 * 1.02)
     wl = workload_from_loads(skewed_loads(X=1, tokens=128), MODEL, Topology(2, 2, 8, 1))
-    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "relibra", "ideal")))
+    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "relibra", "uniform")))
     for f in res.figures().values():  # the stacked bars add up to the step time
         assert sum(f[key] for _, key, _ in STEP_PARTS) == pytest.approx(f["step_time_s"], rel=1e-12)
     write_plot(res, str(tmp_path / "p.png"))
@@ -307,7 +309,7 @@ def test_relibra_uses_co_activation_under_hierarchical_dispatch(tmp_path):
     model = tiny_model(E, K, L)
     topo = Topology(2, 2, E, replica_slots=0)
     wl = workload_from_file(path, model, topo, num_micro_batches=2)
-    cfg = SimConfig(model, HW, topo, ("static", "relibra", "ideal"), CostOptions(dispatch="hierarchical"),
+    cfg = SimConfig(model, HW, topo, ("static", "relibra", "uniform"), CostOptions(dispatch="hierarchical"),
                     baseline_options=BaselineOptions(planning_overlap_s=1e9))  # compare plans, not planner CPU
 
     def factory(dispatch):  # this toy step is too small to pay a migration: make moves free

@@ -32,7 +32,7 @@ def _loads(X=2, M=3, seed=0):
     return torch.zeros_like(w, dtype=torch.int64).scatter_add_(1, picks, torch.ones_like(picks)).view(X, M, 2, 4, 8)
 
 
-def _run(options=BaselineOptions(), systems=("static", "eplb-oracle", "online-global", "relibra", "ideal")):
+def _run(options=BaselineOptions(), systems=("static", "eplb-oracle", "online-global", "relibra", "uniform")):
     wl = workload_from_loads(_loads(), MODEL, TOPO, 128)
     return simulate(wl, SimConfig(MODEL, HW, TOPO, systems, warmup_steps=1, baseline_options=options))
 

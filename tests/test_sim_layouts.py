@@ -32,7 +32,7 @@ def _workload(S=4, X=2, M=3, seed=0):
     return workload_from_loads(loads, MODEL, Topology(S // 2, 2, 8, 1), 128)
 
 
-def _config(systems=("static", "relibra", "eplb-oracle", "ideal")):
+def _config(systems=("static", "relibra", "eplb-oracle", "uniform")):
     # host planning (measured CPU time) hidden so that two runs of one plan price alike
     return SimConfig(MODEL, HW, Topology(2, 2, 8, 1), systems, warmup_steps=1,
                      baseline_options=BaselineOptions(planning_overlap_s=1e9))
@@ -54,7 +54,7 @@ def test_grad_sync_by_hand():
     expect = 0.5 * params * GRAD_SYNC_BYTES_PER_PARAM / (HW.inter_node_gbps * 1e9)
     assert expert_grad_sync_s(cfg, 2, 4) == pytest.approx(expect)
     # EP 1 on 1 x 2 (one node): NVLink
-    one = SimConfig(MODEL, HW, Topology(1, 2, 8, 1), ("static", "ideal"))
+    one = SimConfig(MODEL, HW, Topology(1, 2, 8, 1), ("static", "uniform"))
     params1 = 2 * 8 * MODEL.expert_params()
     assert expert_grad_sync_s(one, 1, 2) == pytest.approx(0.5 * params1 * 6 / (HW.nvlink_gbps * 1e9))
 

@@ -31,7 +31,7 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["traffic_replicas"]
+__all__ = ["step_replicas", "traffic_replicas"]
 
 
 def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
@@ -104,7 +104,7 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     # The alternative: one set per (layer, node) for the whole step, chosen from the step's
     # demand and filled once (EPLB's economics, with each node's exact demand). Per (layer,
     # node) the option that saves more seconds net of fills wins.
-    static_e_MLGr, static_q_MLGr = _step_replicas(remote_MLNE, native_MLG.sum(0), topology, r, token_s, fill_s)
+    static_e_MLGr, static_q_MLGr = step_replicas(remote_MLNE, native_MLG.sum(0), topology, r, token_s, fill_s)
     dyn_value_LN = _net_value(expert_MLGr, quota_MLGr, N, g, token_s, fill_s)
     static_value_LN = _net_value(static_e_MLGr, static_q_MLGr, N, g, token_s, fill_s)
     use_static_LG = (static_value_LN > dyn_value_LN).repeat_interleave(g, dim=1)          # [L, G]
@@ -125,7 +125,7 @@ def _net_value(expert_MLGr: torch.Tensor, quota_MLGr: torch.Tensor, N: int, g: i
     return (saved - new * fill_s).view(L, N, g).sum(-1)
 
 
-def _step_replicas(remote_MLNE: torch.Tensor, native_LG: torch.Tensor, topology: Topology, r: int,
+def step_replicas(remote_MLNE: torch.Tensor, native_LG: torch.Tensor, topology: Topology, r: int,
                    token_s: float, fill_s: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Traffic replicas fixed for the step: per (layer, node) the ``g * r`` remote experts with
     the most step demand whose saving beats one fill, heaviest first to the node's GPU with

@@ -74,7 +74,12 @@ class BaselineOptions:
                 if f.name.startswith("relibra_")}
 
     def planner_kwargs(self, name: str) -> dict:
-        """Keyword arguments of :func:`relibra_torch.planning.make_planner` for system ``name``."""
+        """Keyword arguments of :func:`relibra_torch.planning.make_planner` for system ``name``
+        (``eplb-node-demand``: ``num_groups``; its prices come from the cost model)."""
+        if name == "eplb-node-demand":
+            return {"num_groups": self.eplb_num_groups}
+        if name == "online-global-planned":  # run ahead from replay: no run-time latency
+            return {"min_replica_tokens": self.online_min_replica_tokens}
         if name.startswith("eplb"):
             kwargs = {"window": self.eplb_window, "num_groups": self.eplb_num_groups}
             if "oracle" not in name:

@@ -3,7 +3,7 @@ placement or DeepSeek EPLB, on your model, cluster and RL data?
 
 Runs every requested balancing system on the same expert loads and prints, per system,
 imbalance, MoE-layer and step time, speedup over static and over oracle EPLB, fraction of
-the ideal step time, traffic and planner time. With no file it generates the default
+the lower bound's step time (sim/bound.py), traffic and planner time. With no file it generates the default
 synthetic RL trace (seeded, mixed tasks). A routing replay file (relibra.routing/1) is
 batched into ranks and micro-batches by relibra_torch.replay.batch_samples (see
 docs/simulator.md); a loads file (relibra.loads/1) is used as batched. --trace picks the
@@ -104,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leading steps run but not reported (default 1 when the trace or file has "
                              ">= 2 steps, else 0: a one-step file is planned from uniform history)")
     parser.add_argument("--systems", help=f"comma-separated, from {','.join(SYSTEMS)} "
-                        f"(static and ideal always run; default all)")
+                        f"(static and the references uniform and bound always run; default all)")
     parser.add_argument("--seed", type=int, help=f"synthetic trace seed (default {d['seed']})")
     parser.add_argument("--sample-tokens", type=int,
                         help=f"sample length assumed for the attention term when the source has no "

@@ -50,13 +50,14 @@ Per micro-batch ``m`` and MoE layer ``l``:
   remote node, NVLink fan-out on the landing GPU; :mod:`relibra_torch.sim.dispatch`
   replaces the four per-GPU counts). The per-GPU time rule is the same for both.
 
-The ideal system gets the mean expert load on every GPU, the all-to-all traffic of uniform
-routing spread evenly (flat: each source sends ``(G - g) / G`` of its pairs to other nodes
+The uniform reference (named "ideal" before: it can be beaten, so it is not one; the lower
+bound is :mod:`relibra_torch.sim.bound`) gets the mean expert load on every GPU, the
+all-to-all traffic of uniform routing spread evenly (flat: each source sends ``(G - g) / G`` of its pairs to other nodes
 and ``(g - 1) / G`` to the other GPUs of its node; hierarchical: each token crosses to
 ``(N - 1) * (1 - C(E - E/N, K) / C(E, K))`` remote nodes, and NVLink carries the node's own
 pairs plus the fan-out ``(G - g) / G * (g - 1) / g`` of the pairs; every GPU receives the
 mean), no replicas and no migration. A system whose routing sends fewer bytes than uniform
-routing can therefore exceed 1.0 of ideal.
+routing can therefore exceed 1.0 of it.
 """
 
 from __future__ import annotations
@@ -337,9 +338,10 @@ class CostModel:
         out.cross_node_recv_imbalance = float(imbalance(metrics.cross_recv_MLG).mean())
         return out
 
-    def ideal_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,
-                        tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> StepCost:
-        """The ideal system's cost: mean load everywhere, uniform traffic, nothing moved."""
+    def uniform_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,
+                          tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> StepCost:
+        """The uniform reference's cost (was ``ideal_step_cost``): mean load everywhere,
+        uniform routing's traffic spread evenly, nothing moved. Not a bound."""
         M, L, S, E = loads_MLSE.shape
         G, g = num_nodes * gpus_per_node, gpus_per_node
         loads = loads_MLSE.to(torch.float64)

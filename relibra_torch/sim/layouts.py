@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from ..planning.topology import Topology
-from .simulator import SimConfig, simulate
+from .simulator import REFERENCES, SimConfig, simulate
 from .workload import Workload
 
 __all__ = ["LayoutRow", "compare_layouts", "expert_grad_sync_s", "parse_ep_sizes", "split_workload"]
@@ -159,7 +159,6 @@ def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, 
     return rows
 
 
-REFERENCES = ("ideal",)  # reference rows, not systems anyone runs
 
 
 def headline(rows: list[LayoutRow]) -> dict:

@@ -3,8 +3,8 @@
 Legend: X steps, M micro-batches, L MoE layers, S ranks, E experts, N samples.
 
 One packing per step, computed once from the step's samples and shared by every system
-(ideal included), so the systems stay comparable. ``fixed`` is the source's own rule (the
-trace family's sequential packing, or :func:`relibra_torch.replay.batch_samples` for a
+(the references uniform and bound included), so the systems stay comparable. ``fixed`` is
+the source's own rule (the trace family's sequential packing, or :func:`relibra_torch.replay.batch_samples` for a
 replay file); ``length`` and ``routepack`` come from
 :func:`relibra_torch.planning.packing.plan_packing`, priced by :func:`packing_costs`.
 """

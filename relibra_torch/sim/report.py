@@ -21,7 +21,8 @@ __all__ = ["result_json", "write_json", "format_seconds", "format_table", "print
 # colours per system, shared by the table and the plot
 COLOURS = {"static": "#7f7f7f", "eplb": "#ff7f0e", "eplb-oracle": "#d62728",
            "eplb-instance": "#e6a96b", "eplb-oracle-instance": "#e08a8a", "online-node": "#9467bd",
-           "online-global": "#8c564b", "relibra": "#1f77b4", "ideal": "#2ca02c"}
+           "online-global": "#8c564b", "online-global-planned": "#c49c94", "eplb-node-demand": "#ff9896",
+           "relibra": "#1f77b4", "uniform": "#98df8a", "bound": "#2ca02c"}
 
 
 def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
@@ -107,7 +108,7 @@ def _ratio(x: float | None) -> str:
 
 
 COLUMNS = ("system", "imb mean", "imb p50", "imb p99", "MoE", "step", "vs static",
-           "vs eplb-oracle", "of ideal", "cross-node GB", "replica GB", "migrated", "planner")
+           "vs eplb-oracle", "of bound", "balanced", "cross-node GB", "replica GB", "migrated", "planner")
 """Columns of :func:`format_table` (one wide plain-text table, for logs and docs)."""
 
 
@@ -118,7 +119,8 @@ def table_rows(figures: dict[str, dict]) -> list[list[str]]:
         rows.append([
             name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p50']:.3f}", f"{f['imbalance_p99']:.3f}",
             format_seconds(f['moe_layer_time_s']), format_seconds(f['step_time_s']), _ratio(f["speedup_vs_static"]),
-            _ratio(f["speedup_vs_eplb_oracle"]), f"{f['fraction_of_ideal']:.3f}",
+            _ratio(f["speedup_vs_eplb_oracle"]), f"{f['fraction_of_bound']:.3f}",
+            format_seconds(f["balanced_at_own_bytes_s"]),
             _gb(f["cross_node_bytes"]), _gb(f["replica_bytes"]),
             f"{f['migrated_experts']:.0f} ({_gb(f['migrated_bytes'])} GB)",
             format_seconds(f['planner_s']),
@@ -139,15 +141,18 @@ def format_table(figures: dict[str, dict]) -> str:
 
 
 # Times carry their own unit (s, ms, us), so the headers do not.
-TIME_COLUMNS = ("system", "imb mean", "p99", "MoE", "step", "vs static", "vs oracle", "of ideal")
+# "of bound": the lower bound's step / the system's (sim/bound.py); "bal.": the system's step
+# with its own bytes spread evenly and its GPUs balanced (the rest of its gap is imbalance)
+# ("imb": the mean imbalance; short so that twelve systems fit 80 columns)
+TIME_COLUMNS = ("system", "imb", "p99", "MoE", "step", "bal.", "vs static", "vs oracle", "of bound")
 TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migr.",
                    "migr. GB", "plan")
 
 
 def _time_row(name: str, f: dict) -> list[str]:
     return [name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p99']:.3f}", format_seconds(f['moe_layer_time_s']),
-            format_seconds(f['step_time_s']), _ratio(f["speedup_vs_static"]), _ratio(f["speedup_vs_eplb_oracle"]),
-            f"{f['fraction_of_ideal']:.3f}"]
+            format_seconds(f['step_time_s']), format_seconds(f["balanced_at_own_bytes_s"]),
+            _ratio(f["speedup_vs_static"]), _ratio(f["speedup_vs_eplb_oracle"]), f"{f['fraction_of_bound']:.3f}"]
 
 
 def _traffic_row(name: str, f: dict) -> list[str]:
@@ -199,7 +204,7 @@ def print_table(doc: dict, console=None) -> None:
     console.print("replica fill / gradient return: " + ("hidden behind attention where it fits"
                   if overlap else "not overlapped (--overlap-replication hides it behind attention)"),
                   highlight=False)
-    online = [n for n in doc["systems"] if n.startswith("online-")]
+    online = [n for n in doc["systems"] if n.startswith("online-") and not n.endswith("-planned")]
     if online:
         b = cfg.get("baseline_options", {})
         console.print(f"{', '.join(online)}: run-time planning {b.get('online_plan_latency_us')} us per "
@@ -239,9 +244,10 @@ def imbalance_ylim(tops: dict[str, float], floor: float = 1.3) -> tuple[float, l
 
     The panel shows ``[0.95, top]`` with ``top`` at least ``floor`` and at most what the
     balanced systems need, so that 1.0-1.3 stays readable; a system whose mean imbalance is
-    more than twice the best non-ideal one (static, usually 2-4) is clipped and annotated.
+    more than twice the best planned one (static, usually 2-4) is clipped and annotated; the
+    references (uniform, bound) are always 1.0 and do not count.
     """
-    others = {n: v for n, v in tops.items() if n != "ideal"}
+    others = {n: v for n, v in tops.items() if n not in ("uniform", "bound")}
     if not others:
         return floor, []
     best = min(others.values())
@@ -274,7 +280,7 @@ def write_plot(result: SimResult, path: str) -> None:
             label = f"{name}: off scale, mean {float(imb_ML.mean()):.2f}"
             notes.append(label)
         ax1.plot(m, imb_ML.mean(1).tolist(), color=colour, label=label)
-        if name != "ideal":
+        if name not in ("uniform", "bound"):
             ax1.plot(m, imb_ML.max(1).values.tolist(), color=colour, linestyle=":", linewidth=1)
     ax1.set_xlabel("micro-batch")
     ax1.set_ylabel("max / mean GPU load")
@@ -297,7 +303,7 @@ def write_plot(result: SimResult, path: str) -> None:
                  ha="center", va="bottom", fontsize=9)
     ax2.set_ylabel("step time (s)")  # one axis for all bars: seconds, as in the JSON
     ax2.set_title("step time by part (label: speedup over static)")
-    plt.setp(ax2.get_xticklabels(), rotation=30, ha="right")  # nine system names
+    plt.setp(ax2.get_xticklabels(), rotation=30, ha="right")  # a dozen system names
     ax2.legend(fontsize=8, loc="upper right")
     cfg = result.config
     fig.suptitle(f"{cfg.model.name}, {cfg.topology.num_nodes} x {cfg.topology.gpus_per_node} "

@@ -17,9 +17,12 @@ during which RL pipelines compute old log-probs with the same replay). Systems t
 run time (a ``plan_latency_s`` attribute) are charged that latency per layer and
 micro-batch instead.
 
-"static" and "ideal" are always computed, because the speedup and fraction-of-ideal
-figures are relative to them. A planner with a ``plan_latency_s`` attribute (the online
-systems) plans at run time: the cost model charges that much per layer and micro-batch.
+"static", "uniform" and "bound" are always computed, because the speedup, "of uniform" and
+"of bound" figures are relative to them. ``bound`` is a lower bound no plan can beat
+(:mod:`relibra_torch.sim.bound`); ``uniform`` is the reference of uniform routing on
+balanced GPUs, which a plan can beat (named ``ideal`` before; renamed because it is not one).
+A planner with a ``plan_latency_s`` attribute (the online systems) plans at run time: the
+cost model charges that much per layer and micro-batch.
 """
 
 from __future__ import annotations
@@ -37,29 +40,33 @@ from ..planning.plan import token_split, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
+from .bound import balanced_at_own_bytes_s, bound_step_cost
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
 from .presets import HardwareSpec, ModelSpec
 from .workload import Workload
 
-__all__ = ["SYSTEMS", "SimConfig", "SystemResult", "SimResult", "simulate", "default_planner_factory",
+__all__ = ["REFERENCES", "SYSTEMS", "SimConfig", "SystemResult", "SimResult", "simulate", "default_planner_factory",
            "parse_systems"]
 
 SYSTEMS = ("static", "eplb", "eplb-oracle", "eplb-instance", "eplb-oracle-instance", "online-node",
-           "online-global", "relibra", "ideal")
+           "online-global", "online-global-planned", "eplb-node-demand", "relibra", "uniform", "bound")
+REFERENCES = ("uniform", "bound")
+"""Systems with no planner: uniform routing on balanced GPUs (a reference) and the lower bound."""
 
 PlannerFactory = Callable[[str, Topology, CostModel], Planner]
 
 
 def parse_systems(text: str) -> tuple[str, ...]:
-    """``"static,relibra"`` -> the systems to run, in the canonical order, static and ideal added."""
+    """``"static,relibra"`` -> the systems to run, in the canonical order, static, uniform and
+    bound added."""
     names = [s.strip().lower() for s in str(text).split(",") if s.strip()]
     if not names:
         raise ValueError(f"--systems is empty; allowed: {','.join(SYSTEMS)}")
     bad = [n for n in names if n not in SYSTEMS]
     if bad:
         raise ValueError(f"--systems has unknown {','.join(bad)}; allowed: {','.join(SYSTEMS)}")
-    wanted = set(names) | {"static", "ideal"}
+    wanted = set(names) | {"static", *REFERENCES}
     return tuple(s for s in SYSTEMS if s in wanted)
 
 
@@ -77,6 +84,11 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
         return make_planner(name, topology, config=ReLibraConfig.from_weights(
             cost.reorder_weights(), dispatch=cost.options.dispatch, **fields))
     kwargs = (options or BaselineOptions()).planner_kwargs(name)
+    if name == "eplb-node-demand":
+        # relibra's prices for its step-long traffic replicas (the same rule, the same costs)
+        w = cost.reorder_weights()
+        kwargs.update(cross_node_s_per_token=w.cross_node_s_per_token,
+                      cross_replica_fill_s_per_expert=w.cross_replica_fill_s_per_expert)
     if name.startswith("eplb") and kwargs.get("num_groups", 1) == 1:
         # EPLB's hierarchical policy packs the model's expert groups (n_group), unless the
         # [eplb] section sets num_groups itself
@@ -112,11 +124,13 @@ class SystemResult:
         name: the system.
         imbalance_XML: float64 ``[X, M, L]`` per measured step, micro-batch and layer.
         costs: one :class:`StepCost` per measured step.
-        planner_s: one thread's CPU seconds of ``plan()`` per measured step (empty for ideal).
+        planner_s: one thread's CPU seconds of ``plan()`` per measured step (empty for the references).
         host_s: CPU seconds of the step's host work ahead of it (``plan()`` plus the token
             split of every micro-batch; 0 for run-time planners), per measured step.
         window_s: the overlap window it hides behind, per measured step.
         charged_s: ``max(0, host_s - window_s)``, added to the step time, per measured step.
+        balanced_s: per measured step, :func:`~relibra_torch.sim.bound.balanced_at_own_bytes_s`
+            (the step time itself for the references).
     """
 
     name: str
@@ -126,6 +140,7 @@ class SystemResult:
     host_s: list[float] = field(default_factory=list)
     window_s: list[float] = field(default_factory=list)
     charged_s: list[float] = field(default_factory=list)
+    balanced_s: list[float] = field(default_factory=list)
 
     def mean(self, attr: str) -> float:
         return sum(float(getattr(c, attr)) for c in self.costs) / len(self.costs)
@@ -158,6 +173,8 @@ class SystemResult:
             "host_cpu_s": sum(self.host_s) / len(self.host_s) if self.host_s else 0.0,
             "overlap_window_s": sum(self.window_s) / len(self.window_s) if self.window_s else 0.0,
             "planning_charged_s": sum(self.charged_s) / len(self.charged_s) if self.charged_s else 0.0,
+            "balanced_at_own_bytes_s": (sum(self.balanced_s) / len(self.balanced_s) if self.balanced_s
+                                        else self.mean("step_s")),
         }
 
 
@@ -171,15 +188,19 @@ class SimResult:
 
     def figures(self) -> dict[str, dict]:
         """Per-system figures with the ratios: ``speedup_vs_static``, ``speedup_vs_eplb_oracle``
-        (when that system ran) and ``fraction_of_ideal`` (ideal step time / the system's)."""
+        (when that system ran), ``fraction_of_bound`` (bound step time / the system's, at most
+        1) and ``fraction_of_uniform`` (uniform-routing reference / the system's; was
+        ``fraction_of_ideal``)."""
         out = {name: r.figures() for name, r in self.systems.items()}
         static = out["static"]["step_time_s"]
-        ideal = out["ideal"]["step_time_s"]
+        uniform = out["uniform"]["step_time_s"]
+        bound = out["bound"]["step_time_s"]
         oracle = out.get("eplb-oracle", {}).get("step_time_s")
         for fig in out.values():
             fig["speedup_vs_static"] = static / fig["step_time_s"]
             fig["speedup_vs_eplb_oracle"] = oracle / fig["step_time_s"] if oracle else None
-            fig["fraction_of_ideal"] = ideal / fig["step_time_s"]
+            fig["fraction_of_bound"] = bound / fig["step_time_s"]
+            fig["fraction_of_uniform"] = uniform / fig["step_time_s"]
         return out
 
 
@@ -191,7 +212,8 @@ def simulate(workload: Workload, config: SimConfig,
     Args:
         workload: loads ``[X, M, L, S, E]`` and token counts.
         config: model, hardware, topology, systems, cost options, warm-up steps.
-        planner_factory: ``(name, topology, cost_model) -> Planner`` for every system but ideal.
+        planner_factory: ``(name, topology, cost_model) -> Planner`` for every system but the
+            references (uniform, bound).
         progress: called as ``progress(system, steps_done, steps_total)`` after each step.
     Returns:
         :class:`SimResult`.
@@ -211,18 +233,24 @@ def simulate(workload: Workload, config: SimConfig,
     if cost.options.dispatch == "hierarchical":  # say how remote nodes per token were counted
         workload.notes["dispatch"] = EXACT_NOTE if workload.routing is not None else ESTIMATE_NOTE
     results: dict[str, SystemResult] = {}
-    for name in config.systems:
-        imb, costs, planner_s = [], [], []
+    # the ratios need static and the references: always run them (references last)
+    systems = [n for n in config.systems if n not in REFERENCES]
+    systems = (["static"] if "static" not in systems else []) + systems + list(REFERENCES)
+    for name in systems:
+        imb, costs, planner_s, balanced = [], [], [], []
         host: dict[str, list[float]] = {"host_s": [], "window_s": [], "charged_s": []}
-        planner = None if name == "ideal" else planner_factory(name, topo, cost)
+        planner = None if name in REFERENCES else planner_factory(name, topo, cost)
         for x in range(X):
             loads_MLSE = workload.loads_XMLSE[x]
             tokens_MS, pairs_MS = workload.tokens_XMS[x], workload.attn_pairs_XMS[x]
             measured = x >= config.warmup_steps
             if planner is None:
                 if measured:
-                    costs.append(cost.ideal_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
-                                                      tokens_MS, pairs_MS))
+                    if name == "bound":
+                        costs.append(bound_step_cost(cost, loads_MLSE, topo, tokens_MS, pairs_MS))
+                    else:
+                        costs.append(cost.uniform_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
+                                                            tokens_MS, pairs_MS))
                     imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
             else:
                 if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
@@ -242,12 +270,13 @@ def simulate(workload: Workload, config: SimConfig,
                                                 getattr(planner, "plan_latency_s", 0.0)))
                     imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
+                    balanced.append(balanced_at_own_bytes_s(cost, metrics, tokens_MS, pairs_MS))
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"))
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
-        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, **host)
+        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, balanced_s=balanced, **host)
     return SimResult(config, workload, results)
 
 
