@@ -1,0 +1,250 @@
+"""The five serving systems: their knobs, memory checks, and executors for the engine.
+
+=============== ===================================================================================
+system          what the model builds (``G`` GPUs, ``g`` GPUs per engine instance)
+=============== ===================================================================================
+colocated       ``G // g`` instances, each attention-DP + expert-parallel over ``g`` GPUs, serial
+                (prefill-priority) batching.
+chunked-prefill the same instances with mixed chunked-prefill iterations.
+pd-disagg       ``n_p`` prefill + ``n_d`` decode instances of ``g`` GPUs (``n_p + n_d = G // g``,
+                every integer split tried); a finished prefill sends its KV cache to the least
+                loaded decode instance over RDMA; both instance kinds hold the whole model.
+pd-colocate     ``G // g`` instances whose GPUs are split by a fixed SM share: prefill gets
+                ``s_p``, decode ``1 - s_p`` (Green Contexts). A partition of share ``s`` has
+                ``s`` of the compute and all of the HBM bandwidth, whether or not the other
+                partition has work (idle reserved SMs); each lane is
+                FIFO (head-of-line blocking).
+expertplex      ``n_ap`` prefill and ``n_ad`` decode attention GPUs, ``n_e`` shared expert GPUs
+                (one copy of the experts). Attention GPUs push dispatch data into and pull
+                results from the expert GPUs (attention-initiated: no communication kernel on
+                the expert side, no cross-phase blocking). Expert GPUs multiplex both phases at
+                tile granularity: per layer, decode takes the SM share at which its tiles
+                finish as its expert weights stream in (``decode_sm_share``) and waits at most one tile plus one check for
+                prefill tiles to yield; prefill runs on what decode leaves, both slowed by the
+                paper's measured APK overheads. ``replicas`` extra expert slots per expert GPU
+                (EPLB planned on a recent routing window) spread hot experts.
+=============== ===================================================================================
+
+The search may leave GPUs idle (``allow_idle``): then every configuration of ``G`` GPUs is
+also one of ``G + 1``, so goodput cannot fall when GPUs are added.
+
+Legend: G GPUs of the cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from .constants import ServingConstants
+from .cost import ServingCost, link_fractions
+from .engine import Engine, Executor
+from .routing import TileTable, build_tile_table, replicated_placement, static_placement
+from .tiles import decode_sm_share
+
+__all__ = ["SYSTEMS", "Cluster", "SystemConfig", "enumerate_configs", "build_engine"]
+
+SYSTEMS = ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill")
+COLOCATE_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7)
+REPLICA_CHOICES = (0, 2, 4)
+
+
+@dataclass
+class Cluster:
+    """The cluster, model cost and routing that every configuration is built on."""
+
+    num_gpus: int
+    gpus_per_node: int
+    cost: ServingCost
+    pi_LE: torch.Tensor  # routing popularity the requests are served with
+    recent_LE: torch.Tensor  # a recent routing window (replication is planned on it)
+    seed: int = 0
+    _tables: dict = field(default_factory=dict)
+
+    @property
+    def consts(self) -> ServingConstants:
+        return self.cost.c
+
+    @property
+    def num_nodes(self) -> int:
+        return math.ceil(self.num_gpus / self.gpus_per_node)
+
+    def table(self, expert_gpus: int, replicas: int = 0) -> TileTable:
+        key = (expert_gpus, replicas)
+        if key not in self._tables:
+            L, E = self.pi_LE.shape
+            slots = (static_placement(L, E, expert_gpus) if replicas == 0
+                     else replicated_placement(self.recent_LE, expert_gpus, replicas))
+            self._tables[key] = build_tile_table(self.pi_LE, slots, self.consts.tile_m, self.seed)
+        return self._tables[key]
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """One configuration of one system: ``knobs`` by name, and the GPUs it uses."""
+
+    system: str
+    knobs: tuple[tuple[str, float], ...]
+    gpus: int
+
+    def get(self, name: str):
+        return dict(self.knobs)[name]
+
+    def label(self) -> str:
+        return ", ".join(f"{k}={v:g}" for k, v in self.knobs)
+
+
+def _instance_kv(cl: Cluster, g: int) -> int:
+    c = cl.cost
+    return c.kv_capacity(g, c.expert_bytes_total() / g + c.attention_side_bytes())
+
+
+def _instance_sizes(cl: Cluster, need_kv: int) -> list[int]:
+    E = cl.cost.model.num_experts
+    sizes = [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= cl.num_gpus and E % g == 0]
+    return [g for g in sizes if _instance_kv(cl, g) >= need_kv]
+
+
+def enumerate_configs(system: str, cl: Cluster, need_kv: int, allow_idle: bool = False) -> list[SystemConfig]:
+    """Every configuration of ``system`` that fits in memory; ``need_kv`` is the largest
+    request's KV footprint (prompt + output tokens) an engine must hold."""
+    G, out = cl.num_gpus, []
+    counts = (lambda most: range(1, most + 1)) if allow_idle else (lambda most: [most] if most else [])
+    if system in ("colocated", "chunked-prefill", "pd-colocate"):
+        for g in _instance_sizes(cl, need_kv):
+            for n in counts(G // g):
+                shares = COLOCATE_SHARES if system == "pd-colocate" else (1.0,)
+                for s in shares:
+                    knobs = (("gpus_per_instance", g), ("instances", n))
+                    out.append(SystemConfig(system, knobs + ((("prefill_share", s),) if system == "pd-colocate"
+                                                             else ()), g * n))
+    elif system == "pd-disagg":
+        for g in _instance_sizes(cl, need_kv):
+            for n in counts(G // g):
+                for n_p in range(1, n):
+                    out.append(SystemConfig(system, (("gpus_per_instance", g), ("prefill_instances", n_p),
+                                                     ("decode_instances", n - n_p)), g * n))
+    elif system in ("expertplex", "expertplex-repl"):
+        c, E = cl.cost, cl.cost.model.num_experts
+        reps = REPLICA_CHOICES[1:] if system == "expertplex-repl" else (0,)
+        for n_e in (g for g in range(1, G - 1) if E % g == 0):
+            for r in reps:
+                slots = E // n_e + r
+                if c.expert_bytes_total() / E * slots > c.usable_bytes():
+                    continue
+                for n_ap in range(1, G - n_e):
+                    most_d = G - n_e - n_ap
+                    for n_ad in (range(1, most_d + 1) if allow_idle else [most_d]):
+                        if c.kv_capacity(n_ad, c.attention_side_bytes()) < need_kv:
+                            continue
+                        knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
+                                 ("decode_attention_gpus", n_ad)) + ((("replicas", r),) if r else ())
+                        out.append(SystemConfig(system, knobs, n_e + n_ap + n_ad))
+    else:
+        raise ValueError(f"--systems: unknown system {system!r}; allowed: {', '.join(SYSTEMS)}, expertplex-repl")
+    return out
+
+
+class _Instance:
+    """Prices iterations of ``g`` GPUs doing attention and experts, at an SM share."""
+
+    def __init__(self, cl: Cluster, g: int, share: float = 1.0):
+        self.cost, self.g, self.share = cl.cost, g, share
+        self.table = cl.table(g)
+        self.frac = link_fractions(g, cl.gpus_per_node)
+
+    def _t(self, tokens, pairs, kv_read, rows) -> float:
+        return self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac).total_s(self.share)
+
+    def prefill_s(self, tokens, pairs, kv_read, rows):
+        return self._t(tokens, pairs, kv_read, rows)
+
+    mixed_s = prefill_s
+
+    def decode_s(self, batch, context):
+        return self._t(batch, context, context, batch)
+
+
+class _ExpertPlex:
+    """Prices both phases of ExpertPlex; each side reads the other's state (see the module doc)."""
+
+    def __init__(self, cl: Cluster, n_e: int, n_ap: int, n_ad: int, replicas: int):
+        self.cost, self.c = cl.cost, cl.consts
+        self.n_e, self.n_ap, self.n_ad = n_e, n_ap, n_ad
+        self.table = cl.table(n_e, replicas)
+        nodes = cl.num_nodes
+        self.frac = (1.0 / nodes, 1.0 - 1.0 / nodes)
+        self.prefill_x: Executor | None = None
+        self.decode_x: Executor | None = None
+        self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
+
+    def prefill_s(self, tokens, pairs, kv_read, rows):
+        p = self.cost.parts(tokens, pairs, kv_read, rows, self.n_ap, self.table, self.n_e, self.frac)
+        occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
+        slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
+        return p.attn_s() + p.comm_s + slow * p.moe_s(max(1.0 - occ, 1e-3))
+
+    mixed_s = prefill_s
+
+    def decode_s(self, batch, context):
+        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac)
+        L = self.cost.model.num_moe_layers
+        if self.prefill_x is not None and self.prefill_x.prefilling:
+            share = decode_sm_share(p.moe_tiles, self.cost.tile_time_s, p.moe_memory_s / L, self.cost.num_sms)
+            wait = L * (self.cost.sm_tile_s + self.c.preempt_check_us * 1e-6)
+            moe = self.c.apk_decode_slowdown * p.moe_s(share) + wait
+        else:
+            share, moe = 1.0, p.moe_s()
+        step = p.attn_s() + p.comm_s + moe
+        self.occupancy = share * moe / step if step > 0 else 0.0
+        return step
+
+
+def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) -> Engine:
+    """An :class:`Engine` for ``cfg`` over the requests (fresh state every call)."""
+    c, k = cl.consts, dict(cfg.knobs)
+    common = dict(max_prefill_tokens=c.max_prefill_tokens, chunk_tokens=c.chunk_tokens)
+    run = c.max_running  # per attention-DP GPU (SGLang runs one scheduler per DP rank)
+    xs: list[Executor] = []
+    transfer = None
+    if cfg.system in ("colocated", "chunked-prefill"):
+        g = int(k["gpus_per_instance"])
+        mode = "serial" if cfg.system == "colocated" else "mixed"
+        for i in range(int(k["instances"])):
+            xs.append(Executor(f"i{i}", mode, _Instance(cl, g), kv_capacity=_instance_kv(cl, g),
+                               max_running=run * g, **common))
+    elif cfg.system == "pd-colocate":
+        g, s = int(k["gpus_per_instance"]), float(k["prefill_share"])
+        for i in range(int(k["instances"])):
+            p = Executor(f"p{i}", "prefill", _Instance(cl, g, s), kv_capacity=0, max_running=1, **common)
+            d = Executor(f"d{i}", "decode", _Instance(cl, g, 1.0 - s), kv_capacity=_instance_kv(cl, g),
+                         max_running=run * g, **common)
+            p.partner = d
+            xs += [p, d]
+    elif cfg.system == "pd-disagg":
+        g = int(k["gpus_per_instance"])
+        for i in range(int(k["prefill_instances"])):
+            xs.append(Executor(f"p{i}", "prefill", _Instance(cl, g), kv_capacity=0, max_running=1, **common))
+        for i in range(int(k["decode_instances"])):
+            xs.append(Executor(f"d{i}", "decode", _Instance(cl, g), kv_capacity=_instance_kv(cl, g),
+                               max_running=run * g, **common))
+        cross = cl.num_nodes > 1 or g > cl.gpus_per_node
+
+        def transfer(prompt, src, dst):  # one request's KV lives on one attention-DP GPU
+            return cl.cost.kv_transfer_s(prompt, cross)
+    else:  # expertplex, expertplex-repl
+        n_e, n_ap, n_ad = int(k["expert_gpus"]), int(k["prefill_attention_gpus"]), int(k["decode_attention_gpus"])
+        px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)))
+        p = Executor("p", "prefill", px, kv_capacity=0, max_running=1, **common)
+        d = Executor("d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
+                     max_running=run * n_ad, **common)
+        px.prefill_x, px.decode_x = p, d
+        p.listeners.append(d)  # decode's step price changes when prefill starts or stops
+        xs = [p, d]
+        cross = cl.num_nodes > 1
+
+        def transfer(prompt, src, dst):  # prefill attention GPU -> decode attention GPU
+            return cl.cost.kv_transfer_s(prompt, cross)
+    return Engine(arrival_N, prompt_N, output_N, xs, transfer)
