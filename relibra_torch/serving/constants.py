@@ -51,15 +51,22 @@ class ServingConstants:
             per-SM tile time (one tile, the other half of the bound) is computed.
         mem_fraction: fraction of HBM an engine gives to weights + KV cache: 0.85 (SGLang's
             ``mem_fraction_static`` default is 0.79-0.88 depending on TP size and GPU).
-        max_prefill_tokens: tokens per prefill batch: 16,384 (SGLang ``--max-prefill-tokens``
-            default).
-        chunk_tokens: token budget of one mixed (chunked-prefill) iteration: 8,192 (vLLM V1's
+        max_prefill_tokens: tokens per prefill batch per attention (data-parallel) GPU: 16,384
+            (SGLang ``--max-prefill-tokens`` default, per DP rank's scheduler).
+        chunk_tokens: token budget of one mixed (chunked-prefill) iteration per attention
+            GPU: 8,192 (vLLM V1's
             default ``max_num_batched_tokens`` for the API server on H100-class GPUs; SGLang's
             ``chunked_prefill_size`` default is 8,192 on 80-141 GB GPUs too).
         max_running: cap on concurrent decode requests per attention (data-parallel) GPU:
             1,024 (SGLang runs one scheduler per DP rank and derives ``max_running_requests``
             from its KV pool; 1,024 bounds it where the pool would allow more, as vLLM V1's
             ``max_num_seqs`` does for the API server on H100-class GPUs).
+        a2a_latency_us: the floor of one MoE layer's dispatch + combine, by EP size (GPUs the
+            tokens go to): DeepEP's low-latency kernels on H800 (README table, 128 tokens per
+            rank, 7168 hidden, top-8, FP8 dispatch, BF16 combine): dispatch 77 / 118 / 155 /
+            173 / 192 / 194 us and combine 114 / 195 / 273 / 314 / 369 / 360 us at EP 8 / 16 /
+            32 / 64 / 128 / 256. A layer's communication takes at least this (interpolated in
+            log EP size; EP < 8 uses the EP-8 figure), at most its bytes over the links.
         ttft_slo_s, tpot_slo_s: the paper's SLO for MiniMax-M2.7: TTFT 1 s, TPOT 50 ms.
         attainment: fraction of requests that must meet both SLOs: 0.9 (P90 goodput).
     """
@@ -79,6 +86,8 @@ class ServingConstants:
     max_prefill_tokens: int = 16384
     chunk_tokens: int = 8192
     max_running: int = 1024
+    a2a_latency_us: tuple[tuple[int, float], ...] = ((8, 191.0), (16, 313.0), (32, 428.0), (64, 487.0),
+                                                     (128, 561.0), (256, 554.0))
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.05
     attainment: float = 0.9
@@ -100,7 +109,7 @@ DEFAULT_CONSTANTS = ServingConstants()
 
 def override_constants(base: ServingConstants, pairs: dict[str, str]) -> ServingConstants:
     """``base`` with ``serving.FIELD=VALUE`` overrides (values parsed as the field's type)."""
-    types = {f.name: f.type for f in fields(ServingConstants)}
+    types = {f.name: f.type for f in fields(ServingConstants) if f.name != "a2a_latency_us"}
     changes = {}
     for key, raw in pairs.items():
         if key not in types:

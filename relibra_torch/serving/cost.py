@@ -19,7 +19,8 @@ ones, and ``P = R = context`` for a decode token. Experts of one MoE layer on ``
 GPUs: FLOPs ``= tiles * M_t * 6 D F`` (the slowest GPU's row tiles: tile-granular, not
 token-granular), bytes ``= active experts * 3 D F * wb`` plus the routed activations.
 Dispatch + combine move ``T * K * D * (dispatch_bytes + combine_bytes)`` per layer over
-NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths. One
+NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths, and take at
+least DeepEP's measured low-latency time for the EP size (``a2a_latency_us``). One
 iteration is the sum over layers (no overlap of attention, communication and experts:
 the engines' defaults run them in sequence), plus the LM head for the rows that sample.
 
@@ -109,6 +110,17 @@ class ServingCost:
         self.dense_params = 3 * D * m.dense_ffn
         self.lm_params = D * m.vocab_size
 
+    def a2a_floor_s(self, ep: int) -> float:
+        """The per-layer dispatch + combine latency floor at EP size ``ep`` (see constants)."""
+        pts = self.c.a2a_latency_us
+        if ep <= pts[0][0]:
+            return pts[0][1] * 1e-6
+        for (e0, t0), (e1, t1) in zip(pts, pts[1:]):
+            if ep <= e1:
+                w = math.log(ep / e0) / math.log(e1 / e0)
+                return (t0 + w * (t1 - t0)) * 1e-6
+        return pts[-1][1] * 1e-6
+
     # --- memory ---------------------------------------------------------------------------
     def expert_bytes_total(self) -> float:
         m = self.model
@@ -169,7 +181,8 @@ class ServingCost:
                                         m.num_dense_layers))
         wire = t_gpu * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes)
         intra, inter = fractions
-        comm = max(wire * intra / self.nvlink, wire * inter / self.rdma)
+        comm = (max(wire * intra / self.nvlink, wire * inter / self.rdma, self.a2a_floor_s(expert_gpus))
+                if intra + inter > 0 else 0.0)  # one GPU doing everything: no all-to-all
         tiles = table.tiles(tokens)
         routed_bytes = tokens * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes) / expert_gpus
         moe_c = tiles * self.tile_time_s

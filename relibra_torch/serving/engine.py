@@ -40,6 +40,10 @@ MAX_MACRO = 32  # decode steps merged at most (bounds the context-midpoint appro
 _ARRIVE, _DONE, _JOIN = 0, 1, 2
 
 
+class _Aborted(Exception):
+    """Raised inside the event loop when the SLO miss budget is exceeded."""
+
+
 class Executor:
     """One scheduler over its GPUs; ``pricer`` prices its iterations (see the module doc).
 
@@ -116,7 +120,7 @@ class Executor:
             for r in self.work[1]:
                 self._prefilled(t, r)
         else:  # mixed: one decode step for the batch, then the chunks
-            self._advance(t, 1, batch=self.work[2])
+            self._advance(t, 1)
             for r, c in self.work[1]:
                 e.prefilled[r] += c
                 if e.prefilled[r] == e.prompt[r]:
@@ -145,18 +149,20 @@ class Executor:
         else:
             self.batch = np.append(self.batch, r)
 
-    def _advance(self, t: float, n: int, batch: np.ndarray | None = None) -> None:
+    def _advance(self, t: float, n: int) -> None:
         e = self.engine
-        ids = self.batch if batch is None else batch
+        ids = self.batch
         if not len(ids):
             return
-        e.generated[ids] += n
-        gone = ids[e.generated[ids] >= e.output[ids]]
-        if len(gone):
+        gen = e.generated[ids] + n
+        e.generated[ids] = gen
+        left = gen < e.output[ids]
+        if not left.all():
+            gone = ids[~left]
             for r in gone.tolist():
                 e.finish_request(t, r)
             self.reserved -= int((e.prompt[gone] + e.output[gone]).sum())
-            self.batch = self.batch[~np.isin(self.batch, gone)]
+            self.batch = ids[left]
 
     def _admit(self) -> None:
         added = []
@@ -226,7 +232,7 @@ class Executor:
                 dt = self.pricer.mixed_s(int(c.sum()) + len(self.batch),
                                          float((c * done + c * (c + 1) / 2).sum()) + ctx,
                                          float(done.sum()) + ctx, last + len(self.batch))
-                self.work = ("mixed", chunks, self.batch.copy())
+                self.work = ("mixed", chunks)
         if self.work is None and len(self.batch):
             rem = e.output[self.batch] - e.generated[self.batch]
             n = int(min(int(rem.min()), MAX_MACRO))
@@ -264,6 +270,10 @@ class Engine:
         for x in executors:
             x.engine = self
         self.transfer_s = transfer_s or (lambda p, src, dst: 0.0)
+        self.slo = None  # (ttft_s, tpot_s) when stop_after_misses is used
+        self.missed = np.zeros(n, dtype=bool)
+        self.misses, self.miss_budget = 0, n
+        self.aborted = False
         self._heap: list = []
         self._seq = 0
         self.events = 0
@@ -275,6 +285,14 @@ class Engine:
     def finish_request(self, t: float, r: int) -> None:
         self.finish[r] = t
         self.finished_count[r] += 1
+        if self.slo is not None and not self.missed[r]:
+            out = self.output[r]
+            tpot = (t - self.first[r]) / (out - 1) if out > 1 else 0.0
+            if self.first[r] - self.arrival[r] > self.slo[0] or tpot > self.slo[1]:
+                self.missed[r] = True
+                self.misses += 1
+                if self.misses > self.miss_budget:
+                    raise _Aborted
 
     def hand_off(self, t: float, src: Executor, r: int) -> None:
         dst = src.partner
@@ -286,7 +304,18 @@ class Engine:
     def _fp(self, r: int) -> int:
         return int(self.prompt[r] + self.output[r])
 
+    def stop_after_misses(self, ttft_s: float, tpot_s: float, budget: int) -> None:
+        """Stop the run once more than ``budget`` requests have missed the SLO (then the
+        attainment is known to be below ``1 - budget / N``; ``aborted`` is set)."""
+        self.slo, self.miss_budget = (ttft_s, tpot_s), budget
+
     def run(self, max_events: int = 50_000_000) -> None:
+        try:
+            self._run(max_events)
+        except _Aborted:
+            self.aborted = True
+
+    def _run(self, max_events: int) -> None:
         for r, t in enumerate(self.arrival.tolist()):
             self.push(t, _ARRIVE, None, r)
         heap = self._heap

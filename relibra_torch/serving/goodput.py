@@ -31,23 +31,35 @@ class RunMetrics:
     tpot_N: np.ndarray
     attainment: float
     events: int
+    aborted: bool = False
 
     def percentiles(self, qs=(50, 90, 99)) -> dict:
         return {f"ttft_p{q}_s": float(np.percentile(self.ttft_N, q)) for q in qs} | \
                {f"tpot_p{q}_s": float(np.percentile(self.tpot_N, q)) for q in qs}
 
 
-def run_config(cfg: SystemConfig, cl: Cluster, reqs: Requests) -> RunMetrics:
-    """Simulate ``reqs`` on ``cfg`` and score them against the cluster's SLO."""
+def run_config(cfg: SystemConfig, cl: Cluster, reqs: Requests, early_stop: bool = False) -> RunMetrics:
+    """Simulate ``reqs`` on ``cfg`` and score them against the cluster's SLO.
+
+    With ``early_stop`` the run ends as soon as too many requests missed the SLO for the
+    attainment target to be met; the returned attainment is then an upper bound below the
+    target (``aborted`` runs are never used for percentiles or plots).
+    """
+    c = cl.consts
     eng = build_engine(cfg, cl, reqs.arrival_N, reqs.prompt_N, reqs.output_N)
+    n = len(reqs)
+    if early_stop:
+        eng.stop_after_misses(c.ttft_slo_s, c.tpot_slo_s, int(math.floor((1 - c.attainment) * n + 1e-9)))
     eng.run()
+    if eng.aborted:
+        # stopped early: attainment is at most this (below the target)
+        return RunMetrics(reqs.rate, np.empty(0), np.empty(0), 1.0 - (eng.misses / n), eng.events, True)
     if np.any(eng.finished_count != 1) or np.any(eng.generated != reqs.output_N):
         raise RuntimeError(f"{cfg.system} ({cfg.label()}): a request did not finish exactly once with all "
                            f"its tokens (engine bug)")
     ttft = eng.first - reqs.arrival_N
     out = reqs.output_N
     tpot = np.where(out > 1, (eng.finish - eng.first) / np.maximum(out - 1, 1), 0.0)
-    c = cl.consts
     ok = (ttft <= c.ttft_slo_s + 1e-12) & (tpot <= c.tpot_slo_s + 1e-12)
     return RunMetrics(reqs.rate, ttft, tpot, float(ok.mean()), eng.events)
 
@@ -60,22 +72,23 @@ class Goodput:
     rate: float  # req/s, 0 when even the slowest rate tried fails
     scale: float
     metrics: RunMetrics | None
-    points: list[tuple[float, float]] = field(default_factory=list)
+    points: list[tuple[float, float, bool]] = field(default_factory=list)  # (rate, attainment, exact)
 
 
-def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, iters: int = 6, max_doublings: int = 8) -> Goodput:
-    """Bisection over the arrival-scale factor (see the module doc)."""
+def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, iters: int = 5, max_doublings: int = 12,
+            start: float = 1.0) -> Goodput:
+    """Bisection over the arrival-scale factor (see the module doc), from ``start``."""
     target = cl.consts.attainment
     points, runs = [], {}
 
     def att(scale: float) -> float:
-        m = run_config(cfg, cl, reqs.scaled(scale))
+        m = run_config(cfg, cl, reqs.scaled(scale), early_stop=True)
         runs[scale] = m
-        points.append((m.rate, m.attainment))
+        points.append((m.rate, m.attainment, not m.aborted))
         return m.attainment
 
-    lo = hi = 1.0
-    if att(1.0) >= target:
+    lo = hi = start
+    if att(start) >= target:
         for _ in range(max_doublings):
             hi *= 2
             if att(hi) < target:
@@ -100,17 +113,26 @@ def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, iters: int = 6, max_
     return Goodput(cfg, runs[lo].rate, lo, runs[lo], sorted(points))
 
 
-def best_config(configs: list[SystemConfig], cl: Cluster, reqs: Requests, screen: int = 3,
-                iters: int = 6) -> tuple[Goodput | None, list[Goodput]]:
-    """The configuration with the highest goodput.
+def best_config(configs: list[SystemConfig], cl: Cluster, reqs: Requests, iters: int = 5) -> Goodput | None:
+    """The configuration with the highest goodput (branch and bound over the list).
 
-    All configurations are screened with a coarse bisection (2 halvings), the ``screen``
-    best are refined with ``iters`` halvings. Ties go to fewer GPUs, then to the listed order.
+    The first configuration gets a full bisection; every other one is first run once at the
+    best goodput so far: a configuration that misses the attainment target there cannot be
+    better (attainment falls with rate) and costs one, usually early-stopped, run; one that
+    meets it is bisected upwards from there. Ties keep the earlier configuration.
     """
-    if not configs:
-        return None, []
-    coarse = [goodput(cfg, cl, reqs, iters=2) for cfg in configs]
-    order = sorted(range(len(coarse)), key=lambda i: (-coarse[i].rate, configs[i].gpus, i))
-    fine = [goodput(configs[i], cl, reqs, iters=iters) for i in order[:screen]]
-    best = max(fine, key=lambda g: (g.rate, -g.config.gpus))
-    return best, coarse
+    best: Goodput | None = None
+    target = cl.consts.attainment
+    for cfg in configs:
+        if best is None or best.rate == 0.0:
+            g = goodput(cfg, cl, reqs, iters=iters)
+            if best is None or g.rate > best.rate:
+                best = g
+            continue
+        probe = best.scale * (1 + 2.0 ** -iters)  # beat the best by more than the bisection's resolution
+        m = run_config(cfg, cl, reqs.scaled(probe), early_stop=True)
+        if m.attainment >= target:
+            g = goodput(cfg, cl, reqs, iters=iters, start=probe)
+            if g.rate > best.rate:
+                best = g
+    return best

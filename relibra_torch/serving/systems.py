@@ -139,9 +139,11 @@ def enumerate_configs(system: str, cl: Cluster, need_kv: int, allow_idle: bool =
                     for n_ad in (range(1, most_d + 1) if allow_idle else [most_d]):
                         if c.kv_capacity(n_ad, c.attention_side_bytes()) < need_kv:
                             continue
-                        knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
-                                 ("decode_attention_gpus", n_ad)) + ((("replicas", r),) if r else ())
-                        out.append(SystemConfig(system, knobs, n_e + n_ap + n_ad))
+                        for near in (1, 0):
+                            knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
+                                     ("decode_attention_gpus", n_ad), ("prefill_near_experts", near)) \
+                                + ((("replicas", r),) if r else ())
+                            out.append(SystemConfig(system, knobs, n_e + n_ap + n_ad))
     else:
         raise ValueError(f"--systems: unknown system {system!r}; allowed: {', '.join(SYSTEMS)}, expertplex-repl")
     return out
@@ -167,31 +169,53 @@ class _Instance:
         return self._t(batch, context, context, batch)
 
 
-class _ExpertPlex:
-    """Prices both phases of ExpertPlex; each side reads the other's state (see the module doc)."""
+def _fractions(src: range, dst: range, gpus_per_node: int) -> tuple[float, float]:
+    """(NVLink, RDMA) fractions of traffic from each ``src`` GPU spread evenly over ``dst``."""
+    same = sum(sum(1 for d in dst if d // gpus_per_node == s // gpus_per_node) for s in src)
+    intra = same / (len(src) * len(dst))
+    return intra, 1.0 - intra
 
-    def __init__(self, cl: Cluster, n_e: int, n_ap: int, n_ad: int, replicas: int):
+
+class _ExpertPlex:
+    """Prices both phases of ExpertPlex; each side reads the other's state (see the module doc).
+
+    Every prefill attention GPU schedules its own batches (attention-initiated communication
+    needs no collective, so they do not step together); the prefill batches in flight share
+    the expert GPUs' compute equally. The decode attention GPUs step together as one batch.
+    """
+
+    def __init__(self, cl: Cluster, n_e: int, n_ap: int, n_ad: int, replicas: int, prefill_near: bool):
         self.cost, self.c = cl.cost, cl.consts
         self.n_e, self.n_ap, self.n_ad = n_e, n_ap, n_ad
         self.table = cl.table(n_e, replicas)
-        nodes = cl.num_nodes
-        self.frac = (1.0 / nodes, 1.0 - 1.0 / nodes)
-        self.prefill_x: Executor | None = None
+        # GPUs are numbered node by node: expert GPUs first, then the phase placed near them
+        gpn = cl.gpus_per_node
+        experts = range(n_e)
+        first, second = (n_ap, n_ad) if prefill_near else (n_ad, n_ap)
+        a = range(n_e, n_e + first)
+        b = range(n_e + first, n_e + first + second)
+        pre, dec = (a, b) if prefill_near else (b, a)
+        self.prefill_frac = _fractions(pre, experts, gpn)
+        self.frac = _fractions(dec, experts, gpn)
+        self.prefill_nodes = [g // gpn for g in pre]
+        self.decode_node = dec[0] // gpn
+        self.prefill_xs: list[Executor] = []
         self.decode_x: Executor | None = None
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
 
     def prefill_s(self, tokens, pairs, kv_read, rows):
-        p = self.cost.parts(tokens, pairs, kv_read, rows, self.n_ap, self.table, self.n_e, self.frac)
+        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_frac)
         occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
         slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
-        return p.attn_s() + p.comm_s + slow * p.moe_s(max(1.0 - occ, 1e-3))
+        sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
+        return p.attn_s() + p.comm_s + slow * p.moe_s(max(1.0 - occ, 1e-3) / sharing)
 
     mixed_s = prefill_s
 
     def decode_s(self, batch, context):
         p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac)
         L = self.cost.model.num_moe_layers
-        if self.prefill_x is not None and self.prefill_x.prefilling:
+        if any(x.prefilling for x in self.prefill_xs):
             share = decode_sm_share(p.moe_tiles, self.cost.tile_time_s, p.moe_memory_s / L, self.cost.num_sms)
             wait = L * (self.cost.sm_tile_s + self.c.preempt_check_us * 1e-6)
             moe = self.c.apk_decode_slowdown * p.moe_s(share) + wait
@@ -205,46 +229,51 @@ class _ExpertPlex:
 def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) -> Engine:
     """An :class:`Engine` for ``cfg`` over the requests (fresh state every call)."""
     c, k = cl.consts, dict(cfg.knobs)
-    common = dict(max_prefill_tokens=c.max_prefill_tokens, chunk_tokens=c.chunk_tokens)
-    run = c.max_running  # per attention-DP GPU (SGLang runs one scheduler per DP rank)
     xs: list[Executor] = []
     transfer = None
+
+    def lim(g):  # the engines' batch limits are per attention-DP GPU (one scheduler per DP rank)
+        return dict(max_prefill_tokens=c.max_prefill_tokens * g, chunk_tokens=c.chunk_tokens * g)
+
     if cfg.system in ("colocated", "chunked-prefill"):
         g = int(k["gpus_per_instance"])
         mode = "serial" if cfg.system == "colocated" else "mixed"
         for i in range(int(k["instances"])):
             xs.append(Executor(f"i{i}", mode, _Instance(cl, g), kv_capacity=_instance_kv(cl, g),
-                               max_running=run * g, **common))
+                               max_running=c.max_running * g, **lim(g)))
     elif cfg.system == "pd-colocate":
         g, s = int(k["gpus_per_instance"]), float(k["prefill_share"])
         for i in range(int(k["instances"])):
-            p = Executor(f"p{i}", "prefill", _Instance(cl, g, s), kv_capacity=0, max_running=1, **common)
+            p = Executor(f"p{i}", "prefill", _Instance(cl, g, s), kv_capacity=0, max_running=1, **lim(g))
             d = Executor(f"d{i}", "decode", _Instance(cl, g, 1.0 - s), kv_capacity=_instance_kv(cl, g),
-                         max_running=run * g, **common)
+                         max_running=c.max_running * g, **lim(g))
             p.partner = d
             xs += [p, d]
     elif cfg.system == "pd-disagg":
         g = int(k["gpus_per_instance"])
         for i in range(int(k["prefill_instances"])):
-            xs.append(Executor(f"p{i}", "prefill", _Instance(cl, g), kv_capacity=0, max_running=1, **common))
+            xs.append(Executor(f"p{i}", "prefill", _Instance(cl, g), kv_capacity=0, max_running=1,
+                               node=i * g // cl.gpus_per_node, **lim(g)))
+        n_p = int(k["prefill_instances"])
         for i in range(int(k["decode_instances"])):
             xs.append(Executor(f"d{i}", "decode", _Instance(cl, g), kv_capacity=_instance_kv(cl, g),
-                               max_running=run * g, **common))
-        cross = cl.num_nodes > 1 or g > cl.gpus_per_node
+                               max_running=c.max_running * g, node=(n_p + i) * g // cl.gpus_per_node, **lim(g)))
+        spans = g > cl.gpus_per_node
 
         def transfer(prompt, src, dst):  # one request's KV lives on one attention-DP GPU
-            return cl.cost.kv_transfer_s(prompt, cross)
+            return cl.cost.kv_transfer_s(prompt, spans or src.node != dst.node)
     else:  # expertplex, expertplex-repl
         n_e, n_ap, n_ad = int(k["expert_gpus"]), int(k["prefill_attention_gpus"]), int(k["decode_attention_gpus"])
-        px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)))
-        p = Executor("p", "prefill", px, kv_capacity=0, max_running=1, **common)
+        px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)), bool(k["prefill_near_experts"]))
         d = Executor("d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
-                     max_running=run * n_ad, **common)
-        px.prefill_x, px.decode_x = p, d
-        p.listeners.append(d)  # decode's step price changes when prefill starts or stops
-        xs = [p, d]
-        cross = cl.num_nodes > 1
-
+                     max_running=c.max_running * n_ad, node=px.decode_node, **lim(n_ad))
+        for i in range(n_ap):
+            p = Executor(f"p{i}", "prefill", px, kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
+            p.listeners.append(d)  # decode's step price changes when prefill starts or stops
+            px.prefill_xs.append(p)
+            xs.append(p)
+        px.decode_x = d
+        xs.append(d)
         def transfer(prompt, src, dst):  # prefill attention GPU -> decode attention GPU
-            return cl.cost.kv_transfer_s(prompt, cross)
+            return cl.cost.kv_transfer_s(prompt, src.node != dst.node)
     return Engine(arrival_N, prompt_N, output_N, xs, transfer)
