@@ -45,7 +45,6 @@ class CompareSetup:
     tile_time_source: str = "roofline (M_t x 6 D F FLOPs at the FP8 rate)"
     allow_idle: bool = False
     seed: int = 0
-    iters: int = 5
 
 
 def recent_window(pi_LE: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
@@ -68,7 +67,7 @@ def compare(setup: CompareSetup, progress=None) -> dict:
     results = {}
     for i, system in enumerate(setup.systems):
         configs = enumerate_configs(system, cl, need, allow_idle=setup.allow_idle)
-        best = best_config(configs, cl, reqs, iters=setup.iters)
+        best = best_config(configs, cl, reqs)
         results[system] = _system_doc(system, best, configs, cl, setup)
         if progress:
             progress(system, i + 1, len(setup.systems))

@@ -67,6 +67,7 @@ class ServingConstants:
             173 / 192 / 194 us and combine 114 / 195 / 273 / 314 / 369 / 360 us at EP 8 / 16 /
             32 / 64 / 128 / 256. A layer's communication takes at least this (interpolated in
             log EP size; EP < 8 uses the EP-8 figure), at most its bytes over the links.
+        a2a_floor: multiplier of that floor (1; 0 turns it off, to measure what it does).
         ttft_slo_s, tpot_slo_s: the paper's SLO for MiniMax-M2.7: TTFT 1 s, TPOT 50 ms.
         attainment: fraction of requests that must meet both SLOs: 0.9 (P90 goodput).
     """
@@ -88,6 +89,7 @@ class ServingConstants:
     max_running: int = 1024
     a2a_latency_us: tuple[tuple[int, float], ...] = ((8, 191.0), (16, 313.0), (32, 428.0), (64, 487.0),
                                                      (128, 561.0), (256, 554.0))
+    a2a_floor: float = 1.0
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.05
     attainment: float = 0.9
@@ -100,6 +102,7 @@ class ServingConstants:
         for f in ("apk_decode_slowdown", "apk_prefill_slowdown"):
             check_number(f"serving.{f}", getattr(self, f), 1)
         check_number("serving.preempt_check_us", self.preempt_check_us, 0)
+        check_number("serving.a2a_floor", self.a2a_floor, 0)
         for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running"):
             check_int(f"serving.{f}", getattr(self, f))
 

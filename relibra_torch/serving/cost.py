@@ -54,19 +54,31 @@ class Parts:
     """
 
     attn: tuple[tuple[float, float], ...]
-    comm_s: float
+    comm_bytes_s: float
+    comm_floor_s: float
     moe_compute_s: float
     moe_memory_s: float
     moe_tiles: float
 
-    def attn_s(self, share: float = 1.0) -> float:
-        return sum(max(c / share, m) for c, m in self.attn)
+    @property
+    def comm_s(self) -> float:
+        return max(self.comm_bytes_s, self.comm_floor_s)
 
-    def moe_s(self, share: float = 1.0) -> float:
-        return max(self.moe_compute_s / share, self.moe_memory_s)
+    def attn_s(self, share: float = 1.0, mem: float = 1.0) -> float:
+        return sum(max(c / share, m * mem) for c, m in self.attn)
 
-    def total_s(self, share: float = 1.0) -> float:
-        return self.attn_s(share) + self.comm_s + self.moe_s(share)
+    def moe_s(self, share: float = 1.0, mem: float = 1.0) -> float:
+        return max(self.moe_compute_s / share, self.moe_memory_s * mem)
+
+    def total_s(self, share: float = 1.0, mem: float = 1.0, link: float = 1.0) -> float:
+        """At SM share ``share``, with memory and link times stretched by ``mem`` / ``link``
+        (contention from a concurrent partition)."""
+        return (self.attn_s(share, mem) + max(self.comm_bytes_s * link, self.comm_floor_s)
+                + self.moe_s(share, mem))
+
+    def memory_s(self) -> float:
+        """Seconds the iteration keeps HBM busy (its memory-bound time)."""
+        return sum(m for _, m in self.attn) + self.moe_memory_s
 
 
 def link_fractions(num_gpus: int, gpus_per_node: int) -> tuple[float, float]:
@@ -112,14 +124,14 @@ class ServingCost:
 
     def a2a_floor_s(self, ep: int) -> float:
         """The per-layer dispatch + combine latency floor at EP size ``ep`` (see constants)."""
-        pts = self.c.a2a_latency_us
+        pts, k = self.c.a2a_latency_us, self.c.a2a_floor * 1e-6
         if ep <= pts[0][0]:
-            return pts[0][1] * 1e-6
+            return pts[0][1] * k
         for (e0, t0), (e1, t1) in zip(pts, pts[1:]):
             if ep <= e1:
                 w = math.log(ep / e0) / math.log(e1 / e0)
-                return (t0 + w * (t1 - t0)) * 1e-6
-        return pts[-1][1] * 1e-6
+                return (t0 + w * (t1 - t0)) * k
+        return pts[-1][1] * k
 
     # --- memory ---------------------------------------------------------------------------
     def expert_bytes_total(self) -> float:
@@ -166,7 +178,7 @@ class ServingCost:
         """
         m, c = self.model, self.c
         if tokens <= 0:
-            return Parts((), 0.0, 0.0, 0.0, 0.0)
+            return Parts((), 0.0, 0.0, 0.0, 0.0, 0.0)
         t_gpu = tokens / attn_gpus
         wb = c.weight_bytes
         kernels = [self._kernel(2 * self.proj * t_gpu, self.attn_pair_flops * pairs / attn_gpus,
@@ -181,14 +193,15 @@ class ServingCost:
                                         m.num_dense_layers))
         wire = t_gpu * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes)
         intra, inter = fractions
-        comm = (max(wire * intra / self.nvlink, wire * inter / self.rdma, self.a2a_floor_s(expert_gpus))
-                if intra + inter > 0 else 0.0)  # one GPU doing everything: no all-to-all
+        alone = intra + inter == 0  # one GPU doing everything: no all-to-all
+        comm = 0.0 if alone else max(wire * intra / self.nvlink, wire * inter / self.rdma)
+        floor = 0.0 if alone else self.a2a_floor_s(expert_gpus)
         tiles = table.tiles(tokens)
         routed_bytes = tokens * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes) / expert_gpus
         moe_c = tiles * self.tile_time_s
         moe_m = (table.active(tokens) * self.expert_params * wb + routed_bytes) / self.bw
         L = m.num_moe_layers
-        return Parts(tuple(kernels), L * comm, L * moe_c, L * moe_m, tiles)
+        return Parts(tuple(kernels), L * comm, L * floor, L * moe_c, L * moe_m, tiles)
 
 
 def prefill_pairs(prompt: int, done: int, chunk: int) -> float:

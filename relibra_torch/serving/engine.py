@@ -104,7 +104,8 @@ class Executor:
         if not self.decoding:
             return
         _, t0, dt, n = self.work
-        k = min(n, int(math.floor((t - t0) / dt + 1e-9)) + 1)
+        # the step in progress at t completes (at a step boundary, none is in progress)
+        k = min(n, max(1, int(math.ceil((t - t0) / dt - 1e-9))))
         if k < n:
             self.busy_time -= (n - k) * dt
             self.work = ("decode", t0, dt, k)

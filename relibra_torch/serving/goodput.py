@@ -2,9 +2,9 @@
 
 For a real trace the rate is changed by dividing every inter-arrival time by a scale factor
 (``Requests.scaled``); goodput is found by bisection over that factor (attainment falls as
-the rate rises): first doubling or halving from 1 until the attainment target is passed and
-failed, then ``iters`` halvings of the interval between them in log space. Each system's
-configurations are searched the same way and the best one reported.
+the rate rises) on the grid ``2 ** (k / 32)``: first doubling or halving from 1 until the
+attainment target is passed and failed, then bisection of the integer interval. Each
+system's configurations are searched the same way and the best one reported.
 
 Legend: N requests.
 """
@@ -73,66 +73,83 @@ class Goodput:
     scale: float
     metrics: RunMetrics | None
     points: list[tuple[float, float, bool]] = field(default_factory=list)  # (rate, attainment, exact)
+    k: int = 0  # grid index of the scale (2 ** (k / 32))
 
 
-def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, iters: int = 5, max_doublings: int = 12,
-            start: float = 1.0) -> Goodput:
-    """Bisection over the arrival-scale factor (see the module doc), from ``start``."""
+STEPS_PER_DOUBLING = 32  # the scale grid: 2 ** (k / 32), k an integer (2.2% apart)
+
+
+def _scale(k: int) -> float:
+    return 2.0 ** (k / STEPS_PER_DOUBLING)
+
+
+def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, start_k: int = 0, max_doublings: int = 12) -> Goodput:
+    """The highest grid scale ``2 ** (k / 32)`` whose run meets the attainment target.
+
+    From ``k = start_k``: double (``k += 32``) or halve until the target is passed and failed,
+    then bisect the integer interval. The scale grid makes the result independent of the
+    search path when attainment falls with rate, so configurations and settings compare
+    exactly (``runs`` of one configuration are cached by ``k``).
+    """
     target = cl.consts.attainment
     points, runs = [], {}
 
-    def att(scale: float) -> float:
-        m = run_config(cfg, cl, reqs.scaled(scale), early_stop=True)
-        runs[scale] = m
-        points.append((m.rate, m.attainment, not m.aborted))
-        return m.attainment
+    def ok(k: int) -> bool:
+        if k not in runs:
+            m = run_config(cfg, cl, reqs.scaled(_scale(k)), early_stop=True)
+            runs[k] = m
+            points.append((m.rate, m.attainment, not m.aborted))
+        return runs[k].attainment >= target
 
-    lo = hi = start
-    if att(start) >= target:
+    step = STEPS_PER_DOUBLING
+    lo = hi = start_k
+    if ok(start_k):
         for _ in range(max_doublings):
-            hi *= 2
-            if att(hi) < target:
+            hi += step
+            if not ok(hi):
                 break
             lo = hi
         else:
-            return Goodput(cfg, runs[lo].rate, lo, runs[lo], sorted(points))
+            return Goodput(cfg, runs[lo].rate, _scale(lo), runs[lo], sorted(points))
     else:
         for _ in range(max_doublings):
-            lo /= 2
-            if att(lo) >= target:
+            lo -= step
+            if ok(lo):
                 break
             hi = lo
         else:
             return Goodput(cfg, 0.0, 0.0, None, sorted(points))
-    for _ in range(iters):
-        mid = math.sqrt(lo * hi)
-        if att(mid) >= target:
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if ok(mid):
             lo = mid
         else:
             hi = mid
-    return Goodput(cfg, runs[lo].rate, lo, runs[lo], sorted(points))
+    g = Goodput(cfg, runs[lo].rate, _scale(lo), runs[lo], sorted(points))
+    g.k = lo
+    return g
 
 
-def best_config(configs: list[SystemConfig], cl: Cluster, reqs: Requests, iters: int = 5) -> Goodput | None:
+def best_config(configs: list[SystemConfig], cl: Cluster, reqs: Requests) -> Goodput | None:
     """The configuration with the highest goodput (branch and bound over the list).
 
-    The first configuration gets a full bisection; every other one is first run once at the
-    best goodput so far: a configuration that misses the attainment target there cannot be
-    better (attainment falls with rate) and costs one, usually early-stopped, run; one that
-    meets it is bisected upwards from there. Ties keep the earlier configuration.
+    The first configuration gets a full search; every other one is first run once one grid
+    step above the best so far: one that misses the target there cannot be better (when
+    attainment falls with rate) and costs one, usually early-stopped, run; one that meets it
+    is searched upwards from there. Ties keep the earlier configuration.
     """
     best: Goodput | None = None
     target = cl.consts.attainment
     for cfg in configs:
         if best is None or best.rate == 0.0:
-            g = goodput(cfg, cl, reqs, iters=iters)
+            g = goodput(cfg, cl, reqs)
             if best is None or g.rate > best.rate:
                 best = g
             continue
-        probe = best.scale * (1 + 2.0 ** -iters)  # beat the best by more than the bisection's resolution
-        m = run_config(cfg, cl, reqs.scaled(probe), early_stop=True)
+        probe = best.k + 1
+        m = run_config(cfg, cl, reqs.scaled(_scale(probe)), early_stop=True)
         if m.attainment >= target:
-            g = goodput(cfg, cl, reqs, iters=iters, start=probe)
+            g = goodput(cfg, cl, reqs, start_k=probe)
             if g.rate > best.rate:
                 best = g
     return best

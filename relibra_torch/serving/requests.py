@@ -108,13 +108,14 @@ def _length(path: str, where: str, column: str, raw) -> int:
     return int(value)
 
 
-def _finish(path: str, times: list[float], prompt: list[int], output: list[int], label: str) -> Requests:
+def _finish(path: str, times: list[float], prompt: list[int], output: list[int], label: str,
+            where: list[str]) -> Requests:
     if not times:
         raise _fail(path, "", "the file holds no requests; allowed: at least one data row")
     t = np.asarray(times, dtype=np.float64)
     bad = np.flatnonzero(np.diff(t) < 0)
     if bad.size:
-        raise _fail(path, f" row {int(bad[0]) + 2}", "its time is earlier than the previous row's; "
+        raise _fail(path, where[int(bad[0]) + 1], "its time is earlier than the previous row's; "
                     "allowed: rows sorted by time (sort the file)")
     return Requests(t - t[0], np.asarray(prompt, dtype=np.int64), np.asarray(output, dtype=np.int64), label)
 
@@ -123,7 +124,7 @@ def read_azure_csv(path: str) -> Requests:
     """An Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--trace {path!r} does not exist")
-    times, prompt, output = [], [], []
+    times, prompt, output, rows = [], [], [], []
     with open(path, newline="", encoding="utf-8") as fh:
         reader = csv.DictReader(fh)
         if reader.fieldnames is None:
@@ -134,6 +135,7 @@ def read_azure_csv(path: str) -> Requests:
                         + ",".join(AZURE_COLUMNS))
         for i, row in enumerate(reader):
             where = f" row {i + 2}"
+            rows.append(where)
             stamp = (row["TIMESTAMP"] or "").strip()
             try:
                 # Azure stamps carry 7 fractional digits; Python parses at most 6.
@@ -144,19 +146,20 @@ def read_azure_csv(path: str) -> Requests:
             times.append(t)
             prompt.append(_length(path, where, "ContextTokens", row["ContextTokens"]))
             output.append(_length(path, where, "GeneratedTokens", row["GeneratedTokens"]))
-    return _finish(path, times, prompt, output, f"azure:{os.path.basename(path)}")
+    return _finish(path, times, prompt, output, f"azure:{os.path.basename(path)}", rows)
 
 
 def read_mooncake_jsonl(path: str) -> Requests:
     """A Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"--trace {path!r} does not exist")
-    times, prompt, output = [], [], []
+    times, prompt, output, rows = [], [], [], []
     with open(path, encoding="utf-8") as fh:
         for i, line in enumerate(fh):
             if not line.strip():
                 continue
             where = f" line {i + 1}"
+            rows.append(where)
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -174,7 +177,7 @@ def read_mooncake_jsonl(path: str) -> Requests:
             times.append(t)
             prompt.append(_length(path, where, "input_length", obj["input_length"]))
             output.append(_length(path, where, "output_length", obj["output_length"]))
-    return _finish(path, times, prompt, output, f"mooncake:{os.path.basename(path)}")
+    return _finish(path, times, prompt, output, f"mooncake:{os.path.basename(path)}", rows)
 
 
 def load_trace(path: str) -> Requests:

@@ -150,15 +150,31 @@ def enumerate_configs(system: str, cl: Cluster, need_kv: int, allow_idle: bool =
 
 
 class _Instance:
-    """Prices iterations of ``g`` GPUs doing attention and experts, at an SM share."""
+    """Prices iterations of ``g`` GPUs doing attention and experts, at an SM share.
+
+    A Green-Context partition (``partner`` set: the executor of the other partition) shares
+    HBM and the links with its partner: while the partner runs, this partition's memory and
+    link times stretch by ``1 + u``, ``u`` the fraction of its last iteration the partner
+    kept HBM (or the links) busy (processor sharing by demand).
+    """
 
     def __init__(self, cl: Cluster, g: int, share: float = 1.0):
         self.cost, self.g, self.share = cl.cost, g, share
         self.table = cl.table(g)
         self.frac = link_fractions(g, cl.gpus_per_node)
+        self.partner: Executor | None = None
+        self.util = (0.0, 0.0)  # (HBM, link) busy fractions of this partition's last iteration
 
     def _t(self, tokens, pairs, kv_read, rows) -> float:
-        return self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac).total_s(self.share)
+        p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac)
+        mem = link = 1.0
+        if self.partner is not None and self.partner.busy:
+            u_mem, u_link = self.partner.pricer.util
+            mem, link = 1.0 + u_mem, 1.0 + u_link
+        t = p.total_s(self.share, mem, link)
+        if t > 0:
+            self.util = (min(1.0, p.memory_s() * mem / t), min(1.0, p.comm_bytes_s * link / t))
+        return t
 
     def prefill_s(self, tokens, pairs, kv_read, rows):
         return self._t(tokens, pairs, kv_read, rows)
@@ -247,7 +263,9 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
             p = Executor(f"p{i}", "prefill", _Instance(cl, g, s), kv_capacity=0, max_running=1, **lim(g))
             d = Executor(f"d{i}", "decode", _Instance(cl, g, 1.0 - s), kv_capacity=_instance_kv(cl, g),
                          max_running=c.max_running * g, **lim(g))
-            p.partner = d
+            p.partner = d  # the hand-off goes to the same GPUs' decode partition (no KV transfer)
+            p.pricer.partner, d.pricer.partner = d, p
+            p.listeners.append(d)  # decode's contention changes when prefill starts or stops
             xs += [p, d]
     elif cfg.system == "pd-disagg":
         g = int(k["gpus_per_instance"])
