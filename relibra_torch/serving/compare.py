@@ -92,6 +92,12 @@ def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) ->
     if best is None:
         return {"fits": False, "configs_tried": 0, "goodput": 0.0, "goodput_per_gpu": 0.0,
                 "goodput_per_node": 0.0, "note": "no configuration fits in memory"}
+    if best.rate == float("inf"):  # the whole trace as one burst meets the SLO
+        return {"fits": True, "configs_tried": len(configs), "config": dict(best.config.knobs),
+                "config_label": best.config.label(), "gpus_used": best.config.gpus, "goodput": None,
+                "goodput_per_gpu": None, "goodput_per_node": None, "unbounded": True,
+                "note": "the whole trace as one burst meets the SLO: use a longer or heavier trace",
+                "curve": [list(p) for p in best.points]}
     doc = {"fits": True, "configs_tried": len(configs), "config": dict(best.config.knobs),
            "config_label": best.config.label(), "gpus_used": best.config.gpus,
            "goodput": best.rate, "goodput_per_gpu": best.rate / G, "goodput_per_node": best.rate / (G / gpn),
@@ -105,13 +111,18 @@ def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) ->
 
 
 def _ratios(results: dict) -> dict:
+    """Goodput ratios of ExpertPlex to each other system run (None when either is unbounded)."""
+    def ratio(a: str, b: str):
+        x, y = results[a].get("goodput"), results[b].get("goodput")
+        if x is None or y is None:
+            return None
+        return x / y if y > 0 else ("inf" if x > 0 else None)
+
     out = {}
-    x = results.get("expertplex", {}).get("goodput")
-    for other in ("pd-disagg", "pd-colocate", "colocated", "chunked-prefill"):
-        y = results.get(other, {}).get("goodput")
-        if x is not None and y is not None:
-            out[f"expertplex/{other}"] = (x / y) if y > 0 else ("inf" if x > 0 else None)
-    r = results.get("expertplex-repl", {}).get("goodput")
-    if r is not None and x:
-        out["expertplex-repl/expertplex"] = r / x
+    if "expertplex" in results:
+        for other in ("pd-disagg", "pd-colocate", "colocated", "chunked-prefill"):
+            if other in results:
+                out[f"expertplex/{other}"] = ratio("expertplex", other)
+        if "expertplex-repl" in results:
+            out["expertplex-repl/expertplex"] = ratio("expertplex-repl", "expertplex")
     return out

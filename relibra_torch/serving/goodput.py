@@ -109,8 +109,17 @@ def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, start_k: int = 0, ma
             if not ok(hi):
                 break
             lo = hi
-        else:
-            return Goodput(cfg, runs[lo].rate, _scale(lo), runs[lo], sorted(points))
+        else:  # still met after max_doublings: does the whole trace as one burst meet it?
+            burst = run_config(cfg, cl, reqs.scaled(math.inf), early_stop=True)
+            if burst.attainment >= target:
+                return Goodput(cfg, math.inf, math.inf, burst, sorted(points), k=10**9)
+            for _ in range(4 * max_doublings):  # met at every grid point so far, not as a burst
+                if not ok(hi):
+                    break
+                lo, hi = hi, hi + step
+            else:
+                raise RuntimeError(f"{cfg.system} ({cfg.label()}): the SLO is met at every rate tried "
+                                   f"but not by the burst; attainment is not monotone in the rate")
     else:
         for _ in range(max_doublings):
             lo -= step
@@ -141,6 +150,8 @@ def best_config(configs: list[SystemConfig], cl: Cluster, reqs: Requests) -> Goo
     best: Goodput | None = None
     target = cl.consts.attainment
     for cfg in configs:
+        if best is not None and best.rate == math.inf:
+            break  # nothing beats serving the whole trace as one burst
         if best is None or best.rate == 0.0:
             g = goodput(cfg, cl, reqs)
             if best is None or g.rate > best.rate:

@@ -32,8 +32,8 @@ def print_report(doc: dict, console=None) -> None:
                 "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "SLO met"):
         table.add_column(col, justify="left" if col in ("system", "best configuration") else "right")
     for name, r in doc["systems"].items():
-        if not r["fits"]:
-            table.add_row(name, r["note"], *["-"] * 9)
+        if not r["fits"] or r.get("unbounded"):
+            table.add_row(name, r.get("config_label", "") + " " + r["note"], *["-"] * 9)
             continue
         table.add_row(name, r["config_label"], str(r["gpus_used"]), f"{r['goodput']:.2f}",
                       f"{r['goodput_per_gpu']:.3f}", f"{r['goodput_per_node']:.2f}",
@@ -66,7 +66,8 @@ def write_plot(doc: dict, path: str) -> None:
         pts = r.get("curve") or []
         if pts:
             xs, ys, exact = zip(*pts)
-            line, = ax.plot(xs, [100 * y for y in ys], lw=1, label=f"{name} ({r['goodput']:.1f} req/s)")
+            gp = "unbounded" if r["goodput"] is None else f"{r['goodput']:.1f} req/s"
+            line, = ax.plot(xs, [100 * y for y in ys], lw=1, label=f"{name} ({gp})")
             for x, y, e in pts:  # hollow: the run stopped early, the attainment is at most this
                 ax.plot([x], [100 * y], "o", ms=4, color=line.get_color(), mfc=line.get_color() if e else "none")
     target = doc["setup"]["serving"]["attainment"] * 100

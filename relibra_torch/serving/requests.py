@@ -73,8 +73,10 @@ class Requests:
 
     @property
     def rate(self) -> float:
-        """Mean arrival rate, requests/s (N / span; one request: N / 1 s)."""
-        return len(self) / max(self.duration_s, 1e-9) if len(self) > 1 else 1.0
+        """Mean arrival rate, requests/s (N / span; one request: 1; a burst: inf)."""
+        if len(self) == 1:
+            return 1.0
+        return len(self) / self.duration_s if self.duration_s > 0 else float("inf")
 
     def window(self, start_s: float, length_s: float) -> "Requests":
         """Requests arriving in ``[start_s, start_s + length_s)``, times shifted to start at 0."""
@@ -88,7 +90,10 @@ class Requests:
                         f"{self.source} [{start_s:g} s, +{length_s:g} s)")
 
     def scaled(self, factor: float) -> "Requests":
-        """The same requests with every inter-arrival time divided by ``factor`` (rate x factor)."""
+        """The same requests with every inter-arrival time divided by ``factor`` (rate x factor);
+        ``math.inf`` makes them one burst at time 0."""
+        if factor == float("inf"):
+            return Requests(np.zeros_like(self.arrival_N), self.prompt_N, self.output_N, self.source)
         factor = check_number("scale factor", factor, 0, strict=True)
         return Requests(self.arrival_N / factor, self.prompt_N, self.output_N, self.source)
 
