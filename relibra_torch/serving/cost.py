@@ -18,9 +18,11 @@ with ``P = c * p + c (c + 1) / 2`` for a prefill chunk of ``c`` tokens after ``p
 ones, and ``P = R = context`` for a decode token. Experts of one MoE layer on ``g_e`` EP
 GPUs: FLOPs ``= tiles * M_t * 6 D F`` (the slowest GPU's row tiles: tile-granular, not
 token-granular), bytes ``= active experts * 3 D F * wb`` plus the routed activations.
-Dispatch + combine move ``T * K * D * (dispatch_bytes + combine_bytes)`` per layer over
+Dispatch + combine move ``T * c * D * (dispatch_bytes + combine_bytes)`` per layer over
 NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths, and take at
-least DeepEP's measured low-latency time for the EP size (``a2a_latency_us``). One
+least DeepEP's measured low-latency time for the EP size (``a2a_latency_us``); ``c = g_e (1 -
+(1 - 1/g_e)^K)`` is the expected number of distinct expert GPUs among a token's ``K`` experts
+(DeepEP sends a token once per destination GPU). One
 iteration is the sum over layers (no overlap of attention, communication and experts:
 the engines' defaults run them in sequence), plus the LM head for the rows that sample.
 
@@ -191,7 +193,10 @@ class ServingCost:
         if self.dense_params:
             kernels.append(self._kernel(2 * self.dense_params * t_gpu, 0.0, self.dense_params * wb,
                                         m.num_dense_layers))
-        wire = t_gpu * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes)
+        # DeepEP-style dispatch sends a token once per destination GPU (not once per expert):
+        # expected distinct GPUs among top_k picks spread over the expert GPUs
+        copies = expert_gpus * (1.0 - (1.0 - 1.0 / expert_gpus) ** m.top_k)
+        wire = t_gpu * copies * m.hidden_size * (c.dispatch_bytes + c.combine_bytes)
         intra, inter = fractions
         alone = intra + inter == 0  # one GPU doing everything: no all-to-all
         comm = 0.0 if alone else max(wire * intra / self.nvlink, wire * inter / self.rdma)
