@@ -154,6 +154,8 @@ def run(args) -> int:
 
     setup = setup_from_args(args)
     console = Console()
+    if not console.is_terminal:  # a file or pipe: wide enough for the table's columns
+        console = Console(width=180)
     with console.status("searching configurations...") as status:
         doc = compare(setup, progress=lambda s, i, n: status.update(f"{s} done ({i}/{n})"))
     print_report(doc, console)

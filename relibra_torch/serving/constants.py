@@ -68,6 +68,9 @@ class ServingConstants:
             32 / 64 / 128 / 256. A layer's communication takes at least this (interpolated in
             log EP size; EP < 8 uses the EP-8 figure), at most its bytes over the links.
         a2a_floor: multiplier of that floor (1; 0 turns it off, to measure what it does).
+        partition_bandwidth: 0 (default): a Green-Context partition reaches all of HBM's
+            bandwidth (GC partitions SMs only); 1: its bandwidth follows its SM share (the
+            pessimistic bound for small partitions; a sensitivity switch, no source picks it).
         ttft_slo_s, tpot_slo_s: the paper's SLO for MiniMax-M2.7: TTFT 1 s, TPOT 50 ms.
         attainment: fraction of requests that must meet both SLOs: 0.9 (P90 goodput).
     """
@@ -90,6 +93,7 @@ class ServingConstants:
     a2a_latency_us: tuple[tuple[int, float], ...] = ((8, 191.0), (16, 313.0), (32, 428.0), (64, 487.0),
                                                      (128, 561.0), (256, 554.0))
     a2a_floor: float = 1.0
+    partition_bandwidth: float = 0.0
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.05
     attainment: float = 0.9
@@ -103,6 +107,7 @@ class ServingConstants:
             check_number(f"serving.{f}", getattr(self, f), 1)
         check_number("serving.preempt_check_us", self.preempt_check_us, 0)
         check_number("serving.a2a_floor", self.a2a_floor, 0)
+        check_number("serving.partition_bandwidth", self.partition_bandwidth, 0, maximum=1)
         for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running"):
             check_int(f"serving.{f}", getattr(self, f))
 

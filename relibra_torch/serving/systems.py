@@ -168,9 +168,11 @@ class _Instance:
     def _t(self, tokens, pairs, kv_read, rows) -> float:
         p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac)
         mem = link = 1.0
-        if self.partner is not None and self.partner.busy:
-            u_mem, u_link = self.partner.pricer.util
-            mem, link = 1.0 + u_mem, 1.0 + u_link
+        if self.partner is not None:
+            mem = (1.0 / self.share) ** self.cost.c.partition_bandwidth
+            if self.partner.busy:
+                u_mem, u_link = self.partner.pricer.util
+                mem, link = mem * (1.0 + u_mem), 1.0 + u_link
         t = p.total_s(self.share, mem, link)
         if t > 0:
             self.util = (min(1.0, p.memory_s() * mem / t), min(1.0, p.comm_bytes_s * link / t))
