@@ -98,3 +98,23 @@ def test_decode_share_is_the_tile_time_over_the_weight_read_time():
     assert decode_sm_share(0.01, 2e-6, 120e-6, 132) == pytest.approx(1 / 132)  # at least one SM
     with pytest.raises(ValueError, match="tile_time_s = 0"):
         decode_sm_share(3, 0.0, 1e-4, 132)
+
+
+def test_routing_and_loads_files_give_inclusion_probabilities(tmp_path):
+    import torch
+
+    from relibra_torch import replay
+    from relibra_torch.serving.routing import popularity_from_file
+
+    # 3 tokens, 2 layers, top-2 of 4 experts; expert 0 is in every token's top-2 of layer 0
+    ids_TLK = torch.tensor([[[0, 1], [2, 3]], [[0, 2], [2, 1]], [[0, 3], [3, 0]]], dtype=torch.int32)
+    path = tmp_path / "r.safetensors"
+    replay.save_routing(str(path), ids_TLK, torch.tensor([0, 3]), 4)
+    pi = popularity_from_file(str(path), 2, 4, 2)
+    assert pi[0].tolist() == pytest.approx([1.0, 1 / 3, 1 / 3, 1 / 3])
+    assert pi.sum(-1).tolist() == pytest.approx([2.0, 2.0])
+    loads = tmp_path / "l.safetensors"
+    replay.save_loads(str(loads), torch.tensor([[[[[3, 1, 1, 1]], [[1, 1, 2, 2]]]]]), 2)
+    assert torch.allclose(popularity_from_file(str(loads), 2, 4, 2), pi)
+    with pytest.raises(ValueError, match=r"has \(layers, experts, top_k\) = \(2, 4, 2\) but the model has"):
+        popularity_from_file(str(path), 3, 4, 2)
