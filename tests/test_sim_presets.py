@@ -27,7 +27,7 @@ def test_hardware_presets_are_hopper_sxm():
         assert 0 < h.grouped_gemm_efficiency <= 1 and 0 < h.dense_efficiency <= 1
         assert h.nvlink_gbps <= 450 and h.inter_node_gbps <= 50  # per-direction line rates
     assert set(HARDWARE) == {"h100", "h200", "h800"}
-    assert set(MODELS) == {"qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5-air", "deepseek-v3", "minimax-m2"}
+    assert set(MODELS) == {"qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5-air", "deepseek-v3", "minimax-m2", "glm-5"}
 
 
 def test_unknown_preset_names_list_the_choices():
