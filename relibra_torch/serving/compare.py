@@ -26,6 +26,7 @@ __all__ = ["CompareSetup", "compare", "recent_window", "PAPER_RATIOS"]
 
 # ExpertPlex (arXiv 2607.18002), MiniMax-M2.7, ShareGPT lengths, SLO 1 s / 50 ms, 8 x H800 nodes
 PAPER_RATIOS = {"expertplex/pd-disagg": 2.01, "expertplex/pd-colocate": 1.41}
+CURVE_BEYOND = (1.1, 1.25, 1.5, 2.0)  # rates past the goodput (x goodput) drawn in the plot
 
 
 @dataclass
@@ -107,6 +108,13 @@ def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) ->
         m = best.metrics if not best.metrics.aborted else run_config(best.config, cl, setup.requests.scaled(best.scale))
         doc.update(m.percentiles())
         doc["attainment"] = m.attainment
+        # the curve: the search's complete runs plus complete runs past the goodput (the
+        # search stops those early, so their attainment would only be a bound)
+        exact = [p for p in best.points if p[2]]
+        for f in CURVE_BEYOND:
+            r = run_config(best.config, cl, setup.requests.scaled(best.scale * f))
+            exact.append((r.rate, r.attainment, True))
+        doc["curve"] = [list(p) for p in sorted(exact)]
     return doc
 
 
