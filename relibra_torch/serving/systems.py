@@ -109,7 +109,19 @@ def _instance_sizes(cl: Cluster, need_kv: int) -> list[int]:
 
 def enumerate_configs(system: str, cl: Cluster, need_kv: int, allow_idle: bool = False) -> list[SystemConfig]:
     """Every configuration of ``system`` that fits in memory; ``need_kv`` is the largest
-    request's KV footprint (prompt + output tokens) an engine must hold."""
+    request's KV footprint (prompt + output tokens) an engine must hold.
+
+    Each placement comes with two prefill batch caps per attention GPU: the engine default
+    (``max_prefill_tokens``, or ``chunk_tokens`` for chunked prefill) and a quarter of it
+    (smaller batches: shorter waits behind a running batch, less batching efficiency)."""
+    out = _placements(system, cl, need_kv, allow_idle)
+    c = cl.consts
+    base = c.chunk_tokens if system == "chunked-prefill" else c.max_prefill_tokens
+    return [SystemConfig(x.system, x.knobs + (("batch_tokens_per_gpu", cap),), x.gpus)
+            for x in out for cap in (base, max(1, base // 4))]
+
+
+def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> list[SystemConfig]:
     G, out = cl.num_gpus, []
     counts = (lambda most: range(1, most + 1)) if allow_idle else (lambda most: [most] if most else [])
     if system in ("colocated", "chunked-prefill", "pd-colocate"):
@@ -251,7 +263,11 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
     transfer = None
 
     def lim(g):  # the engines' batch limits are per attention-DP GPU (one scheduler per DP rank)
-        return dict(max_prefill_tokens=c.max_prefill_tokens * g, chunk_tokens=c.chunk_tokens * g)
+        if cfg.system == "chunked-prefill":
+            return dict(max_prefill_tokens=c.max_prefill_tokens * g,
+                        chunk_tokens=int(k.get("batch_tokens_per_gpu", c.chunk_tokens)) * g)
+        return dict(max_prefill_tokens=int(k.get("batch_tokens_per_gpu", c.max_prefill_tokens)) * g,
+                    chunk_tokens=c.chunk_tokens * g)
 
     if cfg.system in ("colocated", "chunked-prefill"):
         g = int(k["gpus_per_instance"])
