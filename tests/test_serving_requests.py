@@ -35,6 +35,7 @@ def test_mooncake_jsonl_uses_milliseconds(tmp_path):
     path = _write(tmp_path, "t.jsonl", "\n".join(json.dumps(x) for x in rows) + "\n")
     r = load_trace(path)
     assert r.arrival_N.tolist() == [0.0, 1.5] and r.prompt_N.tolist() == [10, 7]
+    assert np.array_equal(read_mooncake_jsonl(path).output_N, r.output_N)
 
 
 @pytest.mark.parametrize("name,text,match", [
