@@ -99,6 +99,9 @@ def test_decode_share_is_the_tile_time_over_the_weight_read_time():
     assert decode_sm_share(0.01, 2e-6, 120e-6, 132) == pytest.approx(1 / 132)  # at least one SM
     with pytest.raises(ValueError, match="tile_time_s = 0"):
         decode_sm_share(3, 0.0, 1e-4, 132)
+    # one share per layer, the same rule elementwise
+    per_layer = decode_sm_share(np.array([15.0, 0.0, 1000.0]), 2e-6, np.array([120e-6, 1e-4, 1e-4]), 132)
+    assert per_layer.tolist() == pytest.approx([0.25, 0.0, 1.0])
 
 
 def test_routing_and_loads_files_give_inclusion_probabilities(tmp_path):

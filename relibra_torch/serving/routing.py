@@ -98,12 +98,15 @@ class TileTable:
         max_tiles_T: float64 row tiles of the most loaded GPU (mean over layers).
         max_active_T: float64 experts with rows on the most loaded GPU (weights it reads).
         slots_per_gpu: expert weight copies each GPU holds.
+        tiles_TL, active_TL: the same per layer (``[T, L]``), for per-layer rules.
     """
 
     tokens_T: np.ndarray
     max_tiles_T: np.ndarray
     max_active_T: np.ndarray
     slots_per_gpu: int
+    tiles_TL: np.ndarray | None = None
+    active_TL: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         # plain-Python copies: the engine looks these up once per iteration
@@ -126,6 +129,22 @@ class TileTable:
 
     def tiles(self, tokens: float) -> float:
         return self._at(self._tiles, tokens)
+
+    def per_layer(self, tokens: float) -> tuple[np.ndarray, np.ndarray]:
+        """``([L], [L])`` row tiles and active experts of the most loaded GPU, per layer."""
+        if tokens <= 0:
+            z = np.zeros(self.tiles_TL.shape[1])
+            return z, z
+        x, xs = math.log(tokens), self._log_t
+        if x <= xs[0]:
+            f = tokens / self.tokens_T[0]
+            return self.tiles_TL[0] * f, self.active_TL[0] * f
+        i = bisect.bisect_right(xs, x) - 1
+        if i >= len(xs) - 1:
+            return self.tiles_TL[-1], self.active_TL[-1]
+        w = (x - xs[i]) / (xs[i + 1] - xs[i])
+        return (self.tiles_TL[i] + w * (self.tiles_TL[i + 1] - self.tiles_TL[i]),
+                self.active_TL[i] + w * (self.active_TL[i + 1] - self.active_TL[i]))
 
     def active(self, tokens: float) -> float:
         return self._at(self._active, tokens)
@@ -157,6 +176,7 @@ def build_tile_table(pi_LE: torch.Tensor, slots_LGJ: torch.Tensor, tile_m: int, 
         tiles_LG = tile_footprint(rows_LGJ, tile_m)
         active_LG = (rows_LGJ > 0).sum(-1)
         # (numpy: torch's int64 max over a short dim is oddly slow on CPU)
-        tiles.append(float(tiles_LG.numpy().max(axis=1).mean()))
-        active.append(float(active_LG.numpy().max(axis=1).mean()))
-    return TileTable(T_GRID.copy(), np.asarray(tiles), np.asarray(active), J)
+        tiles.append(tiles_LG.numpy().max(axis=1).astype(np.float64))
+        active.append(active_LG.numpy().max(axis=1).astype(np.float64))
+    tiles_TL, active_TL = np.stack(tiles), np.stack(active)
+    return TileTable(T_GRID.copy(), tiles_TL.mean(1), active_TL.mean(1), J, tiles_TL, active_TL)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .constants import ServingConstants
@@ -246,13 +247,20 @@ class _ExpertPlex:
         p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac)
         L = self.cost.model.num_moe_layers
         if any(x.prefilling for x in self.prefill_xs):
-            share = decode_sm_share(p.moe_tiles, self.cost.tile_time_s, p.moe_memory_s / L, self.cost.num_sms)
-            wait = L * (self.cost.sm_tile_s + self.c.preempt_check_us * 1e-6)
-            moe = self.c.apk_decode_slowdown * p.moe_s(share) + wait
+            # per layer: decode's share from that layer's tile footprint (the runtime's rule)
+            tiles_L, active_L = self.table.per_layer(batch)
+            compute_L = tiles_L * self.cost.tile_time_s
+            memory_L = np.full(L, p.moe_memory_s / L) * (active_L / max(active_L.mean(), 1e-12))
+            share_L = decode_sm_share(tiles_L, self.cost.tile_time_s, memory_L, self.cost.num_sms)
+            time_L = self.c.apk_decode_slowdown * np.maximum(compute_L / np.maximum(share_L, 1e-12), memory_L) \
+                + self.cost.sm_tile_s + self.c.preempt_check_us * 1e-6  # + the preemption bound
+            moe = float(time_L.sum())
+            busy = float((share_L * time_L).sum())  # expert SM-seconds decode holds
         else:
-            share, moe = 1.0, p.moe_s()
+            moe = p.moe_s()
+            busy = moe
         step = p.attn_s() + p.comm_s + moe
-        self.occupancy = share * moe / step if step > 0 else 0.0
+        self.occupancy = busy / step if step > 0 else 0.0
         return step
 
 
