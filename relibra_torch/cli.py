@@ -19,6 +19,7 @@ _SUBCOMMANDS = {
     "inspect": "relibra_torch.replay.cli",
     "convert": "relibra_torch.convert_cli",
     "simulate": "relibra_torch.sim.cli",
+    "serve-sim": "relibra_torch.serving.cli",
 }
 
 

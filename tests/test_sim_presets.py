@@ -21,19 +21,19 @@ def test_model_presets_match_the_architecture_page(name, layers, moe_layers, D, 
 
 
 def test_hardware_presets_are_hopper_sxm():
-    for name in ("h100", "h200"):
+    for name in ("h100", "h200", "h800"):
         h = get_hardware(name)
         assert h.bf16_tflops == 989.0  # dense bf16, datasheet 1979 with sparsity
         assert 0 < h.grouped_gemm_efficiency <= 1 and 0 < h.dense_efficiency <= 1
         assert h.nvlink_gbps <= 450 and h.inter_node_gbps <= 50  # per-direction line rates
-    assert set(HARDWARE) == {"h100", "h200"}
-    assert set(MODELS) == {"qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5-air", "deepseek-v3"}
+    assert set(HARDWARE) == {"h100", "h200", "h800"}
+    assert set(MODELS) == {"qwen3-30b-a3b", "qwen3-235b-a22b", "glm-4.5-air", "deepseek-v3", "minimax-m2", "glm-5"}
 
 
 def test_unknown_preset_names_list_the_choices():
     with pytest.raises(ValueError, match=r"--model 'llama'.*qwen3-30b-a3b"):
         get_model("llama")
-    with pytest.raises(ValueError, match=r"--hardware 'a100'.*h100, h200"):
+    with pytest.raises(ValueError, match=r"--hardware 'a100'.*h100, h200, h800"):
         get_hardware("a100")
     assert get_model("Qwen3-30B-A3B").name == "qwen3-30b-a3b"
 

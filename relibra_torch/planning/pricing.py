@@ -88,6 +88,13 @@ HARDWARE: dict[str, HardwareSpec] = {
     "h200": HardwareSpec("h200", bf16_tflops=989.0, grouped_gemm_efficiency=0.60,
                          dense_efficiency=0.55, nvlink_gbps=360.0, inter_node_gbps=45.0,
                          hbm_gb=141.0, hbm_gbps=4800.0),
+    # H800 SXM (the ExpertPlex paper's GPU): the H100 SXM's compute and 80 GB HBM3 at
+    # 3.35 TB/s, with NVLink cut to 400 GB/s total; DeepEP's README measures ~160 GB/s
+    # NVLink per direction at most and 153-158 GB/s intranode dispatch/combine on it, hence
+    # 155; one CX7 400 Gb/s NIC per GPU as on H100/H200 (DeepEP: ~50 GB/s max), hence 45.
+    "h800": HardwareSpec("h800", bf16_tflops=989.0, grouped_gemm_efficiency=0.55,
+                         dense_efficiency=0.55, nvlink_gbps=155.0, inter_node_gbps=45.0,
+                         hbm_gb=80.0, hbm_gbps=3350.0),
 }
 
 

@@ -10,11 +10,12 @@ Legend: E experts, B a batch of independent problems.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..checks import check_int
 
-__all__ = ["tile_footprint"]
+__all__ = ["decode_sm_share", "tile_footprint"]
 
 
 def tile_footprint(rows_E: torch.Tensor, tile_m: int) -> torch.Tensor:
@@ -34,3 +35,38 @@ def tile_footprint(rows_E: torch.Tensor, tile_m: int) -> torch.Tensor:
         raise ValueError(f"rows_E has a negative entry ({int(rows_E.min())}); allowed: rows >= 0")
     rows_E = rows_E.to(torch.int64)
     return ((rows_E + tile_m - 1) // tile_m).sum(dim=-1)
+
+
+
+def decode_sm_share(decode_tiles, tile_time_s: float, weight_read_s, num_sms: int):
+    """Decode's SM share in one MoE layer, from its tile footprint (ExpertPlex's per-layer rule).
+
+    Decode's expert GEMM is bandwidth-bound: it cannot end before its experts' weights have
+    streamed in (``weight_read_s``, at full HBM bandwidth, which every SM reaches), and its
+    ``decode_tiles`` row tiles take ``decode_tiles * tile_time_s`` on the whole GPU. The share
+    at which the tiles finish exactly as the weights arrive,
+    ``decode_tiles * tile_time_s / weight_read_s``, loses decode nothing; more SMs would idle
+    waiting for memory, so they stay with prefill. At least one SM, at most all.
+
+    Args:
+        decode_tiles: row tiles of the layer's decode batch on this GPU (``tile_footprint``;
+            an expectation may be fractional), ``>= 0``; a number, or a numpy array of one
+            entry per layer (then ``weight_read_s`` is one too, and so is the result).
+        tile_time_s: one row tile through the expert on the whole GPU, seconds (``> 0``).
+        weight_read_s: reading the layer's active expert weights at full bandwidth, seconds.
+        num_sms: SMs of the GPU, ``>= 1``.
+
+    Returns:
+        the share in ``[1 / num_sms, 1]``, or 0 where there is no decode tile.
+    """
+    num_sms = check_int("num_sms", num_sms, minimum=1)
+    if not tile_time_s > 0:
+        raise ValueError(f"tile_time_s = {tile_time_s}; allowed: a number > 0")
+    tiles, read = np.asarray(decode_tiles, dtype=np.float64), np.asarray(weight_read_s, dtype=np.float64)
+    for name, v in (("decode_tiles", tiles), ("weight_read_s", read)):
+        if v.size and not (v >= 0).all():
+            raise ValueError(f"{name} has {v[~(v >= 0)].flat[0]}; allowed: numbers >= 0")
+    need = tiles * tile_time_s / np.maximum(read, 1e-300)
+    share = np.where(read > 0, np.clip(need, 1.0 / num_sms, 1.0), 1.0)
+    share = np.where(tiles > 0, share, 0.0)
+    return float(share) if share.ndim == 0 else share

@@ -160,6 +160,28 @@ MODELS: dict[str, ModelSpec] = {
         vocab_size=129280, dense_ffn=18432, num_shared_experts=1, shared_ffn=2048,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
         v_head_dim=128, num_expert_groups=8),
+    # huggingface.co/MiniMaxAI/MiniMax-M2 config.json (model_type minimax_m2; the same values
+    # as transformers' MiniMaxM2Config defaults): hidden_size 3072, num_hidden_layers 62 (all
+    # MoE), intermediate_size 1536 (the expert width), num_local_experts 256,
+    # num_experts_per_tok 8, no shared expert, 48 heads / 8 KV heads x head_dim 128,
+    # vocab_size 200064. The 3 MTP modules are not modelled.
+    "minimax-m2": ModelSpec(
+        "minimax-m2", num_layers=62, num_moe_layers=62, hidden_size=3072, moe_ffn=1536,
+        num_experts=256, top_k=8, num_heads=48, num_kv_heads=8, head_dim=128,
+        vocab_size=200064),
+    # GLM-5 (zai-org/GLM-5 config.json, model_type glm_moe_dsa; the paper serves GLM-5.1-FP8
+    # of the same shape): hidden_size 6144, 78 layers with first_k_dense_replace 3
+    # (intermediate_size 12288), moe_intermediate_size 2048, n_routed_experts 256, top-8,
+    # n_shared_experts 1, MLA with 64 heads, q_lora_rank 2048, kv_lora_rank 512,
+    # qk_nope_head_dim 192, qk_rope_head_dim 64, v_head_dim 256, vocab 154880; slime
+    # scripts/models/glm5 agrees (3 dense + 75 MoE layers, 6144 / 2048 / 12288, 64 heads).
+    # DeepSeek sparse attention (index_topk 2048) and the MTP layer are not modelled.
+    "glm-5": ModelSpec(
+        "glm-5", num_layers=78, num_moe_layers=75, hidden_size=6144, moe_ffn=2048,
+        num_experts=256, top_k=8, num_heads=64, num_kv_heads=64, head_dim=192,
+        vocab_size=154880, dense_ffn=12288, num_shared_experts=1, shared_ffn=2048,
+        q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+        v_head_dim=256),
 }
 
 

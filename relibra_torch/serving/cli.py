@@ -1,0 +1,166 @@
+"""relibra serve-sim: P90 goodput of MoE serving systems on a request trace (ExpertPlex model).
+
+Simulates instance-level prefill-decode disaggregation (pd-disagg), Green-Context
+prefill-decode colocation (pd-colocate), plain colocation (colocated), chunked prefill and
+ExpertPlex (per-phase attention servers, shared tile-multiplexed expert servers; with
+expertplex-repl, hot experts replicated on them from recent routing) on one cluster; each
+system's knobs are searched for the highest P90 goodput (the highest arrival rate at which
+90% of requests meet both the TTFT and the TPOT SLO; a real trace's rate is changed by
+dividing its inter-arrival times). With no arguments: a MiniMax-M2-shaped model on 2 x 8
+H200, the first 5 minutes of the Azure LLM inference 2023 conversation trace, the paper's
+SLO (TTFT 1 s, TPOT 50 ms), synthetic routing; about a minute on 2 CPU cores. See
+docs/serving.md for the model, its constants and their sources.
+
+examples:
+  relibra serve-sim
+  relibra serve-sim --hardware h800 --nodes 3 --json out.json --plot out.png
+  relibra serve-sim --trace mooncake.jsonl --systems expertplex,pd-disagg
+  relibra serve-sim --rate 20 --num-requests 2000 --model-config GLM-4.5-Air/config.json
+  relibra serve-sim --gpu-check out/gpu-check/gpu_check.json   (measured expertplex.tile_time_us)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from ..checks import check_int, check_number
+from ..planning.pricing import HARDWARE, get_hardware
+from ..sim.presets import MODELS, apply_overrides, get_model
+from .constants import DEFAULT_CONSTANTS, override_constants
+
+HELP = "P90 goodput of MoE serving systems (ExpertPlex, PD disaggregation/colocation) on a request trace"
+
+DEFAULT_SYSTEMS = ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill", "expertplex-repl")
+DEFAULT_TRACE = "azure-llm-inference-2023-conv.csv"
+DEFAULT_WINDOW_S = 300.0
+TILE_TIME_KEY = "expertplex.tile_time_us"  # the key the runtime's GPU check writes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", help=f"request trace: Azure .csv or Mooncake .jsonl (default: ../shared/data/"
+                                   f"{DEFAULT_TRACE})")
+    p.add_argument("--window-start", type=float, default=0.0, help="trace window start, s (default 0)")
+    p.add_argument("--window", type=float, default=DEFAULT_WINDOW_S,
+                   help=f"trace window length, s (default {DEFAULT_WINDOW_S:g}; 0 = whole trace)")
+    p.add_argument("--rate", type=float, help="Poisson arrivals at this rate (req/s), lengths drawn from the trace")
+    p.add_argument("--num-requests", type=int, default=1000, help="Poisson requests (default 1000)")
+    p.add_argument("--routing", metavar="FILE", help="routing replay or loads file for expert loads "
+                                                     "(default: the synthetic trace model's calibrated heat)")
+    p.add_argument("--model", default="minimax-m2", help=f"model preset: {', '.join(MODELS)} (default minimax-m2)")
+    p.add_argument("--model-config", metavar="CONFIG.json", help="a Hugging Face config.json instead of --model")
+    p.add_argument("--hardware", default="h200", help=f"GPU preset: {', '.join(HARDWARE)} (default h200)")
+    p.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated systems (default all)")
+    p.add_argument("--ttft-slo", type=float, help="TTFT SLO, s (default 1)")
+    p.add_argument("--tpot-slo", type=float, help="TPOT SLO, s (default 0.05)")
+    p.add_argument("--tile-time-us", type=float, help="expert row-tile time, us (default: roofline)")
+    p.add_argument("--gpu-check", metavar="gpu_check.json", help=f"read the tile time from key {TILE_TIME_KEY}")
+    p.add_argument("--allow-idle", action="store_true", help="let the search leave GPUs idle (slower)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a field: serving.*, hardware.*, model.* (repeatable)")
+    p.add_argument("--seed", type=int, default=0, help="seed for routing draws and Poisson arrivals")
+    p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
+    p.add_argument("--plot", metavar="OUT.png", help="write SLO attainment against rate per system")
+
+
+def tile_time_from_gpu_check(path: str) -> float:
+    """The measured tile time (us) under ``expertplex.tile_time_us`` (nested or dotted key)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--gpu-check {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--gpu-check {path!r} is not valid JSON: {exc}") from None
+    value = data.get(TILE_TIME_KEY) if isinstance(data, dict) else None
+    if value is None and isinstance(data, dict) and isinstance(data.get("expertplex"), dict):
+        value = data["expertplex"].get("tile_time_us")
+    if value is None:
+        raise ValueError(f"--gpu-check {path!r} has no {TILE_TIME_KEY!r}; run the ExpertPlex kernel benchmark "
+                         f"of the GPU check first, or pass --tile-time-us")
+    return check_number(f"--gpu-check {TILE_TIME_KEY}", value, 0, strict=True)
+
+
+def _overrides(items: list[str]) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {"serving": {}, "hardware": {}, "model": {}}
+    for text in items:
+        key, eq, value = text.partition("=")
+        section, dot, name = key.partition(".")
+        if not eq or not dot or section not in out:
+            raise ValueError(f"--set {text!r} must look like SECTION.FIELD=VALUE with SECTION one of "
+                             f"serving, hardware, model")
+        out[section][name.strip()] = value.strip()
+    return out
+
+
+def setup_from_args(args):
+    """A :class:`~relibra_torch.serving.compare.CompareSetup` from parsed options."""
+    from ..sim.data_refs import shared_data_dir
+    from .compare import CompareSetup
+    from .requests import load_trace, poisson_requests
+    from .routing import popularity_from_file, synthetic_popularity
+
+    sets = _overrides(args.set)
+    if args.model_config:
+        from ..sim.hf_config import model_from_hf_config
+        model = model_from_hf_config(args.model_config).spec
+    else:
+        model = get_model(args.model)
+    model = apply_overrides(model, "model", sets["model"])
+    hardware = apply_overrides(get_hardware(args.hardware), "hardware", sets["hardware"])
+    consts = override_constants(DEFAULT_CONSTANTS, sets["serving"])
+    slo = {}
+    if args.ttft_slo is not None:
+        slo["ttft_slo_s"] = str(check_number("--ttft-slo", args.ttft_slo, 0, strict=True))
+    if args.tpot_slo is not None:
+        slo["tpot_slo_s"] = str(check_number("--tpot-slo", args.tpot_slo, 0, strict=True))
+    consts = override_constants(consts, slo)
+    nodes = check_int("--nodes", args.nodes)
+    gpn = check_int("--gpus-per-node", args.gpus_per_node)
+    path = args.trace or str(shared_data_dir() / DEFAULT_TRACE)
+    reqs = load_trace(path)
+    if args.window:
+        reqs = reqs.window(check_number("--window-start", args.window_start, 0),
+                           check_number("--window", args.window, 0, strict=True))
+    if args.rate is not None:
+        reqs = poisson_requests(args.rate, args.num_requests, reqs, args.seed)
+    if args.routing:
+        pi = popularity_from_file(args.routing, model.num_moe_layers, model.num_experts, model.top_k)
+        routing = f"routing file {os.path.basename(args.routing)}"
+    else:
+        pi = synthetic_popularity(model.num_moe_layers, model.num_experts, model.top_k, args.seed)
+        routing = "synthetic trace model (Qwen3-30B-A3B-calibrated heat, resampled to the model's shape)"
+    tile_us, tile_src = None, "roofline (M_t x 6 D F FLOPs at the FP8 rate)"
+    if args.gpu_check:
+        tile_us, tile_src = tile_time_from_gpu_check(args.gpu_check), f"measured, {args.gpu_check}"
+    if args.tile_time_us is not None:
+        tile_us, tile_src = check_number("--tile-time-us", args.tile_time_us, 0, strict=True), "--tile-time-us"
+    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
+    for s in systems:
+        if s not in DEFAULT_SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r}; allowed: {', '.join(DEFAULT_SYSTEMS)}")
+    return CompareSetup(model, hardware, consts, nodes, gpn, reqs, pi, systems, routing, tile_us, tile_src,
+                        args.allow_idle, args.seed)
+
+
+def run(args) -> int:
+    from rich.console import Console
+
+    from .compare import compare
+    from .report import print_report, write_json, write_plot
+
+    setup = setup_from_args(args)
+    console = Console()
+    if not console.is_terminal:  # a file or pipe: wide enough for the table's columns
+        console = Console(width=180)
+    with console.status("searching configurations...") as status:
+        doc = compare(setup, progress=lambda s, i, n: status.update(f"{s} done ({i}/{n})"))
+    print_report(doc, console)
+    if args.json:
+        write_json(doc, args.json)
+    if args.plot:
+        write_plot(doc, args.plot)
+    return 0

@@ -1,0 +1,136 @@
+"""Compare serving systems on one cluster and trace: each system's best configuration.
+
+:func:`compare` is what ``relibra serve-sim`` runs: build the cluster (model cost, routing,
+a recent routing window for replication), search every system's configurations for the
+highest P90 goodput, and return one JSON-ready document with the best configuration per
+system, its goodput per GPU and per node, TTFT/TPOT percentiles at that rate, the SLO
+attainment curve the search visited, and the ratios the paper reports.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..planning.pricing import HardwareSpec
+from ..sim.presets import ModelSpec
+from .constants import ServingConstants
+from .cost import ServingCost
+from .goodput import best_config, run_config
+from .requests import Requests
+from .systems import Cluster, enumerate_configs
+
+__all__ = ["CompareSetup", "compare", "recent_window", "PAPER_RATIOS"]
+
+# ExpertPlex (arXiv 2607.18002), MiniMax-M2.7, ShareGPT lengths, SLO 1 s / 50 ms, 8 x H800 nodes
+PAPER_RATIOS = {"expertplex/pd-disagg": 2.01, "expertplex/pd-colocate": 1.41}
+CURVE_BEYOND = (1.1, 1.25, 1.5, 2.0)  # rates past the goodput (x goodput) drawn in the plot
+
+
+@dataclass
+class CompareSetup:
+    """Everything one comparison needs (the CLI fills it from its options)."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    consts: ServingConstants
+    nodes: int
+    gpus_per_node: int
+    requests: Requests
+    pi_LE: torch.Tensor
+    systems: tuple[str, ...]
+    routing_source: str
+    tile_time_us: float | None = None
+    tile_time_source: str = "roofline (M_t x 6 D F FLOPs at the FP8 rate)"
+    allow_idle: bool = False
+    seed: int = 0
+
+
+def recent_window(pi_LE: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
+    """A recent routing window: per-expert counts of ``tokens`` tokens drawn from ``pi_LE``,
+    as frequencies (what a server has observed lately; replication is planned on it)."""
+    g = torch.Generator().manual_seed(seed + 7919)
+    counts = torch.binomial(torch.full_like(pi_LE, float(tokens)), pi_LE.clamp(0, 1), generator=g)
+    return counts / tokens
+
+
+def compare(setup: CompareSetup, progress=None) -> dict:
+    """Run the comparison; ``progress(system, done, total)`` is called as systems finish."""
+    t0 = time.perf_counter()
+    cost = ServingCost(setup.model, setup.hardware, setup.consts, setup.tile_time_us)
+    G = setup.nodes * setup.gpus_per_node
+    cl = Cluster(G, setup.gpus_per_node, cost, setup.pi_LE, recent_window(setup.pi_LE, 16384, setup.seed),
+                 setup.seed)
+    reqs = setup.requests
+    need = int((reqs.prompt_N + reqs.output_N).max())
+    results = {}
+    for i, system in enumerate(setup.systems):
+        configs = enumerate_configs(system, cl, need, allow_idle=setup.allow_idle)
+        best = best_config(configs, cl, reqs)
+        results[system] = _system_doc(system, best, configs, cl, setup)
+        if progress:
+            progress(system, i + 1, len(setup.systems))
+    doc = {
+        "setup": {
+            "model": asdict(setup.model), "hardware": asdict(setup.hardware), "serving": asdict(setup.consts),
+            "nodes": setup.nodes, "gpus_per_node": setup.gpus_per_node, "trace": reqs.source,
+            "requests": len(reqs), "trace_rate": reqs.rate, "routing": setup.routing_source,
+            "tile_time_us": cost.tile_time_s * 1e6, "tile_time_source": setup.tile_time_source,
+            "sm_tile_us": cost.sm_tile_s * 1e6, "allow_idle": setup.allow_idle, "seed": setup.seed,
+        },
+        "systems": results,
+        "ratios": _ratios(results),
+        "paper_ratios": PAPER_RATIOS,
+        "seconds": time.perf_counter() - t0,
+    }
+    return doc
+
+
+def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) -> dict:
+    G, gpn = cl.num_gpus, setup.gpus_per_node
+    if best is None:
+        return {"fits": False, "configs_tried": 0, "goodput": 0.0, "goodput_per_gpu": 0.0,
+                "goodput_per_node": 0.0, "note": "no configuration fits in memory"}
+    if best.rate == float("inf"):  # the whole trace as one burst meets the SLO
+        return {"fits": True, "configs_tried": len(configs), "config": dict(best.config.knobs),
+                "config_label": best.config.label(), "gpus_used": best.config.gpus, "goodput": None,
+                "goodput_per_gpu": None, "goodput_per_node": None, "unbounded": True,
+                "note": "the whole trace as one burst meets the SLO: use a longer or heavier trace",
+                "curve": [list(p) for p in best.points]}
+    doc = {"fits": True, "configs_tried": len(configs), "config": dict(best.config.knobs),
+           "config_label": best.config.label(), "gpus_used": best.config.gpus,
+           "goodput": best.rate, "goodput_per_gpu": best.rate / G, "goodput_per_node": best.rate / (G / gpn),
+           "scale": best.scale, "curve": [list(p) for p in best.points]}
+    if best.metrics is not None:
+        # exact percentiles at the goodput rate (the search's run there may have stopped early)
+        m = best.metrics if not best.metrics.aborted else run_config(best.config, cl, setup.requests.scaled(best.scale))
+        doc.update(m.percentiles())
+        doc["attainment"] = m.attainment
+        # the curve: the search's complete runs plus complete runs past the goodput (the
+        # search stops those early, so their attainment would only be a bound)
+        exact = [p for p in best.points if p[2]]
+        for f in CURVE_BEYOND:
+            r = run_config(best.config, cl, setup.requests.scaled(best.scale * f))
+            exact.append((r.rate, r.attainment, True))
+        doc["curve"] = [list(p) for p in sorted(exact)]
+    return doc
+
+
+def _ratios(results: dict) -> dict:
+    """Goodput ratios of ExpertPlex to each other system run (None when either is unbounded)."""
+    def ratio(a: str, b: str):
+        x, y = results[a].get("goodput"), results[b].get("goodput")
+        if x is None or y is None:
+            return None
+        return x / y if y > 0 else ("inf" if x > 0 else None)
+
+    out = {}
+    if "expertplex" in results:
+        for other in ("pd-disagg", "pd-colocate", "colocated", "chunked-prefill"):
+            if other in results:
+                out[f"expertplex/{other}"] = ratio("expertplex", other)
+        if "expertplex-repl" in results:
+            out["expertplex-repl/expertplex"] = ratio("expertplex-repl", "expertplex")
+    return out

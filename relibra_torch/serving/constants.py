@@ -1,0 +1,129 @@
+"""Every constant of the serving model, each with its source (fixed before any goodput run).
+
+The hardware itself (peak bf16 TFLOP/s, HBM capacity and bandwidth, NVLink and RDMA
+bandwidth) comes from :mod:`relibra_torch.planning.pricing`'s presets. What serving adds is
+here: the number formats of the served checkpoints, the efficiencies of inference kernels
+(FP8 GEMMs, decode-shaped reads), the SM count that sizes a tile wave, the tile shape, the
+paper's kernel microbenchmark (the cost of adaptive persistent kernels), the engines'
+scheduler defaults and the paper's SLO. ``docs/serving.md`` lists them all with sources.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from ..checks import check_int, check_number
+
+__all__ = ["ServingConstants", "DEFAULT_CONSTANTS", "SM_COUNT", "override_constants"]
+
+# Streaming multiprocessors per GPU: H100 SXM5, H800 SXM5 and H200 SXM all have 132 SMs
+# (NVIDIA H100 Tensor Core GPU Architecture whitepaper; the H200 and H800 are the same GH100
+# die configuration). A tile wave is one tile per SM.
+SM_COUNT = {"h100": 132, "h200": 132, "h800": 132}
+
+
+@dataclass(frozen=True)
+class ServingConstants:
+    """Constants of the serving cost model (see the module doc and docs/serving.md).
+
+    Attributes:
+        weight_bytes: bytes per served weight. 1: the published MiniMax-M2 and GLM-5.1-FP8
+            checkpoints are FP8 with 128 x 128 block scales (their config.json
+            ``quantization_config``); the paper serves those.
+        kv_bytes: bytes per KV-cache value. 2: SGLang's default ``kv_cache_dtype="auto"`` keeps
+            the model's bf16 activations.
+        dispatch_bytes, combine_bytes: bytes per hidden value sent to / returned from an expert
+            (DeepEP's serving setting: "FP8 dispatching and BF16 combining", DeepEP README).
+        fp8_efficiency: fraction of the FP8 tensor-core peak (2 x the bf16 dense peak,
+            NVIDIA H100/H200 datasheets) that the GEMMs reach. DeepGEMM reports up to 1,550
+            FP8 TFLOP/s on H800 (0.78 of 1,979); MoE grouped shapes are below its best: 0.70.
+        hbm_efficiency: fraction of peak HBM bandwidth that decode-shaped (memory-bound)
+            kernels reach. DeepGEMM's README lists 1.7-2.6 TB/s for its decode-shaped FP8
+            GEMMs on the 3.35 TB/s H800: 0.75.
+        tile_m: tile height ``M_t`` (rows) of the expert grouped GEMM; 64 is DeepGEMM's
+            ``block_m`` for the decode (masked) layout, also used for prefill here.
+        tile_n: tile width (output columns a tile computes); DeepGEMM's ``block_n`` 128.
+        apk_decode_slowdown: decode expert time under adaptive persistent kernels relative to
+            alone: 1.08 (the paper's kernel microbenchmark: "decode +8%").
+        apk_prefill_slowdown: the same for prefill: 1.12 (the paper: "prefill 1.12x slower").
+        preempt_check_us: the time of one preemption check at a tile boundary. 0: the paper
+            gives no separate figure; its +8% decode cost already contains the checks. The
+            per-SM tile time (one tile, the other half of the bound) is computed.
+        mem_fraction: fraction of HBM an engine gives to weights + KV cache: 0.85 (SGLang's
+            ``mem_fraction_static`` default is 0.79-0.88 depending on TP size and GPU).
+        max_prefill_tokens: tokens per prefill batch per attention (data-parallel) GPU: 16,384
+            (SGLang ``--max-prefill-tokens`` default, per DP rank's scheduler).
+        chunk_tokens: token budget of one mixed (chunked-prefill) iteration per attention
+            GPU: 8,192 (vLLM V1's
+            default ``max_num_batched_tokens`` for the API server on H100-class GPUs; SGLang's
+            ``chunked_prefill_size`` default is 8,192 on 80-141 GB GPUs too).
+        max_running: cap on concurrent decode requests per attention (data-parallel) GPU:
+            1,024 (SGLang runs one scheduler per DP rank and derives ``max_running_requests``
+            from its KV pool; 1,024 bounds it where the pool would allow more, as vLLM V1's
+            ``max_num_seqs`` does for the API server on H100-class GPUs).
+        a2a_latency_us: the floor of one MoE layer's dispatch + combine, by EP size (GPUs the
+            tokens go to): DeepEP's low-latency kernels on H800 (README table, 128 tokens per
+            rank, 7168 hidden, top-8, FP8 dispatch, BF16 combine): dispatch 77 / 118 / 155 /
+            173 / 192 / 194 us and combine 114 / 195 / 273 / 314 / 369 / 360 us at EP 8 / 16 /
+            32 / 64 / 128 / 256. A layer's communication takes at least this (interpolated in
+            log EP size; EP < 8 uses the EP-8 figure), at most its bytes over the links.
+        a2a_floor: multiplier of that floor (1; 0 turns it off, to measure what it does).
+        partition_bandwidth: 0 (default): a Green-Context partition reaches all of HBM's
+            bandwidth (GC partitions SMs only); 1: its bandwidth follows its SM share (the
+            pessimistic bound for small partitions; a sensitivity switch, no source picks it).
+        ttft_slo_s, tpot_slo_s: the paper's SLO for MiniMax-M2.7: TTFT 1 s, TPOT 50 ms.
+        attainment: fraction of requests that must meet both SLOs: 0.9 (P90 goodput).
+    """
+
+    weight_bytes: float = 1.0
+    kv_bytes: float = 2.0
+    dispatch_bytes: float = 1.0
+    combine_bytes: float = 2.0
+    fp8_efficiency: float = 0.70
+    hbm_efficiency: float = 0.75
+    tile_m: int = 64
+    tile_n: int = 128
+    apk_decode_slowdown: float = 1.08
+    apk_prefill_slowdown: float = 1.12
+    preempt_check_us: float = 0.0
+    mem_fraction: float = 0.85
+    max_prefill_tokens: int = 16384
+    chunk_tokens: int = 8192
+    max_running: int = 1024
+    a2a_latency_us: tuple[tuple[int, float], ...] = ((8, 191.0), (16, 313.0), (32, 428.0), (64, 487.0),
+                                                     (128, 561.0), (256, 554.0))
+    a2a_floor: float = 1.0
+    partition_bandwidth: float = 0.0
+    ttft_slo_s: float = 1.0
+    tpot_slo_s: float = 0.05
+    attainment: float = 0.9
+
+    def __post_init__(self) -> None:
+        for f in ("weight_bytes", "kv_bytes", "dispatch_bytes", "combine_bytes", "ttft_slo_s", "tpot_slo_s"):
+            check_number(f"serving.{f}", getattr(self, f), 0, strict=True)
+        for f in ("fp8_efficiency", "hbm_efficiency", "mem_fraction", "attainment"):
+            check_number(f"serving.{f}", getattr(self, f), 0, strict=True, maximum=1)
+        for f in ("apk_decode_slowdown", "apk_prefill_slowdown"):
+            check_number(f"serving.{f}", getattr(self, f), 1)
+        check_number("serving.preempt_check_us", self.preempt_check_us, 0)
+        check_number("serving.a2a_floor", self.a2a_floor, 0)
+        check_number("serving.partition_bandwidth", self.partition_bandwidth, 0, maximum=1)
+        for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running"):
+            check_int(f"serving.{f}", getattr(self, f))
+
+
+DEFAULT_CONSTANTS = ServingConstants()
+
+
+def override_constants(base: ServingConstants, pairs: dict[str, str]) -> ServingConstants:
+    """``base`` with ``serving.FIELD=VALUE`` overrides (values parsed as the field's type)."""
+    types = {f.name: f.type for f in fields(ServingConstants) if f.name != "a2a_latency_us"}
+    changes = {}
+    for key, raw in pairs.items():
+        if key not in types:
+            raise ValueError(f"--set serving.{key}: not a field; allowed: {', '.join(types)}")
+        try:
+            changes[key] = int(raw) if types[key] == "int" else float(raw)
+        except ValueError:
+            raise ValueError(f"--set serving.{key}={raw!r}: not a{'n int' if types[key] == 'int' else ' number'}") from None
+    return replace(base, **changes)

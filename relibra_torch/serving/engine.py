@@ -1,0 +1,337 @@
+"""The discrete-event serving engine: iteration-level batching, coarse-grained in time.
+
+Events are arrivals, iteration ends and KV hand-offs, never single tokens of single
+requests. An *executor* is one scheduler with its own GPUs (an engine instance, or one
+phase's servers) in one of four modes:
+
+* ``serial``: prefill-priority continuous batching (SGLang's default): a prefill batch of
+  waiting requests (up to ``max_prefill_tokens``) runs as its own iteration and pauses
+  decode; otherwise one decode step for every running request;
+* ``mixed``: chunked prefill (vLLM V1's default): every iteration carries one decode token
+  per running request plus prompt chunks up to a token budget;
+* ``prefill`` / ``decode``: one phase only; finished prefills hand their requests to a
+  decode executor after a KV-transfer delay.
+
+Decode steps between two events are merged into one *macro-step* of ``n`` steps (``n`` at
+most the fewest tokens any running request still owes, and ``MAX_MACRO``): nothing changes
+in the batch meanwhile, so the steps' times are equal up to the slowly growing context,
+priced at the macro-step's midpoint. An event that changes the batch or the step price
+(an arrival at a serial/mixed executor, a request joining, a coupled executor starting or
+stopping) cuts the macro-step at the end of the step in progress, as a real engine
+admits new work at its next iteration.
+
+Admission reserves each request's full KV footprint (prompt + output tokens) up front and
+caps the running batch at ``max_running``; requests that do not fit wait.
+
+Legend: N requests, B running requests of an executor.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+
+import numpy as np
+
+__all__ = ["Executor", "Engine", "MAX_MACRO"]
+
+MAX_MACRO = 32  # decode steps merged at most (bounds the context-midpoint approximation)
+_ARRIVE, _DONE, _JOIN = 0, 1, 2
+
+
+class _Aborted(Exception):
+    """Raised inside the event loop when the SLO miss budget is exceeded."""
+
+
+class Executor:
+    """One scheduler over its GPUs; ``pricer`` prices its iterations (see the module doc).
+
+    ``pricer`` has ``prefill_s(tokens, pairs, kv_read, rows)``, ``decode_s(batch, context)``
+    and ``mixed_s(tokens, pairs, kv_read, rows)`` (seconds). ``listeners`` are executors whose
+    step price depends on whether this one is busy; they are cut when that changes.
+    """
+
+    def __init__(self, name: str, mode: str, pricer, *, kv_capacity: int, max_running: int,
+                 max_prefill_tokens: int, chunk_tokens: int, node: int = 0):
+        if mode not in ("serial", "mixed", "prefill", "decode"):
+            raise ValueError(f"executor mode {mode!r}; allowed: serial, mixed, prefill, decode")
+        self.name, self.mode, self.pricer, self.node = name, mode, pricer, node
+        self.kv_capacity, self.max_running = kv_capacity, max_running
+        self.max_prefill_tokens, self.chunk_tokens = max_prefill_tokens, chunk_tokens
+        self.queue: deque[int] = deque()  # waiting for prefill
+        self.pending: deque[int] = deque()  # prefilled, waiting for a decode slot
+        self.batch = np.zeros(0, dtype=np.int64)  # running (decoding) requests
+        self.queued_tokens = 0
+        self.reserved = 0
+        self.listeners: list[Executor] = []
+        self.partner: Executor | None = None  # a prefill executor's own decode executor, if any
+        self.work = None  # ("decode", t0, dt, n) | ("prefill", reqs) | ("mixed", chunks)
+        self.version = 0
+        self.engine: Engine | None = None
+        self.busy_time = 0.0
+
+    @property
+    def busy(self) -> bool:
+        return self.work is not None
+
+    @property
+    def decoding(self) -> bool:
+        return self.work is not None and self.work[0] == "decode"
+
+    @property
+    def prefilling(self) -> bool:
+        return self.work is not None and self.work[0] != "decode"
+
+    # --- events ---------------------------------------------------------------------------
+    def enqueue(self, t: float, r: int) -> None:
+        self.queue.append(r)
+        self.queued_tokens += int(self.engine.prompt[r])
+        self._wake(t)
+
+    def join(self, t: float, r: int) -> None:
+        self.pending.append(r)
+        self._wake(t)
+
+    def _wake(self, t: float) -> None:
+        if self.work is None:
+            self._start(t)
+        else:
+            self.cut(t)
+
+    def cut(self, t: float) -> None:
+        """End a running decode macro-step at the end of the step in progress at ``t``."""
+        if not self.decoding:
+            return
+        _, t0, dt, n = self.work
+        # the step in progress at t completes (at a step boundary, none is in progress)
+        k = min(n, max(1, int(math.ceil((t - t0) / dt - 1e-9))))
+        if k < n:
+            self.busy_time -= (n - k) * dt
+            self.work = ("decode", t0, dt, k)
+            self.version += 1
+            self.engine.push(t0 + k * dt, _DONE, self, self.version)
+
+    def done(self, t: float) -> None:
+        e = self.engine
+        kind = self.work[0]
+        if kind == "decode":
+            self._advance(t, self.work[3])
+        elif kind == "prefill":
+            for r in self.work[1]:
+                self._prefilled(t, r)
+        else:  # mixed: one decode step for the batch, then the chunks
+            self._advance(t, 1)
+            for r, c in self.work[1]:
+                e.prefilled[r] += c
+                if e.prefilled[r] == e.prompt[r]:
+                    self._prefilled(t, r)
+        self.work = None
+        self._start(t)
+
+    # --- bookkeeping ----------------------------------------------------------------------
+    def _footprint(self, r: int) -> int:
+        return int(self.engine.prompt[r] + self.engine.output[r])
+
+    def _fits(self, r: int, extra: int = 0) -> bool:
+        return (self.reserved + self._footprint(r) <= self.kv_capacity
+                and len(self.batch) + extra < self.max_running)
+
+    def _prefilled(self, t: float, r: int) -> None:
+        e = self.engine
+        e.first[r] = t
+        e.generated[r] = 1
+        if e.output[r] == 1:
+            e.finish_request(t, r)
+            if self.mode != "prefill":
+                self.reserved -= self._footprint(r)
+        elif self.mode == "prefill":
+            e.hand_off(t, self, r)
+        else:
+            self.batch = np.append(self.batch, r)
+
+    def _advance(self, t: float, n: int) -> None:
+        e = self.engine
+        ids = self.batch
+        if not len(ids):
+            return
+        gen = e.generated[ids] + n
+        e.generated[ids] = gen
+        left = gen < e.output[ids]
+        if not left.all():
+            gone = ids[~left]
+            for r in gone.tolist():
+                e.finish_request(t, r)
+            self.reserved -= int((e.prompt[gone] + e.output[gone]).sum())
+            self.batch = ids[left]
+
+    def _admit(self) -> None:
+        added = []
+        while self.pending and self._fits(self.pending[0], len(added)):
+            r = self.pending.popleft()
+            self.reserved += self._footprint(r)
+            added.append(r)
+        if added:
+            self.batch = np.concatenate([self.batch, np.asarray(added, dtype=np.int64)])
+
+    def _pick_prefill(self) -> list[int]:
+        e, picked, tokens = self.engine, [], 0
+        while self.queue:
+            r = self.queue[0]
+            p = int(e.prompt[r])
+            if picked and tokens + p > self.max_prefill_tokens:
+                break
+            if self.mode == "serial":
+                if not self._fits(r, len(picked)):
+                    break
+                self.reserved += self._footprint(r)
+            picked.append(self.queue.popleft())
+            tokens += p
+            self.queued_tokens -= p
+        return picked
+
+    def _pick_chunks(self) -> list[tuple[int, int]]:
+        e = self.engine
+        budget = self.chunk_tokens - len(self.batch)
+        chunks, started = [], 0
+        for r in list(self.queue):
+            if budget <= 0:
+                break
+            if e.prefilled[r] == 0:
+                if not self._fits(r, started):
+                    break
+                self.reserved += self._footprint(r)
+            started += 1
+            c = min(budget, int(e.prompt[r] - e.prefilled[r]))
+            chunks.append((r, c))
+            budget -= c
+        for r, c in chunks:
+            self.queued_tokens -= c
+            if e.prefilled[r] + c == e.prompt[r]:
+                self.queue.remove(r)
+        return chunks
+
+    def _start(self, t: float) -> None:
+        e = self.engine
+        was_prefilling = self.work is not None and self.work[0] != "decode"
+        self.work = None
+        if self.mode == "decode":
+            self._admit()
+        if self.mode in ("serial", "prefill") and self.queue:
+            reqs = self._pick_prefill()
+            if reqs:
+                p = e.prompt[reqs]
+                dt = self.pricer.prefill_s(int(p.sum()), float((p * (p + 1) / 2).sum()), 0, len(reqs))
+                self.work = ("prefill", reqs)
+        if self.work is None and self.mode == "mixed" and self.queue:
+            chunks = self._pick_chunks()
+            if chunks:
+                done = np.asarray([e.prefilled[r] for r, _ in chunks], dtype=np.float64)
+                c = np.asarray([c for _, c in chunks], dtype=np.float64)
+                ctx = float((e.prompt[self.batch] + e.generated[self.batch]).sum())
+                last = sum(1 for (r, k) in chunks if e.prefilled[r] + k == e.prompt[r])
+                dt = self.pricer.mixed_s(int(c.sum()) + len(self.batch),
+                                         float((c * done + c * (c + 1) / 2).sum()) + ctx,
+                                         float(done.sum()) + ctx, last + len(self.batch))
+                self.work = ("mixed", chunks)
+        if self.work is None and len(self.batch):
+            rem = e.output[self.batch] - e.generated[self.batch]
+            n = int(min(int(rem.min()), MAX_MACRO))
+            B = len(self.batch)
+            ctx = float((e.prompt[self.batch] + e.generated[self.batch]).sum()) + B * (n - 1) / 2
+            dt = self.pricer.decode_s(B, ctx)
+            self.work = ("decode", t, dt, n)
+            self.version += 1
+            e.push(t + n * dt, _DONE, self, self.version)
+            self.busy_time += n * dt
+        elif self.work is not None:
+            self.version += 1
+            e.push(t + dt, _DONE, self, self.version)
+            self.busy_time += dt
+        if was_prefilling != self.prefilling:
+            for other in self.listeners:
+                other.cut(t)
+
+
+class Engine:
+    """Runs requests through executors; ``transfer_s(prompt, src, dst)`` prices KV hand-offs."""
+
+    def __init__(self, arrival_N: np.ndarray, prompt_N: np.ndarray, output_N: np.ndarray,
+                 executors: list[Executor], transfer_s=None):
+        self.arrival, self.prompt, self.output = arrival_N, prompt_N, output_N
+        n = len(arrival_N)
+        self.first = np.full(n, np.nan)
+        self.finish = np.full(n, np.nan)
+        self.generated = np.zeros(n, dtype=np.int64)
+        self.prefilled = np.zeros(n, dtype=np.int64)
+        self.finished_count = np.zeros(n, dtype=np.int64)
+        self.executors = executors
+        self.entry = [x for x in executors if x.mode != "decode"]
+        self.decoders = [x for x in executors if x.mode == "decode"]
+        for x in executors:
+            x.engine = self
+        self.transfer_s = transfer_s or (lambda p, src, dst: 0.0)
+        self.slo = None  # (ttft_s, tpot_s) when stop_after_misses is used
+        self.missed = np.zeros(n, dtype=bool)
+        self.misses, self.miss_budget = 0, n
+        self.aborted = False
+        self._heap: list = []
+        self._seq = 0
+        self.events = 0
+
+    def push(self, t: float, kind: int, target, payload: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, target, payload))
+
+    def finish_request(self, t: float, r: int) -> None:
+        self.finish[r] = t
+        self.finished_count[r] += 1
+        if self.slo is not None and not self.missed[r]:
+            out = self.output[r]
+            tpot = (t - self.first[r]) / (out - 1) if out > 1 else 0.0
+            if self.first[r] - self.arrival[r] > self.slo[0] or tpot > self.slo[1]:
+                self.missed[r] = True
+                self.misses += 1
+                if self.misses > self.miss_budget:
+                    raise _Aborted
+
+    def hand_off(self, t: float, src: Executor, r: int) -> None:
+        dst = src.partner
+        if dst is None:  # the least-loaded decode executor (reserved + waiting KV over capacity)
+            dst = min(self.decoders, key=lambda x: ((x.reserved + sum(self._fp(q) for q in x.pending))
+                                                    / max(x.kv_capacity, 1), x.name))
+        self.push(t + self.transfer_s(int(self.prompt[r]), src, dst), _JOIN, dst, r)
+
+    def _fp(self, r: int) -> int:
+        return int(self.prompt[r] + self.output[r])
+
+    def stop_after_misses(self, ttft_s: float, tpot_s: float, budget: int) -> None:
+        """Stop the run once more than ``budget`` requests have missed the SLO (then the
+        attainment is known to be below ``1 - budget / N``; ``aborted`` is set)."""
+        self.slo, self.miss_budget = (ttft_s, tpot_s), budget
+
+    def run(self, max_events: int = 50_000_000) -> None:
+        try:
+            self._run(max_events)
+        except _Aborted:
+            self.aborted = True
+
+    def _run(self, max_events: int) -> None:
+        for r, t in enumerate(self.arrival.tolist()):
+            self.push(t, _ARRIVE, None, r)
+        heap = self._heap
+        while heap:
+            t, _, kind, target, payload = heapq.heappop(heap)
+            self.events += 1
+            if self.events > max_events:
+                raise RuntimeError(f"serving engine exceeded {max_events} events; the configuration "
+                                   f"cannot keep up (an unstable queue)")
+            if kind == _ARRIVE:
+                x = min(self.entry, key=lambda x: (x.queued_tokens + (x.max_prefill_tokens if x.prefilling else 0),
+                                                   x.reserved, x.name))
+                x.enqueue(t, payload)
+            elif kind == _DONE:
+                if payload == target.version:
+                    target.done(t)
+            else:
+                target.join(t, payload)

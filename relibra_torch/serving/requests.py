@@ -1,0 +1,207 @@
+"""Request traces for the serving model: arrival time, prompt and output length per request.
+
+Three sources, one type (:class:`Requests`):
+
+* Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``; the 2023
+  Splitwise data in ``../shared/data``, CC-BY 4.0, Patel et al., ISCA 2024);
+* Mooncake JSONL (one object a line: ``timestamp`` in ms, ``input_length``,
+  ``output_length``; the FAST'25 Mooncake trace format);
+* Poisson arrivals at a given rate with lengths drawn (seeded) from a real trace's lengths.
+
+Every reader rejects a bad trace with one line naming the file, the row and the fix:
+negative or non-integer lengths, unsorted times, an empty file, missing columns.
+
+Legend: N requests.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from dataclasses import dataclass
+from datetime import datetime
+
+import numpy as np
+
+from ..checks import check_int, check_number
+
+__all__ = ["Requests", "load_trace", "poisson_requests", "read_azure_csv", "read_mooncake_jsonl"]
+
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+
+
+@dataclass(frozen=True)
+class Requests:
+    """A request trace, sorted by arrival.
+
+    Attributes:
+        arrival_N: float64 seconds from the first arrival (non-decreasing, starts at 0).
+        prompt_N: int64 prompt (context) tokens, ``>= 1``.
+        output_N: int64 generated tokens, ``>= 1``.
+        source: where it came from (for reports).
+    """
+
+    arrival_N: np.ndarray
+    prompt_N: np.ndarray
+    output_N: np.ndarray
+    source: str
+
+    def __post_init__(self) -> None:
+        n = len(self.arrival_N)
+        if not n:
+            raise ValueError(f"{self.source}: no requests; allowed: a trace with at least one request")
+        if len(self.prompt_N) != n or len(self.output_N) != n:
+            raise ValueError(f"{self.source}: arrival, prompt and output arrays differ in length")
+        if np.any(np.diff(self.arrival_N) < 0):
+            i = int(np.argmax(np.diff(self.arrival_N) < 0)) + 1
+            raise ValueError(f"{self.source}: request {i} arrives before request {i - 1}; allowed: "
+                             f"times sorted in increasing order (sort the file by its timestamp)")
+        for name, arr in (("prompt", self.prompt_N), ("output", self.output_N)):
+            if np.any(arr < 1):
+                i = int(np.argmax(arr < 1))
+                raise ValueError(f"{self.source}: request {i} has {name} length {int(arr[i])}; "
+                                 f"allowed: lengths >= 1")
+
+    def __len__(self) -> int:
+        return len(self.arrival_N)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.arrival_N[-1] - self.arrival_N[0])
+
+    @property
+    def rate(self) -> float:
+        """Mean arrival rate, requests/s (N / span; one request: 1; a burst: inf)."""
+        if len(self) == 1:
+            return 1.0
+        return len(self) / self.duration_s if self.duration_s > 0 else float("inf")
+
+    def window(self, start_s: float, length_s: float) -> "Requests":
+        """Requests arriving in ``[start_s, start_s + length_s)``, times shifted to start at 0."""
+        t = self.arrival_N - self.arrival_N[0]
+        keep = (t >= start_s) & (t < start_s + length_s)
+        if not keep.any():
+            raise ValueError(f"{self.source}: no request in the window [{start_s:g}, {start_s + length_s:g}) s; "
+                             f"the trace spans {self.duration_s:.0f} s")
+        a = t[keep]
+        return Requests(a - a[0], self.prompt_N[keep], self.output_N[keep],
+                        f"{self.source} [{start_s:g} s, +{length_s:g} s)")
+
+    def scaled(self, factor: float) -> "Requests":
+        """The same requests with every inter-arrival time divided by ``factor`` (rate x factor);
+        ``math.inf`` makes them one burst at time 0."""
+        if factor == float("inf"):
+            return Requests(np.zeros_like(self.arrival_N), self.prompt_N, self.output_N, self.source)
+        factor = check_number("scale factor", factor, 0, strict=True)
+        return Requests(self.arrival_N / factor, self.prompt_N, self.output_N, self.source)
+
+
+def _fail(path: str, where: str, what: str) -> ValueError:
+    return ValueError(f"{os.path.basename(path)}{where}: {what}")
+
+
+def _length(path: str, where: str, column: str, raw) -> int:
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise _fail(path, where, f"{column} = {raw!r}; allowed: a whole number >= 1") from None
+    if not value.is_integer() or value < 1:
+        raise _fail(path, where, f"{column} = {raw!r}; allowed: a whole number >= 1 (negative or zero "
+                                 f"lengths are not requests)")
+    return int(value)
+
+
+def _finish(path: str, times: list[float], prompt: list[int], output: list[int], label: str,
+            where: list[str]) -> Requests:
+    if not times:
+        raise _fail(path, "", "the file holds no requests; allowed: at least one data row")
+    t = np.asarray(times, dtype=np.float64)
+    bad = np.flatnonzero(np.diff(t) < 0)
+    if bad.size:
+        raise _fail(path, where[int(bad[0]) + 1], "its time is earlier than the previous row's; "
+                    "allowed: rows sorted by time (sort the file)")
+    return Requests(t - t[0], np.asarray(prompt, dtype=np.int64), np.asarray(output, dtype=np.int64), label)
+
+
+def read_azure_csv(path: str) -> Requests:
+    """An Azure LLM inference trace CSV (``TIMESTAMP,ContextTokens,GeneratedTokens``)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--trace {path!r} does not exist")
+    times, prompt, output, rows = [], [], [], []
+    with open(path, newline="", encoding="utf-8") as fh:
+        reader = csv.DictReader(fh)
+        if reader.fieldnames is None:
+            raise _fail(path, "", "the file is empty; allowed: a CSV with header " + ",".join(AZURE_COLUMNS))
+        missing = [c for c in AZURE_COLUMNS if c not in reader.fieldnames]
+        if missing:
+            raise _fail(path, "", f"missing column(s) {', '.join(missing)}; allowed: a header with "
+                        + ",".join(AZURE_COLUMNS))
+        for i, row in enumerate(reader):
+            where = f" row {i + 2}"
+            rows.append(where)
+            stamp = (row["TIMESTAMP"] or "").strip()
+            try:
+                # Azure stamps carry 7 fractional digits; Python parses at most 6.
+                head, _, frac = stamp.partition(".")
+                t = datetime.fromisoformat(head).timestamp() + (float("0." + frac) if frac else 0.0)
+            except ValueError:
+                raise _fail(path, where, f"TIMESTAMP = {stamp!r}; allowed: 'YYYY-MM-DD HH:MM:SS.ffff'") from None
+            times.append(t)
+            prompt.append(_length(path, where, "ContextTokens", row["ContextTokens"]))
+            output.append(_length(path, where, "GeneratedTokens", row["GeneratedTokens"]))
+    return _finish(path, times, prompt, output, f"azure:{os.path.basename(path)}", rows)
+
+
+def read_mooncake_jsonl(path: str) -> Requests:
+    """A Mooncake-format JSONL trace (``timestamp`` ms, ``input_length``, ``output_length``)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--trace {path!r} does not exist")
+    times, prompt, output, rows = [], [], [], []
+    with open(path, encoding="utf-8") as fh:
+        for i, line in enumerate(fh):
+            if not line.strip():
+                continue
+            where = f" line {i + 1}"
+            rows.append(where)
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise _fail(path, where, f"not valid JSON ({exc.msg})") from None
+            if not isinstance(obj, dict):
+                raise _fail(path, where, "not a JSON object")
+            missing = [k for k in MOONCAKE_KEYS if k not in obj]
+            if missing:
+                raise _fail(path, where, f"missing key(s) {', '.join(missing)}; allowed: objects with "
+                            + ", ".join(MOONCAKE_KEYS))
+            try:
+                t = float(obj["timestamp"]) / 1000.0
+            except (TypeError, ValueError):
+                raise _fail(path, where, f"timestamp = {obj['timestamp']!r}; allowed: milliseconds") from None
+            times.append(t)
+            prompt.append(_length(path, where, "input_length", obj["input_length"]))
+            output.append(_length(path, where, "output_length", obj["output_length"]))
+    return _finish(path, times, prompt, output, f"mooncake:{os.path.basename(path)}", rows)
+
+
+def load_trace(path: str) -> Requests:
+    """A trace file by its suffix: ``.csv`` Azure, ``.jsonl``/``.json`` Mooncake."""
+    low = path.lower()
+    if low.endswith(".csv"):
+        return read_azure_csv(path)
+    if low.endswith((".jsonl", ".json")):
+        return read_mooncake_jsonl(path)
+    raise ValueError(f"--trace {path!r}: unknown format; allowed: .csv (Azure) or .jsonl (Mooncake)")
+
+
+def poisson_requests(rate: float, num: int, lengths: Requests, seed: int = 0) -> Requests:
+    """``num`` Poisson arrivals at ``rate`` req/s; (prompt, output) pairs drawn from ``lengths``."""
+    rate = check_number("--rate", rate, 0, strict=True)
+    num = check_int("--num-requests", num)
+    rng = np.random.default_rng(seed)
+    gaps = rng.exponential(1.0 / rate, size=num)
+    gaps[0] = 0.0
+    pick = rng.integers(0, len(lengths), size=num)
+    return Requests(np.cumsum(gaps), lengths.prompt_N[pick], lengths.output_N[pick],
+                    f"poisson {rate:g} req/s, lengths from {lengths.source}")

@@ -1,0 +1,323 @@
+"""The five serving systems: their knobs, memory checks, and executors for the engine.
+
+=============== ===================================================================================
+system          what the model builds (``G`` GPUs, ``g`` GPUs per engine instance)
+=============== ===================================================================================
+colocated       ``G // g`` instances, each attention-DP + expert-parallel over ``g`` GPUs, serial
+                (prefill-priority) batching.
+chunked-prefill the same instances with mixed chunked-prefill iterations.
+pd-disagg       ``n_p`` prefill + ``n_d`` decode instances of ``g`` GPUs (``n_p + n_d = G // g``,
+                every integer split tried); a finished prefill sends its KV cache to the least
+                loaded decode instance over RDMA; both instance kinds hold the whole model.
+pd-colocate     ``G // g`` instances whose GPUs are split by a fixed SM share: prefill gets
+                ``s_p``, decode ``1 - s_p`` (Green Contexts). A partition of share ``s`` has
+                ``s`` of the compute and all of the HBM bandwidth, whether or not the other
+                partition has work (idle reserved SMs); each lane is
+                FIFO (head-of-line blocking).
+expertplex      ``n_ap`` prefill and ``n_ad`` decode attention GPUs, ``n_e`` shared expert GPUs
+                (one copy of the experts). Attention GPUs push dispatch data into and pull
+                results from the expert GPUs (attention-initiated: no communication kernel on
+                the expert side, no cross-phase blocking). Expert GPUs multiplex both phases at
+                tile granularity: per layer, decode takes the SM share at which its tiles
+                finish as its expert weights stream in (``decode_sm_share``) and waits at most one tile plus one check for
+                prefill tiles to yield; prefill runs on what decode leaves, both slowed by the
+                paper's measured APK overheads. ``replicas`` extra expert slots per expert GPU
+                (EPLB planned on a recent routing window) spread hot experts.
+=============== ===================================================================================
+
+The search may leave GPUs idle (``allow_idle``): then every configuration of ``G`` GPUs is
+also one of ``G + 1``, so goodput cannot fall when GPUs are added.
+
+Legend: G GPUs of the cluster.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .constants import ServingConstants
+from .cost import ServingCost, link_fractions
+from .engine import Engine, Executor
+from .routing import TileTable, build_tile_table, replicated_placement, static_placement
+from .tiles import decode_sm_share
+
+__all__ = ["SYSTEMS", "Cluster", "SystemConfig", "enumerate_configs", "build_engine"]
+
+SYSTEMS = ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill")
+COLOCATE_SHARES = (0.3, 0.4, 0.5, 0.6, 0.7)
+REPLICA_CHOICES = (0, 2, 4)
+
+
+@dataclass
+class Cluster:
+    """The cluster, model cost and routing that every configuration is built on."""
+
+    num_gpus: int
+    gpus_per_node: int
+    cost: ServingCost
+    pi_LE: torch.Tensor  # routing popularity the requests are served with
+    recent_LE: torch.Tensor  # a recent routing window (replication is planned on it)
+    seed: int = 0
+    _tables: dict = field(default_factory=dict)
+
+    @property
+    def consts(self) -> ServingConstants:
+        return self.cost.c
+
+    @property
+    def num_nodes(self) -> int:
+        return math.ceil(self.num_gpus / self.gpus_per_node)
+
+    def table(self, expert_gpus: int, replicas: int = 0) -> TileTable:
+        key = (expert_gpus, replicas)
+        if key not in self._tables:
+            L, E = self.pi_LE.shape
+            slots = (static_placement(L, E, expert_gpus) if replicas == 0
+                     else replicated_placement(self.recent_LE, expert_gpus, replicas))
+            self._tables[key] = build_tile_table(self.pi_LE, slots, self.consts.tile_m, self.seed)
+        return self._tables[key]
+
+
+@dataclass(frozen=True)
+class SystemConfig:
+    """One configuration of one system: ``knobs`` by name, and the GPUs it uses."""
+
+    system: str
+    knobs: tuple[tuple[str, float], ...]
+    gpus: int
+
+    def get(self, name: str):
+        return dict(self.knobs)[name]
+
+    def label(self) -> str:
+        return ", ".join(f"{k}={v:g}" for k, v in self.knobs)
+
+
+def _instance_kv(cl: Cluster, g: int) -> int:
+    c = cl.cost
+    return c.kv_capacity(g, c.expert_bytes_total() / g + c.attention_side_bytes())
+
+
+def _instance_sizes(cl: Cluster, need_kv: int) -> list[int]:
+    E = cl.cost.model.num_experts
+    sizes = [g for g in (1, 2, 4, 8, 16, 32, 64) if g <= cl.num_gpus and E % g == 0]
+    return [g for g in sizes if _instance_kv(cl, g) >= need_kv]
+
+
+def enumerate_configs(system: str, cl: Cluster, need_kv: int, allow_idle: bool = False) -> list[SystemConfig]:
+    """Every configuration of ``system`` that fits in memory; ``need_kv`` is the largest
+    request's KV footprint (prompt + output tokens) an engine must hold.
+
+    Each placement comes with two prefill batch caps per attention GPU: the engine default
+    (``max_prefill_tokens``, or ``chunk_tokens`` for chunked prefill) and a quarter of it
+    (smaller batches: shorter waits behind a running batch, less batching efficiency)."""
+    out = _placements(system, cl, need_kv, allow_idle)
+    c = cl.consts
+    base = c.chunk_tokens if system == "chunked-prefill" else c.max_prefill_tokens
+    return [SystemConfig(x.system, x.knobs + (("batch_tokens_per_gpu", cap),), x.gpus)
+            for x in out for cap in (base, max(1, base // 4))]
+
+
+def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> list[SystemConfig]:
+    G, out = cl.num_gpus, []
+    counts = (lambda most: range(1, most + 1)) if allow_idle else (lambda most: [most] if most else [])
+    if system in ("colocated", "chunked-prefill", "pd-colocate"):
+        for g in _instance_sizes(cl, need_kv):
+            for n in counts(G // g):
+                shares = COLOCATE_SHARES if system == "pd-colocate" else (1.0,)
+                for s in shares:
+                    knobs = (("gpus_per_instance", g), ("instances", n))
+                    out.append(SystemConfig(system, knobs + ((("prefill_share", s),) if system == "pd-colocate"
+                                                             else ()), g * n))
+    elif system == "pd-disagg":
+        for g in _instance_sizes(cl, need_kv):
+            for n in counts(G // g):
+                for n_p in range(1, n):
+                    out.append(SystemConfig(system, (("gpus_per_instance", g), ("prefill_instances", n_p),
+                                                     ("decode_instances", n - n_p)), g * n))
+    elif system in ("expertplex", "expertplex-repl"):
+        c, E = cl.cost, cl.cost.model.num_experts
+        reps = REPLICA_CHOICES[1:] if system == "expertplex-repl" else (0,)
+        for n_e in (g for g in range(1, G - 1) if E % g == 0):
+            for r in reps:
+                slots = E // n_e + r
+                if c.expert_bytes_total() / E * slots > c.usable_bytes():
+                    continue
+                for n_ap in range(1, G - n_e):
+                    most_d = G - n_e - n_ap
+                    for n_ad in (range(1, most_d + 1) if allow_idle else [most_d]):
+                        if c.kv_capacity(n_ad, c.attention_side_bytes()) < need_kv:
+                            continue
+                        for near in (1, 0):
+                            knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
+                                     ("decode_attention_gpus", n_ad), ("prefill_near_experts", near)) \
+                                + ((("replicas", r),) if r else ())
+                            out.append(SystemConfig(system, knobs, n_e + n_ap + n_ad))
+    else:
+        raise ValueError(f"--systems: unknown system {system!r}; allowed: {', '.join(SYSTEMS)}, expertplex-repl")
+    return out
+
+
+class _Instance:
+    """Prices iterations of ``g`` GPUs doing attention and experts, at an SM share.
+
+    A Green-Context partition (``partner`` set: the executor of the other partition) shares
+    HBM and the links with its partner: while the partner runs, this partition's memory and
+    link times stretch by ``1 + u``, ``u`` the fraction of its last iteration the partner
+    kept HBM (or the links) busy (processor sharing by demand).
+    """
+
+    def __init__(self, cl: Cluster, g: int, share: float = 1.0):
+        self.cost, self.g, self.share = cl.cost, g, share
+        self.table = cl.table(g)
+        self.frac = link_fractions(g, cl.gpus_per_node)
+        self.partner: Executor | None = None
+        self.util = (0.0, 0.0)  # (HBM, link) busy fractions of this partition's last iteration
+
+    def _t(self, tokens, pairs, kv_read, rows) -> float:
+        p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac)
+        mem = link = 1.0
+        if self.partner is not None:
+            mem = (1.0 / self.share) ** self.cost.c.partition_bandwidth
+            if self.partner.busy:
+                u_mem, u_link = self.partner.pricer.util
+                mem, link = mem * (1.0 + u_mem), 1.0 + u_link
+        t = p.total_s(self.share, mem, link)
+        if t > 0:
+            self.util = (min(1.0, p.memory_s() * mem / t), min(1.0, p.comm_bytes_s * link / t))
+        return t
+
+    def prefill_s(self, tokens, pairs, kv_read, rows):
+        return self._t(tokens, pairs, kv_read, rows)
+
+    mixed_s = prefill_s
+
+    def decode_s(self, batch, context):
+        return self._t(batch, context, context, batch)
+
+
+def _fractions(src: range, dst: range, gpus_per_node: int) -> tuple[float, float]:
+    """(NVLink, RDMA) fractions of traffic from each ``src`` GPU spread evenly over ``dst``."""
+    same = sum(sum(1 for d in dst if d // gpus_per_node == s // gpus_per_node) for s in src)
+    intra = same / (len(src) * len(dst))
+    return intra, 1.0 - intra
+
+
+class _ExpertPlex:
+    """Prices both phases of ExpertPlex; each side reads the other's state (see the module doc).
+
+    Every prefill attention GPU schedules its own batches (attention-initiated communication
+    needs no collective, so they do not step together); the prefill batches in flight share
+    the expert GPUs' compute equally. The decode attention GPUs step together as one batch.
+    """
+
+    def __init__(self, cl: Cluster, n_e: int, n_ap: int, n_ad: int, replicas: int, prefill_near: bool):
+        self.cost, self.c = cl.cost, cl.consts
+        self.n_e, self.n_ap, self.n_ad = n_e, n_ap, n_ad
+        self.table = cl.table(n_e, replicas)
+        # GPUs are numbered node by node: expert GPUs first, then the phase placed near them
+        gpn = cl.gpus_per_node
+        experts = range(n_e)
+        first, second = (n_ap, n_ad) if prefill_near else (n_ad, n_ap)
+        a = range(n_e, n_e + first)
+        b = range(n_e + first, n_e + first + second)
+        pre, dec = (a, b) if prefill_near else (b, a)
+        self.prefill_frac = _fractions(pre, experts, gpn)
+        self.frac = _fractions(dec, experts, gpn)
+        self.prefill_nodes = [g // gpn for g in pre]
+        self.decode_node = dec[0] // gpn
+        self.prefill_xs: list[Executor] = []
+        self.decode_x: Executor | None = None
+        self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
+
+    def prefill_s(self, tokens, pairs, kv_read, rows):
+        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_frac)
+        occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
+        slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
+        sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
+        return p.attn_s() + p.comm_s + slow * p.moe_s(max(1.0 - occ, 1e-3) / sharing)
+
+    mixed_s = prefill_s
+
+    def decode_s(self, batch, context):
+        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac)
+        L = self.cost.model.num_moe_layers
+        if any(x.prefilling for x in self.prefill_xs):
+            # per layer: decode's share from that layer's tile footprint (the runtime's rule)
+            tiles_L, active_L = self.table.per_layer(batch)
+            compute_L = tiles_L * self.cost.tile_time_s
+            memory_L = np.full(L, p.moe_memory_s / L) * (active_L / max(active_L.mean(), 1e-12))
+            share_L = decode_sm_share(tiles_L, self.cost.tile_time_s, memory_L, self.cost.num_sms)
+            time_L = self.c.apk_decode_slowdown * np.maximum(compute_L / np.maximum(share_L, 1e-12), memory_L) \
+                + self.cost.sm_tile_s + self.c.preempt_check_us * 1e-6  # + the preemption bound
+            moe = float(time_L.sum())
+            busy = float((share_L * time_L).sum())  # expert SM-seconds decode holds
+        else:
+            moe = p.moe_s()
+            busy = moe
+        step = p.attn_s() + p.comm_s + moe
+        self.occupancy = busy / step if step > 0 else 0.0
+        return step
+
+
+def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) -> Engine:
+    """An :class:`Engine` for ``cfg`` over the requests (fresh state every call)."""
+    c, k = cl.consts, dict(cfg.knobs)
+    xs: list[Executor] = []
+    transfer = None
+
+    def lim(g):  # the engines' batch limits are per attention-DP GPU (one scheduler per DP rank)
+        if cfg.system == "chunked-prefill":
+            return dict(max_prefill_tokens=c.max_prefill_tokens * g,
+                        chunk_tokens=int(k.get("batch_tokens_per_gpu", c.chunk_tokens)) * g)
+        return dict(max_prefill_tokens=int(k.get("batch_tokens_per_gpu", c.max_prefill_tokens)) * g,
+                    chunk_tokens=c.chunk_tokens * g)
+
+    if cfg.system in ("colocated", "chunked-prefill"):
+        g = int(k["gpus_per_instance"])
+        mode = "serial" if cfg.system == "colocated" else "mixed"
+        for i in range(int(k["instances"])):
+            xs.append(Executor(f"i{i}", mode, _Instance(cl, g), kv_capacity=_instance_kv(cl, g),
+                               max_running=c.max_running * g, **lim(g)))
+    elif cfg.system == "pd-colocate":
+        g, s = int(k["gpus_per_instance"]), float(k["prefill_share"])
+        for i in range(int(k["instances"])):
+            p = Executor(f"p{i}", "prefill", _Instance(cl, g, s), kv_capacity=0, max_running=1, **lim(g))
+            d = Executor(f"d{i}", "decode", _Instance(cl, g, 1.0 - s), kv_capacity=_instance_kv(cl, g),
+                         max_running=c.max_running * g, **lim(g))
+            p.partner = d  # the hand-off goes to the same GPUs' decode partition (no KV transfer)
+            p.pricer.partner, d.pricer.partner = d, p
+            p.listeners.append(d)  # decode's contention changes when prefill starts or stops
+            xs += [p, d]
+    elif cfg.system == "pd-disagg":
+        g = int(k["gpus_per_instance"])
+        for i in range(int(k["prefill_instances"])):
+            xs.append(Executor(f"p{i}", "prefill", _Instance(cl, g), kv_capacity=0, max_running=1,
+                               node=i * g // cl.gpus_per_node, **lim(g)))
+        n_p = int(k["prefill_instances"])
+        for i in range(int(k["decode_instances"])):
+            xs.append(Executor(f"d{i}", "decode", _Instance(cl, g), kv_capacity=_instance_kv(cl, g),
+                               max_running=c.max_running * g, node=(n_p + i) * g // cl.gpus_per_node, **lim(g)))
+        spans = g > cl.gpus_per_node
+
+        def transfer(prompt, src, dst):  # one request's KV lives on one attention-DP GPU
+            return cl.cost.kv_transfer_s(prompt, spans or src.node != dst.node)
+    else:  # expertplex, expertplex-repl
+        n_e, n_ap, n_ad = int(k["expert_gpus"]), int(k["prefill_attention_gpus"]), int(k["decode_attention_gpus"])
+        px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)), bool(k["prefill_near_experts"]))
+        d = Executor("d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
+                     max_running=c.max_running * n_ad, node=px.decode_node, **lim(n_ad))
+        for i in range(n_ap):
+            p = Executor(f"p{i}", "prefill", px, kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
+            p.listeners.append(d)  # decode's step price changes when prefill starts or stops
+            px.prefill_xs.append(p)
+            xs.append(p)
+        px.decode_x = d
+        xs.append(d)
+        def transfer(prompt, src, dst):  # prefill attention GPU -> decode attention GPU
+            return cl.cost.kv_transfer_s(prompt, src.node != dst.node)
+    return Engine(arrival_N, prompt_N, output_N, xs, transfer)

@@ -1,0 +1,79 @@
+"""``relibra serve-sim`` end to end on a short window, its errors, and the serving package's place."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+from relibra_torch.cli import main
+from relibra_torch.serving.cli import TILE_TIME_KEY, tile_time_from_gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+GLM = str(ROOT / "tests" / "fixtures" / "hf_configs" / "GLM-4.5-Air" / "config.json")
+
+
+def test_serve_sim_writes_table_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "out.json", tmp_path / "out.png"
+    rc = main(["serve-sim", "--model-config", GLM, "--nodes", "1", "--window", "20",
+               "--systems", "expertplex,pd-disagg,colocated", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "P90 goodput" in text and "expertplex/pd-disagg" in text and "(paper: 2.01x)" in text
+    doc = json.loads(out.read_text())
+    assert doc["setup"]["model"]["num_experts"] == 128 and doc["setup"]["model"]["num_shared_experts"] == 1
+    assert set(doc["systems"]) == {"expertplex", "pd-disagg", "colocated"}
+    for r in doc["systems"].values():
+        assert r["fits"] and r["gpus_used"] <= 8
+        if r["goodput"] is not None:
+            assert r["goodput_per_gpu"] == pytest.approx(r["goodput"] / 8)
+            assert r["goodput_per_node"] == pytest.approx(r["goodput"])
+            assert r["attainment"] >= 0.9 and r["ttft_p90_s"] >= r["ttft_p50_s"]
+    assert png.stat().st_size > 1000
+
+
+def test_bad_trace_is_a_one_line_error_with_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,-3,4\n")
+    assert main(["serve-sim", "--trace", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "bad.csv row 2: ContextTokens = '-3'" in err
+
+
+def test_unknown_system_and_bad_set_are_rejected(capsys):
+    assert main(["serve-sim", "--systems", "vllm"]) == 2
+    assert "unknown system 'vllm'" in capsys.readouterr().err
+    assert main(["serve-sim", "--set", "serving.speed=3"]) == 2
+    assert "serving.speed: not a field" in capsys.readouterr().err
+
+
+def test_tile_time_comes_from_the_gpu_check_key(tmp_path):
+    nested = tmp_path / "a.json"
+    nested.write_text(json.dumps({"expertplex": {"tile_time_us": 3.5}}))
+    dotted = tmp_path / "b.json"
+    dotted.write_text(json.dumps({TILE_TIME_KEY: 4.0}))
+    assert tile_time_from_gpu_check(str(nested)) == 3.5 and tile_time_from_gpu_check(str(dotted)) == 4.0
+    empty = tmp_path / "c.json"
+    empty.write_text("{}")
+    with pytest.raises(ValueError, match=r"has no 'expertplex.tile_time_us'"):
+        tile_time_from_gpu_check(str(empty))
+
+
+def test_only_the_cli_reaches_the_serving_package():
+    bad = []
+    for path in (ROOT / "relibra_torch").rglob("*.py"):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("relibra_torch/serving/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] + [a.name for a in node.names]
+            if any("serving" in n.split(".") for n in names):
+                bad.append(f"{rel}:{node.lineno}")
+    assert not bad, "only relibra_torch/cli.py (by name, lazily) may use relibra_torch.serving: " + ", ".join(bad)
+    assert '"serve-sim": "relibra_torch.serving.cli"' in (ROOT / "relibra_torch" / "cli.py").read_text()

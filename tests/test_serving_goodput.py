@@ -1,0 +1,116 @@
+"""Goodput search invariants on a tiny model (hypothesis), the cost model's roofline, determinism."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import lru_cache
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relibra_torch.planning.pricing import get_hardware
+from relibra_torch.serving.compare import CompareSetup, compare
+from relibra_torch.serving.constants import DEFAULT_CONSTANTS
+from relibra_torch.serving.cost import ServingCost
+from relibra_torch.serving.goodput import best_config, goodput, run_config
+from relibra_torch.serving.requests import Requests
+from relibra_torch.serving.routing import synthetic_popularity
+from relibra_torch.serving.systems import Cluster, enumerate_configs
+from relibra_torch.sim.presets import ModelSpec, get_model
+
+# small enough to simulate fast, big enough that a burst of its requests takes tens of ms
+TINY = ModelSpec("tiny", num_layers=16, num_moe_layers=16, hidden_size=4096, moe_ffn=2048, num_experts=16,
+                 top_k=2, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=32000)
+TIGHT = replace(DEFAULT_CONSTANTS, ttft_slo_s=0.05, tpot_slo_s=0.004)
+
+
+@lru_cache(maxsize=None)
+def _pi():
+    return synthetic_popularity(TINY.num_moe_layers, TINY.num_experts, TINY.top_k, 0)
+
+
+def _requests(n: int = 40, seed: int = 0) -> Requests:
+    rng = np.random.default_rng(seed)
+    t = np.cumsum(rng.exponential(0.05, n))
+    return Requests(t - t[0], rng.integers(50, 3000, n), rng.integers(2, 200, n), "test")
+
+
+def _cluster(gpus: int, consts=TIGHT) -> Cluster:
+    cost = ServingCost(TINY, get_hardware("h200"), consts)
+    return Cluster(gpus, 8, cost, _pi(), _pi())
+
+
+def _best(system: str, gpus: int, consts=TIGHT, allow_idle: bool = True):
+    cl = _cluster(gpus, consts)
+    reqs = _requests()
+    need = int((reqs.prompt_N + reqs.output_N).max())
+    return best_config(enumerate_configs(system, cl, need, allow_idle=allow_idle), cl, reqs)
+
+
+@settings(max_examples=4, deadline=None)
+@given(st.sampled_from(["pd-disagg", "expertplex", "chunked-prefill"]),
+       st.floats(0.02, 0.1), st.floats(0.003, 0.008), st.floats(1.0, 3.0))
+def test_goodput_is_monotone_in_slo_looseness(system, ttft, tpot, looser):
+    tight = replace(TIGHT, ttft_slo_s=ttft, tpot_slo_s=tpot)
+    loose = replace(TIGHT, ttft_slo_s=ttft * looser, tpot_slo_s=tpot * looser)
+    assert _best(system, 4, loose).rate >= _best(system, 4, tight).rate
+
+
+@settings(max_examples=3, deadline=None)
+@given(st.sampled_from(["colocated", "pd-disagg", "expertplex"]), st.integers(3, 4))
+def test_total_goodput_is_monotone_in_cluster_size_when_gpus_may_idle(system, gpus):
+    # with allow_idle every configuration of G GPUs is one of G + 1 GPUs too
+    assert _best(system, gpus + 1).rate >= _best(system, gpus).rate
+
+
+def test_goodput_is_the_highest_grid_rate_meeting_the_target():
+    cl = _cluster(4)
+    reqs = _requests()
+    cfg = enumerate_configs("pd-disagg", cl, 4000)[0]
+    g = goodput(cfg, cl, reqs)
+    assert g.rate > 0
+    assert run_config(cfg, cl, reqs.scaled(g.scale)).attainment >= 0.9
+    assert run_config(cfg, cl, reqs.scaled(g.scale * 2 ** (1 / 32))).attainment < 0.9
+
+
+def test_decode_is_bandwidth_bound_and_prefill_compute_bound():
+    m = get_model("minimax-m2")
+    cost = ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS)
+    cl = Cluster(8, 8, cost, synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0),
+                 synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0))
+    t = cl.table(8)
+    dec = cost.parts(64, 64 * 2000, 64 * 2000, 64, 8, t, 8, (7 / 8, 0.0))
+    assert dec.moe_memory_s > 3 * dec.moe_compute_s  # weights read for 64 tokens
+    assert all(mem > comp for comp, mem in dec.attn)  # the KV cache and the weights
+    pre = cost.parts(65536, 65536 * 1000, 0, 64, 8, t, 8, (7 / 8, 0.0))
+    assert pre.moe_compute_s > pre.moe_memory_s
+    # MoE time follows the tile footprint: ~1 row per active expert costs a full tile each
+    assert dec.moe_tiles >= t.active(64) - 1e-9
+
+
+def test_a_measured_tile_time_replaces_the_roofline_one():
+    m = get_model("minimax-m2")
+    a = ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS)
+    b = ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS, tile_time_us=2 * a.tile_time_s * 1e6)
+    assert b.tile_time_s == pytest.approx(2 * a.tile_time_s) and b.sm_tile_s == pytest.approx(2 * a.sm_tile_s)
+
+
+def test_memory_check_rejects_instances_that_do_not_hold_the_weights():
+    m = get_model("minimax-m2")  # ~225 GB of FP8 experts: one 80 GB H800 cannot hold them
+    cost = ServingCost(m, get_hardware("h800"), DEFAULT_CONSTANTS)
+    cl = Cluster(16, 8, cost, synthetic_popularity(62, 256, 8, 0), synthetic_popularity(62, 256, 8, 0))
+    sizes = {c.get("gpus_per_instance") for c in enumerate_configs("pd-disagg", cl, 5000)}
+    assert 1 not in sizes and 2 not in sizes and 4 in sizes
+    assert all(c.get("expert_gpus") >= 4 for c in enumerate_configs("expertplex", cl, 5000))
+
+
+def test_comparison_is_deterministic_for_a_seed():
+    def doc():
+        setup = CompareSetup(TINY, get_hardware("h200"), TIGHT, 1, 4, _requests(40), _pi(),
+                             ("expertplex", "pd-colocate"), "synthetic", seed=0)
+        d = compare(setup)
+        d.pop("seconds")
+        return d
+    assert doc() == doc()

@@ -1,0 +1,124 @@
+"""Request traces: the readers, their one-line errors, windows, scaling and Poisson arrivals."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from relibra_torch.serving.requests import (Requests, load_trace, poisson_requests, read_azure_csv,
+                                            read_mooncake_jsonl)
+from relibra_torch.serving.tiles import decode_sm_share
+from relibra_torch.sim.data_refs import shared_data_dir
+
+AZURE = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
+def _write(tmp_path, name, text):
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def test_azure_csv_reads_times_with_seven_fractional_digits(tmp_path):
+    path = _write(tmp_path, "t.csv", AZURE + "2023-11-16 18:15:46.6805900,374,44\n"
+                                            "2023-11-16 18:15:50.9951690,396,109\n")
+    r = read_azure_csv(path)
+    assert r.arrival_N.tolist() == pytest.approx([0.0, 4.314579])
+    assert r.prompt_N.tolist() == [374, 396] and r.output_N.tolist() == [44, 109]
+
+
+def test_mooncake_jsonl_uses_milliseconds(tmp_path):
+    rows = [{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]},
+            {"timestamp": 1500, "input_length": 7, "output_length": 1}]
+    path = _write(tmp_path, "t.jsonl", "\n".join(json.dumps(x) for x in rows) + "\n")
+    r = load_trace(path)
+    assert r.arrival_N.tolist() == [0.0, 1.5] and r.prompt_N.tolist() == [10, 7]
+    assert np.array_equal(read_mooncake_jsonl(path).output_N, r.output_N)
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("neg.csv", AZURE + "2023-11-16 18:15:46.1,-5,44\n", r"neg.csv row 2: ContextTokens = '-5'; allowed: a whole number >= 1"),
+    ("zero.csv", AZURE + "2023-11-16 18:15:46.1,5,0\n", r"zero.csv row 2: GeneratedTokens = '0'"),
+    ("order.csv", AZURE + "2023-11-16 18:15:47.1,5,4\n2023-11-16 18:15:46.1,5,4\n",
+     r"order.csv row 3: its time is earlier than the previous row's; allowed: rows sorted by time"),
+    ("empty.csv", "", r"empty.csv: the file is empty"),
+    ("header.csv", AZURE, r"header.csv: the file holds no requests"),
+    ("cols.csv", "TIMESTAMP,ContextTokens\n2023-11-16 18:15:46.1,5\n", r"missing column\(s\) GeneratedTokens"),
+    ("stamp.csv", AZURE + "yesterday,5,4\n", r"stamp.csv row 2: TIMESTAMP = 'yesterday'"),
+    ("neg.jsonl", '{"timestamp": 0, "input_length": -1, "output_length": 3}\n', r"neg.jsonl line 1: input_length = -1"),
+    ("keys.jsonl", '{"timestamp": 0, "input_length": 4}\n', r"keys.jsonl line 1: missing key\(s\) output_length"),
+    ("order.jsonl", '{"timestamp": 5, "input_length": 4, "output_length": 1}\n'
+                    '{"timestamp": 1, "input_length": 4, "output_length": 1}\n', r"order.jsonl line 2: its time is earlier"),
+    ("empty.jsonl", "\n", r"empty.jsonl: the file holds no requests"),
+    ("bad.jsonl", "{nope\n", r"bad.jsonl line 1: not valid JSON"),
+])
+def test_bad_traces_fail_with_one_line_naming_file_and_row(tmp_path, name, text, match):
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ValueError, match=match) as info:
+        load_trace(path)
+    assert "\n" not in str(info.value)
+
+
+def test_unknown_suffix_and_missing_file():
+    with pytest.raises(ValueError, match=r"unknown format; allowed: .csv \(Azure\) or .jsonl"):
+        load_trace("trace.parquet")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_trace("/nonexistent/t.csv")
+
+
+def test_scaling_divides_inter_arrival_times_and_windows_shift_to_zero():
+    r = Requests(np.array([0.0, 1.0, 3.0, 6.0]), np.array([5, 6, 7, 8]), np.array([1, 2, 3, 4]), "x")
+    assert r.scaled(2.0).arrival_N.tolist() == [0.0, 0.5, 1.5, 3.0]
+    assert r.scaled(2.0).rate == pytest.approx(2 * r.rate)
+    w = r.window(1.0, 3.0)
+    assert w.arrival_N.tolist() == [0.0, 2.0] and w.prompt_N.tolist() == [6, 7]
+    with pytest.raises(ValueError, match="no request in the window"):
+        r.window(100.0, 1.0)
+
+
+def test_poisson_arrivals_have_the_rate_and_draw_lengths_from_the_trace():
+    lengths = Requests(np.array([0.0, 1.0]), np.array([11, 22]), np.array([3, 4]), "x")
+    r = poisson_requests(50.0, 4000, lengths, seed=1)
+    assert r.rate == pytest.approx(50.0, rel=0.05)
+    assert set(r.prompt_N.tolist()) == {11, 22} and set(zip(r.prompt_N.tolist(), r.output_N.tolist())) == {(11, 3), (22, 4)}
+    assert np.array_equal(r.arrival_N, poisson_requests(50.0, 4000, lengths, seed=1).arrival_N)
+
+
+def test_the_shared_azure_conversation_trace_loads():
+    r = read_azure_csv(str(shared_data_dir() / "azure-llm-inference-2023-conv.csv"))
+    assert len(r) == 19366 and int(np.median(r.prompt_N)) == 1020 and int(np.median(r.output_N)) == 129
+
+
+def test_decode_share_is_the_tile_time_over_the_weight_read_time():
+    # 15 tiles x 2 us on the whole GPU vs 120 us of weight reads: a quarter of the SMs suffices
+    assert decode_sm_share(15, 2e-6, 120e-6, 132) == pytest.approx(0.25)
+    assert decode_sm_share(0, 2e-6, 120e-6, 132) == 0.0
+    assert decode_sm_share(1000, 2e-6, 120e-6, 132) == 1.0  # compute-bound decode takes the GPU
+    assert decode_sm_share(0.01, 2e-6, 120e-6, 132) == pytest.approx(1 / 132)  # at least one SM
+    with pytest.raises(ValueError, match="tile_time_s = 0"):
+        decode_sm_share(3, 0.0, 1e-4, 132)
+    # one share per layer, the same rule elementwise
+    per_layer = decode_sm_share(np.array([15.0, 0.0, 1000.0]), 2e-6, np.array([120e-6, 1e-4, 1e-4]), 132)
+    assert per_layer.tolist() == pytest.approx([0.25, 0.0, 1.0])
+
+
+def test_routing_and_loads_files_give_inclusion_probabilities(tmp_path):
+    import torch
+
+    from relibra_torch import replay
+    from relibra_torch.serving.routing import popularity_from_file
+
+    # 3 tokens, 2 layers, top-2 of 4 experts; expert 0 is in every token's top-2 of layer 0
+    ids_TLK = torch.tensor([[[0, 1], [2, 3]], [[0, 2], [2, 1]], [[0, 3], [3, 0]]], dtype=torch.int32)
+    path = tmp_path / "r.safetensors"
+    replay.save_routing(str(path), ids_TLK, torch.tensor([0, 3]), 4)
+    pi = popularity_from_file(str(path), 2, 4, 2)
+    assert pi[0].tolist() == pytest.approx([1.0, 1 / 3, 1 / 3, 1 / 3])
+    assert pi.sum(-1).tolist() == pytest.approx([2.0, 2.0])
+    loads = tmp_path / "l.safetensors"
+    replay.save_loads(str(loads), torch.tensor([[[[[3, 1, 1, 1]], [[1, 1, 2, 2]]]]]), 2)
+    assert torch.allclose(popularity_from_file(str(loads), 2, 4, 2), pi)
+    with pytest.raises(ValueError, match=r"has \(layers, experts, top_k\) = \(2, 4, 2\) but the model has"):
+        popularity_from_file(str(path), 3, 4, 2)
