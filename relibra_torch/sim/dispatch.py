@@ -157,8 +157,9 @@ def _flow_LSPE(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, piece_X:
 
 
 def _approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
-    """float64 ``[L, S, P]``: expected tokens of ``s`` with a pair in piece ``p`` (module
-    docstring: the smaller of two no-pair chances, clipped to always-true bounds)."""
+    """float64 ``[L, S, P]``: expected tokens of ``s`` with a pair in piece ``p``, from the
+    pairs of each expert of the piece (last dim; zeros for absent experts), by the module
+    docstring's rule (the smaller of two no-pair chances, clipped to always-true bounds)."""
     flow = flow_LSPE.to(torch.float64)
     T = tokens_S.to(torch.float64).view(1, -1, 1, 1)
     p = torch.where(T > 0, flow / T.clamp(min=1.0), torch.zeros_like(flow)).clamp(0.0, 1.0)
@@ -195,8 +196,9 @@ def approx_gpu_copies(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, t
                       top_k: int, topo: Topology) -> torch.Tensor:
     """float64 ``[L, S, G]``: expected tokens of source ``s`` with a pair on GPU ``g``, the
     same estimate over GPUs instead of nodes."""
-    G, J = topo.num_gpus, topo.slots_per_gpu
-    flow = _flow_LSPE(split_LSGJ, slot_expert_LGJ, torch.arange(G * J) // J, G, topo.num_experts)
+    # A GPU holds at most one instance of an expert, so its slots are its pieces' experts:
+    # the split itself is the flow ([L, S, G, J], not [L, S, G, E]; 0 on empty slots).
+    flow = split_LSGJ * (slot_expert_LGJ >= 0).unsqueeze(1)
     return _approx_need(flow, tokens_S, top_k)
 
 
