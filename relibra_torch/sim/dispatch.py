@@ -70,8 +70,10 @@ ESTIMATE_NOTE = ("hierarchical dispatch, remote nodes per token estimated from c
                  "prod_(i<K) (1 - Q/(1 - i rho))), p_e = f(s,n,e)/T_s (f: pairs of expert e that s "
                  "sends to node n, T_s: its tokens), Q = sum_e p_e/K, rho = mass of an expert drawn "
                  "from other nodes (independent experts, or K draws without replacement; exact for "
-                 "uniform routing and top-1; see docs/simulator.md)")
-EXACT_NOTE = "hierarchical dispatch, remote nodes per token exact (per-token expert sets of the routing file)"
+                 "uniform routing and top-1; see docs/simulator.md); NVLink rows per (token, GPU) by the "
+                 "same estimate over GPUs")
+EXACT_NOTE = ("hierarchical dispatch, remote nodes and GPUs per token exact (per-token expert sets of the "
+              "routing file)")
 
 
 @dataclass
