@@ -259,7 +259,7 @@ def test_bad_input_raises_on_every_rank(pool):
 
 # ---- hierarchical dispatch (DeepEP normal mode; issue 20) ----
 
-@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
 @given(case=cases())
 def test_hierarchical_dispatch_matches_flat_and_one_process(pool, case):
     results = pool.run(fns.run_dispatch_modes, case)
