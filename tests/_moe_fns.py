@@ -40,7 +40,8 @@ def run_case(case: Case) -> dict:
     res = {"out": out.detach().numpy(), "x_grad": x.grad.numpy(), "gate_grad": m.gate.weight.grad.numpy(),
            "native": m.native_experts().numpy(), "expert_tokens": m.last_expert_tokens,
            "slot_tokens": m.last_slot_tokens_J.numpy(), "fills": m.last_fills,
-           "replica_live": m.replica_memory.live_bytes, "replica_peak": m.replica_memory.peak_bytes}
+           "replica_live": m.replica_memory.live_bytes, "replica_peak": m.replica_memory.peak_bytes,
+           "exchange": None if m.engine.last_exchange is None else m.engine.last_exchange.as_dict()}
     for n in ("w1_EFD", "w2_EDF", "w3_EFD"):
         res[n] = m.get_parameter(n).grad.to_local().numpy()
     if case.shared:
@@ -294,3 +295,22 @@ def run_reshard(case: Case, placement_a: torch.Tensor, placement_b: torch.Tensor
     b.apply_placement(placement_b)
     b.load_state_dict(sd)  # DTensors of another mesh: gathered, then this rank's rows taken
     return {k: v.numpy() for k, v in b.logical_expert_weights().items()}
+
+
+def run_dispatch_modes(case: Case) -> dict:
+    """:func:`run_case` under flat and under hierarchical dispatch, on the same rank."""
+    import dataclasses
+    return {mode: run_case(dataclasses.replace(case, module_kwargs={**case.module_kwargs, "dispatch": mode}))
+            for mode in ("flat", "hierarchical")}
+
+
+def check_dispatch_modes(case: Case, results: list[dict]) -> None:
+    """Hierarchical against one process and against flat (fp32, 1e-5), outputs and every
+    gradient; both modes compute the same pairs per slot."""
+    hier = [res["hierarchical"] for res in results]
+    flat = [res["flat"] for res in results]
+    check_case(case, hier)
+    for r, (h, f) in enumerate(zip(hier, flat)):
+        for key in ("out", "x_grad", "gate_grad", "w1_EFD", "w2_EDF", "w3_EFD"):
+            close(h[key], f[key], f"rank {r} {key}: hierarchical vs flat")
+        assert (h["slot_tokens"] == f["slot_tokens"]).all() and h["fills"] == f["fills"]

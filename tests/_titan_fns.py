@@ -112,7 +112,10 @@ def ep_train(name: str, model_kwargs: dict, full_params: dict, work, planner_kwa
     placements = [layer.routed_experts.placement_E.clone() for layer in layers]
     params = tf.gather_full_params(model)
     out = {"losses": losses, "params": params if rank == 0 else None, "reports": reports,
-           "placements": placements, "fills": fills}
+           "placements": placements, "fills": fills,
+           "exchange": [None if l.routed_experts.engine.last_exchange is None else
+                        (l.routed_experts.engine.dispatch, l.routed_experts.engine.last_exchange.as_dict())
+                        for l in layers]}
     if keep_model:
         out["model"] = model
     return out

@@ -255,3 +255,57 @@ def test_bad_input_raises_on_every_rank(pool):
         assert "do not match the installed plan on EP ranks [1]" in msgs["mismatch"]
         assert "num_experts=8" in msgs["range"]
         assert msgs["after"] == (3, fns.DIM)
+
+
+# ---- hierarchical dispatch (DeepEP normal mode; issue 20) ----
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None)
+@given(case=cases())
+def test_hierarchical_dispatch_matches_flat_and_one_process(pool, case):
+    results = pool.run(fns.run_dispatch_modes, case)
+    fns.check_dispatch_modes(case, results)
+
+
+def check_rows_against_the_simulator(case, plan, loads, results, collectives):
+    """The layer's hierarchical rows per GPU equal sim.dispatch.hierarchical_rows exactly;
+    its flat rows equal evaluate()'s per-GPU pairs; collectives (forward, backward)."""
+    from relibra_torch.sim.dispatch import hierarchical_rows
+    want = hierarchical_rows(plan, loads, [[ids.unsqueeze(1) for ids in case.ids_per_rank]])
+    metrics = evaluate(plan, loads)
+    for r, res in enumerate(results):
+        hier, flat = res["hierarchical"]["exchange"], res["flat"]["exchange"]
+        for key, t in want.items():
+            assert hier[key] == int(t[0, 0, r]), (r, key, hier, t[0, 0])
+        assert (hier["collectives_forward"], hier["collectives_backward"]) == collectives
+        assert flat["cross_node_rows"] == int(metrics.cross_send_MLG[0, 0, r])
+        assert flat["intra_node_rows"] == int(metrics.intra_send_MLG[0, 0, r])
+        assert (flat["collectives_forward"], flat["collectives_backward"]) == (2, 2)
+    # a token crosses to a node at most once: never more rows than flat's pairs
+    assert sum(res["hierarchical"]["exchange"]["cross_node_rows"] for res in results) <= \
+        sum(res["flat"]["exchange"]["cross_node_rows"] for res in results)
+
+
+def test_hierarchical_rows_equal_the_simulators_with_replicas_and_pads(pool):
+    """Every plan source with R = 2 and -1 pads, cross-node replicas included: hierarchical
+    equals flat and one process, and sends exactly the rows the simulator counts."""
+    gen = torch.Generator().manual_seed(47)
+    cross_fills = False
+    for i, kind in enumerate(PLANS[1:]):
+        ids = fns.with_pads(fns.make_routing("skewed", [9, 2, 7, 5], 8, 3, gen), gen)
+        case = fns.Case(N, GPN, 8, 3, 2, 80 + i, ids, shared=i % 2 == 0, refetch=i % 3 == 1)
+        loads = fns.loads_of(ids, 8)
+        plan = fns.planner_plan(kind, case.topology(), loads, gen)
+        case = fns.with_plan(case, plan)
+        results = pool.run(fns.run_dispatch_modes, case)
+        fns.check_dispatch_modes(case, results)
+        check_rows_against_the_simulator(case, plan, loads, results, (7, 6))
+        cross_fills |= bool(evaluate(plan, loads).fill_cross_node_MLGJ.any())
+    assert cross_fills
+    # One node (1-D mesh): no inter-node stage, only the (token, GPU) rows.
+    ids = fns.with_pads(fns.make_routing("skewed", [6, 6, 2, 7], 8, 2, gen), gen)
+    one = fns.Case(1, 4, 8, 2, 2, 90, ids, flat_mesh=True)
+    plan = fns.planner_plan("relibra", one.topology(), fns.loads_of(ids, 8), gen)
+    one = fns.with_plan(one, plan)
+    results = pool.run(fns.run_dispatch_modes, one)
+    fns.check_dispatch_modes(one, results)
+    check_rows_against_the_simulator(one, plan, fns.loads_of(ids, 8), results, (4, 3))

@@ -91,3 +91,19 @@ def test_checkpoint_of_one_layout_loads_on_another(pool):
     for res in results:
         for k, v in res.items():
             assert torch.equal(torch.from_numpy(v), logical[k]), k
+
+
+def test_hierarchical_dispatch_on_2x4(pool):
+    """DeepEP-style dispatch at 2 x 4 with replicas (across nodes too) and pads: equal to flat
+    and to one process, rows equal to the simulator's."""
+    from test_moe_dist4 import check_rows_against_the_simulator
+    gen = torch.Generator().manual_seed(29)
+    for i, kind in enumerate(["random-general", "eplb-oracle", "relibra"]):
+        ids = fns.with_pads(fns.make_routing("skewed", [7, 0, 3, 9, 2, 5, 1, 6], 16, 3, gen), gen)
+        case = fns.Case(N, GPN, 16, 3, 2, 90 + i, ids, refetch=i == 1, shared=i == 2)
+        loads = fns.loads_of(ids, 16)
+        plan = fns.planner_plan(kind, case.topology(), loads, gen)
+        case = fns.with_plan(case, plan)
+        results = pool.run(fns.run_dispatch_modes, case)
+        fns.check_dispatch_modes(case, results)
+        check_rows_against_the_simulator(case, plan, loads, results, (7, 6))

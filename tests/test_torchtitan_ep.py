@@ -131,12 +131,15 @@ def pool4():
 
 
 def test_ep4_two_nodes_of_two_matches_one_process(pool4):
-    """EP 4 as 2 nodes x 2 GPUs: reordering across nodes and replicas inside them."""
+    """EP 4 as 2 nodes x 2 GPUs: reordering across nodes and replicas inside them, with the
+    override's ``dispatch="hierarchical"`` (flat dispatch across nodes: the EP 2 cases)."""
     work, full, kwargs = _setup("qwen3", 2, ranks=4, steps=2, seed=4, replica_slots=1, gpus_per_node=2,
-                                planner_options=FREE_MIGRATION)
+                                planner_options=FREE_MIGRATION, dispatch="hierarchical")
     outs = pool4.run(fns.ep_train, "qwen3", kwargs, full, work)
     assert sum(r["relibra/migrated_experts"] for r in outs[0]["reports"]) > 0
     assert sum(o["fills"] for o in outs) > 0
+    for o in outs:  # the two-stage exchange ran (size all-gather + 2 stages x 3 collectives)
+        assert all(d == "hierarchical" and ex["collectives_forward"] == 7 for d, ex in o["exchange"])
     _check_against_reference("qwen3", kwargs, full, work, outs)
 
 

@@ -162,6 +162,10 @@ def test_override_options_and_errors():
         relibra_moe_config(moe_cfg, planner="greedy")
     with pytest.raises(ValueError, match="expert_dtype = 'int8'; allowed: one of 'bfloat16'"):
         relibra_moe_config(moe_cfg, expert_dtype="int8")
+    assert relibra_moe_config(moe_cfg, dispatch="hierarchical").routed_experts.dispatch == "hierarchical"
+    assert new.routed_experts.dispatch == "flat"
+    with pytest.raises(ValueError, match="dispatch = 'deepep'; allowed: one of 'flat', 'hierarchical'"):
+        relibra_moe_config(moe_cfg, dispatch="deepep").routed_experts.build()
     with pytest.raises(ValueError, match="replica_slots = -1; allowed: an int >= 0"):
         relibra_moe_config(moe_cfg, replica_slots=-1).routed_experts.build()
     with pytest.raises(TypeError, match="MoE.Config"):

@@ -44,7 +44,7 @@ from torchtitan.models.common.moe import MoE, RoutedExperts, TokenChoiceTopKRout
 from relibra_torch.checks import check_choice, check_int
 from relibra_torch.distributed.mesh import EPGroup
 from relibra_torch.moe import EXPERT_PARAMS, EngineHost, ExpertEngine
-from relibra_torch.moe.engine import MISMATCH_MODES
+from relibra_torch.moe.engine import DISPATCH_MODES, MISMATCH_MODES
 from relibra_torch.planning.topology import Topology
 
 __all__ = [
@@ -69,6 +69,7 @@ EXPERT_DTYPES = ("bfloat16", "float16", "float32", None)
 def _check_config(cfg: "RelibraRoutedExperts.Config") -> None:
     check_choice("expert_dtype", cfg.expert_dtype, EXPERT_DTYPES)
     check_choice("on_mismatch", cfg.on_mismatch, MISMATCH_MODES)
+    check_choice("dispatch", cfg.dispatch, DISPATCH_MODES)
     check_int("replica_slots", cfg.replica_slots, 0)
     if cfg.gpus_per_node is not None:
         check_int("gpus_per_node", cfg.gpus_per_node, 1)
@@ -122,6 +123,10 @@ class RelibraRoutedExperts(EngineHost, RoutedExperts):
         on_mismatch: str = "degrade"
         """Routing that does not match the plan: ``"degrade"`` (run on the current placement
         without replicas, warn once, count) or ``"raise"`` (see ``relibra_torch.moe.MoEConfig``)."""
+        dispatch: str = "flat"
+        """Token exchange: ``"flat"`` (one row per token-expert pair) or ``"hierarchical"``
+        (DeepEP's normal mode: one row per (token, remote node), then per (token, GPU) over
+        NVLink; see ``relibra_torch.moe.MoEConfig``). Needs ``gpus_per_node`` to matter."""
 
     def __init__(self, config: Config):
         _check_config(config)
@@ -133,7 +138,7 @@ class RelibraRoutedExperts(EngineHost, RoutedExperts):
         self.expert_dtype = None if config.expert_dtype is None else getattr(torch, config.expert_dtype)
         self.engine = ExpertEngine(Topology(1, 1, self.num_experts, config.replica_slots), _ep_group(None, None),
                                    refetch_replicas=config.refetch_replicas, check_plan=config.check_plan,
-                                   on_mismatch=config.on_mismatch)
+                                   on_mismatch=config.on_mismatch, dispatch=config.dispatch)
         self.register_buffer("placement_E", torch.arange(self.num_experts), persistent=False)
         self._register_logical_checkpoint()
 
@@ -174,7 +179,8 @@ class RelibraRoutedExperts(EngineHost, RoutedExperts):
         self.engine = ExpertEngine(Topology(ep.num_nodes, ep.gpus_per_node, self.num_experts,
                                             old.topology.replica_slots), ep,
                                    refetch_replicas=old.refetch_replicas, check_plan=old.check_plan,
-                                   on_mismatch=old.on_mismatch, replica_memory=old.replica_memory)
+                                   on_mismatch=old.on_mismatch, replica_memory=old.replica_memory,
+                                   dispatch=old.dispatch)
 
     def apply_placement(self, new_placement_E: torch.Tensor, optimizer=None) -> int:
         """Move expert rows (weights, gradients, optimizer state) to ``new_placement_E``.

@@ -32,7 +32,7 @@ OVERRIDE_TARGET = "integrations.torchtitan.override.relibra_moe"
 def relibra_moe_config(cfg: MoE.Config, *, planner: str = "relibra", replica_slots: int = 1,
                        reorder: bool = True, gpus_per_node: int | None = None,
                        expert_dtype: str | None = "bfloat16", refetch_replicas: bool = False,
-                       check_plan: bool = True, on_mismatch: str = "degrade",
+                       check_plan: bool = True, on_mismatch: str = "degrade", dispatch: str = "flat",
                        planner_options: dict | None = None) -> RelibraMoE.Config:
     """The :class:`RelibraMoE` config that replaces ``cfg`` (all its fields kept).
 
@@ -43,7 +43,9 @@ def relibra_moe_config(cfg: MoE.Config, *, planner: str = "relibra", replica_slo
         gpus_per_node: EP ranks per node; ``None`` treats the EP group as one node.
         expert_dtype: expert GEMM dtype (:data:`~integrations.torchtitan.moe.EXPERT_DTYPES`);
             ``"bfloat16"`` matches torchtitan's ``GroupedExperts``.
-        refetch_replicas, check_plan, on_mismatch: see :class:`RelibraRoutedExperts.Config`.
+        refetch_replicas, check_plan, on_mismatch, dispatch: see :class:`RelibraRoutedExperts.Config`
+            (``dispatch="hierarchical"``: DeepEP's normal-mode exchange, one row per (token,
+            remote node) then per (token, GPU); default ``"flat"``, one row per pair).
         planner_options: extra planner arguments (``ReLibraConfig`` fields for relibra).
     """
     if not isinstance(cfg, MoE.Config):
@@ -54,7 +56,8 @@ def relibra_moe_config(cfg: MoE.Config, *, planner: str = "relibra", replica_slo
     check_choice("expert_dtype", expert_dtype, EXPERT_DTYPES)
     routed = derive(cfg.routed_experts, RelibraRoutedExperts.Config, replica_slots=replica_slots,
                     gpus_per_node=gpus_per_node, expert_dtype=expert_dtype,
-                    refetch_replicas=refetch_replicas, check_plan=check_plan, on_mismatch=on_mismatch)
+                    refetch_replicas=refetch_replicas, check_plan=check_plan, on_mismatch=on_mismatch,
+                    dispatch=dispatch)
     routed.sharding_config = declare_placement(routed.sharding_config)
     if planner_options is not None and not isinstance(planner_options, dict):
         raise TypeError(f"planner_options is {describe(planner_options)}; allowed: a dict or None")

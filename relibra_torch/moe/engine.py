@@ -25,15 +25,18 @@ import torch.distributed as dist
 
 from .. import ops
 from ..distributed.collectives import all_to_all_autograd
+from ..distributed.hierarchical import (ExchangeCounts, flat_exchange_counts, hierarchical_combine,
+                                        hierarchical_dispatch)
 from ..distributed.mesh import EPGroup
 from ..distributed.migration import move_expert_rows, native_experts
 from ..distributed.replicas import FillSpec, ReplicaMemory, fill_replicas, refetch_replica_ffn
 from ..checks import check_choice
+from ..planning.pair_slots import DISPATCH_MODES
 from ..planning.topology import Topology
 from .schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan,
                        check_placement, group_permutation, native_layer_plan)
 
-__all__ = ["EXPERT_PARAMS", "MISMATCH_MODES", "ExpertEngine", "expert_ffn", "local_tensor"]
+__all__ = ["DISPATCH_MODES", "EXPERT_PARAMS", "MISMATCH_MODES", "ExpertEngine", "expert_ffn", "local_tensor"]
 
 #: What a layer does when routed ids disagree with the installed plan (see ExpertEngine).
 MISMATCH_MODES = ("degrade", "raise")
@@ -81,15 +84,20 @@ class ExpertEngine:
             replicas, with counts exchanged (correct, slower), warns once per process and
             records it; ``"raise"``: every rank raises ``ValueError``.
         replica_memory: replica-buffer tracker (one per layer unless shared).
+        dispatch: ``"flat"`` (default: one row per token-expert pair, one all-to-all each
+            way, Megatron's alltoall dispatcher) or ``"hierarchical"`` (DeepEP's normal mode:
+            one row per (token, remote node), then per (token, GPU) inside the node;
+            ``distributed/hierarchical.py``). Same results; only the exchange differs.
 
     State: ``placement_cpu`` (int64 ``[E]`` logical expert -> physical native slot), the
     installed :class:`LayerPlan` and this rank's :class:`RankSchedule`, and the counters of
-    the last forward (``last_slot_tokens_J``, ``last_expert_tokens``, ``last_fills``).
+    the last forward (``last_slot_tokens_J``, ``last_expert_tokens``, ``last_fills``,
+    ``last_exchange``).
     """
 
     def __init__(self, topology: Topology, ep: EPGroup, *, refetch_replicas: bool = False,
                  check_plan: bool = True, on_mismatch: str = "degrade",
-                 replica_memory: ReplicaMemory | None = None):
+                 replica_memory: ReplicaMemory | None = None, dispatch: str = "flat"):
         if topology.num_gpus != ep.size:
             raise ValueError(f"topology has {topology.num_gpus} GPUs but the EP group has {ep.size} ranks")
         self.topology = topology
@@ -97,6 +105,10 @@ class ExpertEngine:
         self.refetch_replicas = bool(refetch_replicas)
         self.check_plan = bool(check_plan)
         self.on_mismatch = check_choice("on_mismatch", on_mismatch, MISMATCH_MODES)
+        self.dispatch = check_choice("dispatch", dispatch, DISPATCH_MODES)
+        #: Rows and collectives of the last planned forward's token exchange (its backward's
+        #: collectives included ahead of time); ``None`` before one, or without an EP group.
+        self.last_exchange: ExchangeCounts | None = None
         #: Micro-batch indices (``LayerPlan.micro_batch``, ``-1`` when untagged) that ran
         #: degraded; the balancer hands every layer one shared set per step.
         self.degraded_micro_batches: set[int] = set()
@@ -203,13 +215,18 @@ class ExpertEngine:
         # slot X (sorted last, never sent).
         X = topo.num_gpus * J
         dest_TK = assign_slots(ids_TK, sched)
-        x_sorted, row_of_TK, _ = ops.permute(dest_TK, x_TD, X + 1)
-        n_send = sum(sched.send_sizes)
-        x_send = x_sorted[:n_send] if x_sorted.shape[0] > n_send else x_sorted
-        x_recv = all_to_all_autograd(x_send, sched.send_sizes, sched.recv_sizes, ep.group)
+        hier = self.dispatch == "hierarchical" and ep.group is not None
+        if hier:  # one row per (token, node), then per (token, GPU); arrives as pairs
+            hx = hierarchical_dispatch(x_TD, dest_TK, gates_TK, topo, ep.rank, ep.group)
+            x_recv, perm = hx.x_PD, hx.group_permutation(sched.chunk_group_C[:J])
+        else:
+            x_sorted, row_of_TK, _ = ops.permute(dest_TK, x_TD, X + 1)
+            n_send = sum(sched.send_sizes)
+            x_send = x_sorted[:n_send] if x_sorted.shape[0] > n_send else x_sorted
+            x_recv = all_to_all_autograd(x_send, sched.send_sizes, sched.recv_sizes, ep.group)
+            perm = group_permutation(sched, device)
 
         # Group the received rows: native experts first (local row order), then fills.
-        perm = group_permutation(sched, device)
         x_grp = x_recv.index_select(0, perm)
         wl = tuple(local_tensor(w) for w in weights)
         n_own = sched.num_own_rows
@@ -235,13 +252,18 @@ class ExpertEngine:
             y_grp = expert_ffn(x_grp, *wl, sched.own_offsets)
         inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=device))
         y_recv = y_grp.index_select(0, inv)
-        y_send = all_to_all_autograd(y_recv, sched.recv_sizes, sched.send_sizes, ep.group)
-        if x_sorted.shape[0] > n_send:  # pad rows: zero output (their gates are zero too)
-            y_send = torch.cat([y_send, y_send.new_zeros(x_sorted.shape[0] - n_send, y_send.shape[1])])
-
         self.last_slot_tokens_J = sched.slot_tokens_J.clone()
         self.last_expert_tokens = int(x_recv.shape[0])
         self.last_fills = list(zip(sched.fill_slots, sched.fill_experts))
+        if hier:
+            self.last_exchange = hx.counts  # combine's collectives are added as it runs
+            return hierarchical_combine(y_recv, hx).to(x_TD.dtype)
+        y_send = all_to_all_autograd(y_recv, sched.recv_sizes, sched.send_sizes, ep.group)
+        if x_sorted.shape[0] > n_send:  # pad rows: zero output (their gates are zero too)
+            y_send = torch.cat([y_send, y_send.new_zeros(x_sorted.shape[0] - n_send, y_send.shape[1])])
+        if ep.group is not None:
+            self.last_exchange = flat_exchange_counts(topo, ep.rank, sched.send_sizes, sched.recv_sizes,
+                                                      y_send.requires_grad)
         return ops.unpermute(y_send, row_of_TK, gates_TK)
 
     def _host_counts(self, ids_TK: torch.Tensor) -> tuple[torch.Tensor, int]:

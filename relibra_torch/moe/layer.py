@@ -29,7 +29,7 @@ from ..checks import check_choice, check_int, check_number
 from ..distributed.mesh import ep_group_from_mesh
 from ..distributed.replicas import ReplicaMemory
 from ..planning.topology import Topology
-from .engine import EXPERT_PARAMS, MISMATCH_MODES, ExpertEngine, local_tensor
+from .engine import DISPATCH_MODES, EXPERT_PARAMS, MISMATCH_MODES, ExpertEngine, local_tensor
 from .host import EngineHost
 
 __all__ = ["MoEConfig", "ReplayBalancedMoE"]
@@ -62,6 +62,12 @@ class MoEConfig:
             replicas, with counts exchanged (correct, slower); warned once per process and
             counted (``ReplayBalancer.report.degraded_micro_batches``). ``"raise"``: every
             rank raises ``ValueError`` instead.
+        dispatch: the token exchange. ``"flat"`` (default): one row per token-expert pair,
+            one all-to-all each way (Megatron-LM's alltoall dispatcher). ``"hierarchical"``
+            (DeepEP's normal mode): a token crosses to each remote node once, landing on the
+            GPU with its source's local index, and fans out over NVLink to the GPUs holding
+            its pairs' slots (one row per (token, GPU)); combine reduces on the way back.
+            Same results (fp32 sums), fewer inter-node rows; see ``docs/moe.md``.
         init_std: std of the truncated-normal initialisation.
     """
 
@@ -75,6 +81,7 @@ class MoEConfig:
     refetch_replicas: bool = False
     check_plan: bool = True
     on_mismatch: str = "degrade"
+    dispatch: str = "flat"
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
@@ -85,6 +92,7 @@ class MoEConfig:
             check_int("shared_hidden_dim", self.shared_hidden_dim, 1)
         check_int("replica_slots", self.replica_slots, 0)
         check_choice("on_mismatch", self.on_mismatch, MISMATCH_MODES)
+        check_choice("dispatch", self.dispatch, DISPATCH_MODES)
         check_number("init_std", self.init_std, 0.0)
 
 
@@ -149,7 +157,7 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         topology = Topology(ep.num_nodes, ep.gpus_per_node, num_experts, cfg.replica_slots)
         self.engine = ExpertEngine(topology, ep, refetch_replicas=cfg.refetch_replicas,
                                    check_plan=cfg.check_plan, on_mismatch=cfg.on_mismatch,
-                                   replica_memory=replica_memory)
+                                   replica_memory=replica_memory, dispatch=cfg.dispatch)
         if device is None and mesh is not None:
             device = (torch.device("cuda", torch.cuda.current_device())
                       if mesh.device_type == "cuda" else torch.device(mesh.device_type))
@@ -205,7 +213,8 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         t = self.topology
         return (f"dim={self.dim}, hidden_dim={self.hidden_dim}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, score_func={self.score_func!r}, EP={t.num_nodes}x{t.gpus_per_node}, "
-                f"replica_slots={t.replica_slots}, refetch_replicas={self.refetch_replicas}")
+                f"replica_slots={t.replica_slots}, refetch_replicas={self.refetch_replicas}, "
+                f"dispatch={self.engine.dispatch!r}")
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..planning.pair_slots import assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
 from ..planning.topology import Topology
 
@@ -248,9 +249,7 @@ def build_rank_schedule(topology: Topology, placement_E: torch.Tensor, layer_pla
     # Send side: destination slots sorted by (expert, slot), empty slots (-1) first.
     se_X = se_GJ.reshape(X)
     send_X = sp_SGJ[rank].reshape(X)
-    key_X = torch.where(se_X >= 0, se_X * X + torch.arange(X), torch.full_like(se_X, -1))
-    slot_order_X = key_X.argsort(stable=True)
-    slot_cum_end_X = send_X[slot_order_X].cumsum(0)
+    slot_order_X, slot_cum_end_X = slot_quota_runs(se_X, send_X.unsqueeze(0))
     expected_counts_E = torch.zeros(E, dtype=torch.int64).scatter_add_(
         0, se_X.clamp(min=0), send_X * (se_X >= 0))
 
@@ -311,7 +310,9 @@ def assign_slots(ids_TK: torch.Tensor, schedule: RankSchedule) -> torch.Tensor:
     """Destination slot ``g * J + j`` of every (token, k) pair of this rank, on ids' device.
 
     Follows the :func:`~relibra_torch.planning.token_split` rule: the pairs of expert ``e``,
-    in flat ``t * K + k`` order, fill ``e``'s instances in slot order, each with its quota.
+    in flat ``t * K + k`` order, fill ``e``'s instances in slot order, each with its quota
+    (:func:`relibra_torch.planning.pair_slots.assign_pair_slots`, the function the
+    simulator's exact hierarchical count uses too).
     Requires this rank's counts to equal ``schedule.expected_counts_E``.
 
     Args:
@@ -319,19 +320,8 @@ def assign_slots(ids_TK: torch.Tensor, schedule: RankSchedule) -> torch.Tensor:
     Returns:
         int64 ``[T, K]`` destination slots, ``X = G * J`` (one past the last slot) for pads.
     """
-    device = ids_TK.device
-    flat = ids_TK.reshape(-1)
-    X = schedule.slot_order_X.numel()
-    # Pad pairs (id -1) sort after every expert, so real pairs keep their positions.
-    pad = flat < 0
-    key = torch.where(pad, torch.iinfo(torch.int64).max, flat)
-    order = key.argsort(stable=True)
-    # Position of every pair in (expert, flat index) order ...
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
-    # ... falls in the run of one slot of the slots sorted by (expert, slot).
-    q = torch.searchsorted(schedule.slot_cum_end_X.to(device), pos, right=True).clamp(max=X - 1)
-    dest = schedule.slot_order_X.to(device)[q]
-    return torch.where(pad, X, dest).view_as(ids_TK)
+    return assign_pair_slots(ids_TK, schedule.slot_order_X, schedule.slot_cum_end_X,
+                             int(schedule.expected_counts_E.numel()))
 
 
 def group_permutation(schedule: RankSchedule, device: torch.device) -> torch.Tensor:

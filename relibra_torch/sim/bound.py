@@ -31,7 +31,10 @@ step. :func:`bound_step_cost` takes:
     (``K`` alone for top-k routing; the other factors keep it a bound for the cost model's
     count-level estimate on inconsistent counts). Only counts are used, also with a routing
     file: a looser but true bound;
-  - an NVLink pair costs ``1 / V``; forwarded pairs (hierarchical) are left out (``>= 0``).
+  - an NVLink pair costs ``1 / V`` in flat dispatch; in hierarchical dispatch one NVLink row
+    per (token, destination GPU) carries up to ``min(K, J)`` of the token's pairs (a GPU
+    holds at most ``J`` distinct experts), so ``1 / (min(K, J) V)``; forwarded rows
+    (hierarchical) are left out (``>= 0``).
 
   Per GPU ``a2a_q >= b * min over c >= cmin_q of [c / (kappa_q X) + max(0, Lm_q - c) / V]``;
   the busiest GPU of a node carries at least the node's mean, with ``c`` summed over the node
@@ -104,7 +107,8 @@ def a2a_lower_bound_ML(loads_MLSE: torch.Tensor, tokens_MS: torch.Tensor, topolo
     else:
         kappa_MLS = torch.ones_like(pairs_MLS)
     a_MLS = 1.0 / (kappa_MLS * X)
-    v = 1.0 / V
+    # NVLink rows: per pair (flat); per (token, destination GPU) (hierarchical), at most min(K, J) pairs each
+    v = 1.0 / (V * (min(top_k, J) if cost.options.dispatch == "hierarchical" else 1))
     gpu_ML = _min_cost(cmin_MLS, leave_MLS, a_MLS, v).amax(-1)
     a_MLN = a_MLS.view(M, L, N, g).amin(-1)
     cn_MLN = must_cross_pairs_MLN(loads_MLSE, topology)

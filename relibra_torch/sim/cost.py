@@ -47,16 +47,17 @@ Per micro-batch ``m`` and MoE layer ``l``:
 
   Which tokens cross which link depends on ``CostOptions.dispatch``: ``flat`` (one copy per
   token-expert pair, ``evaluate``'s counts) or ``hierarchical`` (one copy per token and
-  remote node, NVLink fan-out on the landing GPU; :mod:`relibra_torch.sim.dispatch`
+  remote node, then one NVLink copy per (token, GPU) from the source or the landing GPU,
+  the rows the layer's hierarchical exchange sends; :mod:`relibra_torch.sim.dispatch`
   replaces the four per-GPU counts). The per-GPU time rule is the same for both.
 
 The uniform reference (named "ideal" before: it can be beaten, so it is not one; the lower
 bound is :mod:`relibra_torch.sim.bound`) gets the mean expert load on every GPU, the
 all-to-all traffic of uniform routing spread evenly (flat: each source sends ``(G - g) / G`` of its pairs to other nodes
 and ``(g - 1) / G`` to the other GPUs of its node; hierarchical: each token crosses to
-``(N - 1) * (1 - C(E - E/N, K) / C(E, K))`` remote nodes, and NVLink carries the node's own
-pairs plus the fan-out ``(G - g) / G * (g - 1) / g`` of the pairs; every GPU receives the
-mean), no replicas and no migration. A system whose routing sends fewer bytes than uniform
+``(N - 1) * (1 - C(E - E/N, K) / C(E, K))`` remote nodes, and over NVLink to
+``N * (g - 1) * (1 - C(E - E/G, K) / C(E, K))`` GPUs (the source's or the landing GPU's
+node-mates holding one of its experts); every GPU receives the mean), no replicas and no migration. A system whose routing sends fewer bytes than uniform
 routing can therefore exceed 1.0 of it.
 """
 
@@ -350,12 +351,14 @@ class CostModel:
         send_MLS = loads.sum(3)
         if self.options.dispatch == "hierarchical":
             # one copy per token and remote node: uniform routing's expected remote nodes
-            # per token; NVLink carries the node's own pairs plus the fan-out of pairs
-            # that landed on a GPU other than their destination.
-            N = num_nodes
-            p_node = uniform_remote_node_probability(E, self.model.top_k, N)
-            cross_send = send_MLS / self.model.top_k * (N - 1) * p_node
-            intra_send = send_MLS * ((g - 1) / G + (G - g) / G * (g - 1) / g)
+            # per token; NVLink one copy per (token, GPU) other than the source (own node)
+            # or the landing GPU (other nodes): N (g - 1) GPUs, each needed with uniform
+            # routing's chance for a GPU's E / G experts.
+            N, K = num_nodes, self.model.top_k
+            p_node = uniform_remote_node_probability(E, K, N)
+            p_gpu = uniform_remote_node_probability(E, K, G)
+            cross_send = send_MLS / K * (N - 1) * p_node
+            intra_send = send_MLS / K * N * (g - 1) * p_gpu
         else:
             cross_send = send_MLS * (G - g) / G
             intra_send = send_MLS * (g - 1) / G

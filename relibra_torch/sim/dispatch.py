@@ -6,22 +6,25 @@ G GPUs (node-major), J slots per GPU, X = G * J slots, N nodes, T tokens, K top-
 * ``flat`` (the default, today's model): one copy per (token, expert) pair. A pair whose
   destination GPU is on another node crosses the inter-node network; one on another GPU of
   the same node crosses NVLink. ``evaluate`` counts exactly these.
-* ``hierarchical`` (DeepEP's internode kernels, NVIDIA HybridEP): a token crosses to each
+* ``hierarchical`` (DeepEP's normal mode, NVIDIA HybridEP; what the layer runs with
+  ``dispatch="hierarchical"``, ``distributed/hierarchical.py``): a token crosses to each
   remote node **at most once**, lands on the GPU of that node with the same local index as
-  its source, and fans out over NVLink from there. Per GPU, per (token, remote node):
-  one inter-node send at the source, one inter-node receive at the landing GPU; per
-  (token, expert) pair whose destination GPU is not the landing GPU, one NVLink send at
-  the landing GPU and one NVLink receive at the destination (a pair per copy, as in flat
-  mode; DeepEP would merge two pairs bound to one GPU, which this leaves out). Pairs that
-  stay in their source's node travel as in flat mode.
+  its source, and fans out over NVLink from there, **one row per (token, GPU)**. Per GPU:
+  one inter-node send per (token, remote node) at the source and one receive at the
+  landing GPU; one NVLink send per (token, GPU of its own node other than itself) at the
+  source, and one per (token, GPU of a remote node other than the landing GPU) at the
+  landing GPU, each received by that GPU. (Before issue 20 NVLink was counted per pair;
+  the layer, like DeepEP, sends a token to a GPU once however many of its experts that
+  GPU holds, so this module now counts what the layer sends.)
 
-Which remote nodes a token needs depends on its whole top-k set:
+Which remote nodes and GPUs a token needs depends on its whole top-k set:
 
 * **exact** (routing replay files): every (token, k) pair's destination slot follows the
-  plan's :func:`~relibra_torch.planning.token_split` quotas and the layer's rule
-  (``relibra_torch.moe.schedule.assign_slots``: a source's pairs of expert ``e``, in flat
-  ``t * K + k`` order, fill ``e``'s instances in slot order up to each quota), so each
-  token's set of destination nodes is counted exactly;
+  plan's :func:`~relibra_torch.planning.token_split` quotas and the layer's own rule, the
+  one function both call (:func:`relibra_torch.planning.pair_slots.assign_pair_slots`: a
+  source's pairs of expert ``e``, in flat ``t * K + k`` order, fill ``e``'s instances in
+  slot order up to each quota), so each token's sets of destination nodes and GPUs are
+  counted exactly (:func:`hierarchical_rows` gives the layer's per-GPU rows);
 * **estimated** (loads files, count-only synthetic traces): with ``f[s, n, e]`` the
   split's pairs of expert ``e`` that source ``s`` sends to node ``n``, ``T_s`` its tokens and
   ``p_e = f / T_s``, the chance that a token of ``s`` needs node ``n`` is
@@ -37,7 +40,8 @@ Which remote nodes a token needs depends on its whole top-k set:
     ``C(E - a, K) / C(E, K)`` for a node holding ``a`` experts) and for top-1.
 
   Both terms over-state the chance of needing no expert on ``n`` in the cases checked, so
-  the smaller is used. Measured against the exact count on routing with per-sample expert
+  the smaller is used. The same estimate over GPUs instead of nodes gives the (token, GPU)
+  rows of the NVLink stage. Measured against the exact count on routing with per-sample expert
   preferences (``tests/test_sim_dispatch.py``): total cross-node bytes within 0.3%; see
   docs/simulator.md for a measurement on the synthetic trace.
 """
@@ -46,27 +50,30 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from typing import Sequence
 
 import torch
 
 from ..planning.evaluate import PlanMetrics
+from ..planning.pair_slots import DISPATCH_MODES, assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
 from ..planning.topology import Topology
 
-__all__ = ["DISPATCH_MODES", "TokenRouting", "approx_cross_tokens", "exact_cross_tokens",
-           "hierarchical_traffic", "hierarchical_metrics", "token_routing_from_bins",
+__all__ = ["DISPATCH_MODES", "TokenRouting", "approx_cross_tokens", "approx_gpu_copies", "exact_copies",
+           "exact_cross_tokens", "hierarchical_traffic", "hierarchical_metrics", "hierarchical_rows",
+           "token_routing_from_bins",
            "uniform_remote_node_probability",
            "ESTIMATE_NOTE", "EXACT_NOTE"]
-
-DISPATCH_MODES = ("flat", "hierarchical")
 
 ESTIMATE_NOTE = ("hierarchical dispatch, remote nodes per token estimated from counts: "
                  "P(token of rank s needs node n) = 1 - min(prod_e (1 - p_e), "
                  "prod_(i<K) (1 - Q/(1 - i rho))), p_e = f(s,n,e)/T_s (f: pairs of expert e that s "
                  "sends to node n, T_s: its tokens), Q = sum_e p_e/K, rho = mass of an expert drawn "
                  "from other nodes (independent experts, or K draws without replacement; exact for "
-                 "uniform routing and top-1; see docs/simulator.md)")
-EXACT_NOTE = "hierarchical dispatch, remote nodes per token exact (per-token expert sets of the routing file)"
+                 "uniform routing and top-1; see docs/simulator.md); NVLink rows per (token, GPU) by the "
+                 "same estimate over GPUs")
+EXACT_NOTE = ("hierarchical dispatch, remote nodes and GPUs per token exact (per-token expert sets of the "
+              "routing file)")
 
 
 @dataclass
@@ -136,31 +143,32 @@ def uniform_remote_node_probability(num_experts: int, top_k: int, num_nodes: int
     return 1.0 - math.comb(others, top_k) / math.comb(num_experts, top_k)
 
 
-def _flow_LSNE(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """int64 ``[L, S, N, E]``: pairs of expert ``e`` that source ``s`` sends to node ``n``."""
+def _flow_LSPE(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, piece_X: torch.Tensor,
+               pieces: int, num_experts: int) -> torch.Tensor:
+    """int64 ``[L, S, P, E]``: pairs of expert ``e`` that source ``s`` sends to piece ``p``
+    (a node, or a GPU) of the slots, ``piece_X`` the piece of every slot."""
     L, S, G, J = split_LSGJ.shape
-    N, E = topo.num_nodes, topo.num_experts
+    E = num_experts
     e_LX = slot_expert_LGJ.reshape(L, G * J)
     valid_LX = e_LX >= 0
-    node_X = torch.arange(G * J) // (J * topo.gpus_per_node)
-    idx_LX = node_X * E + e_LX.clamp(min=0)
+    idx_LX = piece_X * E + e_LX.clamp(min=0)
     vals = split_LSGJ.reshape(L, S, G * J) * valid_LX.unsqueeze(1)
-    out = torch.zeros(L, S, N * E, dtype=torch.int64)
+    out = torch.zeros(L, S, pieces * E, dtype=torch.int64)
     out.scatter_add_(2, idx_LX.unsqueeze(1).expand(L, S, G * J), vals)
-    return out.view(L, S, N, E)
+    return out.view(L, S, pieces, E)
 
 
-def approx_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_S: torch.Tensor,
-                        top_k: int, topo: Topology) -> torch.Tensor:
-    """float64 ``[L, S, N]``: expected tokens of source ``s`` that need remote node ``n``
-    (0 for the source's own node), estimated from counts (see the module docstring)."""
-    flow = _flow_LSNE(split_LSGJ, slot_expert_LGJ, topo).to(torch.float64)
+def _approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """float64 ``[L, S, P]``: expected tokens of ``s`` with a pair in piece ``p``, from the
+    pairs of each expert of the piece (last dim; zeros for absent experts), by the module
+    docstring's rule (the smaller of two no-pair chances, clipped to always-true bounds)."""
+    flow = flow_LSPE.to(torch.float64)
     T = tokens_S.to(torch.float64).view(1, -1, 1, 1)
     p = torch.where(T > 0, flow / T.clamp(min=1.0), torch.zeros_like(flow)).clamp(0.0, 1.0)
     none_indep = torch.log1p(-p).sum(-1).exp()
     # K successive draws without replacement, draw probabilities r = p / K: the next draw
-    # hits node n with n's mass over the mass left, after i draws elsewhere have each
-    # removed rho (the expected mass of an item drawn from the other nodes' pieces).
+    # hits piece n with n's mass over the mass left, after i draws elsewhere have each
+    # removed rho (the expected mass of an item drawn from the other pieces).
     r = p / top_k
     mass_SN = r.sum(-1).clamp(max=1.0)
     sq_SN = (r * r).sum(-1)
@@ -173,69 +181,88 @@ def approx_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor,
     need = 1.0 - torch.minimum(none_indep, none_draws)
     # always-true bounds: at least the most-chosen piece, at most the expected pairs
     need = torch.minimum(torch.maximum(need, p.amax(-1)), p.sum(-1))
-    S, N, g = topo.num_gpus, topo.num_nodes, topo.gpus_per_node
-    own = torch.nn.functional.one_hot(torch.arange(S) // g, N).bool()
-    return (need * T.view(1, -1, 1)).masked_fill(own.unsqueeze(0), 0.0)
+    return need * T.view(1, -1, 1)
 
 
-def exact_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, ids_TLK: torch.Tensor,
-                       source_T: torch.Tensor, topo: Topology, rows_T: torch.Tensor | None = None) -> torch.Tensor:
-    """int64 ``[L, S, N]``: tokens of source ``s`` with at least one pair bound for remote
-    node ``n`` (0 for the own node), from the per-token ids of one micro-batch.
+def approx_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_S: torch.Tensor,
+                        top_k: int, topo: Topology) -> torch.Tensor:
+    """float64 ``[L, S, N]``: expected tokens of source ``s`` that need remote node ``n``
+    (0 for the source's own node), estimated from counts (see the module docstring)."""
+    G, J, g, N = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node, topo.num_nodes
+    flow = _flow_LSPE(split_LSGJ, slot_expert_LGJ, torch.arange(G * J) // (J * g), N, topo.num_experts)
+    own = torch.nn.functional.one_hot(torch.arange(G) // g, N).bool()
+    return _approx_need(flow, tokens_S, top_k).masked_fill(own.unsqueeze(0), 0.0)
+
+
+def approx_gpu_copies(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_S: torch.Tensor,
+                      top_k: int, topo: Topology) -> torch.Tensor:
+    """float64 ``[L, S, G]``: expected tokens of source ``s`` with a pair on GPU ``g``, the
+    same estimate over GPUs instead of nodes."""
+    # A GPU holds at most one instance of an expert, so its slots are its pieces' experts:
+    # the split itself is the flow ([L, S, G, J], not [L, S, G, E]; 0 on empty slots).
+    flow = split_LSGJ * (slot_expert_LGJ >= 0).unsqueeze(1)
+    return _approx_need(flow, tokens_S, top_k)
+
+
+def exact_copies(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, ids_TLK: torch.Tensor,
+                 source_T: torch.Tensor, topo: Topology, rows_T: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(cross_LSN, copies_LSG)`` int64: tokens of source ``s`` with at least one pair bound
+    for remote node ``n`` (0 for the own node), and with at least one pair on GPU ``g``,
+    from the per-token ids of one micro-batch.
 
     ``ids_TLK`` holds the micro-batch's ids (token ``t`` from source ``source_T[t]``,
     sources in rank order), or, with ``rows_T``, a larger table whose rows ``rows_T`` are
     the micro-batch's tokens (gathered one layer at a time).
 
-    Pairs go to slots by the layer's rule: source ``s``'s pairs of expert ``e`` in flat
-    ``t * K + k`` order fill ``e``'s instances in slot order, each up to its quota
-    ``split[s, g, j]``. One layer at a time (memory ``O(T K)``).
+    Pairs go to slots by the layer's own rule, :func:`planning.pair_slots.assign_pair_slots`
+    (a source's pairs of expert ``e`` in flat ``t * K + k`` order fill ``e``'s instances in
+    slot order, each up to its quota ``split[s, g, j]``). One layer at a time (memory ``O(T K)``).
     """
     L, S, G, J = split_LSGJ.shape
-    X, E, N = G * J, topo.num_experts, topo.num_nodes
-    K = ids_TLK.shape[2]
+    X, E, N, g = G * J, topo.num_experts, topo.num_nodes, topo.gpus_per_node
     T = source_T.numel()
-    node_S = torch.arange(S) // topo.gpus_per_node
-    out = torch.zeros(L, S, N, dtype=torch.int64)
-    src_pair = source_T.repeat_interleave(K)
-    token_pair = torch.arange(T).repeat_interleave(K)
+    node_S = torch.arange(S) // g
+    cross = torch.zeros(L, S, N, dtype=torch.int64)
+    copies = torch.zeros(L, S, G, dtype=torch.int64)
     for l in range(L):
-        e_X = slot_expert_LGJ[l].reshape(X)
-        # Slots sorted by (expert, slot); empty slots (-1, quota 0) first.
-        order_X = (e_X * X + torch.arange(X)).argsort()
-        quota_SX = (split_LSGJ[l].reshape(S, X) * (e_X >= 0))[:, order_X]
-        cum = quota_SX.reshape(-1).cumsum(0)
-        ids_TK = ids_TLK[:, l] if rows_T is None else ids_TLK[rows_T, l]
-        e_P = ids_TK.to(torch.int64).reshape(-1)
-        keep = e_P >= 0
-        e_P, s_P, t_P = e_P[keep], src_pair[keep], token_pair[keep]
-        # Position of each pair in (source, expert, flat index) order = its place in the
-        # concatenated (source, sorted slot) quota runs.
-        rank_P = (s_P * E + e_P).argsort(stable=True)
-        pos_P = torch.empty_like(rank_P).scatter_(0, rank_P, torch.arange(rank_P.numel()))
-        if cum.numel() and int(cum[-1]) != pos_P.numel():
-            raise ValueError(f"layer {l}: the plan's split holds {int(cum[-1])} pairs but the routing "
-                             f"has {pos_P.numel()}; the loads were not counted from these ids")
-        q = torch.searchsorted(cum, pos_P, right=True).clamp(max=S * X - 1)
-        dest_node = order_X[q % X] // (J * topo.gpus_per_node)
-        need = torch.zeros(T, N, dtype=torch.bool)
-        need[t_P, dest_node] = True
-        need[torch.arange(T), node_S[source_T]] = False
-        out[l].index_add_(0, source_T, need.to(torch.int64))
-    return out
+        order_X, cum_R = slot_quota_runs(slot_expert_LGJ[l].reshape(X), split_LSGJ[l].reshape(S, X))
+        ids_TK = (ids_TLK[:, l] if rows_T is None else ids_TLK[rows_T, l]).to(torch.int64)
+        real = int((ids_TK >= 0).sum())
+        if int(cum_R[-1]) != real:
+            raise ValueError(f"layer {l}: the plan's split holds {int(cum_R[-1])} pairs but the routing "
+                             f"has {real}; the loads were not counted from these ids")
+        dest_TK = assign_pair_slots(ids_TK, order_X, cum_R, E, source_T)
+        gpu_TK = torch.where(dest_TK < X, dest_TK // J, G)
+        need_TG = torch.zeros(T, G + 1, dtype=torch.bool).scatter_(1, gpu_TK, True)[:, :G]
+        need_TN = need_TG.view(T, N, g).any(-1)
+        need_TN[torch.arange(T), node_S[source_T]] = False
+        cross[l].index_add_(0, source_T, need_TN.to(torch.int64))
+        copies[l].index_add_(0, source_T, need_TG.to(torch.int64))
+    return cross, copies
 
 
-def hierarchical_traffic(split_LSG: torch.Tensor, cross_tokens_LSN: torch.Tensor, topo: Topology
+def exact_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, ids_TLK: torch.Tensor,
+                       source_T: torch.Tensor, topo: Topology, rows_T: torch.Tensor | None = None) -> torch.Tensor:
+    """int64 ``[L, S, N]``: the first part of :func:`exact_copies`."""
+    return exact_copies(split_LSGJ, slot_expert_LGJ, ids_TLK, source_T, topo, rows_T)[0]
+
+
+def hierarchical_traffic(copies_LSG: torch.Tensor, cross_tokens_LSN: torch.Tensor, topo: Topology
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-GPU ``(cross_send, cross_recv, intra_send, intra_recv)`` ``[L, G]`` of one
-    micro-batch under hierarchical dispatch.
+    micro-batch under hierarchical dispatch, in rows (the layer's units).
 
     Args:
-        split_LSG: pairs source ``s`` sends to GPU ``g`` (the split summed over slots).
+        copies_LSG: tokens of source ``s`` with a pair on GPU ``g`` (one NVLink row per
+            (token, GPU) unless ``g`` is the row's landing GPU or the source itself).
         cross_tokens_LSN: tokens of source ``s`` that cross to remote node ``n``.
-    Cross-node units are tokens (one copy per token and remote node), NVLink units pairs.
+    Cross-node rows: one per (token, remote node), sent by the source, received by the
+    landing GPU (the source's local index on that node). NVLink rows: one per (token, GPU
+    of the source's node other than the source), sent by the source, and one per (token,
+    GPU of a remote node other than the landing GPU), sent by the landing GPU.
     """
-    L, S, G = split_LSG.shape
+    L, S, G = copies_LSG.shape
     g, N = topo.gpus_per_node, topo.num_nodes
     node_S, local_S = torch.arange(S) // g, torch.arange(S) % g
     dtype = cross_tokens_LSN.dtype
@@ -245,9 +272,9 @@ def hierarchical_traffic(split_LSG: torch.Tensor, cross_tokens_LSN: torch.Tensor
         1, land_SN.reshape(1, S * N).expand(L, S * N), cross_tokens_LSN.reshape(L, S * N))
     same_node = node_S.view(S, 1) == node_S.view(1, G)
     dst_G = torch.arange(G)
-    local = split_LSG * (same_node & (torch.arange(S).view(S, 1) != dst_G.view(1, G)))
+    local = copies_LSG * (same_node & (torch.arange(S).view(S, 1) != dst_G.view(1, G)))
     land_SG = (dst_G // g).view(1, G) * g + local_S.view(S, 1)
-    fwd = split_LSG * (~same_node & (land_SG != dst_G.view(1, G)))
+    fwd = copies_LSG * (~same_node & (land_SG != dst_G.view(1, G)))
     intra_send = local.sum(2).to(dtype).scatter_add_(
         1, land_SG.reshape(1, S * G).expand(L, S * G), fwd.reshape(L, S * G).to(dtype))
     intra_recv = (local.sum(1) + fwd.sum(1)).to(dtype)
@@ -270,11 +297,39 @@ def hierarchical_metrics(plan: StepPlan, metrics: PlanMetrics, loads_MLSE: torch
         slot_expert_LGJ = plan.slot_expert_MLGJ[m]
         if routing is not None:
             rows_T, source_T = routing.micro_batch(step, m)
-            cross = exact_cross_tokens(split_LSGJ, slot_expert_LGJ, routing.routed_experts_TLK, source_T,
-                                       topo, rows_T)
+            cross, copies = exact_copies(split_LSGJ, slot_expert_LGJ, routing.routed_experts_TLK, source_T,
+                                         topo, rows_T)
         else:
             cross = approx_cross_tokens(split_LSGJ, slot_expert_LGJ, tokens_MS[m], top_k, topo)
-        for acc, t in zip(parts, hierarchical_traffic(split_LSGJ.sum(-1), cross, topo)):
+            copies = approx_gpu_copies(split_LSGJ, slot_expert_LGJ, tokens_MS[m], top_k, topo)
+        for acc, t in zip(parts, hierarchical_traffic(copies, cross, topo)):
             acc.append(t)
     cs, cr, is_, ir = (torch.stack(p) for p in parts)
     return replace(metrics, cross_send_MLG=cs, cross_recv_MLG=cr, intra_send_MLG=is_, intra_recv_MLG=ir)
+
+
+def hierarchical_rows(plan: StepPlan, loads_MLSE: torch.Tensor,
+                      routed_ids: Sequence[Sequence[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Rows every GPU sends and receives in each layer's forward dispatch under hierarchical
+    dispatch, exactly as the layer sends them (``engine.last_exchange``).
+
+    Args:
+        plan: the step plan; loads_MLSE: int ``[M, L, S, E]`` the counts it was made from.
+        routed_ids: ``routed_ids[m][s]`` int ``[T, L, K]`` the ids source rank ``s`` routes
+            in micro-batch ``m`` (``-1`` pads), the layer's token order.
+
+    Returns:
+        int64 ``[M, L, G]`` tensors ``cross_node_rows``, ``intra_node_rows``,
+        ``cross_node_recv_rows``, ``intra_node_recv_rows`` (units: :func:`hierarchical_traffic`).
+    """
+    topo = plan.topology
+    out: dict[str, list[torch.Tensor]] = {k: [] for k in ("cross_node_rows", "cross_node_recv_rows",
+                                                          "intra_node_rows", "intra_node_recv_rows")}
+    for m in range(loads_MLSE.shape[0]):
+        split_LSGJ = token_split(plan.micro_batch(m), loads_MLSE[m : m + 1])[0]
+        ids = [torch.as_tensor(t).to(torch.int64) for t in routed_ids[m]]
+        source_T = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([t.shape[0] for t in ids]))
+        cross, copies = exact_copies(split_LSGJ, plan.slot_expert_MLGJ[m], torch.cat(ids), source_T, topo)
+        for key, t in zip(out, hierarchical_traffic(copies, cross, topo)):
+            out[key].append(t)
+    return {k: torch.stack(v) for k, v in out.items()}
