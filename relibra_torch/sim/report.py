@@ -43,6 +43,7 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
         "steps": wl.num_steps,
         "warmup_steps": cfg.warmup_steps,
         "measured_steps": wl.num_steps - cfg.warmup_steps,
+        "empty_micro_batches": _empty_micro_batches(result),
         "tokens_per_step": int(wl.tokens_XMS.sum() // wl.num_steps),
         "systems": list(cfg.systems),
         "cost_options": dataclasses.asdict(cfg.cost_options),
@@ -54,6 +55,20 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
         config.update(extra_config)
     lis_XML = lis(wl.loads_XMLSE[cfg.warmup_steps:].sum(3, dtype=torch.int64))
     return {"config": config, **lis_summary(lis_XML), "systems": result.figures()}
+
+
+def _empty_micro_batches(result: SimResult) -> int:
+    """Measured micro-batches with no tokens on any rank (left out of the imbalance figures)."""
+    active = next(iter(result.systems.values())).active_XM if result.systems else None
+    return 0 if active is None else int((~active).sum())
+
+
+def _active_imbalance_ML(r) -> torch.Tensor:
+    """The first measured step's ``[M, L]`` imbalance, ``nan`` for empty micro-batches (gaps in the plot)."""
+    imb_ML = r.imbalance_XML[0].clone()
+    if r.active_XM is not None and bool(r.active_XM[0].any()):
+        imb_ML[~r.active_XM[0]] = float("nan")
+    return imb_ML
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -222,20 +237,20 @@ def write_plot(result: SimResult, path: str) -> None:
 
     figures = result.figures()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
-    means = {name: float(r.imbalance_XML[0].mean(1).max()) for name, r in result.systems.items()}
+    means = {name: float(_active_imbalance_ML(r).mean(1).nan_to_num(0.0).max()) for name, r in result.systems.items()}
     top, clipped = imbalance_ylim(means)
     notes = []
     for name, r in result.systems.items():
-        imb_ML = r.imbalance_XML[0]
+        imb_ML = _active_imbalance_ML(r)
         m = range(imb_ML.shape[0])
         colour = COLOURS.get(name)
         label = f"{name} (mean over layers)"
         if name in clipped:
-            label = f"{name}: off scale, mean {float(imb_ML.mean()):.2f}"
+            label = f"{name}: off scale, mean {float(imb_ML.nanmean()):.2f}"
             notes.append(label)
         ax1.plot(m, imb_ML.mean(1).tolist(), color=colour, label=label)
         if name != "ideal":
-            ax1.plot(m, imb_ML.max(1).values.tolist(), color=colour, linestyle=":", linewidth=1)
+            ax1.plot(m, imb_ML.amax(1).tolist(), color=colour, linestyle=":", linewidth=1)
     ax1.set_xlabel("micro-batch")
     ax1.set_ylabel("max / mean GPU load")
     ax1.set_title("per-micro-batch imbalance (dotted: worst layer)")

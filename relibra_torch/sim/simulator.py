@@ -104,12 +104,16 @@ class SystemResult:
         imbalance_XML: float64 ``[X, M, L]`` per measured step, micro-batch and layer.
         costs: one :class:`StepCost` per measured step.
         planner_s: wall seconds of ``plan()`` per measured step (empty for ideal).
+        active_XM: bool ``[X, M]``, the micro-batch holds tokens on some rank; None: all do.
+            An empty micro-batch has no load to balance (its imbalance is 1.0 by
+            definition), so the imbalance figures leave it out.
     """
 
     name: str
     imbalance_XML: torch.Tensor
     costs: list[StepCost]
     planner_s: list[float]
+    active_XM: torch.Tensor | None = None
 
     def mean(self, attr: str) -> float:
         return sum(float(getattr(c, attr)) for c in self.costs) / len(self.costs)
@@ -117,6 +121,8 @@ class SystemResult:
     def figures(self) -> dict:
         """The per-system figures (means per step over the measured steps)."""
         imb = self.imbalance_XML.flatten()
+        if self.active_XM is not None and bool(self.active_XM.any()):
+            imb = self.imbalance_XML[self.active_XM].flatten()
         return {
             "imbalance_mean": float(imb.mean()),
             "imbalance_p50": float(imb.quantile(0.5)),
@@ -191,6 +197,11 @@ def simulate(workload: Workload, config: SimConfig,
             return default_planner_factory(name, topology, cost_model, config.baseline_options)
     if cost.options.dispatch == "hierarchical":  # say how remote nodes per token were counted
         workload.notes["dispatch"] = EXACT_NOTE if workload.routing is not None else ESTIMATE_NOTE
+    active_XM = workload.tokens_XMS[config.warmup_steps:].sum(-1) > 0
+    empty = int((~active_XM).sum())
+    if empty:  # e.g. a loads file of dynamic batches with trailing empty micro-batches
+        workload.notes["empty micro-batches"] = (f"{empty} of {active_XM.numel()} measured micro-batches hold no "
+                                                 f"tokens; left out of the imbalance figures")
     results: dict[str, SystemResult] = {}
     for name in config.systems:
         imb, costs, planner_s = [], [], []
@@ -227,5 +238,5 @@ def simulate(workload: Workload, config: SimConfig,
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
-        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s)
+        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, active_XM)
     return SimResult(config, workload, results)
