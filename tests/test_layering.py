@@ -1,4 +1,4 @@
-"""The package's import structure follows the data flow (issue 10).
+"""The package's import structure follows the data flow.
 
 Every module under ``relibra_torch/`` is parsed with ``ast`` (nothing is imported, so a
 module that fails to import cannot hide its imports); every import statement counts,
