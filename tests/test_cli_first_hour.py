@@ -115,3 +115,17 @@ def test_output_into_a_closed_pipe_ends_without_a_traceback(tmp_path, command):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=300) == 1
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
+
+
+def test_every_column_of_the_tables_has_a_legend_line_under_it(tmp_path, capsys):
+    from relibra_torch.sim.report import LEGEND, TIME_COLUMNS, TRAFFIC_COLUMNS
+    assert set(TIME_COLUMNS[1:]) | set(TRAFFIC_COLUMNS[1:]) <= set(LEGEND)
+    f = tmp_path / "l.safetensors"
+    loads_file(f)
+    assert main(["simulate", str(f), *SMALL, "--no-progress"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    for title, columns in (("step time", TIME_COLUMNS), ("traffic and planning", TRAFFIC_COLUMNS)):
+        start = next(i for i, line in enumerate(out) if line.strip() == title)
+        after = out[start + 3 + 2:]  # title, header, rule, static, ideal
+        assert after[: len(columns) - 1] == [f"{c}: {LEGEND[c]}" for c in columns[1:]], after
+    assert all(len(f"{c}: {text}") <= 100 for c, text in LEGEND.items())

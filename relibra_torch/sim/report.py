@@ -143,6 +143,30 @@ TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "mig
                    "migr. GB", "plan")
 
 
+# One line per column, printed under each table (columns without an entry get none).
+LEGEND = {
+    "imb mean": "max / mean GPU expert load, mean over micro-batches x layers (1.000 = balanced)",
+    "p99": "99th percentile of that imbalance",
+    "imb p50": "median of that imbalance",
+    "MoE": "MoE-layer time per step (expert compute, all-to-all, replica transfer)",
+    "step": "training step time (MoE layers + attention / dense + migration)",
+    "vs static": "speedup over static placement (static step / this step)",
+    "vs oracle": "speedup over eplb-oracle, EPLB fed the step's own loads",
+    "of ideal": "ideal step / this step (ideal: every GPU's load exactly the mean)",
+    "cross GB": "token bytes sent between nodes per step (all-to-all, fwd + bwd)",
+    "intra GB": "token bytes sent between GPUs of a node per step",
+    "repl. GB": "replica weights filled + gradients returned per step",
+    "migr.": "experts whose owner GPU changed (a new placement) per step",
+    "migr. GB": "bytes those migrations move (weights + optimizer state)",
+    "plan": "planner wall time per step (one plan() call)",
+}
+
+
+def legend_lines(columns) -> list[str]:
+    """``"COLUMN: meaning"`` for every column of ``columns`` that :data:`LEGEND` explains."""
+    return [f"{c}: {LEGEND[c]}" for c in columns if c in LEGEND]
+
+
 def _time_row(name: str, f: dict) -> list[str]:
     return [name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p99']:.3f}", format_seconds(f['moe_layer_time_s']),
             format_seconds(f['step_time_s']), _ratio(f["speedup_vs_static"]), _ratio(f["speedup_vs_eplb_oracle"]),
@@ -186,6 +210,7 @@ def print_table(doc: dict, console=None) -> None:
         for name, f in doc["systems"].items():
             table.add_row(*row(name, f), style=COLOURS.get(name))
         console.print(table)
+        console.print("\n".join(legend_lines(columns)), style="dim", highlight=False)
     overlap = cfg["cost_options"]["overlap_replication"]
     console.print(f"source: {cfg['source']}", highlight=False)
     for key, text in cfg["notes"].items():
