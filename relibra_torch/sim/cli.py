@@ -99,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-tokens", type=int,
                         help=f"tokens per micro-batch per GPU, synthetic trace (default {d['micro_batch_tokens']})")
     parser.add_argument("--micro-batches", type=int,
-                        help=f"micro-batches per step (default {d['micro_batches']})")
+                        help=f"micro-batches per step (default {d['micro_batches']}; a routing replay file "
+                             f"gets at most the fewest samples a rank holds in a step, and a note says so)")
     parser.add_argument("--steps", type=int, help=f"optimizer steps, synthetic trace (default {d['steps']})")
     parser.add_argument("--warmup-steps", type=int,
                         help="leading steps run but not reported (default 1 when the trace or file has "
