@@ -5,13 +5,16 @@ Each subcommand lives next to the code it drives and registers itself through a
 that ``relibra inspect`` does not pay for importing the simulator.
 
 Exit codes: 0 success, 2 bad input (a one-line error naming the option or field), 1 for
-anything unexpected.
+anything unexpected. When the reader of stdout closes it early (``relibra inspect FILE |
+head``) the command stops quietly with exit code 1 (what rich's console does in the same
+case, and what the Python documentation advises), without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # name -> module that defines `add_arguments(parser)` and `run(args) -> int`
@@ -41,15 +44,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+def _reader_closed_stdout() -> int:
+    """stdout's reader went away (``| head``): send what is still buffered to /dev/null so
+    that the interpreter's final flush does not raise again; exit code 1."""
     try:
-        return int(args._run(args) or 0)
-    except (ValueError, TypeError, FileNotFoundError) as exc:
-        # Bad input: one line, exit 2 (argparse uses 2 for usage errors too).
-        print(f"relibra {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # no real file descriptor (e.g. captured)
+        pass
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        try:
+            code = int(args._run(args) or 0)
+        except (ValueError, TypeError, FileNotFoundError) as exc:
+            # Bad input: one line, exit 2 (argparse uses 2 for usage errors too).
+            print(f"relibra {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        return _reader_closed_stdout()
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import all_gather_single
-from .distributed.schedule import layer_plans
+from .moe.schedule import layer_plans
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.evaluate import imbalance
 from .planning.pricing import relibra_config_for

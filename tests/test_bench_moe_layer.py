@@ -69,3 +69,16 @@ def test_bad_arguments_are_refused(bench, tmp_path):
         bench.main(["--repeats", "0", "--json", str(tmp_path / "x.json")])
     with pytest.raises(SystemExit):
         bench.main(["--tokens", "0", "--json", str(tmp_path / "x.json")])
+
+
+def test_bf16_rows_are_skipped_with_a_note_on_a_cpu_without_fast_bf16(bench, tmp_path, capsys, monkeypatch):
+    assert bench.slow_bf16_reason("AVX512") is None and bench.slow_bf16_reason("AMX") is None
+    assert "AVX2, not AVX-512/AMX" in bench.slow_bf16_reason("AVX2")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    out = tmp_path / "m.json"
+    # no rows are timed: the only requested dtype is skipped (a real run would take minutes)
+    result = bench.main(["--configs", "small", "--dtypes", "bfloat16", "--json", str(out)])
+    printed = capsys.readouterr().out
+    assert "note: bf16 rows skipped: torch's CPU kernels here are AVX2" in printed and "--force-bf16" in printed
+    assert result["results"] == [] and result["skipped"][0]["dtype"] == "bfloat16"
+    assert json.loads(out.read_text())["skipped"] == result["skipped"]

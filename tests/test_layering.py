@@ -1,4 +1,4 @@
-"""The package's import structure follows the data flow (issue 10).
+"""The package's import structure follows the data flow.
 
 Every module under ``relibra_torch/`` is parsed with ``ast`` (nothing is imported, so a
 module that fails to import cannot hide its imports); every import statement counts,
@@ -10,9 +10,11 @@ module-level or inside a function, absolute or relative. Checked:
   show the hook);
 * no module imports a private name (``_x``) or a private module from another module;
 * the module graph has no cycle;
-* no file is longer than 450 lines (the Triton kernel file excepted).
+* no file is longer than 450 lines (the Triton kernel file excepted);
+* ``distributed`` (collectives, fills, migration) imports nothing from the layer above it.
 
-Then the compatibility paths that the moves left behind are checked by importing them.
+There are no import exceptions: the modules that moved (the rollout tools to ``rollout/``,
+the host-side schedule to ``moe/``) are imported from where they live.
 """
 
 from __future__ import annotations
@@ -32,15 +34,8 @@ LONG_FILES_ALLOWED = {"relibra_torch/ops/triton_kernels.py"}  # generated-style 
 BOTTOM = ("relibra_torch.replay", "relibra_torch.planning")
 ABOVE_BOTTOM = ("relibra_torch.moe", "relibra_torch.ops", "relibra_torch.distributed", "relibra_torch.sim",
                 "relibra_torch.hook", "relibra_torch.rollout", "integrations")
-# The only exceptions to the bottom rule: compatibility shims for the rollout tools, which
-# moved from replay/ to rollout/. They keep the old import paths working and are loaded
-# only when an old path or name is asked for (replay/__init__.py's module __getattr__
-# imports rollout inside the function), so `import relibra_torch.replay` stays bottom-only.
-COMPAT_SHIMS = {
-    "relibra_torch.replay": {"relibra_torch.rollout"},
-    "relibra_torch.replay.recorder": {"relibra_torch.rollout"},
-    "relibra_torch.replay.explore": {"relibra_torch.rollout"},
-}
+ABOVE_DISTRIBUTED = ("relibra_torch.moe", "relibra_torch.sim", "relibra_torch.hook", "relibra_torch.rollout",
+                     "integrations")
 
 
 def _module_name(path: Path) -> str:
@@ -101,10 +96,17 @@ def test_replay_and_planning_are_the_bottom():
     for name, imports in IMPORTS.items():
         if not _within(name, BOTTOM):
             continue
-        allowed = COMPAT_SHIMS.get(name, set())
         bad += [f"{_where(name, line)} imports {target}" for target, _, line in imports
-                if _within(target, ABOVE_BOTTOM) and not _within(target, allowed)]
+                if _within(target, ABOVE_BOTTOM)]
     assert not bad, "replay/planning must not import from higher layers:\n" + "\n".join(bad)
+
+
+def test_distributed_does_not_import_the_layer():
+    checked = [n for n in IMPORTS if _within(n, ("relibra_torch.distributed",))]
+    assert "relibra_torch.distributed.collectives" in checked
+    bad = [f"{_where(name, line)} imports {target}" for name in checked
+           for target, _, line in IMPORTS[name] if _within(target, ABOVE_DISTRIBUTED)]
+    assert not bad, "distributed/ sits below the layer:\n" + "\n".join(bad)
 
 
 def test_hook_and_layer_do_not_use_the_simulator():
@@ -206,45 +208,36 @@ def test_importing_replay_loads_only_the_bottom():
     assert "relibra_torch.replay.counts" in out
 
 
-@pytest.mark.parametrize("old,new", [
-    ("relibra_torch.replay:RoutingRecorder", "relibra_torch.rollout:RoutingRecorder"),
-    ("relibra_torch.replay:ExplorationConfig", "relibra_torch.rollout:ExplorationConfig"),
-    ("relibra_torch.replay:explore_topk", "relibra_torch.rollout.explore:explore_topk"),
-    ("relibra_torch.replay.recorder:RoutingRecorder", "relibra_torch.rollout.recorder:RoutingRecorder"),
-    ("relibra_torch.replay.recorder:find_moe_layers", "relibra_torch.rollout:find_moe_layers"),
-    ("relibra_torch.replay.explore:ExplorationPolicy", "relibra_torch.rollout.explore:ExplorationPolicy"),
+@pytest.mark.parametrize("reexport,home", [
     ("relibra_torch.hook:relibra_config_for", "relibra_torch.planning.pricing:relibra_config_for"),
     ("relibra_torch.sim.cost:ReorderWeights", "relibra_torch.planning.pricing:ReorderWeights"),
     ("relibra_torch.sim.presets:get_hardware", "relibra_torch.planning.pricing:get_hardware"),
     ("relibra_torch.sim:HardwareSpec", "relibra_torch.planning.pricing:HardwareSpec"),
-    ("relibra_torch.replay.routing:batch_samples", "relibra_torch.replay.batching:batch_samples"),
-    ("relibra_torch.replay.routing:validate_expert_ids", "relibra_torch.replay.counts:validate_expert_ids"),
 ])
-def test_old_import_paths_still_work(old, new):
+def test_names_used_through_another_module_are_the_same_objects(reexport, home):
     import importlib
 
     def load(spec):
         module, _, attr = spec.partition(":")
         return getattr(importlib.import_module(module), attr)
 
-    assert load(old) is load(new)
+    assert load(reexport) is load(home)
 
 
-def test_old_submodule_paths_are_the_moved_modules():
-    import relibra_torch.replay.explore as old_explore
-    import relibra_torch.replay.recorder as old_recorder
-    import relibra_torch.rollout.explore as explore
-    import relibra_torch.rollout.recorder as recorder
+@pytest.mark.parametrize("gone", ["relibra_torch.replay.recorder", "relibra_torch.replay.explore",
+                                  "relibra_torch.distributed.schedule"])
+def test_the_compatibility_modules_are_gone(gone):
+    assert gone not in MODULES
+    with pytest.raises(ModuleNotFoundError):
+        __import__(gone)
 
-    assert old_recorder is recorder and old_explore is explore
 
-
-def test_every_rollout_name_is_still_served_from_replay():
-    """replay/ lists the moved rollout names itself (it may not import rollout at import time):
-    the list must keep up with rollout's exports."""
+def test_replay_and_distributed_do_not_serve_names_from_above():
+    import relibra_torch.distributed as distributed
     import relibra_torch.replay as replay
-    import relibra_torch.rollout as rollout
 
-    assert set(rollout.__all__) <= set(replay.__all__)
-    for name in rollout.__all__:
-        assert getattr(replay, name) is getattr(rollout, name), name
+    import relibra_torch.replay.routing as routing
+
+    for package, name in ((replay, "RoutingRecorder"), (replay, "explore_topk"), (distributed, "layer_plans"),
+                          (routing, "batch_samples")):
+        assert not hasattr(package, name), f"{package.__name__}.{name}"

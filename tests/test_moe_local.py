@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import _moe_fns as fns
 from relibra_torch.moe import (LayerPlan, ReplayBalancedMoE, load_expert_safetensors, moe_layers,
                                save_expert_safetensors, share_replica_memory)
-from relibra_torch.distributed import native_layer_plan
+from relibra_torch.moe.schedule import native_layer_plan
 
 D, F = fns.DIM, fns.HIDDEN
 

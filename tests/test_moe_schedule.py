@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import _moe_fns as fns
-from relibra_torch.distributed import (LayerPlan, assign_slots, build_rank_schedule, check_layer_plan,
-                                       group_permutation, layer_plans, move_expert_rows,
-                                       native_experts, native_layer_plan)
+from relibra_torch.distributed import move_expert_rows, native_experts
+from relibra_torch.moe.schedule import (LayerPlan, assign_slots, build_rank_schedule, check_layer_plan,
+                                        group_permutation, layer_plans, native_layer_plan)
 from relibra_torch.planning import Topology, native_plan, token_split
 
 TOPOLOGIES = [(1, 2, 4), (2, 2, 8), (2, 2, 4), (2, 4, 8), (1, 1, 3), (3, 2, 12)]

@@ -6,8 +6,8 @@
 * :mod:`.migration` -- moving expert rows between placements (reordering, checkpoints);
 * :mod:`.mesh` -- the EP group of a ``DeviceMesh``.
 
-The host-side schedule (``LayerPlan``, ``RankSchedule``, ...) moved to
-:mod:`relibra_torch.moe.schedule`; its names are still importable from here.
+The host-side schedule (``LayerPlan``, ``RankSchedule``, ...) is in
+:mod:`relibra_torch.moe.schedule`: this package sits below the layer and never imports it.
 """
 
 from .collectives import all_to_all_autograd, all_to_all_rows
@@ -16,19 +16,8 @@ from .migration import move_expert_rows, native_experts
 from .replicas import (FillSpec, ReplicaMemory, fetch_replica_weights, fill_replicas, refetch_replica_ffn,
                        return_replica_grads)
 
-_MOVED_TO_MOE_SCHEDULE = ("LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
-                          "check_placement", "group_permutation", "layer_plans", "native_layer_plan")
-
 __all__ = [
     "EPGroup", "FillSpec", "ReplicaMemory", "all_to_all_autograd", "all_to_all_rows", "ep_group_from_mesh",
     "fetch_replica_weights", "fill_replicas", "move_expert_rows", "native_experts", "refetch_replica_ffn",
-    "return_replica_grads", *_MOVED_TO_MOE_SCHEDULE,
+    "return_replica_grads",
 ]
-
-
-def __getattr__(name: str):
-    # Compatibility: resolved lazily so that this package never imports the layer package.
-    if name in _MOVED_TO_MOE_SCHEDULE:
-        from ..moe import schedule
-        return getattr(schedule, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -80,7 +80,7 @@ def _cuda_vs_cpu(device, gen) -> dict:
 
 
 def _planned_vs_local(device, gen) -> dict:
-    from relibra_torch.distributed import native_layer_plan
+    from relibra_torch.moe.schedule import native_layer_plan
 
     layer = _layer(torch.float32, device, 1, replica_slots=2)
     x, ids, dout = _inputs(device, gen)
@@ -176,7 +176,7 @@ def _compiled(device, gen) -> dict:
 
 
 def _cuda_graph(device, gen) -> dict:
-    from relibra_torch.distributed import native_layer_plan
+    from relibra_torch.moe.schedule import native_layer_plan
 
     layer = _layer(torch.bfloat16, device, 3, replica_slots=2, check_plan=False)
     layer.apply_placement(torch.randperm(SHAPE["E"], generator=torch.Generator().manual_seed(6)))

@@ -13,9 +13,9 @@
 
 This package is the bottom of the stack: it imports nothing from the layer, ops,
 distributed, the simulator, the hook or the rollout tools. The rollout tools
-(:class:`RoutingRecorder`, exploration routing) moved to :mod:`relibra_torch.rollout`;
-their names are still served from here, loaded on first access (:func:`__getattr__`), so
-``import relibra_torch.replay`` never loads the layer, torchtitan or the rollout package.
+(:class:`RoutingRecorder`, exploration routing) are in :mod:`relibra_torch.rollout`, above
+this package, so ``import relibra_torch.replay`` never loads the layer, torchtitan or the
+rollout package.
 
 See docs/replay.md.
 """
@@ -34,39 +34,7 @@ from .routing import (
     validate_routing,
 )
 
-# Compatibility: names that moved to relibra_torch.rollout, served lazily (see __getattr__).
-_ROLLOUT_NAMES = (
-    "ExplorationConfig",
-    "ExplorationPolicy",
-    "MoELayerRef",
-    "RoutingRecorder",
-    "exploration_sigma",
-    "explore_topk",
-    "find_moe_layers",
-    "layout_for_batch",
-    "resolve_pool",
-    "routing_entropy",
-)
-
-
-def __getattr__(name: str):
-    """Compatibility shim: ``relibra_torch.replay.RoutingRecorder`` etc. come from
-    :mod:`relibra_torch.rollout`, imported only when one of them is first asked for."""
-    if name in _ROLLOUT_NAMES:
-        from .. import rollout
-
-        value = getattr(rollout, name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_ROLLOUT_NAMES))
-
-
 __all__ = [
-    *_ROLLOUT_NAMES,
     "LOADS_FORMAT",
     "ROUTING_FORMAT",
     "LoadsFile",

@@ -29,7 +29,7 @@ from dataclasses import InitVar, dataclass, field
 import torch
 
 from ..checks import check_int, check_tensor
-from .batching import SampleAssignment, batch_samples  # noqa: F401 - batch_samples: old home, kept importable
+from .batching import SampleAssignment
 from .counts import MAX_EXPERTS, count_by_group, count_experts, validate_expert_ids
 from .fileio import (
     check_format,
@@ -47,10 +47,8 @@ __all__ = [
     "ROUTING_FORMAT",
     "RoutingReplay",
     "SampleAssignment",
-    "validate_expert_ids",
     "validate_routing",
     "counts_for_tokens",
-    "batch_samples",
     "save_routing",
     "load_routing",
 ]

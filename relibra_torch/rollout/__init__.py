@@ -6,9 +6,7 @@
   :func:`explore_topk`) picks ESRL-style paths for rollouts (:mod:`.explore`).
 
 This package sits above the MoE layer (the recorder reads its layers, and torchtitan's when
-installed); :mod:`relibra_torch.replay` below it is the pure data layer it writes to. The
-old paths ``relibra_torch.replay.recorder`` / ``relibra_torch.replay.explore`` and the
-names re-exported from ``relibra_torch.replay`` still work (compatibility shims).
+installed); :mod:`relibra_torch.replay` below it is the pure data layer it writes to.
 
 See docs/rollout.md.
 """

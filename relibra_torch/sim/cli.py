@@ -45,6 +45,7 @@ from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_f
 from ..planning.packing import PACKING_METHODS
 from .packed import replay_packing_workload, sample_workload
 from .trace_families import TRACE_FAMILIES
+from .run_checks import PlainProgress, check_output_path, check_warmup, file_steps
 
 # Count-level families (generated per rank and micro-batch) and sample-level ones (per
 # sample, so --packing can repack them); "default" is both.
@@ -98,7 +99,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch-tokens", type=int,
                         help=f"tokens per micro-batch per GPU, synthetic trace (default {d['micro_batch_tokens']})")
     parser.add_argument("--micro-batches", type=int,
-                        help=f"micro-batches per step (default {d['micro_batches']})")
+                        help=f"micro-batches per step (default {d['micro_batches']}; a routing replay file "
+                             f"gets at most the fewest samples a rank holds in a step, and a note says so)")
     parser.add_argument("--steps", type=int, help=f"optimizer steps, synthetic trace (default {d['steps']})")
     parser.add_argument("--warmup-steps", type=int,
                         help="leading steps run but not reported (default 1 when the trace or file has "
@@ -124,7 +126,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON or TOML file with model/hardware/eplb/online/simulate sections")
     parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress on stderr (a bar on a terminal, plain lines otherwise)")
     parser.add_argument("--compare-ep", metavar="SIZES",
                         help="compare EP layouts on this cluster, e.g. 8,16,32: the same trace split into "
                              "EP groups of each size, every system, expert gradient sync priced "
@@ -219,6 +222,11 @@ def resolve(args: argparse.Namespace) -> dict:
                          f"the file {args.file!r} (drop trace.skew or the file)")
     systems = parse_systems(opts["systems"])
     _check_trace_packing(args.file, opts)
+    # checked now, not after a run of minutes
+    check_output_path("json", opts["json"])
+    check_output_path("plot", opts["plot"])
+    check_warmup(opts["warmup_steps"], file_steps(args.file) if args.file else opts["steps"],
+                 f"the file {args.file!r}" if args.file else "the synthetic trace (--steps)")
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
@@ -310,6 +318,10 @@ def run(args: argparse.Namespace) -> int:
 
     s = resolve(args)
     model, topo = s["model_spec"], s["topology"]
+    err = Console(stderr=True)
+    plain = None if args.no_progress or err.is_terminal else PlainProgress()  # logs and pipes get lines
+    if plain:
+        plain.phase(f"reading {args.file}" if args.file else f"generating the synthetic trace ({s['trace']})")
     if args.file:
         if s["packing"] != "fixed":
             workload = replay_packing_workload(args.file, model, topo, _cost_model(s), s["micro_batches"],
@@ -334,7 +346,9 @@ def run(args: argparse.Namespace) -> int:
     if getattr(args, "compare_ep", None):
         return _run_layouts(args, s, workload, config)
 
-    err = Console(stderr=True)
+    if plain:
+        plain.phase(f"{workload.num_steps} step(s) x {workload.num_micro_batches} micro-batches; "
+                    f"planning {', '.join(config.systems)}")
     show = not args.no_progress and err.is_terminal
     if show:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -348,7 +362,9 @@ def run(args: argparse.Namespace) -> int:
 
             result = simulate(workload, config, progress=progress)
     else:
-        result = simulate(workload, config)
+        result = simulate(workload, config, progress=plain)
+        if plain:
+            plain.phase("done")
 
     if s["model_notes"]:
         workload.notes["approximated"] = "; ".join(s["model_notes"])

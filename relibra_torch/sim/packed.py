@@ -125,7 +125,7 @@ def replay_packing_workload(path: str, model: ModelSpec, topology: Topology, cos
         groups = [(rr.sample_step == s).nonzero().flatten() for s in torch.unique(rr.sample_step).tolist()]
     else:
         groups = [torch.arange(rr.num_samples)]
-    S, M = topology.num_gpus, num_micro_batches
+    S, M = topology.num_gpus, base.num_micro_batches  # fitted to the file (workload.fit_micro_batches)
     steps, caps = [], []
     for ids in groups:
         part = rr.select(ids) if len(groups) > 1 else rr
@@ -140,6 +140,7 @@ def replay_packing_workload(path: str, model: ModelSpec, topology: Topology, cos
     wl = workload_from_loads(loads, model, topology, sample_tokens,
                              source=f"{base.source}, packing {packing}",
                              tokens_XMS=torch.cat([o[1] for o in out]), attn_pairs_XMS=torch.cat([o[2] for o in out]))
+    wl.notes.update({k: v for k, v in base.notes.items() if k in ("micro-batches", "idle ranks")})
     wl.notes["packing"] = _note(packing, caps, [o[3][0] for o in out])
     return wl
 

@@ -44,6 +44,7 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
         "steps": wl.num_steps,
         "warmup_steps": cfg.warmup_steps,
         "measured_steps": wl.num_steps - cfg.warmup_steps,
+        "empty_micro_batches": _empty_micro_batches(result),
         "tokens_per_step": int(wl.tokens_XMS.sum() // wl.num_steps),
         "systems": list(cfg.systems),
         "cost_options": dataclasses.asdict(cfg.cost_options),
@@ -71,6 +72,18 @@ def static_imbalance(loads_XMLSE: torch.Tensor, num_gpus: int) -> float:
         return 1.0
     ratio = gpu_R[busy].max(-1).values.double() * num_gpus / total_R[busy].double()
     return float(ratio.mean())
+def _empty_micro_batches(result: SimResult) -> int:
+    """Measured micro-batches with no tokens on any rank (left out of the imbalance figures)."""
+    active = next(iter(result.systems.values())).active_XM if result.systems else None
+    return 0 if active is None else int((~active).sum())
+
+
+def _active_imbalance_ML(r) -> torch.Tensor:
+    """The first measured step's ``[M, L]`` imbalance, ``nan`` for empty micro-batches (gaps in the plot)."""
+    imb_ML = r.imbalance_XML[0].clone()
+    if r.active_XM is not None and bool(r.active_XM[0].any()):
+        imb_ML[~r.active_XM[0]] = float("nan")
+    return imb_ML
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -149,6 +162,31 @@ TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "mig
                    "migr. GB", "plan")
 
 
+# One line per column, printed under each table (columns without an entry get none).
+LEGEND = {
+    "imb": "max / mean GPU expert load, mean over micro-batches x layers (1.000 = balanced)",
+    "p99": "99th percentile of that imbalance",
+    "imb p50": "median of that imbalance",
+    "MoE": "MoE-layer time per step (expert compute, all-to-all, replica transfer)",
+    "step": "training step time (MoE layers + attention / dense + migration)",
+    "vs static": "speedup over static placement (static step / this step)",
+    "vs oracle": "speedup over eplb-oracle, EPLB fed the step's own loads",
+    "bal.": "this system's step with its own bytes spread evenly and its GPUs balanced (not a bound)",
+    "of bound": "lower bound's step / this step (bound: no plan can be faster; docs/simulator.md)",
+    "cross GB": "token bytes sent between nodes per step (all-to-all, fwd + bwd)",
+    "intra GB": "token bytes sent between GPUs of a node per step",
+    "repl. GB": "replica weights filled + gradients returned per step",
+    "migr.": "experts whose owner GPU changed (a new placement) per step",
+    "migr. GB": "bytes those migrations move (weights + optimizer state)",
+    "plan": "planner CPU time per step (one plan() call, one thread)",
+}
+
+
+def legend_lines(columns) -> list[str]:
+    """``"COLUMN: meaning"`` for every column of ``columns`` that :data:`LEGEND` explains."""
+    return [f"{c}: {LEGEND[c]}" for c in columns if c in LEGEND]
+
+
 def _time_row(name: str, f: dict) -> list[str]:
     return [name, f"{f['imbalance_mean']:.3f}", f"{f['imbalance_p99']:.3f}", format_seconds(f['moe_layer_time_s']),
             format_seconds(f['step_time_s']), format_seconds(f["balanced_at_own_bytes_s"]),
@@ -197,6 +235,7 @@ def print_table(doc: dict, console=None) -> None:
         for name, f in doc["systems"].items():
             table.add_row(*row(name, f), style=COLOURS.get(name))
         console.print(table)
+        console.print("\n".join(legend_lines(columns)), style="dim", highlight=False)
     overlap = cfg["cost_options"]["overlap_replication"]
     console.print(f"source: {cfg['source']}", highlight=False)
     for key, text in cfg["notes"].items():
@@ -268,20 +307,20 @@ def write_plot(result: SimResult, path: str) -> None:
 
     figures = result.figures()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
-    means = {name: float(r.imbalance_XML[0].mean(1).max()) for name, r in result.systems.items()}
+    means = {name: float(_active_imbalance_ML(r).mean(1).nan_to_num(0.0).max()) for name, r in result.systems.items()}
     top, clipped = imbalance_ylim(means)
     notes = []
     for name, r in result.systems.items():
-        imb_ML = r.imbalance_XML[0]
+        imb_ML = _active_imbalance_ML(r)
         m = range(imb_ML.shape[0])
         colour = COLOURS.get(name)
         label = f"{name} (mean over layers)"
         if name in clipped:
-            label = f"{name}: off scale, mean {float(imb_ML.mean()):.2f}"
+            label = f"{name}: off scale, mean {float(imb_ML.nanmean()):.2f}"
             notes.append(label)
         ax1.plot(m, imb_ML.mean(1).tolist(), color=colour, label=label)
         if name not in ("uniform", "bound"):
-            ax1.plot(m, imb_ML.max(1).values.tolist(), color=colour, linestyle=":", linewidth=1)
+            ax1.plot(m, imb_ML.amax(1).tolist(), color=colour, linestyle=":", linewidth=1)
     ax1.set_xlabel("micro-batch")
     ax1.set_ylabel("max / mean GPU load")
     ax1.set_title("per-micro-batch imbalance (dotted: worst layer)")

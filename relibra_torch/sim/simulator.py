@@ -131,6 +131,9 @@ class SystemResult:
         charged_s: ``max(0, host_s - window_s)``, added to the step time, per measured step.
         balanced_s: per measured step, :func:`~relibra_torch.sim.bound.balanced_at_own_bytes_s`
             (the step time itself for the references).
+        active_XM: bool ``[X, M]``, the micro-batch holds tokens on some rank; None: all do.
+            An empty micro-batch has no load to balance (its imbalance is 1.0 by
+            definition), so the imbalance figures leave it out.
     """
 
     name: str
@@ -141,6 +144,7 @@ class SystemResult:
     window_s: list[float] = field(default_factory=list)
     charged_s: list[float] = field(default_factory=list)
     balanced_s: list[float] = field(default_factory=list)
+    active_XM: torch.Tensor | None = None
 
     def mean(self, attr: str) -> float:
         return sum(float(getattr(c, attr)) for c in self.costs) / len(self.costs)
@@ -148,6 +152,8 @@ class SystemResult:
     def figures(self) -> dict:
         """The per-system figures (means per step over the measured steps)."""
         imb = self.imbalance_XML.flatten()
+        if self.active_XM is not None and bool(self.active_XM.any()):
+            imb = self.imbalance_XML[self.active_XM].flatten()
         return {
             "imbalance_mean": float(imb.mean()),
             "imbalance_p50": float(imb.quantile(0.5)),
@@ -232,6 +238,11 @@ def simulate(workload: Workload, config: SimConfig,
             return default_planner_factory(name, topology, cost_model, config.baseline_options)
     if cost.options.dispatch == "hierarchical":  # say how remote nodes per token were counted
         workload.notes["dispatch"] = EXACT_NOTE if workload.routing is not None else ESTIMATE_NOTE
+    active_XM = workload.tokens_XMS[config.warmup_steps:].sum(-1) > 0
+    empty = int((~active_XM).sum())
+    if empty:  # e.g. a loads file of dynamic batches with trailing empty micro-batches
+        workload.notes["empty micro-batches"] = (f"{empty} of {active_XM.numel()} measured micro-batches hold no "
+                                                 f"tokens; left out of the imbalance figures")
     results: dict[str, SystemResult] = {}
     # the ratios need static and the references: always run them (references last)
     systems = [n for n in config.systems if n not in REFERENCES]
@@ -276,7 +287,8 @@ def simulate(workload: Workload, config: SimConfig,
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
-        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, balanced_s=balanced, **host)
+        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, balanced_s=balanced,
+                                     active_XM=active_XM, **host)
     return SimResult(config, workload, results)
 
 

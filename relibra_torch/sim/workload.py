@@ -23,7 +23,7 @@ from .dispatch import TokenRouting, token_routing_from_bins
 from .presets import ModelSpec
 
 __all__ = ["Workload", "causal_pairs", "packed_pairs", "workload_from_loads", "synthetic_workload",
-           "workload_from_file", "DEFAULT_SAMPLE_TOKENS"]
+           "workload_from_file", "fit_micro_batches", "DEFAULT_SAMPLE_TOKENS"]
 
 # RL post-training responses run from a few hundred to tens of thousands of tokens (long
 # chain-of-thought); 4096 is a middle value for the quadratic attention term when a source
@@ -172,12 +172,49 @@ def _trace_config(traces, model: ModelSpec, seed: int, skew: float = 1.0):
     return traces.TraceConfig(**{k: v for k, v in wanted.items() if k in names})
 
 
+def fit_micro_batches(step_lengths: list[torch.Tensor], num_ranks: int, requested: int) -> tuple[int, dict]:
+    """The micro-batch count a replay file can fill, and notes saying what was fitted.
+
+    A micro-batch needs a sample on every rank: ``M = max(1, min(requested, fewest samples
+    any rank holds in any step))``, ranks as :func:`relibra_torch.replay.batch_samples`
+    assigns them (greedy by tokens; that does not depend on ``M``). More micro-batches than
+    a rank has samples leave micro-batches with no tokens, and their imbalance would say
+    nothing about the file (a 32-sample file on 32 ranks with 32 micro-batches fills 1 of
+    them). A note also says when some ranks hold no sample at all (fewer samples than ranks).
+
+    Args:
+        step_lengths: per recorded step, the int ``[N_x]`` sample lengths.
+        num_ranks: ``G``, the EP ranks the samples are batched into.
+        requested: ``--micro-batches``.
+    Returns:
+        ``(M, notes)``; ``notes`` is empty when nothing was changed or left idle.
+    """
+    from ..replay import batch_samples
+    per_rank_XS = torch.stack([torch.bincount(batch_samples(lengths, num_ranks, num_micro_batches=1).rank_N,
+                                              minlength=num_ranks) for lengths in step_lengths])
+    fewest = int(per_rank_XS.min())
+    fitted = max(1, min(requested, fewest))
+    notes: dict = {}
+    if fitted < requested:
+        notes["micro-batches"] = (f"{fitted}, not {requested}: a micro-batch needs a sample on every rank; "
+                                  f"max(1, min(--micro-batches {requested}, fewest samples a rank holds in a "
+                                  f"step = {fewest}))")
+    idle = int((per_rank_XS == 0).sum(1).max())
+    if idle:
+        smallest = min(int(lengths.numel()) for lengths in step_lengths)
+        notes["idle ranks"] = (f"{idle} of {num_ranks} ranks hold no sample (the file has {smallest} samples "
+                               f"in a step); they send no tokens and only receive expert work: pass fewer "
+                               f"--nodes/--gpus-per-node, or a file with >= {num_ranks} samples per step")
+    return fitted, notes
+
+
 def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micro_batches: int,
                        sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> Workload:
     """A ``relibra.loads/1`` file (used as batched) or a ``relibra.routing/1`` replay file.
 
     Replay files are batched by :func:`relibra_torch.replay.batch_samples` with
-    ``num_ranks = G`` and ``num_micro_batches`` (samples in file order go to the rank with
+    ``num_ranks = G`` and ``num_micro_batches`` fitted to the file by
+    :func:`fit_micro_batches` (the workload's notes say when it was lowered; samples in file order go to the rank with
     the fewest tokens so far; on each rank, each sample goes to the micro-batch where its
     midpoint falls when the rank's tokens are cut into equal parts). With a ``sample_step``
     tensor each recorded step is batched separately, in increasing step order; without one
@@ -213,9 +250,10 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
     else:
         groups = [torch.arange(rr.num_samples)]
     G = topology.num_gpus
+    parts = [rr.select(ids) if len(groups) > 1 else rr for ids in groups]
+    num_micro_batches, fit_notes = fit_micro_batches([p.sample_lengths for p in parts], G, num_micro_batches)
     loads, tokens, pairs, bins = [], [], [], []
-    for ids in groups:
-        part = rr.select(ids) if len(groups) > 1 else rr
+    for part in parts:
         lengths = part.sample_lengths
         assign = replay.batch_samples(lengths, G, num_micro_batches=num_micro_batches)
         bins.append(assign.micro_batch_N * G + assign.rank_N)
@@ -228,6 +266,7 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
     wl = workload_from_loads(torch.stack(loads), model, topology, sample_tokens,
                              source=f"routing replay {name} ({rr.num_samples} samples)",
                              tokens_XMS=torch.stack(tokens), attn_pairs_XMS=torch.stack(pairs))
+    wl.notes.update(fit_notes)
     wl.routing = token_routing_from_bins(rr.routed_experts_TLK, rr.sample_offsets, bins, groups,
                                          num_micro_batches * G, G)
     if rr.coverage == "completion-only":  # relibra convert --completion-only: say it under every table

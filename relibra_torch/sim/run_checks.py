@@ -1,0 +1,91 @@
+"""What ``relibra simulate`` checks before it starts, and the progress it prints while it runs.
+
+A run can take minutes (trace generation, planners over many steps), so every option that
+can be checked up front is: the ``--json`` / ``--plot`` paths (extension, a writable folder,
+not a folder themselves) and ``--warmup-steps`` against the steps the trace or the file
+holds. While it runs, progress goes to stderr: rich's bar on a terminal, plain lines (phase,
+step, seconds elapsed) when stderr is a pipe or a log, so a logged run is never silent.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+__all__ = ["OUTPUT_SUFFIXES", "check_output_path", "file_steps", "check_warmup", "PlainProgress"]
+
+# --plot: the formats write_plot's matplotlib writes without extra packages
+OUTPUT_SUFFIXES = {"json": (".json",), "plot": (".png", ".svg", ".pdf")}
+
+
+def check_output_path(option: str, path: str | None) -> None:
+    """Raise ``ValueError`` naming ``--json`` / ``--plot`` when ``path`` cannot be written.
+
+    Allowed: the option's extension (:data:`OUTPUT_SUFFIXES`), not an existing folder, and
+    the nearest existing folder above it writable (missing folders are created on write).
+    """
+    if path is None:
+        return
+    suffixes = OUTPUT_SUFFIXES[option]
+    flag = f"--{option}"
+    text = str(path)
+    if os.path.isdir(text):
+        raise ValueError(f"{flag} {text!r} is a folder; pass a file name such as {os.path.join(text, 'out' + suffixes[0])!r}")
+    if not text.lower().endswith(suffixes):
+        raise ValueError(f"{flag} {text!r} has the wrong extension; allowed: {', '.join(suffixes)}")
+    if os.path.exists(text) and not os.access(text, os.W_OK):
+        raise ValueError(f"{flag} {text!r} exists and is not writable")
+    folder = os.path.dirname(os.path.abspath(text))
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {text!r}: {folder!r} is a file, not a folder")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {text!r}: the folder {folder!r} is not writable")
+
+
+def file_steps(path: str) -> int:
+    """Recorded steps of a loads file (its first dim) or a routing file (distinct
+    ``sample_step`` values, 1 without that tensor), reading only the header and ``sample_step``."""
+    from ..replay import LOADS_FORMAT
+    from ..replay.fileio import read_header, read_tensors
+    header = read_header(path)
+    if header.metadata.get("format") == LOADS_FORMAT:
+        return header.shape("loads")[0]
+    if "sample_step" not in header.tensors:
+        return 1
+    import torch
+    return int(torch.unique(read_tensors(header, ["sample_step"])["sample_step"]).numel())
+
+
+def check_warmup(warmup: int | None, steps: int, source: str) -> None:
+    """``--warmup-steps`` must leave a measured step of the ``steps`` that ``source`` holds."""
+    if warmup is not None and warmup >= steps:
+        raise ValueError(f"--warmup-steps {warmup} leaves no measured step: {source} holds {steps} step(s); "
+                         f"allowed: 0..{steps - 1}")
+
+
+class PlainProgress:
+    """Progress lines for a stderr that is not a terminal: ``relibra simulate: 12.3 s: PHASE``.
+
+    Called as ``progress(system, steps_done, steps_total)`` by :func:`simulate`; prints the
+    first and last step of each system and otherwise at most one line per ``every_s``
+    seconds, so a long file does not flood the log.
+    """
+
+    def __init__(self, stream=None, every_s: float = 10.0, prefix: str = "relibra simulate"):
+        self.stream = stream if stream is not None else sys.stderr
+        self.every_s = every_s
+        self.prefix = prefix
+        self.t0 = time.perf_counter()
+        self.last = -float("inf")
+
+    def phase(self, text: str) -> None:
+        now = time.perf_counter()
+        self.last = now
+        print(f"{self.prefix}: {now - self.t0:.1f} s: {text}", file=self.stream, flush=True)
+
+    def __call__(self, system: str, done: int, total: int) -> None:
+        if done in (1, total) or time.perf_counter() - self.last >= self.every_s:
+            self.phase(f"planning {system}: step {done}/{total}")
