@@ -45,8 +45,9 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
     assert main(["simulate", str(f), *SMALL]) == 0
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("relibra simulate: 0.") and err[0].endswith(f"reading {f}")
-    assert any(line.endswith("2 step(s) x 2 micro-batches; planning static, ideal") for line in err)
-    for step in ("planning static: step 1/2", "planning static: step 2/2", "planning ideal: step 2/2"):
+    assert any(line.endswith("2 step(s) x 2 micro-batches; planning static, uniform, bound") for line in err)
+    for step in ("planning static: step 1/2", "planning static: step 2/2", "planning uniform: step 2/2",
+                 "planning bound: step 2/2"):
         assert any(line.endswith(step) for line in err), (step, err)
     assert err[-1].endswith(": done")
     assert main(["simulate", str(f), *SMALL, "--no-progress"]) == 0
@@ -126,6 +127,6 @@ def test_every_column_of_the_tables_has_a_legend_line_under_it(tmp_path, capsys)
     out = capsys.readouterr().out.splitlines()
     for title, columns in (("step time", TIME_COLUMNS), ("traffic and planning", TRAFFIC_COLUMNS)):
         start = next(i for i, line in enumerate(out) if line.strip() == title)
-        after = out[start + 3 + 2:]  # title, header, rule, static, ideal
+        after = out[start + 3 + 3:]  # title, header, rule, static, uniform, bound
         assert after[: len(columns) - 1] == [f"{c}: {LEGEND[c]}" for c in columns[1:]], after
     assert all(len(f"{c}: {text}") <= 100 for c, text in LEGEND.items())
