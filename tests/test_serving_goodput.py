@@ -114,3 +114,24 @@ def test_comparison_is_deterministic_for_a_seed():
         d.pop("seconds")
         return d
     assert doc() == doc()
+
+
+def test_data_parallel_iterations_pay_the_scheduler_sync_once_per_step():
+    from relibra_torch.serving.systems import SystemConfig, build_engine
+
+    m = get_model("minimax-m2")
+    pi = synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0)
+
+    def step(system, knobs, consts):
+        cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), consts), pi, pi)
+        eng = build_engine(SystemConfig(system, knobs, 16), cl, np.zeros(1), np.ones(1, np.int64),
+                           np.ones(1, np.int64))
+        return [x.pricer.decode_s(256, 256 * 1000.0) for x in eng.executors if x.mode != "prefill"][0]
+
+    off = replace(DEFAULT_CONSTANTS, dp_sync_us=0.0)
+    colo = (("gpus_per_instance", 4), ("instances", 4))
+    assert step("colocated", colo, DEFAULT_CONSTANTS) - step("colocated", colo, off) == pytest.approx(455e-6)
+    one = (("gpus_per_instance", 1), ("instances", 16))  # one GPU: no gather, no sync
+    assert step("chunked-prefill", one, DEFAULT_CONSTANTS) == step("chunked-prefill", one, off)
+    xp = (("expert_gpus", 4), ("prefill_attention_gpus", 4), ("decode_attention_gpus", 8), ("prefill_near_experts", 1))
+    assert step("expertplex", xp, DEFAULT_CONSTANTS) - step("expertplex", xp, off) == pytest.approx(455e-6)

@@ -71,6 +71,15 @@ class ServingConstants:
         partition_bandwidth: 0 (default): a Green-Context partition reaches all of HBM's
             bandwidth (GC partitions SMs only); 1: its bandwidth follows its SM share (the
             pessimistic bound for small partitions; a sensitivity switch, no source picks it).
+        dp_sync_us: host time every iteration of a data-parallel attention group (more than
+            one attention GPU stepping together) pays before its GPUs can start: SGLang's
+            DP-attention scheduler gathers every rank's batch metadata and blocks on it each
+            step, measured at 454.6 us per scheduler step with 4 DP ranks (sglang PR #34338,
+            "[perf] Collapse the DP attention scheduler sync to a single D2H copy", its
+            microbenchmark before the change; the paper's SGLang baselines predate it): 455.
+            The rest of the scheduler's CPU work overlaps the GPU (SGLang's overlap scheduler
+            is on by default); a single-GPU scheduler (an ExpertPlex prefill attention GPU)
+            has no gather.
         ttft_slo_s, tpot_slo_s: the paper's SLO for MiniMax-M2.7: TTFT 1 s, TPOT 50 ms.
         attainment: fraction of requests that must meet both SLOs: 0.9 (P90 goodput).
     """
@@ -94,6 +103,7 @@ class ServingConstants:
                                                      (128, 561.0), (256, 554.0))
     a2a_floor: float = 1.0
     partition_bandwidth: float = 0.0
+    dp_sync_us: float = 455.0
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.05
     attainment: float = 0.9
@@ -107,6 +117,7 @@ class ServingConstants:
             check_number(f"serving.{f}", getattr(self, f), 1)
         check_number("serving.preempt_check_us", self.preempt_check_us, 0)
         check_number("serving.a2a_floor", self.a2a_floor, 0)
+        check_number("serving.dp_sync_us", self.dp_sync_us, 0)
         check_number("serving.partition_bandwidth", self.partition_bandwidth, 0, maximum=1)
         for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running"):
             check_int(f"serving.{f}", getattr(self, f))

@@ -162,6 +162,11 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
     return out
 
 
+def _dp_sync_s(cl: Cluster, attention_gpus: int) -> float:
+    """Host time per iteration of ``attention_gpus`` data-parallel GPUs stepping together."""
+    return cl.consts.dp_sync_us * 1e-6 if attention_gpus > 1 else 0.0
+
+
 class _Instance:
     """Prices iterations of ``g`` GPUs doing attention and experts, at an SM share.
 
@@ -177,6 +182,7 @@ class _Instance:
         self.frac = link_fractions(g, cl.gpus_per_node)
         self.partner: Executor | None = None
         self.util = (0.0, 0.0)  # (HBM, link) busy fractions of this partition's last iteration
+        self.sync_s = _dp_sync_s(cl, g)
 
     def _t(self, tokens, pairs, kv_read, rows) -> float:
         p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac)
@@ -189,6 +195,7 @@ class _Instance:
         t = p.total_s(self.share, mem, link)
         if t > 0:
             self.util = (min(1.0, p.memory_s() * mem / t), min(1.0, p.comm_bytes_s * link / t))
+            t += self.sync_s
         return t
 
     def prefill_s(self, tokens, pairs, kv_read, rows):
@@ -233,6 +240,7 @@ class _ExpertPlex:
         self.prefill_xs: list[Executor] = []
         self.decode_x: Executor | None = None
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
+        self.decode_sync_s = _dp_sync_s(cl, n_ad)  # the decode attention GPUs step together
 
     def prefill_s(self, tokens, pairs, kv_read, rows):
         p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_frac)
@@ -259,7 +267,7 @@ class _ExpertPlex:
         else:
             moe = p.moe_s()
             busy = moe
-        step = p.attn_s() + p.comm_s + moe
+        step = p.attn_s() + p.comm_s + moe + self.decode_sync_s  # the experts idle during the sync
         self.occupancy = busy / step if step > 0 else 0.0
         return step
 
