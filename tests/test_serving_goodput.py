@@ -135,3 +135,23 @@ def test_data_parallel_iterations_pay_the_scheduler_sync_once_per_step():
     assert step("chunked-prefill", one, DEFAULT_CONSTANTS) == step("chunked-prefill", one, off)
     xp = (("expert_gpus", 4), ("prefill_attention_gpus", 4), ("decode_attention_gpus", 8), ("prefill_near_experts", 1))
     assert step("expertplex", xp, DEFAULT_CONSTANTS) - step("expertplex", xp, off) == pytest.approx(455e-6)
+
+
+def test_each_expertplex_prefill_gpu_is_priced_on_its_own_links():
+    from relibra_torch.serving.systems import SystemConfig, build_engine
+
+    m = get_model("minimax-m2")
+    pi = synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0)
+    cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS), pi, pi)
+
+    def prefill_times(n_ap, n_ad):
+        knobs = (("expert_gpus", 4), ("prefill_attention_gpus", n_ap), ("decode_attention_gpus", n_ad),
+                 ("prefill_near_experts", 1))
+        eng = build_engine(SystemConfig("expertplex", knobs, 16), cl, np.zeros(1), np.ones(1, np.int64),
+                           np.ones(1, np.int64))
+        return [x.pricer.prefill_s(16384, 16 * 1024 * 1025 / 2, 0, 16) for x in eng.executors if x.mode == "prefill"]
+
+    near_only = prefill_times(4, 8)  # GPUs 4-7 share the experts' node
+    mixed = prefill_times(8, 4)  # GPUs 4-7 near, 8-11 on the other node
+    assert len(set(near_only)) == 1 and mixed[:4] == pytest.approx(near_only)
+    assert min(mixed[4:]) > 2 * max(mixed[:4])  # RDMA at 45 GB/s vs NVLink at 360 GB/s

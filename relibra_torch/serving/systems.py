@@ -233,8 +233,11 @@ class _ExpertPlex:
         a = range(n_e, n_e + first)
         b = range(n_e + first, n_e + first + second)
         pre, dec = (a, b) if prefill_near else (b, a)
-        self.prefill_frac = _fractions(pre, experts, gpn)
-        self.frac = _fractions(dec, experts, gpn)
+        # each prefill attention GPU sends over its own links (a near one over NVLink only);
+        # the decode GPUs step together, so the most remote one sets their step's traffic time
+        self.prefill_fracs = [_fractions(range(g, g + 1), experts, gpn) for g in pre]
+        link_s = lambda f: max(f[0] / self.cost.nvlink, f[1] / self.cost.rdma)  # noqa: E731
+        self.frac = max((_fractions(range(g, g + 1), experts, gpn) for g in dec), key=link_s)
         self.prefill_nodes = [g // gpn for g in pre]
         self.decode_node = dec[0] // gpn
         self.prefill_xs: list[Executor] = []
@@ -242,8 +245,9 @@ class _ExpertPlex:
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
         self.decode_sync_s = _dp_sync_s(cl, n_ad)  # the decode attention GPUs step together
 
-    def prefill_s(self, tokens, pairs, kv_read, rows):
-        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_frac)
+    def prefill_s(self, tokens, pairs, kv_read, rows, gpu: int = 0):
+        """One batch on prefill attention GPU ``gpu`` (its own links to the expert GPUs)."""
+        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_fracs[gpu])
         occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
         slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
         sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
@@ -270,6 +274,18 @@ class _ExpertPlex:
         step = p.attn_s() + p.comm_s + moe + self.decode_sync_s  # the experts idle during the sync
         self.occupancy = busy / step if step > 0 else 0.0
         return step
+
+
+class _PrefillPort:
+    """The pricer of one ExpertPlex prefill attention GPU: :class:`_ExpertPlex` at its links."""
+
+    def __init__(self, px: _ExpertPlex, gpu: int):
+        self.px, self.gpu = px, gpu
+
+    def prefill_s(self, tokens, pairs, kv_read, rows):
+        return self.px.prefill_s(tokens, pairs, kv_read, rows, self.gpu)
+
+    mixed_s = prefill_s
 
 
 def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) -> Engine:
@@ -320,7 +336,7 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
         d = Executor("d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
                      max_running=c.max_running * n_ad, node=px.decode_node, **lim(n_ad))
         for i in range(n_ap):
-            p = Executor(f"p{i}", "prefill", px, kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
+            p = Executor(f"p{i}", "prefill", _PrefillPort(px, i), kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
             p.listeners.append(d)  # decode's step price changes when prefill starts or stops
             px.prefill_xs.append(p)
             xs.append(p)
