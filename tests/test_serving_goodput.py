@@ -155,3 +155,20 @@ def test_each_expertplex_prefill_gpu_is_priced_on_its_own_links():
     mixed = prefill_times(8, 4)  # GPUs 4-7 near, 8-11 on the other node
     assert len(set(near_only)) == 1 and mixed[:4] == pytest.approx(near_only)
     assert min(mixed[4:]) > 2 * max(mixed[:4])  # RDMA at 45 GB/s vs NVLink at 360 GB/s
+
+
+def test_expertplex_may_use_any_count_of_expert_gpus():
+    import torch
+
+    from relibra_torch.serving.routing import build_tile_table, static_placement
+
+    slots = static_placement(2, 10, 3)  # 4 + 3 + 3 experts, the short GPUs' last slot empty
+    assert slots[0].tolist() == [[0, 1, 2, 3], [4, 5, 6, -1], [7, 8, 9, -1]]
+    pi = torch.full((2, 10), 0.5, dtype=torch.float64)  # every expert gets rows at any size
+    table = build_tile_table(pi, slots, 64)
+    assert table.active(4096) == 4.0 and table.tiles(4096) >= 4.0  # the 4-expert GPU is the slowest
+    m = get_model("minimax-m2")  # 256 experts on 16 H200: 2 (the fewest that hold them) to 14
+    pi_m = synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0)
+    cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS), pi_m, pi_m)
+    counts = {c.get("expert_gpus") for c in enumerate_configs("expertplex", cl, 5000)}
+    assert counts == set(range(2, 15))

@@ -142,9 +142,11 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
     elif system in ("expertplex", "expertplex-repl"):
         c, E = cl.cost, cl.cost.model.num_experts
         reps = REPLICA_CHOICES[1:] if system == "expertplex-repl" else (0,)
-        for n_e in (g for g in range(1, G - 1) if E % g == 0):
+        # any count of expert GPUs (an uneven contiguous split when it does not divide E);
+        # EPLB's replicated layout needs a divisor
+        for n_e in (g for g in range(1, min(G - 1, E + 1)) if not reps[0] or E % g == 0):
             for r in reps:
-                slots = E // n_e + r
+                slots = -(-E // n_e) + r
                 if c.expert_bytes_total() / E * slots > c.usable_bytes():
                     continue
                 for n_ap in range(1, G - n_e):
