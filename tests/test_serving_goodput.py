@@ -172,3 +172,12 @@ def test_expertplex_may_use_any_count_of_expert_gpus():
     cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS), pi_m, pi_m)
     counts = {c.get("expert_gpus") for c in enumerate_configs("expertplex", cl, 5000)}
     assert counts == set(range(2, 15))
+
+
+def test_deepep_time_scales_with_bytes_per_rank_up_to_the_readme_shape():
+    # the README's times are its 128 tokens x top-8 x 7168 hidden moved at its bandwidths
+    ds = ServingCost(get_model("deepseek-v3"), get_hardware("h800"), DEFAULT_CONSTANTS)
+    assert ds.a2a_floor_s(8, 128) == pytest.approx(191e-6) and ds.a2a_floor_s(8, 4096) == pytest.approx(191e-6)
+    assert ds.a2a_floor_s(16, 64) == pytest.approx(313e-6 / 2)
+    mm = ServingCost(get_model("minimax-m2"), get_hardware("h200"), DEFAULT_CONSTANTS)  # hidden 3072
+    assert mm.a2a_floor_s(4, 40) == pytest.approx(191e-6 * 40 * 3072 / (128 * 7168))
