@@ -174,10 +174,14 @@ def test_expertplex_may_use_any_count_of_expert_gpus():
     assert counts == set(range(2, 15))
 
 
-def test_deepep_time_scales_with_bytes_per_rank_up_to_the_readme_shape():
+def test_deepep_time_scales_with_bytes_per_rank_and_only_decode_pays_it():
     # the README's times are its 128 tokens x top-8 x 7168 hidden moved at its bandwidths
     ds = ServingCost(get_model("deepseek-v3"), get_hardware("h800"), DEFAULT_CONSTANTS)
-    assert ds.a2a_floor_s(8, 128) == pytest.approx(191e-6) and ds.a2a_floor_s(8, 4096) == pytest.approx(191e-6)
+    assert ds.a2a_floor_s(8, 128) == pytest.approx(191e-6) and ds.a2a_floor_s(8, 256) == pytest.approx(382e-6)
     assert ds.a2a_floor_s(16, 64) == pytest.approx(313e-6 / 2)
     mm = ServingCost(get_model("minimax-m2"), get_hardware("h200"), DEFAULT_CONSTANTS)  # hidden 3072
     assert mm.a2a_floor_s(4, 40) == pytest.approx(191e-6 * 40 * 3072 / (128 * 7168))
+    t = Cluster(8, 8, mm, _pi_mm := synthetic_popularity(62, 256, 8, 0), _pi_mm).table(8)
+    dec = mm.parts(320, 320 * 1000, 320 * 1000, 320, 8, t, 8, (7 / 8, 0.0), decode=True)
+    pre = mm.parts(320, 320 * 160, 0, 1, 8, t, 8, (7 / 8, 0.0))  # DeepEP's normal kernels: bytes only
+    assert dec.comm_floor_s == pytest.approx(62 * mm.a2a_floor_s(8, 40)) and pre.comm_floor_s == 0.0

@@ -71,9 +71,10 @@ class ServingConstants:
             / 16 / 32 / 64 / 128 / 256. The README's bandwidth column shows these are
             transfer times, not latencies: 77 us x 98 GB/s and 114 us x 127 GB/s are the
             7.3 MB FP8 and 14.7 MB BF16 the kernels move per rank (one copy per selected
-            expert). So a layer takes this time scaled by its bytes per rank relative to the
-            benchmark's (``tokens per rank x top_k x hidden``), up to the benchmark size; past it
-            (prefill batches, DeepEP's normal kernels) the link-bandwidth term prices the bytes.
+            expert). So a decode layer takes this time scaled by its bytes per rank relative
+            to the benchmark's (``tokens per rank x top_k x hidden``), or its bytes over the
+            links if longer. Prefill and mixed (extend) iterations run DeepEP's normal kernels
+            in SGLang (``--deepep-mode auto``) and are priced by the link term alone.
             Interpolated in log EP size; EP < 8 uses the EP-8 figure.
         a2a_floor: multiplier of that time (1; 0 turns it off, to measure what it does).
         partition_bandwidth: 0 (default): a Green-Context partition reaches all of HBM's

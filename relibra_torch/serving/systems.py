@@ -186,8 +186,8 @@ class _Instance:
         self.util = (0.0, 0.0)  # (HBM, link) busy fractions of this partition's last iteration
         self.sync_s = _dp_sync_s(cl, g)
 
-    def _t(self, tokens, pairs, kv_read, rows) -> float:
-        p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac)
+    def _t(self, tokens, pairs, kv_read, rows, decode: bool = False) -> float:
+        p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac, decode)
         mem = link = 1.0
         if self.partner is not None:
             mem = (1.0 / self.share) ** self.cost.c.partition_bandwidth
@@ -206,7 +206,7 @@ class _Instance:
     mixed_s = prefill_s
 
     def decode_s(self, batch, context):
-        return self._t(batch, context, context, batch)
+        return self._t(batch, context, context, batch, decode=True)
 
 
 def _fractions(src: range, dst: range, gpus_per_node: int) -> tuple[float, float]:
@@ -258,7 +258,7 @@ class _ExpertPlex:
     mixed_s = prefill_s
 
     def decode_s(self, batch, context):
-        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac)
+        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac, True)
         L = self.cost.model.num_moe_layers
         if any(x.prefilling for x in self.prefill_xs):
             # per layer: decode's share from that layer's tile footprint (the runtime's rule)
