@@ -15,7 +15,8 @@ pd-colocate     ``G // g`` instances whose GPUs are split by a fixed SM share: p
                 partition has work (idle reserved SMs); each lane is
                 FIFO (head-of-line blocking).
 expertplex      ``n_ap`` prefill and ``n_ad`` decode attention GPUs, ``n_e`` shared expert GPUs
-                (one copy of the experts). Attention GPUs push dispatch data into and pull
+                (one copy of the experts; any ``n_e`` that holds them, split unevenly when
+                it does not divide the expert count). Attention GPUs push dispatch data into and pull
                 results from the expert GPUs (attention-initiated: no communication kernel on
                 the expert side, no cross-phase blocking). Expert GPUs multiplex both phases at
                 tile granularity: per layer, decode takes the SM share at which its tiles
