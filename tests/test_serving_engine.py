@@ -58,10 +58,16 @@ def test_serial_prefill_pauses_decode_and_a_late_arrival_waits_for_the_step_in_p
     assert eng.finish[1] == pytest.approx(0.18 + 2 * 0.01)
 
 
-def test_disagg_adds_the_kv_transfer_to_the_second_token_not_to_ttft():
+def test_disagg_ttft_includes_the_kv_transfer_and_the_wait_for_a_decode_slot():
+    # SGLang's PD mode streams every token, the first included, from the decode server
     eng = _run("disagg", [0.0], [200], [3], transfer=0.5)
-    assert eng.first[0] == pytest.approx(0.2)
+    assert eng.first[0] == pytest.approx(0.2 + 0.5)
     assert eng.finish[0] == pytest.approx(0.2 + 0.5 + 2 * 0.01)
+    # one decode slot: r0 prefills 0-0.2 and decodes 19 steps to 0.39; r1 prefills
+    # 0.2-0.3, waits for the slot, and its first token comes when it joins at 0.39
+    eng = _run("disagg", [0.0, 0.0], [200, 100], [20, 2], transfer=0.0, running=1)
+    assert eng.first.tolist() == pytest.approx([0.2, 0.39])
+    assert eng.finish.tolist() == pytest.approx([0.39, 0.40])
 
 
 def test_prefill_batches_queue_fifo_behind_a_long_prompt():

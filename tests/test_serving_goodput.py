@@ -114,3 +114,74 @@ def test_comparison_is_deterministic_for_a_seed():
         d.pop("seconds")
         return d
     assert doc() == doc()
+
+
+def test_data_parallel_iterations_pay_the_scheduler_sync_once_per_step():
+    from relibra_torch.serving.systems import SystemConfig, build_engine
+
+    m = get_model("minimax-m2")
+    pi = synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0)
+
+    def step(system, knobs, consts):
+        cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), consts), pi, pi)
+        eng = build_engine(SystemConfig(system, knobs, 16), cl, np.zeros(1), np.ones(1, np.int64),
+                           np.ones(1, np.int64))
+        return [x.pricer.decode_s(256, 256 * 1000.0) for x in eng.executors if x.mode != "prefill"][0]
+
+    off = replace(DEFAULT_CONSTANTS, dp_sync_us=0.0)
+    colo = (("gpus_per_instance", 4), ("instances", 4))
+    assert step("colocated", colo, DEFAULT_CONSTANTS) - step("colocated", colo, off) == pytest.approx(455e-6)
+    one = (("gpus_per_instance", 1), ("instances", 16))  # one GPU: no gather, no sync
+    assert step("chunked-prefill", one, DEFAULT_CONSTANTS) == step("chunked-prefill", one, off)
+    xp = (("expert_gpus", 4), ("prefill_attention_gpus", 4), ("decode_attention_gpus", 8), ("prefill_near_experts", 1))
+    assert step("expertplex", xp, DEFAULT_CONSTANTS) - step("expertplex", xp, off) == pytest.approx(455e-6)
+
+
+def test_each_expertplex_prefill_gpu_is_priced_on_its_own_links():
+    from relibra_torch.serving.systems import SystemConfig, build_engine
+
+    m = get_model("minimax-m2")
+    pi = synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0)
+    cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS), pi, pi)
+
+    def prefill_times(n_ap, n_ad):
+        knobs = (("expert_gpus", 4), ("prefill_attention_gpus", n_ap), ("decode_attention_gpus", n_ad),
+                 ("prefill_near_experts", 1))
+        eng = build_engine(SystemConfig("expertplex", knobs, 16), cl, np.zeros(1), np.ones(1, np.int64),
+                           np.ones(1, np.int64))
+        return [x.pricer.prefill_s(16384, 16 * 1024 * 1025 / 2, 0, 16) for x in eng.executors if x.mode == "prefill"]
+
+    near_only = prefill_times(4, 8)  # GPUs 4-7 share the experts' node
+    mixed = prefill_times(8, 4)  # GPUs 4-7 near, 8-11 on the other node
+    assert len(set(near_only)) == 1 and mixed[:4] == pytest.approx(near_only)
+    assert min(mixed[4:]) > 2 * max(mixed[:4])  # RDMA at 45 GB/s vs NVLink at 360 GB/s
+
+
+def test_expertplex_may_use_any_count_of_expert_gpus():
+    import torch
+
+    from relibra_torch.serving.routing import build_tile_table, static_placement
+
+    slots = static_placement(2, 10, 3)  # 4 + 3 + 3 experts, the short GPUs' last slot empty
+    assert slots[0].tolist() == [[0, 1, 2, 3], [4, 5, 6, -1], [7, 8, 9, -1]]
+    pi = torch.full((2, 10), 0.5, dtype=torch.float64)  # every expert gets rows at any size
+    table = build_tile_table(pi, slots, 64)
+    assert table.active(4096) == 4.0 and table.tiles(4096) >= 4.0  # the 4-expert GPU is the slowest
+    m = get_model("minimax-m2")  # 256 experts on 16 H200: 2 (the fewest that hold them) to 14
+    pi_m = synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0)
+    cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS), pi_m, pi_m)
+    counts = {c.get("expert_gpus") for c in enumerate_configs("expertplex", cl, 5000)}
+    assert counts == set(range(2, 15))
+
+
+def test_deepep_time_scales_with_bytes_per_rank_and_only_decode_pays_it():
+    # the README's times are its 128 tokens x top-8 x 7168 hidden moved at its bandwidths
+    ds = ServingCost(get_model("deepseek-v3"), get_hardware("h800"), DEFAULT_CONSTANTS)
+    assert ds.a2a_floor_s(8, 128) == pytest.approx(191e-6) and ds.a2a_floor_s(8, 256) == pytest.approx(382e-6)
+    assert ds.a2a_floor_s(16, 64) == pytest.approx(313e-6 / 2)
+    mm = ServingCost(get_model("minimax-m2"), get_hardware("h200"), DEFAULT_CONSTANTS)  # hidden 3072
+    assert mm.a2a_floor_s(4, 40) == pytest.approx(191e-6 * 40 * 3072 / (128 * 7168))
+    t = Cluster(8, 8, mm, _pi_mm := synthetic_popularity(62, 256, 8, 0), _pi_mm).table(8)
+    dec = mm.parts(320, 320 * 1000, 320 * 1000, 320, 8, t, 8, (7 / 8, 0.0), decode=True)
+    pre = mm.parts(320, 320 * 160, 0, 1, 8, t, 8, (7 / 8, 0.0))  # DeepEP's normal kernels: bytes only
+    assert dec.comm_floor_s == pytest.approx(62 * mm.a2a_floor_s(8, 40)) and pre.comm_floor_s == 0.0

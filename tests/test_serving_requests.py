@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -122,3 +123,14 @@ def test_routing_and_loads_files_give_inclusion_probabilities(tmp_path):
     assert torch.allclose(popularity_from_file(str(loads), 2, 4, 2), pi)
     with pytest.raises(ValueError, match=r"has \(layers, experts, top_k\) = \(2, 4, 2\) but the model has"):
         popularity_from_file(str(path), 3, 4, 2)
+
+
+def test_the_model_and_the_runtime_share_one_decode_rule():
+    from relibra_torch.serving.runtime.share import decode_programs
+    from relibra_torch.serving.tiles import decode_share
+
+    # the model's SM share is decode_share with a budget of weight-read time / tile time
+    assert decode_sm_share(15, 2e-6, 120e-6, 132) == pytest.approx(decode_share(15, 60.0, 132))
+    # the runtime's program count is the same share, rounded up to programs
+    assert decode_programs(132, 15, 0, budget_tiles=60.0) == 33  # ceil(132 x 15 / 60)
+    assert decode_programs(132, 8, 512) == 3 == math.ceil(132 * decode_share(8, 520, 132))

@@ -22,7 +22,6 @@ examples:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 
 from ..checks import check_int, check_number
@@ -35,7 +34,6 @@ HELP = "P90 goodput of MoE serving systems (ExpertPlex, PD disaggregation/coloca
 DEFAULT_SYSTEMS = ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill", "expertplex-repl")
 DEFAULT_TRACE = "azure-llm-inference-2023-conv.csv"
 DEFAULT_WINDOW_S = 300.0
-TILE_TIME_KEY = "expertplex.tile_time_us"  # the key the runtime's GPU check writes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,31 +55,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttft-slo", type=float, help="TTFT SLO, s (default 1)")
     p.add_argument("--tpot-slo", type=float, help="TPOT SLO, s (default 0.05)")
     p.add_argument("--tile-time-us", type=float, help="expert row-tile time, us (default: roofline)")
-    p.add_argument("--gpu-check", metavar="gpu_check.json", help=f"read the tile time from key {TILE_TIME_KEY}")
+    p.add_argument("--gpu-check", metavar="gpu_check.json",
+                   help="read the tile time from expertplex.tile_time_us of make gpu-check's file (or its folder)")
     p.add_argument("--allow-idle", action="store_true", help="let the search leave GPUs idle (slower)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field: serving.*, hardware.*, model.* (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed for routing draws and Poisson arrivals")
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write SLO attainment against rate per system")
-
-
-def tile_time_from_gpu_check(path: str) -> float:
-    """The measured tile time (us) under ``expertplex.tile_time_us`` (nested or dotted key)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--gpu-check {path!r} does not exist")
-    try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"--gpu-check {path!r} is not valid JSON: {exc}") from None
-    value = data.get(TILE_TIME_KEY) if isinstance(data, dict) else None
-    if value is None and isinstance(data, dict) and isinstance(data.get("expertplex"), dict):
-        value = data["expertplex"].get("tile_time_us")
-    if value is None:
-        raise ValueError(f"--gpu-check {path!r} has no {TILE_TIME_KEY!r}; run the ExpertPlex kernel benchmark "
-                         f"of the GPU check first, or pass --tile-time-us")
-    return check_number(f"--gpu-check {TILE_TIME_KEY}", value, 0, strict=True)
 
 
 def _overrides(items: list[str]) -> dict[str, dict[str, str]]:
@@ -135,7 +116,9 @@ def setup_from_args(args):
         routing = "synthetic trace model (Qwen3-30B-A3B-calibrated heat, resampled to the model's shape)"
     tile_us, tile_src = None, "roofline (M_t x 6 D F FLOPs at the FP8 rate)"
     if args.gpu_check:
-        tile_us, tile_src = tile_time_from_gpu_check(args.gpu_check), f"measured, {args.gpu_check}"
+        from .runtime.calibration import tile_time_us  # the one reader of the runtime's measurement
+
+        tile_us, tile_src = tile_time_us(args.gpu_check), f"measured, {args.gpu_check}"
     if args.tile_time_us is not None:
         tile_us, tile_src = check_number("--tile-time-us", args.tile_time_us, 0, strict=True), "--tile-time-us"
     systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())

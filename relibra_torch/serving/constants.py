@@ -14,12 +14,15 @@ from dataclasses import dataclass, fields, replace
 
 from ..checks import check_int, check_number
 
-__all__ = ["ServingConstants", "DEFAULT_CONSTANTS", "SM_COUNT", "override_constants"]
+__all__ = ["ServingConstants", "DEFAULT_CONSTANTS", "SM_COUNT", "A2A_REFERENCE", "override_constants"]
 
 # Streaming multiprocessors per GPU: H100 SXM5, H800 SXM5 and H200 SXM all have 132 SMs
 # (NVIDIA H100 Tensor Core GPU Architecture whitepaper; the H200 and H800 are the same GH100
 # die configuration). A tile wave is one tile per SM.
 SM_COUNT = {"h100": 132, "h200": 132, "h800": 132}
+
+# DeepEP README's low-latency benchmark shape: (tokens per rank, top-k, hidden) of its table
+A2A_REFERENCE = (128, 8, 7168)
 
 
 @dataclass(frozen=True)
@@ -61,16 +64,31 @@ class ServingConstants:
             1,024 (SGLang runs one scheduler per DP rank and derives ``max_running_requests``
             from its KV pool; 1,024 bounds it where the pool would allow more, as vLLM V1's
             ``max_num_seqs`` does for the API server on H100-class GPUs).
-        a2a_latency_us: the floor of one MoE layer's dispatch + combine, by EP size (GPUs the
-            tokens go to): DeepEP's low-latency kernels on H800 (README table, 128 tokens per
-            rank, 7168 hidden, top-8, FP8 dispatch, BF16 combine): dispatch 77 / 118 / 155 /
-            173 / 192 / 194 us and combine 114 / 195 / 273 / 314 / 369 / 360 us at EP 8 / 16 /
-            32 / 64 / 128 / 256. A layer's communication takes at least this (interpolated in
-            log EP size; EP < 8 uses the EP-8 figure), at most its bytes over the links.
-        a2a_floor: multiplier of that floor (1; 0 turns it off, to measure what it does).
+        a2a_latency_us: one MoE layer's dispatch + combine with DeepEP's low-latency kernels,
+            by EP size, at the README's benchmark shape (H800, 128 tokens per rank, hidden
+            7168, top-8, FP8 dispatch, BF16 combine: ``A2A_REFERENCE``): dispatch 77 / 118 /
+            155 / 173 / 192 / 194 us and combine 114 / 195 / 273 / 314 / 369 / 360 us at EP 8
+            / 16 / 32 / 64 / 128 / 256. The README's bandwidth column shows these are
+            transfer times, not latencies: 77 us x 98 GB/s and 114 us x 127 GB/s are the
+            7.3 MB FP8 and 14.7 MB BF16 the kernels move per rank (one copy per selected
+            expert). So a decode layer takes this time scaled by its bytes per rank relative
+            to the benchmark's (``tokens per rank x top_k x hidden``), or its bytes over the
+            links if longer. Prefill and mixed (extend) iterations run DeepEP's normal kernels
+            in SGLang (``--deepep-mode auto``) and are priced by the link term alone.
+            Interpolated in log EP size; EP < 8 uses the EP-8 figure.
+        a2a_floor: multiplier of that time (1; 0 turns it off, to measure what it does).
         partition_bandwidth: 0 (default): a Green-Context partition reaches all of HBM's
             bandwidth (GC partitions SMs only); 1: its bandwidth follows its SM share (the
             pessimistic bound for small partitions; a sensitivity switch, no source picks it).
+        dp_sync_us: host time every iteration of a data-parallel attention group (more than
+            one attention GPU stepping together) pays before its GPUs can start: SGLang's
+            DP-attention scheduler gathers every rank's batch metadata and blocks on it each
+            step, measured at 454.6 us per scheduler step with 4 DP ranks (sglang PR #34338,
+            "[perf] Collapse the DP attention scheduler sync to a single D2H copy", its
+            microbenchmark before the change; the paper's SGLang baselines predate it): 455.
+            The rest of the scheduler's CPU work overlaps the GPU (SGLang's overlap scheduler
+            is on by default); a single-GPU scheduler (an ExpertPlex prefill attention GPU)
+            has no gather.
         ttft_slo_s, tpot_slo_s: the paper's SLO for MiniMax-M2.7: TTFT 1 s, TPOT 50 ms.
         attainment: fraction of requests that must meet both SLOs: 0.9 (P90 goodput).
     """
@@ -94,6 +112,7 @@ class ServingConstants:
                                                      (128, 561.0), (256, 554.0))
     a2a_floor: float = 1.0
     partition_bandwidth: float = 0.0
+    dp_sync_us: float = 455.0
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.05
     attainment: float = 0.9
@@ -107,6 +126,7 @@ class ServingConstants:
             check_number(f"serving.{f}", getattr(self, f), 1)
         check_number("serving.preempt_check_us", self.preempt_check_us, 0)
         check_number("serving.a2a_floor", self.a2a_floor, 0)
+        check_number("serving.dp_sync_us", self.dp_sync_us, 0)
         check_number("serving.partition_bandwidth", self.partition_bandwidth, 0, maximum=1)
         for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running"):
             check_int(f"serving.{f}", getattr(self, f))

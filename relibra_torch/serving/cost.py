@@ -20,7 +20,10 @@ GPUs: FLOPs ``= tiles * M_t * 6 D F`` (the slowest GPU's row tiles: tile-granula
 token-granular), bytes ``= active experts * 3 D F * wb`` plus the routed activations.
 Dispatch + combine move ``T * c * D * (dispatch_bytes + combine_bytes)`` per layer over
 NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths, and take at
-least DeepEP's measured low-latency time for the EP size (``a2a_latency_us``); ``c = g_e (1 -
+least (decode iterations: SGLang runs DeepEP's low-latency kernels for decode batches, the
+normal ones for prefill) DeepEP's measured low-latency time for the EP size (``a2a_latency_us``), scaled by the
+bytes per rank against the README's 128-token, 7168-hidden benchmark (its times are
+transfer times: time x its bandwidth column = its bytes); ``c = g_e (1 -
 (1 - 1/g_e)^K)`` is the expected number of distinct expert GPUs among a token's ``K`` experts
 (DeepEP sends a token once per destination GPU). One
 iteration is the sum over layers (no overlap of attention, communication and experts:
@@ -36,7 +39,7 @@ from dataclasses import dataclass
 
 from ..planning.pricing import HardwareSpec
 from ..sim.presets import ModelSpec
-from .constants import SM_COUNT, ServingConstants
+from .constants import A2A_REFERENCE, SM_COUNT, ServingConstants
 from .routing import TileTable
 
 __all__ = ["Parts", "ServingCost", "link_fractions"]
@@ -124,9 +127,13 @@ class ServingCost:
         self.dense_params = 3 * D * m.dense_ffn
         self.lm_params = D * m.vocab_size
 
-    def a2a_floor_s(self, ep: int) -> float:
-        """The per-layer dispatch + combine latency floor at EP size ``ep`` (see constants)."""
+    def a2a_floor_s(self, ep: int, tokens_per_rank: float) -> float:
+        """DeepEP low-latency dispatch + combine of one layer at EP size ``ep`` (see constants):
+        the README's time for its shape, scaled by this layer's bytes per rank (its times are
+        transfer times at the kernels' achieved bandwidth)."""
         pts, k = self.c.a2a_latency_us, self.c.a2a_floor * 1e-6
+        ref_t, ref_k, ref_d = A2A_REFERENCE
+        k *= tokens_per_rank * self.model.top_k * self.model.hidden_size / (ref_t * ref_k * ref_d)
         if ep <= pts[0][0]:
             return pts[0][1] * k
         for (e0, t0), (e1, t1) in zip(pts, pts[1:]):
@@ -166,7 +173,7 @@ class ServingCost:
         return (count * (fp8_flops / self.fp8_rate + bf16_flops / self.bf16_rate), count * nbytes / self.bw)
 
     def parts(self, tokens: float, pairs: float, kv_read: float, lm_rows: float, attn_gpus: int,
-              table: TileTable, expert_gpus: int, fractions: tuple[float, float]) -> Parts:
+              table: TileTable, expert_gpus: int, fractions: tuple[float, float], decode: bool = False) -> Parts:
         """One iteration over all layers.
 
         Args:
@@ -177,6 +184,9 @@ class ServingCost:
             attn_gpus, expert_gpus: GPUs sharing attention (data parallel) and experts (EP).
             table: the expert group's tile table.
             fractions: (NVLink, RDMA) fractions of the dispatched tokens.
+            decode: a decode iteration: DeepEP's low-latency kernels, at least their measured
+                time (SGLang's default ``--deepep-mode auto`` runs decode batches on them and
+                prefill / extend batches on the normal kernels, priced by the link term alone).
         """
         m, c = self.model, self.c
         if tokens <= 0:
@@ -200,7 +210,7 @@ class ServingCost:
         intra, inter = fractions
         alone = intra + inter == 0  # one GPU doing everything: no all-to-all
         comm = 0.0 if alone else max(wire * intra / self.nvlink, wire * inter / self.rdma)
-        floor = 0.0 if alone else self.a2a_floor_s(expert_gpus)
+        floor = 0.0 if alone or not decode else self.a2a_floor_s(expert_gpus, t_gpu)
         tiles = table.tiles(tokens)
         routed_bytes = tokens * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes) / expert_gpus
         moe_c = tiles * self.tile_time_s

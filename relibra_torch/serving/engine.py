@@ -10,7 +10,11 @@ phase's servers) in one of four modes:
 * ``mixed``: chunked prefill (vLLM V1's default): every iteration carries one decode token
   per running request plus prompt chunks up to a token budget;
 * ``prefill`` / ``decode``: one phase only; finished prefills hand their requests to a
-  decode executor after a KV-transfer delay.
+  decode executor after a KV-transfer delay. When that is another server (PD
+  disaggregation, ExpertPlex's decode attention GPUs), the client's first token comes from
+  the decode server once the request joins its batch, as in SGLang's PD mode (the router
+  streams the decode server's output), so TTFT includes the KV transfer and the wait for a
+  decode slot; a hand-off to the same GPUs' decode partition (``partner``) emits it at once.
 
 Decode steps between two events are merged into one *macro-step* of ``n`` steps (``n`` at
 most the fewest tokens any running request still owes, and ``MAX_MACRO``): nothing changes
@@ -139,8 +143,11 @@ class Executor:
 
     def _prefilled(self, t: float, r: int) -> None:
         e = self.engine
-        e.first[r] = t
         e.generated[r] = 1
+        # a separate decode server streams the first token once the request has joined its
+        # batch (after the KV transfer); a same-GPU hand-off or a one-token request at once
+        if self.mode != "prefill" or self.partner is not None or e.output[r] == 1:
+            e.first[r] = t
         if e.output[r] == 1:
             e.finish_request(t, r)
             if self.mode != "prefill":
@@ -165,13 +172,17 @@ class Executor:
             self.reserved -= int((e.prompt[gone] + e.output[gone]).sum())
             self.batch = ids[left]
 
-    def _admit(self) -> None:
+    def _admit(self, t: float) -> None:
         added = []
         while self.pending and self._fits(self.pending[0], len(added)):
             r = self.pending.popleft()
             self.reserved += self._footprint(r)
             added.append(r)
         if added:
+            first = self.engine.first
+            for r in added:
+                if first[r] != first[r]:  # NaN: its first token is streamed from here, now
+                    first[r] = t
             self.batch = np.concatenate([self.batch, np.asarray(added, dtype=np.int64)])
 
     def _pick_prefill(self) -> list[int]:
@@ -216,7 +227,7 @@ class Executor:
         was_prefilling = self.work is not None and self.work[0] != "decode"
         self.work = None
         if self.mode == "decode":
-            self._admit()
+            self._admit(t)
         if self.mode in ("serial", "prefill") and self.queue:
             reqs = self._pick_prefill()
             if reqs:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..checks import check_int
 from ..planning.eplb import eplb_slots
 from ..planning.topology import Topology
 from .tiles import tile_footprint
@@ -75,11 +76,20 @@ def popularity_from_file(path: str, num_layers: int, num_experts: int, top_k: in
 
 
 def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> torch.Tensor:
-    """int64 ``[L, G, E/G]``: contiguous expert blocks per GPU (the engines' default EP layout)."""
-    if num_experts % num_gpus:
-        raise ValueError(f"{num_experts} experts do not split over {num_gpus} expert GPUs; allowed: a "
-                         f"GPU count that divides the expert count")
-    return torch.arange(num_experts).view(1, num_gpus, -1).expand(num_layers, -1, -1).clone()
+    """int64 ``[L, G, ceil(E/G)]``: contiguous expert blocks per GPU (the engines' default EP
+    layout). When ``G`` does not divide ``E`` the first ``E % G`` GPUs hold one expert more
+    and the others' last slot is empty (``-1``)."""
+    check_int("num_gpus", num_gpus, minimum=1)
+    if num_gpus > num_experts:
+        raise ValueError(f"{num_gpus} expert GPUs for {num_experts} experts; allowed: at most one GPU per expert")
+    J, extra = -(-num_experts // num_gpus), num_experts % num_gpus
+    slots_GJ = torch.full((num_gpus, J), -1, dtype=torch.int64)
+    start = 0
+    for g in range(num_gpus):
+        n = num_experts // num_gpus + (1 if g < extra else 0)
+        slots_GJ[g, :n] = torch.arange(start, start + n)
+        start += n
+    return slots_GJ.unsqueeze(0).expand(num_layers, -1, -1).clone()
 
 
 def replicated_placement(recent_LE: torch.Tensor, num_gpus: int, replica_slots: int) -> torch.Tensor:
@@ -155,14 +165,17 @@ def build_tile_table(pi_LE: torch.Tensor, slots_LGJ: torch.Tensor, tile_m: int, 
 
     Args:
         pi_LE: float64 ``[L, E]`` inclusion probabilities.
-        slots_LGJ: int64 ``[L, G, J]`` logical expert in every slot (every expert at least once).
+        slots_LGJ: int64 ``[L, G, J]`` logical expert in every slot (every expert at least
+            once; ``-1``: an empty slot).
         tile_m: tile height ``M_t``.
         seed: the draw's seed (the table is deterministic for a seed).
     """
     L, G, J = slots_LGJ.shape
     E = pi_LE.shape[1]
-    copies_LE = torch.zeros(L, E, dtype=torch.int64).scatter_add_(
-        1, slots_LGJ.reshape(L, -1), torch.ones(L, G * J, dtype=torch.int64))
+    # an empty slot (-1) points at an extra expert column E that never gets a row
+    slots_LGJ = torch.where(slots_LGJ < 0, torch.full_like(slots_LGJ, E), slots_LGJ)
+    copies_LE = torch.zeros(L, E + 1, dtype=torch.int64).scatter_add_(
+        1, slots_LGJ.reshape(L, -1), torch.ones(L, G * J, dtype=torch.int64))[:, :E]
     if int(copies_LE.min()) < 1:
         raise ValueError("the placement leaves an expert without a copy; every expert needs a slot")
     g = torch.Generator().manual_seed(seed)
@@ -172,6 +185,7 @@ def build_tile_table(pi_LE: torch.Tensor, slots_LGJ: torch.Tensor, tile_m: int, 
         rows_LE = torch.binomial(torch.full_like(prob, float(T)), prob, generator=g).to(torch.int64)
         # a replicated expert's rows split evenly over its copies (the first copies take the rest)
         per_copy_LE = torch.div(rows_LE + copies_LE - 1, copies_LE, rounding_mode="floor")
+        per_copy_LE = torch.cat([per_copy_LE, torch.zeros(L, 1, dtype=torch.int64)], dim=1)
         rows_LGJ = per_copy_LE.gather(1, slots_LGJ.reshape(L, -1)).view(L, G, J)
         tiles_LG = tile_footprint(rows_LGJ, tile_m)
         active_LG = (rows_LGJ > 0).sum(-1)

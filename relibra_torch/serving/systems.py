@@ -15,7 +15,8 @@ pd-colocate     ``G // g`` instances whose GPUs are split by a fixed SM share: p
                 partition has work (idle reserved SMs); each lane is
                 FIFO (head-of-line blocking).
 expertplex      ``n_ap`` prefill and ``n_ad`` decode attention GPUs, ``n_e`` shared expert GPUs
-                (one copy of the experts). Attention GPUs push dispatch data into and pull
+                (one copy of the experts; any ``n_e`` that holds them, split unevenly when
+                it does not divide the expert count). Attention GPUs push dispatch data into and pull
                 results from the expert GPUs (attention-initiated: no communication kernel on
                 the expert side, no cross-phase blocking). Expert GPUs multiplex both phases at
                 tile granularity: per layer, decode takes the SM share at which its tiles
@@ -142,9 +143,11 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
     elif system in ("expertplex", "expertplex-repl"):
         c, E = cl.cost, cl.cost.model.num_experts
         reps = REPLICA_CHOICES[1:] if system == "expertplex-repl" else (0,)
-        for n_e in (g for g in range(1, G - 1) if E % g == 0):
+        # any count of expert GPUs (an uneven contiguous split when it does not divide E);
+        # EPLB's replicated layout needs a divisor
+        for n_e in (g for g in range(1, min(G - 1, E + 1)) if not reps[0] or E % g == 0):
             for r in reps:
-                slots = E // n_e + r
+                slots = -(-E // n_e) + r
                 if c.expert_bytes_total() / E * slots > c.usable_bytes():
                     continue
                 for n_ap in range(1, G - n_e):
@@ -162,6 +165,11 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
     return out
 
 
+def _dp_sync_s(cl: Cluster, attention_gpus: int) -> float:
+    """Host time per iteration of ``attention_gpus`` data-parallel GPUs stepping together."""
+    return cl.consts.dp_sync_us * 1e-6 if attention_gpus > 1 else 0.0
+
+
 class _Instance:
     """Prices iterations of ``g`` GPUs doing attention and experts, at an SM share.
 
@@ -177,9 +185,10 @@ class _Instance:
         self.frac = link_fractions(g, cl.gpus_per_node)
         self.partner: Executor | None = None
         self.util = (0.0, 0.0)  # (HBM, link) busy fractions of this partition's last iteration
+        self.sync_s = _dp_sync_s(cl, g)
 
-    def _t(self, tokens, pairs, kv_read, rows) -> float:
-        p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac)
+    def _t(self, tokens, pairs, kv_read, rows, decode: bool = False) -> float:
+        p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac, decode)
         mem = link = 1.0
         if self.partner is not None:
             mem = (1.0 / self.share) ** self.cost.c.partition_bandwidth
@@ -189,6 +198,7 @@ class _Instance:
         t = p.total_s(self.share, mem, link)
         if t > 0:
             self.util = (min(1.0, p.memory_s() * mem / t), min(1.0, p.comm_bytes_s * link / t))
+            t += self.sync_s
         return t
 
     def prefill_s(self, tokens, pairs, kv_read, rows):
@@ -197,7 +207,7 @@ class _Instance:
     mixed_s = prefill_s
 
     def decode_s(self, batch, context):
-        return self._t(batch, context, context, batch)
+        return self._t(batch, context, context, batch, decode=True)
 
 
 def _fractions(src: range, dst: range, gpus_per_node: int) -> tuple[float, float]:
@@ -226,16 +236,21 @@ class _ExpertPlex:
         a = range(n_e, n_e + first)
         b = range(n_e + first, n_e + first + second)
         pre, dec = (a, b) if prefill_near else (b, a)
-        self.prefill_frac = _fractions(pre, experts, gpn)
-        self.frac = _fractions(dec, experts, gpn)
+        # each prefill attention GPU sends over its own links (a near one over NVLink only);
+        # the decode GPUs step together, so the most remote one sets their step's traffic time
+        self.prefill_fracs = [_fractions(range(g, g + 1), experts, gpn) for g in pre]
+        link_s = lambda f: max(f[0] / self.cost.nvlink, f[1] / self.cost.rdma)  # noqa: E731
+        self.frac = max((_fractions(range(g, g + 1), experts, gpn) for g in dec), key=link_s)
         self.prefill_nodes = [g // gpn for g in pre]
         self.decode_node = dec[0] // gpn
         self.prefill_xs: list[Executor] = []
         self.decode_x: Executor | None = None
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
+        self.decode_sync_s = _dp_sync_s(cl, n_ad)  # the decode attention GPUs step together
 
-    def prefill_s(self, tokens, pairs, kv_read, rows):
-        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_frac)
+    def prefill_s(self, tokens, pairs, kv_read, rows, gpu: int = 0):
+        """One batch on prefill attention GPU ``gpu`` (its own links to the expert GPUs)."""
+        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_fracs[gpu])
         occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
         slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
         sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
@@ -244,7 +259,7 @@ class _ExpertPlex:
     mixed_s = prefill_s
 
     def decode_s(self, batch, context):
-        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac)
+        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac, True)
         L = self.cost.model.num_moe_layers
         if any(x.prefilling for x in self.prefill_xs):
             # per layer: decode's share from that layer's tile footprint (the runtime's rule)
@@ -259,9 +274,21 @@ class _ExpertPlex:
         else:
             moe = p.moe_s()
             busy = moe
-        step = p.attn_s() + p.comm_s + moe
+        step = p.attn_s() + p.comm_s + moe + self.decode_sync_s  # the experts idle during the sync
         self.occupancy = busy / step if step > 0 else 0.0
         return step
+
+
+class _PrefillPort:
+    """The pricer of one ExpertPlex prefill attention GPU: :class:`_ExpertPlex` at its links."""
+
+    def __init__(self, px: _ExpertPlex, gpu: int):
+        self.px, self.gpu = px, gpu
+
+    def prefill_s(self, tokens, pairs, kv_read, rows):
+        return self.px.prefill_s(tokens, pairs, kv_read, rows, self.gpu)
+
+    mixed_s = prefill_s
 
 
 def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) -> Engine:
@@ -312,7 +339,7 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
         d = Executor("d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
                      max_running=c.max_running * n_ad, node=px.decode_node, **lim(n_ad))
         for i in range(n_ap):
-            p = Executor(f"p{i}", "prefill", px, kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
+            p = Executor(f"p{i}", "prefill", _PrefillPort(px, i), kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
             p.listeners.append(d)  # decode's step price changes when prefill starts or stops
             px.prefill_xs.append(p)
             xs.append(p)
