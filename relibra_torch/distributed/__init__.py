@@ -13,7 +13,7 @@ The host-side schedule (``LayerPlan``, ``RankSchedule``, ...) moved to
 from .collectives import all_to_all_autograd, all_to_all_rows
 from .mesh import EPGroup, ep_group_from_mesh
 from .migration import move_expert_rows, native_experts
-from .replicas import (FillSpec, ReplicaMemory, fetch_replica_weights, fill_replicas, refetch_replica_ffn,
+from .replicas import (FillSpec, ReplicaMemory, fetch_replica_weights, refetch_replica_ffn,
                        return_replica_grads)
 
 _MOVED_TO_MOE_SCHEDULE = ("LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
@@ -21,7 +21,7 @@ _MOVED_TO_MOE_SCHEDULE = ("LayerPlan", "RankSchedule", "assign_slots", "build_ra
 
 __all__ = [
     "EPGroup", "FillSpec", "ReplicaMemory", "all_to_all_autograd", "all_to_all_rows", "ep_group_from_mesh",
-    "fetch_replica_weights", "fill_replicas", "move_expert_rows", "native_experts", "refetch_replica_ffn",
+    "fetch_replica_weights", "move_expert_rows", "native_experts", "refetch_replica_ffn",
     "return_replica_grads", *_MOVED_TO_MOE_SCHEDULE,
 ]
 
