@@ -63,9 +63,10 @@ class ResidentReplicas:
     def __init__(self, topology, rank: int):
         G, J = topology.num_gpus, topology.slots_per_gpu
         self.G, self.J, self.g, self.rank = G, J, topology.gpus_per_node, rank
-        self.held_GJ = torch.full((G, J), -1, dtype=torch.int64)      # fill_mb of the held residency
-        self.return_GJ = torch.full_like(self.held_GJ, -1)            # its return_mb
-        self.pending_GJ = torch.zeros(G, J, dtype=torch.bool)         # gradient not home yet
+        # host bookkeeping (explicitly on the CPU: models are often built under a meta device)
+        self.held_GJ = torch.full((G, J), -1, dtype=torch.int64, device="cpu")  # fill_mb held
+        self.return_GJ = torch.full_like(self.held_GJ, -1)                      # its return_mb
+        self.pending_GJ = torch.zeros(G, J, dtype=torch.bool, device="cpu")     # gradient not home
         self.entries: dict[int, _Entry] = {}
         self.last_mb: int | None = None
         self.forward_mbs: set[int] = set()
