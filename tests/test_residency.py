@@ -70,3 +70,23 @@ def test_tokenless_slots_are_never_filled_and_a_step_boundary_ends_residencies()
     plan.slot_tokens_MLGJ[:, 0, 1, 2] = 0
     res = residencies(plan)
     assert not res.fill_start_MLGJ.any() and not res.grad_return_MLGJ.any() and not res.held_MLGJ.any()
+
+
+def test_layer_plans_carry_each_slots_residency():
+    """Every micro-batch's LayerPlan names the residency its slots are in: the micro-batch
+    whose forward fills it and the one whose backward returns its gradient."""
+    from relibra_torch.moe import layer_plans
+
+    topo = Topology(1, 2, 4, 1)
+    loads = torch.ones(5, 1, 2, 4, dtype=torch.int64)
+    plan = static_plan(loads, topo)
+    # GPU 1's replica slot: expert 0 in micro-batches 0-2 (tokens in 1, 2), expert 1 in 3-4
+    # (tokens in 3 only); GPU 0's replica slot holds its own expert 1: never a fill.
+    plan.slot_expert_MLGJ[:, 0, 1, 2] = torch.tensor([0, 0, 0, 1, 1])
+    plan.slot_expert_MLGJ[:, 0, 0, 2] = 1
+    plan.slot_tokens_MLGJ[:, 0, 1, 2] = torch.tensor([0, 1, 1, 1, 0])
+    want = [(1, 2), (1, 2), (1, 2), (3, 3), (3, 3)]   # micro-batch 0 is tokenless inside 0-2
+    for m in range(5):
+        lp = layer_plans(plan, loads, m)[0]
+        assert (int(lp.fill_mb_GJ[1, 2]), int(lp.return_mb_GJ[1, 2])) == want[m], m
+        assert int(lp.fill_mb_GJ[0, 2]) == -1 and int(lp.fill_mb_GJ[0, 0]) == -1
