@@ -27,12 +27,11 @@ from dataclasses import dataclass
 import torch
 
 from ..planning.plan import StepPlan, token_split
-from ..planning.residency import residencies
+from ..planning.residency import residency_micro_batches
 from ..planning.topology import Topology
 
 __all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
-           "check_placement", "fill_exchange", "group_permutation", "layer_plans", "native_layer_plan",
-           "residency_micro_batches"]
+           "check_placement", "fill_exchange", "group_permutation", "layer_plans", "native_layer_plan"]
 
 
 @dataclass(frozen=True)
@@ -92,31 +91,6 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
                       plan.placement_LE[l].clone(), plan.topology, micro_batch,
                       fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone())
             for l in range(plan.num_layers)]
-
-
-def residency_micro_batches(plan: StepPlan, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """int64 ``[L, G, J]`` ``(fill_mb, return_mb)`` of the residency each slot is in at
-    ``micro_batch``: where its weights arrive and where its gradient goes home (``-1``: no
-    residency with tokens). From :func:`relibra_torch.planning.residency.residencies`."""
-    res = residencies(plan)
-    M = plan.num_micro_batches
-    idx = torch.arange(M).view(M, 1, 1, 1)
-    same = torch.ones_like(res.fill_MLGJ)
-    same[1:] = plan.slot_expert_MLGJ[1:] == plan.slot_expert_MLGJ[:-1]
-    # the residency containing micro_batch: the run of equal contents around it
-    run = res.fill_MLGJ & (plan.slot_expert_MLGJ == plan.slot_expert_MLGJ[micro_batch])
-    inside = torch.zeros_like(run)
-    inside[micro_batch] = run[micro_batch]
-    for m in range(micro_batch - 1, -1, -1):
-        inside[m] = inside[m + 1] & run[m] & same[m + 1]
-    for m in range(micro_batch + 1, M):
-        inside[m] = inside[m - 1] & run[m] & same[m]
-    none = torch.full_like(plan.slot_expert_MLGJ[0], -1)
-    fill_mb = torch.where((inside & res.fill_start_MLGJ).any(0),
-                          (idx * (inside & res.fill_start_MLGJ)).sum(0), none)
-    return_mb = torch.where((inside & res.grad_return_MLGJ).any(0),
-                            (idx * (inside & res.grad_return_MLGJ)).sum(0), none)
-    return fill_mb, return_mb
 
 
 def check_placement(placement_E: object, num_experts: int, name: str = "placement_E") -> torch.Tensor:

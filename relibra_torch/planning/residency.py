@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["Residencies", "residencies", "residency_masks"]
+__all__ = ["Residencies", "residencies", "residency_masks", "residency_micro_batches"]
 
 
 def residency_masks(slot_expert_MLGJ: torch.Tensor, fill_MLGJ: torch.Tensor,
@@ -132,3 +132,29 @@ def residencies(plan) -> Residencies:
     cross = fill & (owner // g != gpu // g)
     start, ret, held = residency_masks(se, fill, plan.slot_tokens_MLGJ)
     return Residencies(fill, cross, fill & (plan.slot_tokens_MLGJ > 0), start, ret, held, owner)
+
+
+def residency_micro_batches(plan, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[L, G, J]`` ``(fill_mb, return_mb)`` of the residency each slot is in at
+    ``micro_batch``: where its weights arrive and where its gradient goes home (``-1``: no
+    residency with tokens). From :func:`residencies`; ``moe.schedule.layer_plans`` hands
+    them to the layer."""
+    res = residencies(plan)
+    M = plan.num_micro_batches
+    idx = torch.arange(M).view(M, 1, 1, 1)
+    same = torch.ones_like(res.fill_MLGJ)
+    same[1:] = plan.slot_expert_MLGJ[1:] == plan.slot_expert_MLGJ[:-1]
+    # the residency containing micro_batch: the run of equal contents around it
+    run = res.fill_MLGJ & (plan.slot_expert_MLGJ == plan.slot_expert_MLGJ[micro_batch])
+    inside = torch.zeros_like(run)
+    inside[micro_batch] = run[micro_batch]
+    for m in range(micro_batch - 1, -1, -1):
+        inside[m] = inside[m + 1] & run[m] & same[m + 1]
+    for m in range(micro_batch + 1, M):
+        inside[m] = inside[m - 1] & run[m] & same[m]
+    none = torch.full_like(plan.slot_expert_MLGJ[0], -1)
+    fill_mb = torch.where((inside & res.fill_start_MLGJ).any(0),
+                          (idx * (inside & res.fill_start_MLGJ)).sum(0), none)
+    return_mb = torch.where((inside & res.grad_return_MLGJ).any(0),
+                            (idx * (inside & res.grad_return_MLGJ)).sum(0), none)
+    return fill_mb, return_mb
