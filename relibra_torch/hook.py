@@ -65,6 +65,8 @@ class StepReport:
         degraded_micro_batches: indices of this step's micro-batches in which some layer
             found routed ids that did not match the plan and ran degraded (on the current
             placement without replicas: correct, slower). Filled while the step runs.
+        collectives: collectives ``plan_step`` issued on this rank (count gathers, pair
+            all-reduce, plan agreement, failure flag, migration): ``step_collectives``.
     """
 
     planner_s: float = 0.0
@@ -73,6 +75,7 @@ class StepReport:
     predicted_imbalance_ML: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
     static_imbalance_ML: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
     degraded_micro_batches: set[int] = field(default_factory=set)
+    collectives: int = 0
 
 
 def count_loads(routed_experts: Sequence[torch.Tensor], num_layers: int, num_experts: int) -> torch.Tensor:
@@ -141,6 +144,7 @@ class ReplayBalancer:
         self.plan: StepPlan | None = None
         self.loads_MLSE: torch.Tensor | None = None
         self.report = StepReport()
+        self._collectives = 0
 
     @property
     def num_layers(self) -> int:
@@ -157,6 +161,7 @@ class ReplayBalancer:
         """``[S, *t.shape]`` on the CPU: every rank's ``t`` (NCCL groups exchange on the GPU)."""
         if self.ep.group is None:
             return t.unsqueeze(0)
+        self._collectives += 1
         device = self._collective_device()
         # a flat output (what gloo wants): [S * numel], viewed back as [S, *shape]
         out = torch.empty(self.ep.size * t.numel(), dtype=t.dtype, device=device)
@@ -201,6 +206,7 @@ class ReplayBalancer:
         if self.ep.group is not None:
             pairs_LEE = pairs_LEE.to(self._collective_device())
             dist.all_reduce(pairs_LEE, group=self.ep.group)
+            self._collectives += 1
             pairs_LEE = pairs_LEE.cpu()
         return pairs_LEE
 
@@ -270,6 +276,10 @@ class ReplayBalancer:
         E = self.topology.num_experts
         if (routed_experts is None) == (counts_MLE is None):
             raise ValueError("pass exactly one of routed_experts (list of [T, L, K]) or counts_MLE")
+        self._collectives = 0
+        migration_before = sum(layer.engine.migration_collectives for layer in self.layers)
+        for layer in self.layers:  # a new step: counters restart (see transfer_counts)
+            layer.engine.transfer_counts.reset()
         if counts_MLE is None:
             counts_MLE = count_loads(routed_experts, self.num_layers, E)
         elif tuple(counts_MLE.shape[1:]) != (self.num_layers, E):
@@ -312,8 +322,9 @@ class ReplayBalancer:
             moved += layer.apply_placement(plan.placement_LE[l], optimizer)
         self.planner.commit(plan, loads_MLSE)
         static = native_plan(loads_MLSE, self.topology, previous_LE, "previous")
+        migration = sum(layer.engine.migration_collectives for layer in self.layers) - migration_before
         self.report = StepReport(planner_s=planner_s, fell_back=plan.planner == "fallback",
-                                 migrated_experts=moved,
+                                 migrated_experts=moved, collectives=self._collectives + migration,
                                  predicted_imbalance_ML=imbalance(plan.slot_tokens_MLGJ.sum(-1)),
                                  static_imbalance_ML=imbalance(static.slot_tokens_MLGJ.sum(-1)))
         # The layers record degraded micro-batches straight into this step's report.
@@ -328,6 +339,19 @@ class ReplayBalancer:
             raise RuntimeError("install() before plan_step(): plan the step first")
         for layer, layer_plan in zip(self.layers, layer_plans(self.plan, self.loads_MLSE, micro_batch)):
             layer.set_plan(layer_plan)
+
+    def transfer_counts(self) -> dict[str, torch.Tensor]:
+        """What this GPU sent in the current step, so far: int64 ``[M, L]`` per key of
+        ``relibra_torch.moe.counters.COUNT_KEYS`` (forward and backward of each micro-batch
+        and layer) plus ``step_collectives`` (int64 scalar: ``plan_step``'s collectives).
+
+        Local (no collective): gather the GPUs' counts yourself, or use
+        ``relibra_torch.testing.run_plan_transfers``.
+        """
+        from .moe.counters import stack_counts
+        M = 0 if self.plan is None else self.plan.num_micro_batches
+        return {**stack_counts(self.layers, M),
+                "step_collectives": torch.tensor(self.report.collectives, dtype=torch.int64)}
 
     def clear(self) -> None:
         """Remove installed plans (layers then run on their placement without replicas)."""

@@ -1,11 +1,14 @@
 """Run functions on N gloo ranks on CPU, for tests and examples.
 
-Two entry points:
+Three entry points:
 
 * :func:`run_on_ranks` spawns ``world_size`` processes, runs ``fn(*args)`` on each with an
   initialised gloo process group, and returns the per-rank results.
 * :class:`RankPool` keeps the processes (and their process group) alive across calls, so a
   test module pays for start-up once and runs many hypothesis cases inside it.
+* :func:`run_plan_transfers` executes a :class:`~relibra_torch.planning.StepPlan` with the
+  real layer and ``ReplayBalancer`` on a pool's ranks and returns what the layer counted
+  (the layer side of ``relibra_torch.sim.transfer_counts``).
 
 A failure on any rank raises :class:`RankFailure` in the caller with every failed rank's
 traceback. Ranks that are still blocked in a collective after a failure are killed after a
@@ -30,7 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["RankFailure", "RankPool", "run_on_ranks"]
+__all__ = ["RankFailure", "RankPool", "run_on_ranks", "run_plan_transfers"]
 
 _STOP = "__stop__"
 
@@ -181,3 +184,102 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     with RankPool(world_size, timeout_s=timeout_s) as pool:
         return pool.run(fn, *args, **kwargs)
+
+
+# ---------------------------------------------------------------------------- plan runner
+
+def _routing_from_loads(loads_MLSE: torch.Tensor, top_k: int) -> list[list[torch.Tensor]]:
+    """``[m][s]`` int64 ``[T, L, K]`` ids whose counts are exactly ``loads_MLSE`` (``-1`` pads
+    where a layer has fewer pairs than ``T * K``)."""
+    M, L, S, E = loads_MLSE.shape
+    out = []
+    for m in range(M):
+        per_rank = []
+        for s in range(S):
+            T = int(max((-(-int(loads_MLSE[m, l, s].sum()) // top_k) for l in range(L)), default=0))
+            ids = torch.full((T, L, top_k), -1, dtype=torch.int64)
+            for l in range(L):
+                pairs = torch.repeat_interleave(torch.arange(E), loads_MLSE[m, l, s].to(torch.int64))
+                i = torch.arange(pairs.numel())
+                ids[i % max(T, 1), l, i // max(T, 1)] = pairs  # spread an expert over tokens
+            per_rank.append(ids)
+        out.append(per_rank)
+    return out
+
+
+def _plan_transfers_rank(plan, loads_MLSE, routed, top_k, dim, hidden, refetch, check_plan) -> dict:
+    """Rank side of :func:`run_plan_transfers`."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from .hook import ReplayBalancer
+    from .moe import ReplayBalancedMoE
+    from .planning.base import Planner
+
+    class _Given(Planner):
+        name = "given"
+
+        def plan(self, loads):
+            return plan
+
+    topo = plan.topology
+    r = dist.get_rank()
+    key = (topo.num_nodes, topo.gpus_per_node)
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", key, mesh_dim_names=("node", "gpu"))
+    torch.manual_seed(7)
+    layers = torch.nn.ModuleList(
+        ReplayBalancedMoE(dim, hidden, topo.num_experts, top_k, mesh=_MESHES[key],
+                          replica_slots=topo.replica_slots, refetch_replicas=refetch, check_plan=check_plan)
+        for _ in range(plan.num_layers))
+    if plan.previous_placement_LE is not None:
+        for l, layer in enumerate(layers):
+            layer.apply_placement(plan.previous_placement_LE[l])
+    balancer = ReplayBalancer(list(layers), planner=_Given(topo))
+    balancer.plan_step(counts_MLE=loads_MLSE[:, :, r])
+    gen = torch.Generator().manual_seed(100 + r)
+    for m in range(plan.num_micro_batches):
+        balancer.install(m)
+        ids = routed[m][r]
+        h = torch.randn(ids.shape[0], dim, generator=gen, requires_grad=True)
+        out = h
+        for l, layer in enumerate(layers):
+            out = out + layer(out, ids[:, l])
+        out.sum().backward()
+    return {k: v.numpy() for k, v in balancer.transfer_counts().items()}
+
+
+_MESHES: dict = {}
+
+
+def run_plan_transfers(pool: RankPool, plan, loads_MLSE: torch.Tensor, routed_ids=None, dispatch: str = "flat",
+                       refetch: bool = False, *, top_k: int = 2, dim: int = 16, hidden: int = 8,
+                       check_plan: bool = True) -> dict[str, torch.Tensor]:
+    """Execute ``plan`` with the layer on ``pool``'s gloo ranks; return what the layer counted.
+
+    One ``ReplayBalancedMoE`` (fp32, ``dim x hidden`` experts) per plan layer, stacked with
+    residuals, on a ``(node, gpu)`` mesh of the plan's topology (``pool.world_size`` must be
+    its GPU count). The layers start at ``plan.previous_placement_LE`` (if set); a
+    ``ReplayBalancer`` whose planner returns ``plan`` runs ``plan_step`` (migration included)
+    and installs every micro-batch, which runs forward and backward.
+
+    Args:
+        routed_ids: ``[m][s]`` int ``[T, L, K]`` routing; ``None``: made from ``loads_MLSE``
+            (each rank's pairs spread over ``ceil(pairs / K)`` tokens, ``-1`` pads).
+        dispatch: ``"flat"`` (``"hierarchical"`` lands with the hierarchical layer dispatch).
+
+    Returns:
+        int64 ``[M, L, G]`` per key of ``relibra_torch.moe.counters.COUNT_KEYS`` and
+        ``step_collectives`` ``[G]``: the keys of ``relibra_torch.sim.transfer_counts``.
+    """
+    if dispatch != "flat":
+        if dispatch == "hierarchical":
+            raise NotImplementedError("run_plan_transfers(dispatch='hierarchical') lands with the "
+                                      "hierarchical dispatch in the layer (issue 20, section 2)")
+        raise ValueError(f"dispatch={dispatch!r}; allowed: flat, hierarchical")
+    if pool.world_size != plan.topology.num_gpus:
+        raise ValueError(f"the pool has {pool.world_size} ranks but the plan is for "
+                         f"{plan.topology.num_gpus} GPUs")
+    routed = routed_ids if routed_ids is not None else _routing_from_loads(loads_MLSE, top_k)
+    results = pool.run(_plan_transfers_rank, plan, loads_MLSE, routed, top_k, dim, hidden, refetch, check_plan)
+    # [M, L] per GPU -> [M, L, G]; the step scalar -> [G]
+    return {k: torch.stack([torch.from_numpy(res[k]) for res in results], -1) for k in results[0]}

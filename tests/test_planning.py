@@ -306,7 +306,7 @@ def test_traffic_replicas_keep_a_hot_remote_experts_tokens_home():
     holders = [(gpu, j) for gpu, j in (plan.slot_expert_MLGJ[0, 0] == 0).nonzero().tolist() if gpu >= 2]
     assert holders  # node 1 holds copies of expert 0 (the balancing may split the first one)
     for gpu, j in holders:  # resident in both micro-batches: filled once
-        assert plan.slot_expert_MLGJ[1, 0, gpu, j] == 0 and metrics.slot_changed_MLGJ[1, 0, gpu, j] == 0
+        assert plan.slot_expert_MLGJ[1, 0, gpu, j] == 0 and not metrics.fill_start_MLGJ[1, 0, gpu, j]
     held = plan.slot_expert_MLGJ[:, 0, 2:] == 0                             # [M, 2, J] node 1's copies
     assert (split[:, 0, 2:, 2:] * held.unsqueeze(1)).sum() == 2 * 6000      # node 1 keeps its tokens
     assert (split[:, 0, :2, 2:] * held.unsqueeze(1)).sum() == 0             # node 0's never come over

@@ -68,17 +68,53 @@ def _replica_plan():
 
 
 def test_replica_fill_is_charged_once_per_residency_at_both_ends():
+    """Weights in at a residency's first micro-batch with tokens, fp32 gradients home at its
+    last; the residency of micro-batches 0-1 returns in 1's backward."""
     topo, plan, loads = _replica_plan()
     cost = CostModel(MODEL, HW)
     metrics = evaluate(plan, loads)
     counts = cost.replica_counts(plan, metrics)
-    assert counts["recv_intra"][:, 0].tolist() == [[0, 1], [0, 0], [0, 1]]
-    assert counts["send_intra"][:, 0].tolist() == [[1, 0], [0, 0], [1, 0]]
-    assert int(counts["recv_cross"].sum()) == 0 and int(counts["send_cross"].sum()) == 0
+    assert counts["fetch_recv_intra"][:, 0].tolist() == [[0, 1], [0, 0], [0, 1]]
+    assert counts["fetch_send_intra"][:, 0].tolist() == [[1, 0], [0, 0], [1, 0]]
+    assert counts["return_send_intra"][:, 0].tolist() == [[0, 0], [0, 1], [0, 1]]
+    assert counts["return_recv_intra"][:, 0].tolist() == [[0, 0], [1, 0], [1, 0]]
+    assert int(counts["fetch_recv_cross"].sum()) == 0 and int(counts["return_send_cross"].sum()) == 0
     fill, grad = cost.replica_s(counts)
-    weights = 3 * 4 * 2 * 2  # 3 D F bf16
+    weights, grads = 3 * 4 * 2 * 2, 3 * 4 * 2 * 4  # 3 D F bf16 in, fp32 back
     assert fill[:, 0].tolist() == [approx(weights / NVL), 0.0, approx(weights / NVL)]
-    assert grad[:, 0].tolist() == fill[:, 0].tolist()  # bf16 gradients, same bytes
+    assert grad[:, 0].tolist() == [0.0, approx(grads / NVL), approx(grads / NVL)]
+
+
+def test_refetched_replicas_pay_two_fetches_one_return_and_the_recompute():
+    topo, plan, loads = _replica_plan()
+    cost = CostModel(MODEL, HW, CostOptions(refetch_replicas=True))
+    metrics = evaluate(plan, loads)
+    counts = cost.replica_counts(plan, metrics)
+    assert counts["fetch_recv_intra"][:, 0].tolist() == [[0, 2], [0, 2], [0, 2]]
+    assert counts["return_send_intra"][:, 0].tolist() == [[0, 1], [0, 1], [0, 1]]
+    fill, grad = cost.replica_s(counts)
+    weights, grads = 3 * 4 * 2 * 2, 3 * 4 * 2 * 4
+    assert fill[:, 0].tolist() == [approx(weights / NVL)] * 3
+    # backward: the replica's GPU receives the weights again while it sends gradients (full
+    # duplex: the larger of the two), the owner the reverse
+    assert grad[:, 0].tolist() == [approx(max(weights, grads) / NVL)] * 3
+    step = cost.step_cost(plan, metrics, torch.full((3, 2), 10), torch.full((3, 2), 55.0))
+    kept = CostModel(MODEL, HW).step_cost(plan, metrics, torch.full((3, 2), 10), torch.full((3, 2), 55.0))
+    fwd, _ = cost.expert_compute_s(metrics.gpu_load_MLG.max(-1).values)
+    rows = (plan.slot_tokens_MLGJ[:, 0, :, 2] * metrics.residency.active_MLGJ[:, 0, :, 2]).sum(-1)  # [M]
+    recompute = cost.expert_compute_s(2 * metrics.gpu_load_MLG[:, 0] + torch.stack([torch.zeros(3, dtype=torch.int64), rows], 1))[0]
+    assert torch.allclose(step.expert_s_ML[:, 0], fwd[:, 0] + recompute.max(-1).values, rtol=REL, atol=0)
+    assert step.expert_s_ML.sum() > kept.expert_s_ML.sum()
+    assert step.replica_bytes == 6 * weights + 3 * grads
+
+
+def test_a_replica_without_tokens_costs_nothing():
+    topo, plan, loads = _replica_plan()
+    plan.slot_tokens_MLGJ[2, 0, 1, 2] = 0          # expert 1's replica gets no tokens
+    plan.slot_tokens_MLGJ[2, 0, 0, 1] += 2
+    counts = CostModel(MODEL, HW).replica_counts(plan, evaluate(plan, loads))
+    assert counts["fetch_recv_intra"][:, 0, 1].tolist() == [1, 0, 0]
+    assert counts["return_send_intra"][:, 0, 1].tolist() == [0, 1, 0]
 
 
 def test_cross_node_fill_uses_the_inter_node_bandwidth_and_fp32_grads_double_it():
@@ -92,6 +128,9 @@ def test_cross_node_fill_uses_the_inter_node_bandwidth_and_fp32_grads_double_it(
     fill, grad = cost.replica_s(cost.replica_counts(plan, evaluate(plan, loads)))
     assert fill.item() == approx(3 * 4 * 2 * 2 / IB)
     assert grad.item() == approx(3 * 4 * 2 * 4 / IB)
+    cost = CostModel(MODEL, HW, CostOptions(grad_bytes=2))  # bf16 gradients: the weights' bytes
+    fill, grad = cost.replica_s(cost.replica_counts(plan, evaluate(plan, loads)))
+    assert grad.item() == approx(fill.item())
 
 
 def test_migration_moves_weights_master_and_adam_state_over_the_right_link():
@@ -169,7 +208,7 @@ def test_step_cost_is_the_sum_of_its_terms():
     dense = float(cost.dense_s(tokens, pairs)["total"].sum())
     assert step.step_s == approx(float(moe.sum()) + dense + step.migration_s)
     assert step.migration_s == 0.0 and step.migrated_experts == 0
-    assert step.replica_bytes == 2 * 2 * 3 * 4 * 2 * 2  # 2 residencies x (weights + grads)
+    assert step.replica_bytes == 2 * 3 * 4 * 2 * (2 + 4)  # 2 residencies x (bf16 weights + fp32 grads)
     token_bytes = 8
     assert step.cross_node_bytes == 0.0
     assert step.intra_node_bytes == approx(4 * token_bytes * float(metrics.intra_send_MLG.sum()))
@@ -234,7 +273,7 @@ def test_reorder_weights_for_qwen3_30b_on_h200():
     assert w.intra_node_s_per_token == approx(4 * 2 * D / 360e9)
     assert w.migration_s_per_expert == approx(3 * D * F * 14 / 45e9)
     assert w.intra_migration_s_per_expert == approx(3 * D * F * 14 / 360e9)
-    assert w.replica_fill_s_per_expert == approx(3 * D * F * 4 / 360e9)
+    assert w.replica_fill_s_per_expert == approx(3 * D * F * (2 + 4) / 360e9)  # bf16 in, fp32 back
 
 
 def test_cost_options_reject_bad_values():

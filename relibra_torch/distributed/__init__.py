@@ -13,11 +13,11 @@ The host-side schedule (``LayerPlan``, ``RankSchedule``, ...) is in
 from .collectives import all_to_all_autograd, all_to_all_rows
 from .mesh import EPGroup, ep_group_from_mesh
 from .migration import move_expert_rows, native_experts
-from .replicas import (FillSpec, ReplicaMemory, fetch_replica_weights, fill_replicas, refetch_replica_ffn,
+from .replicas import (FillSpec, ReplicaMemory, fetch_replica_weights, refetch_replica_ffn,
                        return_replica_grads)
 
 __all__ = [
     "EPGroup", "FillSpec", "ReplicaMemory", "all_to_all_autograd", "all_to_all_rows", "ep_group_from_mesh",
-    "fetch_replica_weights", "fill_replicas", "move_expert_rows", "native_experts", "refetch_replica_ffn",
+    "fetch_replica_weights", "move_expert_rows", "native_experts", "refetch_replica_ffn",
     "return_replica_grads",
 ]

@@ -8,7 +8,7 @@ exchanges counts first. ``group=None`` means a single rank: the exchange is the 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,25 +48,32 @@ def all_to_all_rows(x_RX: torch.Tensor, send_sizes: Sequence[int], recv_sizes: S
 
 class _AllToAllRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_RX, send_sizes, recv_sizes, group):
+    def forward(ctx, x_RX, send_sizes, recv_sizes, group, on_collective):
         ctx.sizes = (list(send_sizes), list(recv_sizes))
         ctx.group = group
+        ctx.on_collective = on_collective
+        if on_collective is not None:
+            on_collective()
         return all_to_all_rows(x_RX, send_sizes, recv_sizes, group)
 
     @staticmethod
     def backward(ctx, grad_RX):
         send_sizes, recv_sizes = ctx.sizes
+        if ctx.on_collective is not None:
+            ctx.on_collective()
         # The gradient of a row exchange is the reverse exchange.
-        return all_to_all_rows(grad_RX.contiguous(), recv_sizes, send_sizes, ctx.group), None, None, None
+        return all_to_all_rows(grad_RX.contiguous(), recv_sizes, send_sizes, ctx.group), None, None, None, None
 
 
 def all_to_all_autograd(x_RX: torch.Tensor, send_sizes: Sequence[int], recv_sizes: Sequence[int],
-                        group: dist.ProcessGroup | None) -> torch.Tensor:
+                        group: dist.ProcessGroup | None,
+                        on_collective: Callable[[], None] | None = None) -> torch.Tensor:
     """:func:`all_to_all_rows` whose backward sends the gradients back the same way.
 
     Every rank of ``group`` must call it (and, in backward, reach its backward) in the same
-    order, as with any collective.
+    order, as with any collective. ``on_collective`` (optional) is called once for each
+    exchange issued, forward and backward (the layer's transfer counters).
     """
     if group is None:
         return all_to_all_rows(x_RX, send_sizes, recv_sizes, None)
-    return _AllToAllRows.apply(x_RX, send_sizes, recv_sizes, group)
+    return _AllToAllRows.apply(x_RX, send_sizes, recv_sizes, group, on_collective)

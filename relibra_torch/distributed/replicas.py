@@ -3,15 +3,15 @@
 Legend: El native experts per GPU, Fs fills this rank serves (weight rows it sends), Fr
 fills it receives, G ranks of the EP group.
 
-A fill copies an owner's expert weights into another GPU's slot for one micro-batch. The
-copy is a plain buffer, never a parameter: the backward of the fill sends the buffer's
-gradient back to the owner, which sums it into the parameter's gradient (``index_add``, so
-an expert replicated to several GPUs gets all contributions). Plans from relibra fill only
-inside a node (NVLink); any plan is executed, across nodes too.
+A fill copies an owner's expert weights into another GPU's slot. The copy is a plain
+buffer, never a parameter: its gradient goes back to the owner, which sums it into the
+parameter's gradient (``index_add``, so an expert replicated to several GPUs gets all
+contributions). Kept replicas (filled once per residency, gradients home once) are
+``relibra_torch.moe.residents``; here are the exchanges and the re-fetching variant that
+keeps nothing between forward and backward. Any plan is executed, across nodes too.
 
-:class:`ReplicaMemory` measures how many replica-buffer bytes are alive on this GPU (its
-finalizers run when the buffers are freed, i.e. after the backward that used them, or right
-after the forward when replicas are re-fetched in backward or autograd is off).
+:class:`ReplicaMemory` measures how many replica-buffer bytes (weights and accumulated
+gradients) are alive on this GPU: its finalizers run when the buffers are freed.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .collectives import all_to_all_rows
 
-__all__ = ["FillSpec", "ReplicaMemory", "fetch_replica_weights", "fill_replicas",
+__all__ = ["FillSpec", "ReplicaMemory", "fetch_replica_weights",
            "refetch_replica_ffn", "return_replica_grads"]
 
 
@@ -130,37 +130,6 @@ def return_replica_grads(grads: Sequence[torch.Tensor], spec: FillSpec,
     return out
 
 
-class _FillReplicas(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, spec, memory, x_pass, *weights):
-        ctx.spec = spec
-        ctx.shapes = [w.shape for w in weights]
-        bufs = fetch_replica_weights(weights, spec, memory)
-        # x_pass comes back unchanged: routing the token gradient through this node makes
-        # every rank send replica gradients home before the dispatch's backward exchange,
-        # a fixed collective order whatever each rank's fill pattern is.
-        return (x_pass.view_as(x_pass), *bufs)
-
-    @staticmethod
-    def backward(ctx, grad_x, *grad_bufs):
-        if not any(ctx.needs_input_grad[3:]):
-            return (None, None, grad_x, *([None] * len(ctx.shapes)))
-        grads = return_replica_grads(grad_bufs, ctx.spec, ctx.shapes)
-        return (None, None, grad_x, *grads)
-
-
-def fill_replicas(x_pass: torch.Tensor, weights: Sequence[torch.Tensor], spec: FillSpec,
-                  memory: ReplicaMemory | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Autograd-aware fill: returns ``(x_pass, buffers)``.
-
-    ``x_pass`` (the rank's grouped tokens) is passed through unchanged so that the backward
-    of the fill runs before the backward of whatever produced ``x_pass`` on every rank.
-    Every rank of the group must call this when any rank receives a fill.
-    """
-    out = _FillReplicas.apply(spec, memory, x_pass, *weights)
-    return out[0], list(out[1:])
-
-
 class _RefetchReplicaFFN(torch.autograd.Function):
     """Replica-slot experts that keep no replica weights between forward and backward.
 
@@ -171,20 +140,24 @@ class _RefetchReplicaFFN(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, ffn, x_RD, offsets_G, spec, memory, *weights):
+    def forward(ctx, ffn, x_RD, offsets_G, spec, memory, count, *weights):
         bufs = fetch_replica_weights(weights, spec, memory)
+        if count is not None:
+            count("fetch", bufs)
         with torch.no_grad():
             y_RD = ffn(x_RD, *bufs, offsets_G)
         ctx.save_for_backward(x_RD, offsets_G, *weights)
-        ctx.ffn, ctx.spec, ctx.memory = ffn, spec, memory
+        ctx.ffn, ctx.spec, ctx.memory, ctx.count = ffn, spec, memory, count
         return y_RD
 
     @staticmethod
     def backward(ctx, grad_y_RD):
         x_RD, offsets_G, *weights = ctx.saved_tensors
         need_x = ctx.needs_input_grad[1]
-        need_w = any(ctx.needs_input_grad[5:])
+        need_w = any(ctx.needs_input_grad[6:])
         bufs = fetch_replica_weights(weights, ctx.spec, ctx.memory)
+        if ctx.count is not None:
+            ctx.count("fetch", bufs)
         with torch.enable_grad():
             xd = x_RD.detach().requires_grad_(need_x)
             bd = [b.detach().requires_grad_(need_w) for b in bufs]
@@ -195,18 +168,26 @@ class _RefetchReplicaFFN(torch.autograd.Function):
         grad_x = grads.pop(0) if need_x else None
         grad_w = [None] * len(weights)
         if need_w:
+            # returned in fp32 or wider, like kept replicas' gradients (the owner's main grads)
+            grads = [g.to(torch.promote_types(g.dtype, torch.float32)) for g in grads]
+            if ctx.count is not None:
+                ctx.count("return", grads)
             grad_w = return_replica_grads(grads, ctx.spec, [w.shape for w in weights])
-        return (None, grad_x, None, None, None, *grad_w)
+        return (None, grad_x, None, None, None, None, *grad_w)
 
 
 def refetch_replica_ffn(ffn, x_RD: torch.Tensor, offsets_G: torch.Tensor, spec: FillSpec,
-                        memory: ReplicaMemory | None, weights: Sequence[torch.Tensor]) -> torch.Tensor:
+                        memory: ReplicaMemory | None, weights: Sequence[torch.Tensor],
+                        count=None) -> torch.Tensor:
     """``ffn(x_RD, *fill buffers, offsets_G)`` with the fill buffers fetched again in backward.
 
     Args:
         ffn: the grouped expert function ``(x_RD, *weights_G, offsets_G) -> y_RD``.
         x_RD: rows of the filled slots, grouped; offsets_G: int32 cumulative group ends.
         weights: the layer's native expert weights (the owners' rows are sent from them).
-    Every rank of the group must call this when any rank receives a fill.
+        count: optional ``count(what, tensors)`` called for each exchange, ``what`` being
+            ``"fetch"`` (the received weight buffers) or ``"return"`` (the gradients sent).
+    Every rank of the group must call this when any rank receives a fill. Gradients go home
+    in fp32 (or the weights' dtype if wider).
     """
-    return _RefetchReplicaFFN.apply(ffn, x_RD, offsets_G, spec, memory, *weights)
+    return _RefetchReplicaFFN.apply(ffn, x_RD, offsets_G, spec, memory, count, *weights)

@@ -29,10 +29,12 @@ from ..distributed.hierarchical import (ExchangeCounts, flat_exchange_counts, hi
                                         hierarchical_dispatch)
 from ..distributed.mesh import EPGroup
 from ..distributed.migration import move_expert_rows, native_experts
-from ..distributed.replicas import FillSpec, ReplicaMemory, fill_replicas, refetch_replica_ffn
+from ..distributed.replicas import FillSpec, ReplicaMemory, refetch_replica_ffn
 from ..checks import check_choice
 from ..planning.pair_slots import DISPATCH_MODES
 from ..planning.topology import Topology
+from .counters import TransferCounts, count_dispatch, refetch_counter
+from .residents import ResidentReplicas
 from .schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan,
                        check_placement, group_permutation, native_layer_plan)
 
@@ -72,8 +74,10 @@ class ExpertEngine:
     Args:
         topology: the layer's EP layout and slot counts.
         ep: the EP group the layer exchanges over (size 1, no group: one process).
-        refetch_replicas: fetch replica weights again in backward (and recompute the replica
-            rows' forward) instead of keeping the buffers alive.
+        refetch_replicas: keep no replica buffers: fetch the weights in every micro-batch's
+            forward and again in its backward (recomputing the replica rows' forward), and
+            send the gradients home in every backward. Default (``False``): a replica is
+            filled once per residency and its gradient sent home once (``moe.residents``).
         check_plan: check every planned forward that this rank's routed ids match the plan
             (and lie in ``[-1, E)``): one device-to-host copy of ``E + 2`` counts and one
             all-reduce of ``G`` flags per layer. Off: the caller vouches that the replay
@@ -115,6 +119,13 @@ class ExpertEngine:
         #: Forwards of this layer that ran degraded, since construction.
         self.degraded_forwards = 0
         self.replica_memory = replica_memory if replica_memory is not None else ReplicaMemory()
+        #: Kept replica buffers of the step's residencies (``refetch_replicas=False``).
+        self.residents = ResidentReplicas(topology, ep.rank)
+        #: What this layer sent, per micro-batch (``moe.counters``; reset by the balancer
+        #: at every ``plan_step``).
+        self.transfer_counts = TransferCounts()
+        #: Collectives issued by ``apply_placement`` (migration), since construction.
+        self.migration_collectives = 0
         self.placement_cpu = torch.arange(topology.num_experts)
         self.identity_placement = True
         self.plan: LayerPlan | None = None
@@ -155,10 +166,13 @@ class ExpertEngine:
         it). Raises ``ValueError`` for a plan of another topology or placement.
         """
         if plan is None:
+            self.residents.begin(None, "set_plan(None)")
             self.plan, self._schedule = None, None
             return
         plan = check_layer_plan(plan, self.topology, self.placement_cpu)
-        self._schedule = build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank).to(device)
+        schedule = build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank).to(device)
+        self.residents.begin(schedule, f"installing micro-batch {plan.micro_batch}'s plan")
+        self._schedule = schedule
         self.plan = plan
 
     # ------------------------------------------------------------------ execution
@@ -203,13 +217,17 @@ class ExpertEngine:
         topo, ep = self.topology, self.ep
         device = x_TD.device
         J = topo.slots_per_gpu
-        sched = self._schedule
+        planned = sched = self._schedule
+        count = self.transfer_counts.counter(None if planned is None else planned.micro_batch)
         if sched is None or self.check_plan:
             counts_E, bad_ids = self._host_counts(ids_TK)
         if sched is None:
-            sched = self._native_schedule(counts_E, device, bad_ids)
-        elif self.check_plan and not self._plan_matches(counts_E, bad_ids, sched, device):
-            sched = self._native_schedule(counts_E, device, 0)
+            sched = self._native_schedule(counts_E, device, bad_ids, count)
+        elif self.check_plan and not self._plan_matches(counts_E, bad_ids, sched, device, count):
+            sched = self._native_schedule(counts_E, device, 0, count)
+        if self.dispatch != "hierarchical" or ep.group is None:
+            count_dispatch(sched, topo.gpus_per_node, ep.rank, count)  # hierarchical: by its exchange
+        on_collective = (lambda: count("collectives", 1)) if ep.group is not None else None
 
         # (token, k) pairs -> destination slot g * J + j, by the token_split rule; pads go to
         # slot X (sorted last, never sent).
@@ -223,7 +241,7 @@ class ExpertEngine:
             x_sorted, row_of_TK, _ = ops.permute(dest_TK, x_TD, X + 1)
             n_send = sum(sched.send_sizes)
             x_send = x_sorted[:n_send] if x_sorted.shape[0] > n_send else x_sorted
-            x_recv = all_to_all_autograd(x_send, sched.send_sizes, sched.recv_sizes, ep.group)
+            x_recv = all_to_all_autograd(x_send, sched.send_sizes, sched.recv_sizes, ep.group, on_collective)
             perm = group_permutation(sched, device)
 
         # Group the received rows: native experts first (local row order), then fills.
@@ -237,17 +255,28 @@ class ExpertEngine:
                 bufs = self.resident.replica_weights(sched.fill_slots, sched.fill_experts)
                 y_own = torch.cat([y_own, expert_ffn(x_grp[n_own:], *bufs, sched.fill_offsets)])
             y_grp = y_own
-        elif sched.any_fill:
+        elif sched.any_fill and self.refetch_replicas:
             spec = FillSpec(sched.fill_send_idx, sched.fill_send_sizes, sched.fill_recv_sizes, ep.group)
-            if self.refetch_replicas:
-                y_own = expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)
-                y_fill = refetch_replica_ffn(expert_ffn, x_grp[n_own:], sched.fill_offsets, spec,
-                                             self.replica_memory, wl)
-            else:
-                x_grp, bufs = fill_replicas(x_grp, wl, spec, self.replica_memory)
-                y_own = expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)
-                y_fill = expert_ffn(x_grp[n_own:], *bufs, sched.fill_offsets)
+            y_own = expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)
+            y_fill = refetch_replica_ffn(expert_ffn, x_grp[n_own:], sched.fill_offsets, spec,
+                                         self.replica_memory, wl, refetch_counter(sched, topo.gpus_per_node, ep.rank, count))
             y_grp = torch.cat([y_own, y_fill])
+        elif sched.any_fill or (planned is not None and self.residents.returns_at(planned)):
+            # A plan of a step (micro_batch set) keeps replicas over its residencies; any
+            # other forward is a residency of its own (fresh state: fill, then return).
+            residents = (self.residents if sched.micro_batch is not None
+                         else ResidentReplicas(self.topology, ep.rank))
+            # degraded forward (sched is the native one): residencies whose last micro-batch
+            # with tokens is this one still send their gradients home
+            rsched = sched if sched.any_fill else planned.without_fills()
+            x_grp, bufs = residents.buffers(x_grp, wl, rsched, ep.group, self.replica_memory, count)
+            y_parts = [expert_ffn(x_grp[:n_own], *wl, sched.own_offsets)]
+            start = n_own
+            for i, rows in enumerate(rsched.fill_counts):  # one GEMM per kept replica
+                y_parts.append(expert_ffn(x_grp[start:start + rows], *(b.unsqueeze(0) for b in bufs[i]),
+                                          rsched.fill_single_offsets[i]))
+                start += rows
+            y_grp = torch.cat(y_parts)
         else:
             y_grp = expert_ffn(x_grp, *wl, sched.own_offsets)
         inv = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=device))
@@ -257,8 +286,13 @@ class ExpertEngine:
         self.last_fills = list(zip(sched.fill_slots, sched.fill_experts))
         if hier:
             self.last_exchange = hx.counts  # combine's collectives are added as it runs
-            return hierarchical_combine(y_recv, hx).to(x_TD.dtype)
-        y_send = all_to_all_autograd(y_recv, sched.recv_sizes, sched.send_sizes, ep.group)
+            y_TD = hierarchical_combine(y_recv, hx).to(x_TD.dtype)
+            c = hx.counts  # rows and collectives (backward ones counted when recorded) of both stages
+            count("cross_node_rows", c.cross_node_rows)
+            count("intra_node_rows", c.intra_node_rows)
+            count("collectives", c.collectives_forward + c.collectives_backward)
+            return y_TD
+        y_send = all_to_all_autograd(y_recv, sched.recv_sizes, sched.send_sizes, ep.group, on_collective)
         if x_sorted.shape[0] > n_send:  # pad rows: zero output (their gates are zero too)
             y_send = torch.cat([y_send, y_send.new_zeros(x_sorted.shape[0] - n_send, y_send.shape[1])])
         if ep.group is not None:
@@ -275,12 +309,14 @@ class ExpertEngine:
         binned = torch.bincount(key, minlength=E + 2).cpu()
         return binned[1 : E + 1], int(binned[E + 1])
 
-    def _agree(self, flag: int, device: torch.device) -> torch.Tensor:
+    def _agree(self, flag: int, device: torch.device, count=None) -> torch.Tensor:
         """int64 CPU ``[G]``: every rank's ``flag`` (one all-reduce; no exchange on one process)."""
         ep = self.ep
         flags = torch.zeros(max(ep.size, 1), dtype=torch.int64)
         flags[ep.rank] = flag
         if ep.group is not None:
+            if count is not None:
+                count("collectives", 1)
             flags = flags.to(device)
             dist.all_reduce(flags, group=ep.group)
             flags = flags.cpu()
@@ -292,7 +328,7 @@ class ExpertEngine:
                          f"ranks {ranks}; allowed: expert ids, or -1 for a pad (no expert)")
 
     def _plan_matches(self, counts_E: torch.Tensor, bad_ids: int, sched: RankSchedule,
-                      device: torch.device) -> bool:
+                      device: torch.device, count=None) -> bool:
         """Whether every rank's routed ids match the installed plan (all ranks agree).
 
         One all-reduce of per-rank flags first, so that a mismatch or a bad id on one rank
@@ -305,7 +341,7 @@ class ExpertEngine:
         diff = (counts_E != sched.expected_counts_E).nonzero().flatten()
         first = int(diff[0]) if len(diff) else -1
         # Flag per rank: 0 match, E + 1 bad ids, else 1 + first mismatching expert.
-        flags = self._agree(self.num_experts + 1 if bad_ids else first + 1, device)
+        flags = self._agree(self.num_experts + 1 if bad_ids else first + 1, device, count)
         if (flags == self.num_experts + 1).any():
             self._raise_bad_ids(flags == self.num_experts + 1)
         if not flags.any():
@@ -330,7 +366,8 @@ class ExpertEngine:
                           f"per process. on_mismatch='raise' makes this an error.", RuntimeWarning)
         return False
 
-    def _native_schedule(self, counts_E: torch.Tensor, device: torch.device, bad_ids: int) -> RankSchedule:
+    def _native_schedule(self, counts_E: torch.Tensor, device: torch.device, bad_ids: int,
+                         count=None) -> RankSchedule:
         """No usable plan: gather every rank's counts and run the native placement (or the
         ``runtime_planner``'s plan for those counts).
 
@@ -344,6 +381,8 @@ class ExpertEngine:
             local = row.to(device)
             gathered = [torch.empty_like(local) for _ in range(ep.size)]
             dist.all_gather(gathered, local, group=ep.group)
+            if count is not None:
+                count("collectives", 1)
             rows_SE = torch.stack(gathered).cpu()
         if rows_SE[:, -1].any():
             self._raise_bad_ids(rows_SE[:, -1] > 0)
@@ -375,6 +414,7 @@ class ExpertEngine:
             the number of experts whose owner GPU changed.
         """
         new = check_placement(new_placement_E, self.num_experts, "new_placement_E")
+        self.residents.begin(None, "apply_placement")  # a step boundary: replicas end here
         old = self.placement_cpu
         El = self.topology.experts_per_gpu
         if torch.equal(new, old):
@@ -389,11 +429,14 @@ class ExpertEngine:
             for t in tensors:
                 local = local_tensor(t)
                 local.copy_(move_expert_rows(local, old, new, self.ep.rank, self.ep.group))
+                self.migration_collectives += int(self.ep.group is not None)
         self.set_placement(new, placement_E)
         return moved
 
     def set_placement(self, placement_E_cpu: torch.Tensor, placement_E: torch.Tensor) -> None:
-        """Record ``placement_E_cpu`` as in force (no data moves); drops the installed plan."""
+        """Record ``placement_E_cpu`` as in force (no data moves); drops the installed plan
+        and ends the step's replica residencies."""
+        self.residents.begin(None, "changing the placement")
         self.placement_cpu = placement_E_cpu.clone()
         placement_E.copy_(placement_E_cpu.to(placement_E.device))
         self.identity_placement = bool(torch.equal(placement_E_cpu, torch.arange(self.num_experts)))

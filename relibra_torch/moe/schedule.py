@@ -28,10 +28,11 @@ import torch
 
 from ..planning.pair_slots import assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
+from ..planning.residency import residency_micro_batches
 from ..planning.topology import Topology
 
 __all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
-           "check_placement", "group_permutation", "layer_plans", "native_layer_plan"]
+           "check_placement", "fill_exchange", "group_permutation", "layer_plans", "native_layer_plan"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,12 @@ class LayerPlan:
             that it is its own (shapes alone cannot tell 1 x 4 GPUs from 2 x 2).
         micro_batch: optional index of the micro-batch in its step plan; a layer that has to
             degrade (routing that does not match the plan) reports it under this index.
+        fill_mb_GJ / return_mb_GJ: optional int64 ``[G, J]`` replica residencies
+            (``planning.residency``): the micro-batch whose forward fills the slot's residency
+            and the one whose backward sends its gradient home (``-1``: not a fill slot, or a
+            residency without tokens). Set by :func:`layer_plans` (with ``micro_batch``);
+            without them every forward is a residency of its own (fill and return in the same
+            micro-batch).
     """
 
     slot_expert_GJ: torch.Tensor
@@ -56,6 +63,8 @@ class LayerPlan:
     placement_E: torch.Tensor | None = None
     topology: Topology | None = None
     micro_batch: int | None = None
+    fill_mb_GJ: torch.Tensor | None = None
+    return_mb_GJ: torch.Tensor | None = None
 
 
 def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> list[LayerPlan]:
@@ -78,8 +87,10 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
         raise ValueError(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}, expected [{M}, L, S, E]")
     split_LSGJ = token_split(plan.micro_batch(micro_batch),
                              loads_MLSE[micro_batch : micro_batch + 1])[0]
+    fill_mb_LGJ, return_mb_LGJ = residency_micro_batches(plan, micro_batch)
     return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),
-                      plan.placement_LE[l].clone(), plan.topology, micro_batch)
+                      plan.placement_LE[l].clone(), plan.topology, micro_batch,
+                      fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone())
             for l in range(plan.num_layers)]
 
 
@@ -147,7 +158,18 @@ def check_layer_plan(layer_plan: object, topology: Topology,
             raise ValueError(f"LayerPlan.placement_E {pl.tolist()} is not the layer's placement "
                              f"{placement_E.tolist()}: apply the step's placement "
                              f"(apply_placement) before installing its plans")
-    return LayerPlan(se, sp, pl, layer_plan.topology, layer_plan.micro_batch)
+    res = []
+    for name in ("fill_mb_GJ", "return_mb_GJ"):
+        t = getattr(layer_plan, name)
+        if t is not None:
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != (G, J):
+                raise ValueError(f"LayerPlan.{name} must be an integer tensor [{G}, {J}] (or None), got "
+                                 f"{getattr(t, 'shape', type(t).__name__)}")
+            t = t.detach().to("cpu", torch.int64)
+        res.append(t)
+    if (res[0] is None) != (res[1] is None):
+        raise ValueError("LayerPlan.fill_mb_GJ and return_mb_GJ come together (layer_plans sets both)")
+    return LayerPlan(se, sp, pl, layer_plan.topology, layer_plan.micro_batch, *res)
 
 
 def native_layer_plan(topology: Topology, placement_E: torch.Tensor,
@@ -190,6 +212,13 @@ class RankSchedule:
         fill_send_sizes / fill_recv_sizes: ``[G]`` weight rows sent to / received from every rank.
         fill_slots / fill_experts: ``[Fr]`` slot and logical expert of every received fill.
         own_offsets / fill_offsets: int32 cumulative ends of the native / fill groups.
+        fill_single_offsets: one int32 ``[1]`` tensor per fill (its row count): the
+            per-slot GEMM of a kept replica.
+        slot_expert_GJ / owner_GJ / active_GJ: every GPU's slots (host): expert, owner GPU
+            (``-1`` empty), and whether it is a fill slot with tokens.
+        fill_mb_GJ / return_mb_GJ: the residencies (see :class:`LayerPlan`; derived for a
+            plan without them: this forward is the whole residency).
+        local_E: int64 ``[E]`` local row of every expert at its owner.
 
     The tensors the forward indexes with live on the layer's device after :meth:`to`;
     ``expected_counts_E`` and ``slot_tokens_J`` stay on the CPU (host-side checks and
@@ -215,6 +244,14 @@ class RankSchedule:
     fill_experts: list[int]
     own_offsets: torch.Tensor
     fill_offsets: torch.Tensor
+    slot_expert_GJ: torch.Tensor
+    owner_GJ: torch.Tensor
+    active_GJ: torch.Tensor
+    fill_mb_GJ: torch.Tensor
+    return_mb_GJ: torch.Tensor
+    local_E: torch.Tensor
+    micro_batch: int | None = None
+    fill_single_offsets: list = dataclasses.field(default_factory=list)
 
     _DEVICE_FIELDS = ("slot_order_X", "slot_cum_end_X", "chunk_group_C", "chunk_count_C",
                       "fill_send_idx", "own_offsets", "fill_offsets")
@@ -222,7 +259,14 @@ class RankSchedule:
     def to(self, device: torch.device | str) -> "RankSchedule":
         """A copy whose index tensors live on ``device`` (moved once per plan, not per call)."""
         moved = {f: getattr(self, f).to(device) for f in self._DEVICE_FIELDS}
+        moved["fill_single_offsets"] = [torch.tensor([n], dtype=torch.int32, device=device)
+                                        for n in self.fill_counts]
         return dataclasses.replace(self, **moved)
+
+    def without_fills(self) -> "RankSchedule":
+        """This schedule's residency data with no slot computed (a degraded forward)."""
+        return dataclasses.replace(self, active_GJ=torch.zeros_like(self.active_GJ), fill_slots=[],
+                                   fill_experts=[], fill_counts=[], fill_single_offsets=[], any_fill=False)
 
     @property
     def num_own_rows(self) -> int:
@@ -258,18 +302,16 @@ def build_rank_schedule(topology: Topology, placement_E: torch.Tensor, layer_pla
     owner_GJ = torch.where(se_GJ >= 0, owner_E[se_GJ.clamp(min=0)], torch.full_like(se_GJ, -1))
     is_fill_GJ = (se_GJ >= 0) & (owner_GJ != torch.arange(G).unsqueeze(1)) & (tokens_GJ > 0)
     any_fill = bool(is_fill_GJ.any())
-    # Served by this rank: ordered by (dest gpu, slot) -- nonzero() is row-major.
-    served = (is_fill_GJ & (owner_GJ == rank)).nonzero()
-    fill_send_idx = local_E[se_GJ[served[:, 0], served[:, 1]]] if len(served) else torch.zeros(0, dtype=torch.int64)
-    fill_send_sizes = torch.bincount(served[:, 0], minlength=G).tolist() if len(served) else [0] * G
-    # Received by this rank: ordered by (owner, slot), as the owners send them.
-    my_fill_j = is_fill_GJ[rank].nonzero().flatten()
-    my_owner = owner_GJ[rank, my_fill_j]
-    recv_order = (my_owner * J + my_fill_j).argsort()
-    fill_slots_t = my_fill_j[recv_order]
+    fill_send_idx, fill_send_sizes, fill_recv_sizes, fill_slots_t = fill_exchange(
+        is_fill_GJ, se_GJ, owner_GJ, local_E, rank)
     fill_slots = fill_slots_t.tolist()
     fill_experts = se_GJ[rank, fill_slots_t].tolist()
-    fill_recv_sizes = torch.bincount(my_owner, minlength=G).tolist() if len(my_fill_j) else [0] * G
+    if layer_plan.fill_mb_GJ is not None:
+        fill_mb_GJ, return_mb_GJ = layer_plan.fill_mb_GJ, layer_plan.return_mb_GJ
+    else:  # a plan without residencies: this forward fills and returns
+        here = 0 if layer_plan.micro_batch is None else layer_plan.micro_batch
+        fill_mb_GJ = torch.where(is_fill_GJ, here, -1)
+        return_mb_GJ = fill_mb_GJ.clone()
 
     # Receive side: local group of every slot of this GPU.
     se_J = se_GJ[rank]
@@ -303,7 +345,40 @@ def build_rank_schedule(topology: Topology, placement_E: torch.Tensor, layer_pla
         fill_experts=fill_experts,
         own_offsets=own_counts.cumsum(0).to(torch.int32),
         fill_offsets=slot_tokens_J[fill_slots_t].cumsum(0).to(torch.int32),
+        slot_expert_GJ=se_GJ,
+        owner_GJ=owner_GJ,
+        active_GJ=is_fill_GJ,
+        fill_mb_GJ=fill_mb_GJ,
+        return_mb_GJ=return_mb_GJ,
+        local_E=local_E,
+        micro_batch=layer_plan.micro_batch,
     )
+
+
+def fill_exchange(mask_GJ: torch.Tensor, se_GJ: torch.Tensor, owner_GJ: torch.Tensor,
+                  local_E: torch.Tensor, rank: int) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+    """The weight exchange that moves the experts of the slots in ``mask_GJ`` from their owners.
+
+    Args:
+        mask_GJ: bool ``[G, J]`` slots to fill (or whose gradients go home: the reverse).
+        se_GJ / owner_GJ: int64 ``[G, J]`` expert and owner GPU of every slot.
+        local_E: int64 ``[E]`` local row of every expert at its owner.
+
+    Returns:
+        ``(send_idx [Fs], send_sizes [G], recv_sizes [G], recv_slots [Fr])``: the local rows this
+        rank sends (by destination GPU, then slot), and this rank's slots it receives, in the
+        order the owners send them (owner, then slot).
+    """
+    G = mask_GJ.shape[0]
+    J = mask_GJ.shape[1]
+    served = (mask_GJ & (owner_GJ == rank)).nonzero()  # row-major: (dest gpu, slot)
+    send_idx = local_E[se_GJ[served[:, 0], served[:, 1]]] if len(served) else torch.zeros(0, dtype=torch.int64)
+    send_sizes = torch.bincount(served[:, 0], minlength=G).tolist() if len(served) else [0] * G
+    mine_j = mask_GJ[rank].nonzero().flatten()
+    mine_owner = owner_GJ[rank, mine_j]
+    recv_slots = mine_j[(mine_owner * J + mine_j).argsort()]
+    recv_sizes = torch.bincount(mine_owner, minlength=G).tolist() if len(mine_j) else [0] * G
+    return send_idx, send_sizes, recv_sizes, recv_slots
 
 
 def assign_slots(ids_TK: torch.Tensor, schedule: RankSchedule) -> torch.Tensor:

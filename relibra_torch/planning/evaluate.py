@@ -12,6 +12,7 @@ import torch
 
 from .lis import lis
 from .plan import StepPlan, token_split
+from .residency import Residencies, residencies
 
 __all__ = ["PlanMetrics", "evaluate", "imbalance"]
 
@@ -40,8 +41,12 @@ class PlanMetrics:
         fill_MLGJ: bool, the slot holds an expert owned by another GPU (weights copied in,
             gradients sent back).
         fill_cross_node_MLGJ: bool, such a fill whose owner is on another node.
-        slot_changed_MLGJ: bool, the slot's expert differs from the previous micro-batch's
-            (always true at ``m = 0`` for a filled slot): a fill that must move weights.
+        fill_start_MLGJ: bool, a replica residency's weights arrive here (its first
+            micro-batch with tokens; ``planning.residency``): the fills the layer executes.
+        grad_return_MLGJ: bool, a residency's accumulated gradient goes home in this
+            micro-batch's backward (its last micro-batch with tokens).
+        residency: the whole :class:`~relibra_torch.planning.residency.Residencies`
+            (active slots, held buffers, owners; refetch schedules).
         migrated_L: experts whose owner GPU changed from ``previous_placement_LE`` (0 if the
             plan has none).
         migrated_cross_node_L: of those, experts that changed node.
@@ -59,10 +64,12 @@ class PlanMetrics:
     intra_recv_MLG: torch.Tensor
     fill_MLGJ: torch.Tensor
     fill_cross_node_MLGJ: torch.Tensor
-    slot_changed_MLGJ: torch.Tensor
+    fill_start_MLGJ: torch.Tensor
+    grad_return_MLGJ: torch.Tensor
     migrated_L: torch.Tensor
     migrated_cross_node_L: torch.Tensor
     lis_ML: torch.Tensor
+    residency: Residencies | None = None
 
 
 def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:
@@ -100,13 +107,7 @@ def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:
         intra_send.append(intra_LSG.sum(2))
         intra_recv.append(intra_LSG.sum(1))
 
-    se = plan.slot_expert_MLGJ
-    owner_MLGJ = owner_gpu_LE.view(1, L, 1, E).expand(M, L, G, E).gather(3, se.clamp(min=0))
-    gpu_MLGJ = torch.arange(G).view(1, 1, G, 1)
-    fill_MLGJ = (se >= 0) & (owner_MLGJ != gpu_MLGJ)
-    fill_cross_node_MLGJ = fill_MLGJ & (owner_MLGJ // g != gpu_MLGJ // g)
-    prev = torch.cat([torch.full_like(se[:1], -2), se[:-1]], 0)
-    slot_changed_MLGJ = fill_MLGJ & (se != prev)
+    res = residencies(plan)
 
     if plan.previous_placement_LE is None:
         migrated_L = torch.zeros(L, dtype=torch.int64)
@@ -125,10 +126,12 @@ def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:
         cross_recv_MLG=torch.stack(cross_recv),
         intra_send_MLG=torch.stack(intra_send),
         intra_recv_MLG=torch.stack(intra_recv),
-        fill_MLGJ=fill_MLGJ,
-        fill_cross_node_MLGJ=fill_cross_node_MLGJ,
-        slot_changed_MLGJ=slot_changed_MLGJ,
+        fill_MLGJ=res.fill_MLGJ,
+        fill_cross_node_MLGJ=res.cross_node_MLGJ,
+        fill_start_MLGJ=res.fill_start_MLGJ,
+        grad_return_MLGJ=res.grad_return_MLGJ,
         migrated_L=migrated_L,
         migrated_cross_node_L=migrated_cross_L,
         lis_ML=lis(loads_MLSE.sum(2)),
+        residency=res,
     )

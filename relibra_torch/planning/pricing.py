@@ -133,7 +133,7 @@ class ReorderWeights:
 
 
 def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activation_bytes: int = 2,
-                    param_bytes: int = 2, grad_bytes: int = 2, master_weights: bool = True,
+                    param_bytes: int = 2, grad_bytes: int = 4, master_weights: bool = True,
                     optimizer_state_bytes: int = 8) -> ReorderWeights:
     """Per-unit costs of one SwiGLU expert ``D x F`` on ``hardware``.
 
@@ -152,7 +152,8 @@ def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activa
         dim, hidden_dim: ``D`` and ``F``.
         hardware: a :class:`HardwareSpec` (e.g. ``get_hardware("h200")``).
         activation_bytes, param_bytes, grad_bytes: bytes per activation, weight, gradient
-            value on the wire (2 = bf16).
+            value on the wire (2 = bf16; gradients 4: the layer returns replica gradients
+            in fp32).
         master_weights: migration also moves an fp32 master copy.
         optimizer_state_bytes: optimizer state per parameter moved by migration (8 = Adam).
     """

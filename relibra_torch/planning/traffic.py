@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from .residency import residency_masks
 from .topology import Topology
 
 __all__ = ["step_replicas", "traffic_replicas"]
@@ -117,11 +118,12 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
 def _net_value(expert_MLGr: torch.Tensor, quota_MLGr: torch.Tensor, N: int, g: int, token_s: float,
                fill_s: float) -> torch.Tensor:
     """float64 ``[L, N]``: seconds of inter-node traffic the replicas save over the step,
-    less one fill per residency (a slot whose expert differs from the previous micro-batch)."""
+    less one fill per residency (``planning.residency``: filled at its first micro-batch
+    with tokens)."""
     M, L, G, r = expert_MLGr.shape
     saved = quota_MLGr.to(torch.float64).sum((0, 3)) * token_s                          # [L, G]
-    prev = torch.cat([torch.full_like(expert_MLGr[:1], -1), expert_MLGr[:-1]])
-    new = ((expert_MLGr >= 0) & (expert_MLGr != prev)).sum((0, 3)).to(torch.float64)   # [L, G]
+    fill_start = residency_masks(expert_MLGr, expert_MLGr >= 0, quota_MLGr)[0]
+    new = fill_start.sum((0, 3)).to(torch.float64)                                       # [L, G]
     return (saved - new * fill_s).view(L, N, g).sum(-1)
 
 

@@ -73,6 +73,7 @@ DEFAULTS = {
     "seed": 0,
     "sample_tokens": DEFAULT_SAMPLE_TOKENS,
     "overlap_replication": False,
+    "refetch_replicas": False,
     "dispatch": None,  # hierarchical with more than one node (DeepEP-style, what cross-node EP runs), else flat
     "json": None,
     "plot": None,
@@ -114,6 +115,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overlap-replication", action="store_true", default=None,
                         help="hide replica fill / gradient return behind attention (and shared "
                              "experts), for every system")
+    parser.add_argument("--refetch-replicas", action="store_true", default=None,
+                        help="price the layer's refetch_replicas=True: no kept replica buffers, two "
+                             "weight fetches, one gradient return and the recomputed replica rows per "
+                             "micro-batch (default: kept buffers, one fill and one return per residency)")
     parser.add_argument("--dispatch", choices=DISPATCH_MODES,
                         help=f"all-to-all model: flat = one copy per token-expert pair; hierarchical = "
                              f"one copy per token and remote node, NVLink fan-out (DeepEP) "
@@ -233,9 +238,12 @@ def resolve(args: argparse.Namespace) -> dict:
     if opts["dispatch"] is None:  # what cross-node EP runs in practice; one node: the two are the same
         opts["dispatch"] = "hierarchical" if nodes > 1 else "flat"
     check_choice("--dispatch", opts["dispatch"], DISPATCH_MODES)
+    if not isinstance(opts["refetch_replicas"], bool):
+        raise ValueError(f"--refetch-replicas = {opts['refetch_replicas']!r}; allowed: true or false")
     return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems,
-            "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"]),
+            "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"],
+                                        refetch_replicas=opts["refetch_replicas"]),
             "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
 
 

@@ -17,14 +17,20 @@ Per micro-batch ``m`` and MoE layer ``l``:
   ``max(cross_send, cross_recv) / inter_node_bw + max(intra_send, intra_recv) / nvlink_bw``
   (the two links are summed, not overlapped: the GPU's copy engines/SMs drive both and
   DeepEP-style kernels forward RDMA traffic over NVLink); the slowest GPU sets the time.
-* replica fill and gradient return: each *residency* of a replica (a slot whose expert
-  changed from the previous micro-batch, ``PlanMetrics.slot_changed_MLGJ``) moves the
-  expert's ``3 * D * F`` weights from the owner forward and the same number of gradient
-  values back in backward, over NVLink (inter-node bandwidth if the owner is on another
-  node). Per GPU, received and sent bytes are both counted (an owner feeding three
-  replicas sends three copies). With ``overlap_replication`` the transfer of layer ``l``
-  hides behind that layer's attention compute (and shared experts) and only the excess is
-  charged; one rule for every system.
+* replica fill and gradient return, as the layer executes them
+  (:func:`relibra_torch.sim.transfers.replica_traffic`, the code the layer-side consistency
+  test checks): each *residency* of a replica (``planning.residency``: a run of micro-batches
+  in which a slot holds the same expert owned elsewhere) moves the expert's ``3 * D * F``
+  weights from the owner in the forward of its first micro-batch with tokens and the same
+  number of gradient values (``grad_bytes``: fp32, what the layer returns) back in the
+  backward of its last; a residency without tokens costs nothing. With
+  ``refetch_replicas`` every micro-batch with tokens fetches twice (forward, and backward
+  before recomputing) and returns once, and its backward recomputes the replica rows'
+  forward (expert compute). Transfers go over NVLink (inter-node bandwidth if the owner is
+  on another node). Per GPU, received and sent bytes are both counted (an owner feeding
+  three replicas sends three copies). With ``overlap_replication`` the transfer of layer
+  ``l`` hides behind that layer's attention compute (and shared experts) and only the
+  excess is charged; one rule for every system.
 * run-time planning (online systems only): ``plan_latency_s`` per layer and micro-batch in
   forward (the backward reuses the plan), on the critical path: the plan needs the
   router's output, so at most the shared experts (which run beside the routed ones) can
@@ -71,7 +77,9 @@ from ..checks import check_choice, check_int
 from ..planning.evaluate import PlanMetrics, imbalance
 from ..planning.plan import StepPlan
 from ..planning.pricing import ReorderWeights, reorder_weights
+from ..planning.residency import residencies
 from .dispatch import DISPATCH_MODES, uniform_remote_node_probability
+from .transfers import replica_traffic
 from .presets import HardwareSpec, ModelSpec
 
 # ReorderWeights lives with the planner's pricing (relibra_torch.planning.pricing); it is
@@ -88,7 +96,10 @@ class CostOptions:
             behind the same layer's attention compute; only the excess is charged.
         activation_bytes: bytes per hidden value in dispatch/combine (2 = bf16).
         param_bytes: bytes per expert weight in a replica fill (2 = bf16).
-        grad_bytes: bytes per gradient value returned from a replica (2 = bf16).
+        grad_bytes: bytes per gradient value returned from a replica (4: the layer
+            accumulates and returns replica gradients in fp32, the owner's main-gradient
+            dtype, or in the weights' dtype if wider).
+        refetch_replicas: price the layer's ``refetch_replicas=True`` (no kept buffers).
         master_weights: migration also moves an fp32 master copy of the weights.
         optimizer_state_bytes: bytes of optimizer state per parameter moved by migration
             (8 = Adam's two fp32 moments).
@@ -100,10 +111,11 @@ class CostOptions:
     overlap_replication: bool = False
     activation_bytes: int = 2
     param_bytes: int = 2
-    grad_bytes: int = 2
+    grad_bytes: int = 4
     master_weights: bool = True
     optimizer_state_bytes: int = 8
     dispatch: str = "flat"
+    refetch_replicas: bool = False
 
     def __post_init__(self) -> None:
         for f in ("activation_bytes", "param_bytes", "grad_bytes"):
@@ -189,33 +201,31 @@ class CostModel:
         return (cross / self.inter_node_bytes_per_s + intra / self.nvlink_bytes_per_s).max(-1).values
 
     def replica_counts(self, plan: StepPlan, metrics: PlanMetrics) -> dict[str, torch.Tensor]:
-        """Replica residencies started per GPU, as receiver and as owner (sender).
-
-        Returns int64 ``[M, L, G]`` tensors ``recv_intra``, ``recv_cross``, ``send_intra``,
-        ``send_cross``: new residencies (``slot_changed_MLGJ``) whose owner is on the same /
-        another node, counted at the replica's GPU (recv) and at the owner (send).
-        """
-        topo = plan.topology
-        M, L, G, J = plan.slot_expert_MLGJ.shape
-        E = topo.num_experts
-        se = plan.slot_expert_MLGJ
-        new = metrics.slot_changed_MLGJ
-        cross = new & metrics.fill_cross_node_MLGJ
-        intra = new & ~metrics.fill_cross_node_MLGJ
-        owner_MLGJ = plan.owner_gpu_LE().view(1, L, 1, E).expand(M, L, G, E).gather(3, se.clamp(min=0))
-        out = {"recv_intra": intra.sum(-1), "recv_cross": cross.sum(-1)}
-        for name, mask in (("send_intra", intra), ("send_cross", cross)):
-            sent = torch.zeros(M, L, G, dtype=torch.int64)
-            sent.scatter_add_(2, owner_MLGJ.reshape(M, L, G * J), mask.reshape(M, L, G * J).to(torch.int64))
-            out[name] = sent
-        return out
+        """Weight fetches and gradient returns per GPU, int64 ``[M, L, G]``, as the layer runs
+        them (:func:`~relibra_torch.sim.transfers.replica_traffic`, with this model's
+        ``refetch_replicas``): ``fetch_{recv,send}_{cross,intra}`` and
+        ``return_{send,recv}_{cross,intra}``."""
+        res = metrics.residency if metrics.residency is not None else residencies(plan)
+        return replica_traffic(res, self.options.refetch_replicas)
 
     def replica_s(self, counts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward fill and backward gradient-return time ``[M, L]`` from :meth:`replica_counts`."""
-        def t(nbytes: int) -> torch.Tensor:
-            return self.transfer_s(counts["send_cross"] * nbytes, counts["recv_cross"] * nbytes,
-                                   counts["send_intra"] * nbytes, counts["recv_intra"] * nbytes)
-        return t(self.expert_weight_bytes), t(self.expert_grad_bytes)
+        """Forward and backward replica transfer time ``[M, L]`` from :meth:`replica_counts`.
+
+        Forward: the fills; backward: the gradient returns, plus the second fetch when
+        replicas are re-fetched (half of the fetches then happen in backward).
+        """
+        w, gb, c = self.expert_weight_bytes, self.expert_grad_bytes, counts
+        # with refetch, the first of a micro-batch's two fetches is in forward, the second in backward
+        fwd = {k: c[k] // 2 if self.options.refetch_replicas else c[k] for k in c if k.startswith("fetch")}
+        bwd = {k: c[k] - fwd[k] for k in fwd}
+        fill = self.transfer_s(fwd["fetch_send_cross"] * w, fwd["fetch_recv_cross"] * w,
+                               fwd["fetch_send_intra"] * w, fwd["fetch_recv_intra"] * w)
+        # backward: a GPU receives its second fetch and sends gradients home (owners the reverse)
+        grad = self.transfer_s(bwd["fetch_send_cross"] * w + c["return_send_cross"] * gb,
+                               bwd["fetch_recv_cross"] * w + c["return_recv_cross"] * gb,
+                               bwd["fetch_send_intra"] * w + c["return_send_intra"] * gb,
+                               bwd["fetch_recv_intra"] * w + c["return_recv_intra"] * gb)
+        return fill, grad
 
     def migration(self, plan: StepPlan) -> tuple[float, int, float]:
         """``(seconds, migrated experts, bytes)`` of moving experts to ``plan``'s placement.
@@ -325,12 +335,18 @@ class CostModel:
                 0 for plans made ahead of the step).
         """
         expert_fwd, expert_bwd = self.expert_compute_s(metrics.gpu_load_MLG.max(-1).values)
+        if self.options.refetch_replicas:
+            # backward recomputes the replica rows' forward before their gradients
+            res = metrics.residency if metrics.residency is not None else residencies(plan)
+            rows_MLG = (plan.slot_tokens_MLGJ * res.active_MLGJ).sum(-1)
+            expert_bwd = self.expert_compute_s((2 * metrics.gpu_load_MLG + rows_MLG).max(-1).values)[0]
         a2a_one = self.all_to_all_s(metrics.cross_send_MLG, metrics.cross_recv_MLG,
                                     metrics.intra_send_MLG, metrics.intra_recv_MLG)
         counts = self.replica_counts(plan, metrics)
         fill_fwd, grad_bwd = self.replica_s(counts)
-        n_res = int(counts["recv_intra"].sum() + counts["recv_cross"].sum())
-        replica_bytes = n_res * (self.expert_weight_bytes + self.expert_grad_bytes)
+        fetches = int(counts["fetch_recv_intra"].sum() + counts["fetch_recv_cross"].sum())
+        returns = int(counts["return_send_intra"].sum() + counts["return_send_cross"].sum())
+        replica_bytes = fetches * self.expert_weight_bytes + returns * self.expert_grad_bytes
         mig_s, migrated, mig_bytes = self.migration(plan)
         dense = self.dense_s(tokens_MS, attn_pairs_MS)
         out = self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s,

@@ -1,0 +1,160 @@
+"""Replica residencies: when a replica slot's weights move in and its gradients go home.
+
+The one definition of a *residency*, used by ``evaluate``, the cost model
+(``relibra_torch.sim``), the traffic planner and the layer (``moe.schedule.layer_plans``):
+
+    a maximal run of consecutive micro-batches of a step in which a slot holds the same
+    expert, owned by another GPU (a *fill* slot).
+
+Within a step the weights do not change, so a residency is filled **once**, at its first
+micro-batch with tokens (never if it has none), its weight gradient accumulates on the
+replica's GPU over the micro-batches with tokens, and goes home **once**, in the backward
+of its last micro-batch with tokens. Micro-batches of the residency between those keep the
+buffer alive whether they have tokens or not. A slot holding an expert its GPU owns is no
+fill (it computes with the local parameter). A step boundary ends every residency.
+
+With ``refetch_replicas=True`` the layer keeps no buffer: every micro-batch with tokens
+fetches the weights twice (forward, and again in backward to recompute the replica rows)
+and returns its gradient once. :meth:`Residencies.fetches` and :meth:`Residencies.returns`
+give both schedules.
+
+Legend: M micro-batches, L layers, G GPUs, J slots per GPU, E experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Residencies", "residencies", "residency_masks", "residency_micro_batches"]
+
+
+def residency_masks(slot_expert_MLGJ: torch.Tensor, fill_MLGJ: torch.Tensor,
+                    tokens_MLGJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fill_start, grad_return, held)`` bool ``[M, ...]`` masks of the residencies.
+
+    Args:
+        slot_expert_MLGJ: int ``[M, ...]`` expert in each slot per micro-batch (``-1``: empty);
+            any trailing shape, the first dimension is the step's micro-batches.
+        fill_MLGJ: bool, same shape: the slot's expert is owned by another GPU.
+        tokens_MLGJ: int, same shape: token-expert pairs the slot processes.
+
+    Returns:
+        ``fill_start``: the residency's weights arrive in this micro-batch's forward (its
+        first micro-batch with tokens); ``grad_return``: its gradient goes home in this
+        micro-batch's backward (its last with tokens); ``held``: the buffer is alive in this
+        micro-batch (from ``fill_start`` to ``grad_return``, inclusive).
+    """
+    M = slot_expert_MLGJ.shape[0]
+    if M == 0:
+        empty = torch.zeros_like(fill_MLGJ, dtype=torch.bool)
+        return empty, empty.clone(), empty.clone()
+    fill = fill_MLGJ.to(torch.bool)
+    active = fill & (tokens_MLGJ > 0)
+    same_prev = torch.zeros_like(fill)
+    same_prev[1:] = fill[1:] & fill[:-1] & (slot_expert_MLGJ[1:] == slot_expert_MLGJ[:-1])
+    same_next = torch.zeros_like(fill)
+    same_next[:-1] = same_prev[1:]
+
+    def first_active(act: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        # micro-batch of each position's residency start, then active count since it
+        idx = torch.arange(M).view(M, *([1] * (act.dim() - 1))).expand_as(act)
+        start_pos = torch.where(starts, idx, torch.zeros_like(idx)).cummax(0).values
+        count = act.to(torch.int64).cumsum(0)
+        before = count.gather(0, start_pos) - act.to(torch.int64).gather(0, start_pos)
+        return act & (count - before == 1)
+
+    fill_start = first_active(active, fill & ~same_prev)
+    grad_return = first_active(active.flip(0), (fill & ~same_next).flip(0)).flip(0)
+    started = _within(fill_start, same_prev)
+    pending = _within(grad_return.flip(0), same_next.flip(0)).flip(0)
+    return fill_start, grad_return, started & pending & fill
+
+
+def _within(event: torch.Tensor, same_prev: torch.Tensor) -> torch.Tensor:
+    """True from an ``event`` onwards while the residency continues (``same_prev``)."""
+    out = event.clone()
+    for m in range(1, event.shape[0]):
+        out[m] |= out[m - 1] & same_prev[m]
+    return out
+
+
+@dataclass
+class Residencies:
+    """The replica schedule of a plan (bool ``[M, L, G, J]`` unless noted).
+
+    Attributes:
+        fill_MLGJ: the slot holds an expert owned by another GPU.
+        cross_node_MLGJ: such a slot whose owner is on another node.
+        active_MLGJ: a fill slot with tokens: the layer computes it with replica weights.
+        fill_start_MLGJ: the residency's weights arrive in this micro-batch (kept buffers).
+        grad_return_MLGJ: its gradient goes home in this micro-batch's backward.
+        held_MLGJ: the weight and gradient buffers are alive in this micro-batch.
+        owner_MLGJ: int64, the GPU that owns the slot's expert (``-1`` for empty slots).
+    """
+
+    fill_MLGJ: torch.Tensor
+    cross_node_MLGJ: torch.Tensor
+    active_MLGJ: torch.Tensor
+    fill_start_MLGJ: torch.Tensor
+    grad_return_MLGJ: torch.Tensor
+    held_MLGJ: torch.Tensor
+    owner_MLGJ: torch.Tensor
+
+    def fetches(self, refetch: bool = False) -> torch.Tensor:
+        """int64 ``[M, L, G, J]`` weight fetches of each slot in each micro-batch: 1 at a
+        residency's start (kept buffers) or 2 in every active micro-batch (``refetch``:
+        forward, then again in backward)."""
+        if refetch:
+            return 2 * self.active_MLGJ.to(torch.int64)
+        return self.fill_start_MLGJ.to(torch.int64)
+
+    def returns(self, refetch: bool = False) -> torch.Tensor:
+        """int64 ``[M, L, G, J]`` gradient returns (once per residency, or once per active
+        micro-batch with ``refetch``)."""
+        return (self.active_MLGJ if refetch else self.grad_return_MLGJ).to(torch.int64)
+
+
+def residencies(plan) -> Residencies:
+    """The residencies of ``plan`` (a :class:`~relibra_torch.planning.StepPlan`).
+
+    Tokens per slot are the plan's ``slot_tokens_MLGJ`` (what ``token_split`` sends there).
+    """
+    topo = plan.topology
+    se = plan.slot_expert_MLGJ
+    M, L, G, J = se.shape
+    E, g = topo.num_experts, topo.gpus_per_node
+    owner = plan.owner_gpu_LE().view(1, L, 1, E).expand(M, L, G, E).gather(3, se.clamp(min=0))
+    owner = torch.where(se >= 0, owner, torch.full_like(owner, -1))
+    gpu = torch.arange(G).view(1, 1, G, 1)
+    fill = (se >= 0) & (owner != gpu)
+    cross = fill & (owner // g != gpu // g)
+    start, ret, held = residency_masks(se, fill, plan.slot_tokens_MLGJ)
+    return Residencies(fill, cross, fill & (plan.slot_tokens_MLGJ > 0), start, ret, held, owner)
+
+
+def residency_micro_batches(plan, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[L, G, J]`` ``(fill_mb, return_mb)`` of the residency each slot is in at
+    ``micro_batch``: where its weights arrive and where its gradient goes home (``-1``: no
+    residency with tokens). From :func:`residencies`; ``moe.schedule.layer_plans`` hands
+    them to the layer."""
+    res = residencies(plan)
+    M = plan.num_micro_batches
+    idx = torch.arange(M).view(M, 1, 1, 1)
+    same = torch.ones_like(res.fill_MLGJ)
+    same[1:] = plan.slot_expert_MLGJ[1:] == plan.slot_expert_MLGJ[:-1]
+    # the residency containing micro_batch: the run of equal contents around it
+    run = res.fill_MLGJ & (plan.slot_expert_MLGJ == plan.slot_expert_MLGJ[micro_batch])
+    inside = torch.zeros_like(run)
+    inside[micro_batch] = run[micro_batch]
+    for m in range(micro_batch - 1, -1, -1):
+        inside[m] = inside[m + 1] & run[m] & same[m + 1]
+    for m in range(micro_batch + 1, M):
+        inside[m] = inside[m - 1] & run[m] & same[m]
+    none = torch.full_like(plan.slot_expert_MLGJ[0], -1)
+    fill_mb = torch.where((inside & res.fill_start_MLGJ).any(0),
+                          (idx * (inside & res.fill_start_MLGJ)).sum(0), none)
+    return_mb = torch.where((inside & res.grad_return_MLGJ).any(0),
+                            (idx * (inside & res.grad_return_MLGJ)).sum(0), none)
+    return fill_mb, return_mb

@@ -1,0 +1,127 @@
+"""What the layer sends under a plan, predicted: the simulator side of the transfer counts.
+
+:func:`transfer_counts` returns, per micro-batch, layer and GPU, the quantities the layer
+counts as it runs (``relibra_torch.moe.counters``, same keys and units) from the plan, its
+``token_split`` and its residencies (``planning.residency``). The cost model prices the same
+numbers: :func:`replica_traffic` is the replica schedule both use, and the dispatch rows
+are ``evaluate``'s. ``tests/test_consistency.py`` runs plans through the layer on gloo ranks
+(``relibra_torch.testing.run_plan_transfers``) and asserts equal counts.
+
+Legend: M micro-batches, L layers, G GPUs, J slots per GPU, E experts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..checks import check_choice, check_int
+from ..planning.evaluate import PlanMetrics, evaluate
+from ..planning.plan import StepPlan
+from ..planning.residency import Residencies, residencies
+from .dispatch import DISPATCH_MODES
+
+__all__ = ["COUNT_KEYS", "hook_step_collectives", "replica_traffic", "transfer_counts"]
+
+#: The layer's per (micro-batch, layer, GPU) keys (``moe.counters.COUNT_KEYS``; sim cannot
+#: import the layer, tests check the two tuples are equal).
+COUNT_KEYS = ("cross_node_rows", "intra_node_rows", "fill_bytes_cross", "fill_bytes_intra",
+              "grad_return_bytes_cross", "grad_return_bytes_intra", "collectives")
+
+
+def replica_traffic(res: Residencies, refetch: bool = False) -> dict[str, torch.Tensor]:
+    """Weight fetches and gradient returns per GPU, int64 ``[M, L, G]`` each.
+
+    Keys: ``fetch_{recv,send}_{cross,intra}`` (expert weight copies received at the replica's
+    GPU / sent by the owner, in that micro-batch: forward, plus the backward's second fetch
+    with ``refetch``) and ``return_{send,recv}_{cross,intra}`` (gradient copies sent by the
+    replica's GPU / received by the owner, in that micro-batch's backward); ``cross`` when the
+    owner is on another node. Kept buffers: one fetch per residency (its first micro-batch
+    with tokens) and one return (its last); ``refetch``: two fetches and one return per
+    micro-batch with tokens.
+    """
+    M, L, G, J = res.fill_MLGJ.shape
+    owner = res.owner_MLGJ.clamp(min=0).reshape(M, L, G * J)
+    out = {}
+    for what, n_MLGJ in (("fetch", res.fetches(refetch)), ("return", res.returns(refetch))):
+        for link, mask in (("cross", res.cross_node_MLGJ), ("intra", res.fill_MLGJ & ~res.cross_node_MLGJ)):
+            here = n_MLGJ * mask
+            at_owner = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(2, owner, here.reshape(M, L, G * J))
+            replica_side, owner_side = here.sum(-1), at_owner
+            if what == "fetch":
+                out[f"fetch_recv_{link}"], out[f"fetch_send_{link}"] = replica_side, owner_side
+            else:
+                out[f"return_send_{link}"], out[f"return_recv_{link}"] = replica_side, owner_side
+    return out
+
+
+def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, dispatch: str = "flat",
+                    refetch: bool = False, *, expert_params: int, param_bytes: int = 2,
+                    grad_bytes: int = 4, check_plan: bool = True,
+                    metrics: PlanMetrics | None = None) -> dict[str, torch.Tensor]:
+    """The layer's transfer counts under ``plan``, int64 ``[M, L, G]`` per key.
+
+    Args:
+        plan: the step plan; loads_MLSE: int ``[M, L, S, E]`` its counts.
+        routed_ids: per-token routing (hierarchical dispatch only).
+        dispatch: ``"flat"`` (one row per token-expert pair; ``"hierarchical"`` lands with the
+            hierarchical layer dispatch).
+        refetch: the layer's ``refetch_replicas``.
+        expert_params: weights of one expert (``3 * D * F``).
+        param_bytes: bytes per weight the layer is handed (its parameters' dtype).
+        grad_bytes: bytes per returned gradient value (4: the layer returns fp32, or the
+            weights' dtype if wider).
+        check_plan: the layer's ``check_plan`` (one all-reduce per layer and micro-batch).
+        metrics: ``evaluate(plan, loads_MLSE)`` if already computed.
+
+    Keys and units: see ``relibra_torch.moe.counters``.
+    """
+    check_choice("dispatch", dispatch, DISPATCH_MODES)
+    check_int("expert_params", expert_params)
+    if dispatch == "hierarchical":
+        raise NotImplementedError("transfer_counts(dispatch='hierarchical') lands with the hierarchical "
+                                  "dispatch in the layer (issue 20, section 2); use dispatch='flat'")
+    if metrics is None:
+        metrics = evaluate(plan, loads_MLSE)
+    res = metrics.residency if metrics.residency is not None else residencies(plan)
+    traffic = replica_traffic(res, refetch)
+    weight, grad = expert_params * param_bytes, expert_params * grad_bytes
+    M, L, G, _ = res.fill_MLGJ.shape
+    # Collectives: every rank joins each one. Forward: plan check, dispatch, (fill), combine;
+    # backward: combine, (second fetch with refetch), (gradient return), dispatch.
+    if refetch:
+        fills = 3 * res.active_MLGJ.flatten(2).any(-1).to(torch.int64)  # fetch, fetch, return
+    else:
+        fills = (res.fill_start_MLGJ.flatten(2).any(-1).to(torch.int64)
+                 + res.grad_return_MLGJ.flatten(2).any(-1).to(torch.int64))
+    per_layer = (4 + int(check_plan) + fills) * int(G > 1)
+    return {
+        "cross_node_rows": metrics.cross_send_MLG.clone(),
+        "intra_node_rows": metrics.intra_send_MLG.clone(),
+        "fill_bytes_cross": traffic["fetch_recv_cross"] * weight,
+        "fill_bytes_intra": traffic["fetch_recv_intra"] * weight,
+        "grad_return_bytes_cross": traffic["return_send_cross"] * grad,
+        "grad_return_bytes_intra": traffic["return_send_intra"] * grad,
+        "collectives": per_layer.unsqueeze(-1).expand(M, L, G).contiguous(),
+    }
+
+
+def hook_step_collectives(plan: StepPlan, *, uses_pairs: bool = False, split_planning: bool = False,
+                          tensors_per_param: int = 1) -> torch.Tensor:
+    """int64 ``[G]``: collectives of ``ReplayBalancer.plan_step`` on every GPU.
+
+    Count-shape and count all-gathers (2), the pair-count all-reduce (planners that price
+    co-activation), the plan agreement (split planning: inputs digest + plan all-gather;
+    otherwise the plan digest all-gather), the failure flag (1), and migration: one
+    all-to-all per moved tensor (3 expert weights x ``tensors_per_param``: the weight, its
+    gradient if set, optimizer state tensors) of every layer whose placement changed from
+    ``plan.previous_placement_LE`` (identity when ``None``).
+    """
+    G, L, E = plan.topology.num_gpus, plan.num_layers, plan.topology.num_experts
+    if G == 1:
+        return torch.zeros(1, dtype=torch.int64)
+    previous = plan.previous_placement_LE
+    if previous is None:
+        previous = torch.arange(E).expand(L, E)
+    moved_layers = int((plan.placement_LE != previous).any(1).sum())
+    n = 2 + int(uses_pairs) + (2 if split_planning else 1) + 1 + 3 * tensors_per_param * moved_layers
+    return torch.full((G,), n, dtype=torch.int64)

@@ -1,0 +1,118 @@
+"""The layer sends what the cost model prices: one test of both public interfaces.
+
+Plans from static, eplb-oracle and relibra (with cross-node traffic replicas and replica
+residencies over several micro-batches) and a random plan (tokenless replica micro-batches,
+mid-step refills, migration from a previous placement) run through
+
+* the layer: ``relibra_torch.testing.run_plan_transfers`` (real ``ReplayBalancedMoE`` layers
+  and ``ReplayBalancer`` on 4 gloo ranks, 2 nodes x 2 GPUs, forward + backward of every
+  micro-batch), and
+* the simulator: ``relibra_torch.sim.transfer_counts`` / ``hook_step_collectives`` (the
+  numbers the cost model prices: ``CostModel.replica_counts`` is the same
+  ``replica_traffic``),
+
+with kept and with re-fetched replicas; every count (token rows across / inside nodes, fill
+bytes, gradient-return bytes, collectives per micro-batch, layer and GPU; the hook's
+collectives per step) must be equal. Any change to either side must keep this green.
+Budget: one 4-rank pool, 8 runs, ~60 s on 2 busy cores.
+"""
+
+import pytest
+import torch
+
+import _step_fns as sf
+from relibra_torch.moe.counters import COUNT_KEYS as LAYER_KEYS
+from relibra_torch.planning import ReLibraConfig, Topology, evaluate, make_planner, static_plan
+from relibra_torch.sim import CostModel, CostOptions, get_hardware, get_model, hook_step_collectives, transfer_counts
+from relibra_torch.sim.transfers import COUNT_KEYS
+from relibra_torch.testing import RankPool, run_plan_transfers
+
+pytestmark = pytest.mark.slow
+
+N, GPN, E, R, M, L, K = 2, 2, 8, 2, 3, 2, 2
+DIM, HIDDEN = 16, 8
+TOPO = Topology(N, GPN, E, R)
+# Cheap fills, so that the small test loads make relibra replicate (across nodes too).
+CHEAP = ReLibraConfig(compute_s_per_token=4.8e-8, cross_node_s_per_token=3.6e-7,
+                      replica_fill_s_per_expert=1e-7, cross_replica_fill_s_per_expert=1e-6)
+
+
+def _loads() -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    loads = torch.randint(0, 4, (M, L, N * GPN, E), generator=gen)
+    loads[:, :, 2:, 0] += 30   # node 1 wants node 0's expert 0 in every micro-batch
+    loads[:, 1, :2, 6] += 25   # layer 1: node 0 wants node 1's expert 6
+    loads[1, 0, 2:, 1] += 20   # a hot expert in one micro-batch only
+    return loads
+
+
+def _plans(loads):
+    relibra = make_planner("relibra", TOPO, config=CHEAP).plan(loads)
+    rand = sf.random_step_plan(TOPO, loads, torch.Generator().manual_seed(5))
+    rand.previous_placement_LE = TOPO.static_placement(L)
+    return {"static": static_plan(loads, TOPO), "eplb-oracle": make_planner("eplb-oracle", TOPO).plan(loads),
+            "relibra": relibra, "random": rand}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(N * GPN, timeout_s=240, grace_s=5) as p:
+        yield p
+
+
+def test_the_plans_have_what_the_claims_rest_on():
+    loads = _loads()
+    plans = _plans(loads)
+    for name in ("eplb-oracle", "relibra", "random"):
+        res = evaluate(plans[name], loads).residency
+        assert res.cross_node_MLGJ.any(), name                     # cross-node fills
+    res = evaluate(plans["relibra"], loads).residency
+    assert ((res.active_MLGJ.sum(0) >= 2) & (res.fill_start_MLGJ.sum(0) == 1)).any()  # kept over micro-batches
+    assert (plans["relibra"].slot_expert_MLGJ[:, :, :, TOPO.experts_per_gpu:] >= 0).any()  # traffic replicas
+    res = evaluate(plans["random"], loads).residency
+    assert (res.fill_MLGJ & ~res.active_MLGJ).any()               # replica micro-batches without tokens
+    assert not torch.equal(plans["random"].placement_LE, plans["random"].previous_placement_LE)  # migration
+
+
+@pytest.mark.parametrize("refetch", [False, True], ids=["kept", "refetch"])
+def test_layer_counts_equal_the_cost_models(pool, refetch):
+    assert LAYER_KEYS == COUNT_KEYS
+    loads = _loads()
+    for name, plan in _plans(loads).items():
+        layer = run_plan_transfers(pool, plan, loads, refetch=refetch, top_k=K, dim=DIM, hidden=HIDDEN)
+        sim = transfer_counts(plan, loads, refetch=refetch, expert_params=3 * DIM * HIDDEN,
+                              param_bytes=4, grad_bytes=4)  # fp32 test layers
+        for key in COUNT_KEYS:
+            assert torch.equal(layer[key], sim[key]), (name, key, layer[key].tolist(), sim[key].tolist())
+        assert torch.equal(layer["step_collectives"], hook_step_collectives(plan)), name
+        if name == "relibra" and not refetch:
+            # the counts can tell kept from per-micro-batch replicas on this plan
+            per_mb = transfer_counts(plan, loads, refetch=True, expert_params=3 * DIM * HIDDEN, param_bytes=4)
+            assert not torch.equal(layer["fill_bytes_cross"], per_mb["fill_bytes_cross"] // 2)
+
+
+def test_the_cost_model_prices_these_counts():
+    """``CostModel.replica_counts`` is the simulator side's replica schedule: its fetched and
+    returned copies times the expert bytes are ``transfer_counts``' bytes."""
+    loads = _loads()
+    plan = _plans(loads)["relibra"]
+    model = get_model("qwen3-30b-a3b")
+    for refetch in (False, True):
+        cost = CostModel(model, get_hardware("h200"), CostOptions(refetch_replicas=refetch))
+        metrics = evaluate(plan, loads)
+        counts = cost.replica_counts(plan, metrics)
+        sim = transfer_counts(plan, loads, refetch=refetch, expert_params=model.expert_params(), metrics=metrics)
+        for link in ("cross", "intra"):
+            assert torch.equal(counts[f"fetch_recv_{link}"] * cost.expert_weight_bytes, sim[f"fill_bytes_{link}"])
+            assert torch.equal(counts[f"return_send_{link}"] * cost.expert_grad_bytes,
+                               sim[f"grad_return_bytes_{link}"])
+        assert torch.equal(metrics.cross_send_MLG, sim["cross_node_rows"])
+
+
+def test_hierarchical_lands_with_the_hierarchical_layer_dispatch(pool):
+    loads = _loads()
+    plan = _plans(loads)["static"]
+    with pytest.raises(NotImplementedError, match="hierarchical"):
+        transfer_counts(plan, loads, dispatch="hierarchical", expert_params=3 * DIM * HIDDEN)
+    with pytest.raises(NotImplementedError, match="hierarchical"):
+        run_plan_transfers(pool, plan, loads, dispatch="hierarchical")
