@@ -188,7 +188,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any,
 
 # ---------------------------------------------------------------------------- plan runner
 
-def _routing_from_loads(loads_MLSE: torch.Tensor, top_k: int) -> list[list[torch.Tensor]]:
+def routing_from_loads(loads_MLSE: torch.Tensor, top_k: int) -> list[list[torch.Tensor]]:
     """``[m][s]`` int64 ``[T, L, K]`` ids whose counts are exactly ``loads_MLSE`` (``-1`` pads
     where a layer has fewer pairs than ``T * K``)."""
     M, L, S, E = loads_MLSE.shape
@@ -207,7 +207,7 @@ def _routing_from_loads(loads_MLSE: torch.Tensor, top_k: int) -> list[list[torch
     return out
 
 
-def _plan_transfers_rank(plan, loads_MLSE, routed, top_k, dim, hidden, refetch, check_plan) -> dict:
+def _plan_transfers_rank(plan, loads_MLSE, routed, top_k, dim, hidden, refetch, check_plan, dispatch) -> dict:
     """Rank side of :func:`run_plan_transfers`."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -229,7 +229,8 @@ def _plan_transfers_rank(plan, loads_MLSE, routed, top_k, dim, hidden, refetch, 
     torch.manual_seed(7)
     layers = torch.nn.ModuleList(
         ReplayBalancedMoE(dim, hidden, topo.num_experts, top_k, mesh=_MESHES[key],
-                          replica_slots=topo.replica_slots, refetch_replicas=refetch, check_plan=check_plan)
+                          replica_slots=topo.replica_slots, refetch_replicas=refetch, check_plan=check_plan,
+                          dispatch=dispatch)
         for _ in range(plan.num_layers))
     if plan.previous_placement_LE is not None:
         for l, layer in enumerate(layers):
@@ -265,21 +266,19 @@ def run_plan_transfers(pool: RankPool, plan, loads_MLSE: torch.Tensor, routed_id
     Args:
         routed_ids: ``[m][s]`` int ``[T, L, K]`` routing; ``None``: made from ``loads_MLSE``
             (each rank's pairs spread over ``ceil(pairs / K)`` tokens, ``-1`` pads).
-        dispatch: ``"flat"`` (``"hierarchical"`` lands with the hierarchical layer dispatch).
+        dispatch: the layers' ``dispatch`` (``"flat"`` or ``"hierarchical"``).
 
     Returns:
         int64 ``[M, L, G]`` per key of ``relibra_torch.moe.counters.COUNT_KEYS`` and
         ``step_collectives`` ``[G]``: the keys of ``relibra_torch.sim.transfer_counts``.
     """
-    if dispatch != "flat":
-        if dispatch == "hierarchical":
-            raise NotImplementedError("run_plan_transfers(dispatch='hierarchical') lands with the "
-                                      "hierarchical dispatch in the layer (issue 20, section 2)")
+    if dispatch not in ("flat", "hierarchical"):
         raise ValueError(f"dispatch={dispatch!r}; allowed: flat, hierarchical")
     if pool.world_size != plan.topology.num_gpus:
         raise ValueError(f"the pool has {pool.world_size} ranks but the plan is for "
                          f"{plan.topology.num_gpus} GPUs")
-    routed = routed_ids if routed_ids is not None else _routing_from_loads(loads_MLSE, top_k)
-    results = pool.run(_plan_transfers_rank, plan, loads_MLSE, routed, top_k, dim, hidden, refetch, check_plan)
+    routed = routed_ids if routed_ids is not None else routing_from_loads(loads_MLSE, top_k)
+    results = pool.run(_plan_transfers_rank, plan, loads_MLSE, routed, top_k, dim, hidden, refetch, check_plan,
+                       dispatch)
     # [M, L] per GPU -> [M, L, G]; the step scalar -> [G]
     return {k: torch.stack([torch.from_numpy(res[k]) for res in results], -1) for k in results[0]}

@@ -11,7 +11,7 @@ mid-step refills, migration from a previous placement) run through
   numbers the cost model prices: ``CostModel.replica_counts`` is the same
   ``replica_traffic``),
 
-with kept and with re-fetched replicas; every count (token rows across / inside nodes, fill
+with kept and with re-fetched replicas, in flat and in hierarchical dispatch; every count (token rows across / inside nodes, fill
 bytes, gradient-return bytes, collectives per micro-batch, layer and GPU; the hook's
 collectives per step) must be equal. Any change to either side must keep this green.
 Budget: one 4-rank pool, 8 runs, ~60 s on 2 busy cores.
@@ -25,7 +25,7 @@ from relibra_torch.moe.counters import COUNT_KEYS as LAYER_KEYS
 from relibra_torch.planning import ReLibraConfig, Topology, evaluate, make_planner, static_plan
 from relibra_torch.sim import CostModel, CostOptions, get_hardware, get_model, hook_step_collectives, transfer_counts
 from relibra_torch.sim.transfers import COUNT_KEYS
-from relibra_torch.testing import RankPool, run_plan_transfers
+from relibra_torch.testing import RankPool, routing_from_loads, run_plan_transfers
 
 pytestmark = pytest.mark.slow
 
@@ -109,10 +109,23 @@ def test_the_cost_model_prices_these_counts():
         assert torch.equal(metrics.cross_send_MLG, sim["cross_node_rows"])
 
 
-def test_hierarchical_lands_with_the_hierarchical_layer_dispatch(pool):
+@pytest.mark.parametrize("refetch", [False, True], ids=["kept", "refetch"])
+def test_hierarchical_layer_counts_equal_the_cost_models(pool, refetch):
+    """DeepEP-style dispatch, with the per-token routing the layer runs: its rows (one per
+    (token, remote node), then per (token, destination GPU)) depend on which experts each
+    token shares, so the simulator side counts them from the same ids."""
     loads = _loads()
-    plan = _plans(loads)["static"]
-    with pytest.raises(NotImplementedError, match="hierarchical"):
-        transfer_counts(plan, loads, dispatch="hierarchical", expert_params=3 * DIM * HIDDEN)
-    with pytest.raises(NotImplementedError, match="hierarchical"):
-        run_plan_transfers(pool, plan, loads, dispatch="hierarchical")
+    routed = routing_from_loads(loads, K)
+    plans = _plans(loads)
+    for name in (("static", "eplb-oracle", "relibra", "random") if not refetch else ("relibra",)):
+        plan = plans[name]
+        layer = run_plan_transfers(pool, plan, loads, routed, dispatch="hierarchical", refetch=refetch, top_k=K,
+                                   dim=DIM, hidden=HIDDEN)
+        sim = transfer_counts(plan, loads, routed, dispatch="hierarchical", refetch=refetch,
+                              expert_params=3 * DIM * HIDDEN, param_bytes=4, grad_bytes=4)
+        for key in COUNT_KEYS:
+            assert torch.equal(layer[key], sim[key]), (name, key, layer[key].tolist(), sim[key].tolist())
+        flat = transfer_counts(plan, loads, refetch=refetch, expert_params=3 * DIM * HIDDEN, param_bytes=4)
+        assert (sim["cross_node_rows"] <= flat["cross_node_rows"]).all()  # a token crosses to a node once
+    with pytest.raises(ValueError, match="needs routed_ids"):
+        transfer_counts(plans["static"], loads, dispatch="hierarchical", expert_params=3 * DIM * HIDDEN)

@@ -18,7 +18,7 @@ from ..checks import check_choice, check_int
 from ..planning.evaluate import PlanMetrics, evaluate
 from ..planning.plan import StepPlan
 from ..planning.residency import Residencies, residencies
-from .dispatch import DISPATCH_MODES
+from .dispatch import DISPATCH_MODES, hierarchical_rows
 
 __all__ = ["COUNT_KEYS", "hook_step_collectives", "replica_traffic", "transfer_counts"]
 
@@ -62,9 +62,11 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
 
     Args:
         plan: the step plan; loads_MLSE: int ``[M, L, S, E]`` its counts.
-        routed_ids: per-token routing (hierarchical dispatch only).
-        dispatch: ``"flat"`` (one row per token-expert pair; ``"hierarchical"`` lands with the
-            hierarchical layer dispatch).
+        routed_ids: ``[m][s]`` int ``[T, L, K]`` per-token routing in the layer's token order
+            (hierarchical dispatch only: its rows depend on which experts each token shares).
+        dispatch: ``"flat"`` (one row per token-expert pair) or ``"hierarchical"`` (one row per
+            (token, remote node), then per (token, destination GPU):
+            :func:`relibra_torch.sim.dispatch.hierarchical_rows`).
         refetch: the layer's ``refetch_replicas``.
         expert_params: weights of one expert (``3 * D * F``).
         param_bytes: bytes per weight the layer is handed (its parameters' dtype).
@@ -77,9 +79,9 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
     """
     check_choice("dispatch", dispatch, DISPATCH_MODES)
     check_int("expert_params", expert_params)
-    if dispatch == "hierarchical":
-        raise NotImplementedError("transfer_counts(dispatch='hierarchical') lands with the hierarchical "
-                                  "dispatch in the layer (issue 20, section 2); use dispatch='flat'")
+    if dispatch == "hierarchical" and routed_ids is None:
+        raise ValueError("transfer_counts(dispatch='hierarchical') needs routed_ids: its rows depend on "
+                         "which experts each token shares (pass the routing the layer runs)")
     if metrics is None:
         metrics = evaluate(plan, loads_MLSE)
     res = metrics.residency if metrics.residency is not None else residencies(plan)
@@ -93,16 +95,34 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
     else:
         fills = (res.fill_start_MLGJ.flatten(2).any(-1).to(torch.int64)
                  + res.grad_return_MLGJ.flatten(2).any(-1).to(torch.int64))
-    per_layer = (4 + int(check_plan) + fills) * int(G > 1)
+    topo = plan.topology
+    if dispatch == "hierarchical":
+        rows = hierarchical_rows(plan, loads_MLSE, routed_ids)
+        cross_MLG, intra_MLG = rows["cross_node_rows"], rows["intra_node_rows"]
+        exchange = hierarchical_collectives(topo.num_nodes, topo.gpus_per_node)
+    else:
+        cross_MLG, intra_MLG = metrics.cross_send_MLG.clone(), metrics.intra_send_MLG.clone()
+        exchange = 4  # dispatch and combine, forward and backward
+    per_layer = (exchange + int(check_plan) + fills) * int(G > 1)
     return {
-        "cross_node_rows": metrics.cross_send_MLG.clone(),
-        "intra_node_rows": metrics.intra_send_MLG.clone(),
+        "cross_node_rows": cross_MLG,
+        "intra_node_rows": intra_MLG,
         "fill_bytes_cross": traffic["fetch_recv_cross"] * weight,
         "fill_bytes_intra": traffic["fetch_recv_intra"] * weight,
         "grad_return_bytes_cross": traffic["return_send_cross"] * grad,
         "grad_return_bytes_intra": traffic["return_send_intra"] * grad,
         "collectives": per_layer.unsqueeze(-1).expand(M, L, G).contiguous(),
     }
+
+
+def hierarchical_collectives(num_nodes: int, gpus_per_node: int) -> int:
+    """Collectives of one layer's hierarchical exchange, forward + backward
+    (``distributed.hierarchical``): the size all-gather, the inter-node stage (rows and their
+    routes) unless one node, the NVLink stage unless one GPU per node, and combine's way back
+    through the stages it used; every exchange but the all-gather has a backward."""
+    stages = 2 * int(num_nodes > 1) + 2 * int(gpus_per_node > 1)      # dispatch: x and route per stage
+    back = int(num_nodes > 1) + int(gpus_per_node > 1)                # combine: one per stage
+    return 1 + 2 * (stages + back)
 
 
 def hook_step_collectives(plan: StepPlan, *, uses_pairs: bool = False, split_planning: bool = False,
