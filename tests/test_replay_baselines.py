@@ -141,9 +141,9 @@ def test_node_demand_fills_are_counted_once_per_step():
     traffic = traffic_slots(plan) & metrics.fill_cross_node_MLGJ
     assert traffic.any()
     # a step-long cross-node residency starts at micro-batch 0 only
-    assert (metrics.slot_changed_MLGJ[1:] & traffic[1:]).sum() == 0
+    assert (metrics.fill_start_MLGJ[1:] & traffic[1:]).sum() == 0
     counts = cost.replica_counts(plan, metrics)
-    assert int(counts["recv_cross"].sum()) >= int(traffic[0].sum())
+    assert int(counts["fetch_recv_cross"].sum()) >= int(traffic[0].sum())
     step = cost.step_cost(plan, metrics, loads.sum(-1) // 2, (loads.sum(-1) // 2).double())
     assert step.replica_bytes > 0 and float(step.replica_s_ML.sum()) > 0
     # the planner got relibra's prices from the cost model

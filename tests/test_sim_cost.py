@@ -21,7 +21,8 @@ MODEL = ModelSpec("tiny", num_layers=3, num_moe_layers=2, hidden_size=4, moe_ffn
                   top_k=2, num_heads=2, num_kv_heads=1, head_dim=3, vocab_size=10, dense_ffn=5,
                   num_shared_experts=1, shared_ffn=6)
 HW = HardwareSpec("round", bf16_tflops=1.0, grouped_gemm_efficiency=0.5, dense_efficiency=0.25,
-                  nvlink_gbps=100.0, inter_node_gbps=10.0, hbm_gb=80.0, hbm_gbps=3000.0)
+                  nvlink_gbps=100.0, inter_node_gbps=10.0, hbm_gb=80.0, hbm_gbps=3000.0,
+                  inter_node_latency_us=0.0, nvlink_latency_us=0.0)  # latency: its own test
 EXPERT_RATE = 0.5e12
 DENSE_RATE = 0.25e12
 NVL, IB = 100e9, 10e9
@@ -225,7 +226,7 @@ def test_overlap_hides_replica_transfer_behind_attention_up_to_its_length():
     assert plain.step_s - hidden.step_s == approx(float(plain.replica_s_ML.sum()))
     # a slow NVLink makes the fill longer than attention: only the excess is charged
     slow = HardwareSpec("slow", 1.0, 0.5, 0.25, nvlink_gbps=1e-9, inter_node_gbps=10.0, hbm_gb=80.0,
-                        hbm_gbps=3000.0)
+                        hbm_gbps=3000.0, inter_node_latency_us=0.0, nvlink_latency_us=0.0)
     c = CostModel(MODEL, slow, CostOptions(overlap_replication=True))
     s = c.step_cost(plan, metrics, tokens, pairs)
     attn = c.dense_s(tokens, pairs)
@@ -321,7 +322,8 @@ def test_invariants_uniform_bounds_compute_slower_links_never_help_and_parts_add
     for field in ("nvlink_gbps", "inter_node_gbps"):
         slow_hw = HardwareSpec("slow", HW.bf16_tflops, HW.grouped_gemm_efficiency, HW.dense_efficiency,
                                **{"nvlink_gbps": HW.nvlink_gbps, "inter_node_gbps": HW.inter_node_gbps,
-                                  "hbm_gb": HW.hbm_gb, "hbm_gbps": HW.hbm_gbps,
+                                  "hbm_gb": HW.hbm_gb, "hbm_gbps": HW.hbm_gbps, "inter_node_latency_us": 0.0,
+                                  "nvlink_latency_us": 0.0,
                                   field: getattr(HW, field) / 2})
         slow = CostModel(model, slow_hw).step_cost(plan, metrics, tokens, pairs)
         assert slow.step_s >= step.step_s * (1 - 1e-12)

@@ -46,7 +46,9 @@ def test_flat_mode_reproduces_the_numbers_stored_before_dispatch_modes():
     wl = workload_from_loads(skewed_loads(X=2, seed=3, tokens=256), MODEL, Topology(2, 2, 8, 1))
     # the tiny model's forward pass (microseconds) cannot hide host planning; the fixture
     # predates its charge (tests/test_sim_host_charge.py), so a window hides it here
-    res = simulate(wl, SimConfig(MODEL, HW, Topology(2, 2, 8, 1), ("static", "uniform"), warmup_steps=1,
+    # the fixture also predates the collectives' fixed latency: zero it to compare the rest
+    no_latency = dataclasses.replace(HW, inter_node_latency_us=0.0, nvlink_latency_us=0.0)
+    res = simulate(wl, SimConfig(MODEL, no_latency, Topology(2, 2, 8, 1), ("static", "uniform"), warmup_steps=1,
                                  baseline_options=BaselineOptions(planning_overlap_s=1e9)))
     assert res.config.cost_options.dispatch == "flat"
     figures = res.figures()

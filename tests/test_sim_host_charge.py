@@ -87,3 +87,25 @@ def test_cli_planning_and_relibra_sections(tmp_path):
     f = json.loads(path.read_text())["systems"]["relibra"]
     assert f["planning_charged_s"] == pytest.approx(f["host_cpu_s"]) and f["host_cpu_s"] > 0
     assert main([*args, "--set", "relibra.speed=9"]) == 2
+
+
+def test_each_collective_pays_its_fixed_latency():
+    """The cost model charges the layer's collectives (transfer_counts' count) their fixed
+    latency: across nodes the inter-node one, on one node the NVLink one."""
+    from relibra_torch.planning import evaluate, make_planner
+    from relibra_torch.sim import CostModel, CostOptions
+    from relibra_torch.sim.transfers import layer_collectives_ML
+
+    loads_MLSE = _loads()[0]
+    plan = make_planner("relibra", TOPO).plan(loads_MLSE)
+    metrics = evaluate(plan, loads_MLSE)
+    tokens_MS = loads_MLSE.sum((1, 3)) // 2
+    for dispatch, per_exchange in (("flat", 4), ("hierarchical", 13)):
+        opts = CostOptions(dispatch=dispatch)
+        slow = dataclasses.replace(HW, inter_node_latency_us=40.0)
+        free = dataclasses.replace(HW, inter_node_latency_us=0.0)
+        a = CostModel(MODEL, slow, opts).step_cost(plan, metrics, tokens_MS, tokens_MS.double())
+        b = CostModel(MODEL, free, opts).step_cost(plan, metrics, tokens_MS, tokens_MS.double())
+        n_ML = layer_collectives_ML(metrics.residency, TOPO, dispatch)
+        assert int(n_ML.min()) >= per_exchange + 1  # the exchange and the plan check, at least
+        assert a.step_s - b.step_s == pytest.approx(float(n_ML.sum()) * 40e-6, rel=1e-9)

@@ -43,6 +43,8 @@ class HardwareSpec:
         inter_node_gbps: achievable inter-node (RDMA) bandwidth per GPU per direction, GB/s.
         hbm_gb: HBM capacity per GPU, GB (1e9 bytes), as the datasheet lists it.
         hbm_gbps: peak HBM bandwidth per GPU, GB/s (decode and other memory-bound kernels).
+        inter_node_latency_us: fixed latency of one collective that spans nodes, us.
+        nvlink_latency_us: the same inside one node (NVLink), us.
     """
 
     name: str
@@ -53,10 +55,19 @@ class HardwareSpec:
     inter_node_gbps: float
     hbm_gb: float
     hbm_gbps: float
+    # NCCL's own tuning model (src/graph/tuning.cc) charges a collective a base latency of
+    # 6.6-14 us plus a per-step hardware latency of up to 28 us over the network and 0.6-3.4 us
+    # over NVLink (Ring/Tree, LL/LL128/Simple); github.com/NVIDIA/nccl/issues/1453 shows its estimate of
+    # 25.2 us for a 128-byte collective on an H100 cluster. 25 us across nodes, 12 us inside
+    # one: mid-range values (override with --set hardware.inter_node_latency_us=...).
+    inter_node_latency_us: float = 25.0
+    nvlink_latency_us: float = 12.0
 
     def __post_init__(self) -> None:
         for f in ("bf16_tflops", "nvlink_gbps", "inter_node_gbps", "hbm_gb", "hbm_gbps"):
             check_number(f"hardware.{f}", getattr(self, f), 0, strict=True)
+        for f in ("inter_node_latency_us", "nvlink_latency_us"):
+            check_number(f"hardware.{f}", getattr(self, f), 0)
         for f in ("grouped_gemm_efficiency", "dense_efficiency"):  # fractions of peak
             check_number(f"hardware.{f}", getattr(self, f), 0, strict=True, maximum=1)
 

@@ -135,11 +135,15 @@ def bound_step_cost(cost: CostModel, loads_MLSE: torch.Tensor, topology: Topolog
         cross /= cost.model.top_k
     zero = torch.zeros(M, L, dtype=torch.float64)
     dense = cost.dense_s(tokens_MS, attn_pairs_MS)
-    return cost._combine(expert_fwd, expert_bwd, a2a_one, zero, zero, dense, 0.0, 0, 0.0, cross, 0.0, 0.0)
+    # every plan's layer runs the token exchange's collectives (fills and plan check aside)
+    latency_ML = cost.collective_latency_s(
+        torch.full((M, L), cost.exchange_collectives(topology.num_nodes, topology.gpus_per_node)), topology.num_nodes)
+    return cost._combine(expert_fwd, expert_bwd, a2a_one, zero, zero, dense, 0.0, 0, 0.0, cross, 0.0, 0.0,
+                         latency_s_ML=latency_ML)
 
 
 def balanced_at_own_bytes_s(cost: CostModel, metrics: PlanMetrics, tokens_MS: torch.Tensor,
-                            attn_pairs_MS: torch.Tensor) -> float:
+                            attn_pairs_MS: torch.Tensor, topology: Topology) -> float:
     """Step seconds of a plan's own traffic with every GPU balanced: attention/dense, expert
     compute at the mean load, and per (m, l) the plan's cross-node and NVLink copies (the
     dispatch mode's counts, ``metrics``) spread evenly over the GPUs; no fills, migration or
@@ -151,4 +155,8 @@ def balanced_at_own_bytes_s(cost: CostModel, metrics: PlanMetrics, tokens_MS: to
     intra_ML = metrics.intra_send_MLG.to(torch.float64).sum(-1) / G
     a2a_ML = cost.token_bytes * (cross_ML / cost.inter_node_bytes_per_s + intra_ML / cost.nvlink_bytes_per_s)
     dense = cost.dense_s(tokens_MS, attn_pairs_MS)
-    return float((fwd + bwd + 4.0 * a2a_ML).sum()) + float(dense["total"].sum())
+    # plus the fixed latency of the token exchange and plan check every layer runs (fills aside)
+    M, L, _ = metrics.gpu_load_MLG.shape
+    n = cost.exchange_collectives(topology.num_nodes, topology.gpus_per_node) + int(G > 1)
+    latency = float(cost.collective_latency_s(torch.full((M, L), n), topology.num_nodes).sum())
+    return float((fwd + bwd + 4.0 * a2a_ML).sum()) + float(dense["total"].sum()) + latency

@@ -79,7 +79,7 @@ from ..planning.plan import StepPlan
 from ..planning.pricing import ReorderWeights, reorder_weights
 from ..planning.residency import residencies
 from .dispatch import DISPATCH_MODES, uniform_remote_node_probability
-from .transfers import replica_traffic
+from .transfers import hierarchical_collectives, layer_collectives_ML, replica_traffic
 from .presets import HardwareSpec, ModelSpec
 
 # ReorderWeights lives with the planner's pricing (relibra_torch.planning.pricing); it is
@@ -146,6 +146,7 @@ class StepCost:
     migrated_experts: int
     migrated_bytes: float
     planning_exposed_s_ML: torch.Tensor | None = None  # run-time planning charged (online systems)
+    latency_s_ML: torch.Tensor | None = None  # fixed latency of the layer's collectives
     # max / mean over GPUs of cross-node receive, mean over micro-batches x layers
     cross_node_recv_imbalance: float = 1.0
 
@@ -295,7 +296,7 @@ class CostModel:
     # --- whole step --------------------------------------------------------------------
     def _combine(self, expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, migration_s,
                  migrated, migrated_bytes, cross_tokens, intra_tokens, replica_bytes,
-                 plan_latency_s: float = 0.0) -> StepCost:
+                 plan_latency_s: float = 0.0, latency_s_ML: torch.Tensor | None = None) -> StepCost:
         attn_fwd = dense["attention_layer_fwd"].unsqueeze(1)
         attn_bwd = dense["attention_layer_bwd"].unsqueeze(1)
         shared_fwd = dense["shared_layer_fwd"].unsqueeze(1)
@@ -313,6 +314,8 @@ class CostModel:
         expert = expert_fwd + expert_bwd
         a2a = 4.0 * a2a_one  # dispatch + combine, forward and backward
         moe = expert + a2a + exposed + planning
+        if latency_s_ML is not None:  # collectives run one after another on the critical path
+            moe = moe + latency_s_ML
         attention_dense_s = float(dense["total"].sum())
         step = float(moe.sum()) + attention_dense_s + migration_s
         return StepCost(moe_layer_s_ML=moe, expert_s_ML=expert, all_to_all_s_ML=a2a,
@@ -321,7 +324,8 @@ class CostModel:
                         cross_node_bytes=4.0 * self.token_bytes * float(cross_tokens),
                         intra_node_bytes=4.0 * self.token_bytes * float(intra_tokens),
                         replica_bytes=float(replica_bytes), migrated_experts=migrated,
-                        migrated_bytes=migrated_bytes, planning_exposed_s_ML=planning)
+                        migrated_bytes=migrated_bytes, planning_exposed_s_ML=planning,
+                        latency_s_ML=latency_s_ML)
 
     def step_cost(self, plan: StepPlan, metrics: PlanMetrics, tokens_MS: torch.Tensor,
                   attn_pairs_MS: torch.Tensor, plan_latency_s: float = 0.0) -> StepCost:
@@ -349,11 +353,29 @@ class CostModel:
         replica_bytes = fetches * self.expert_weight_bytes + returns * self.expert_grad_bytes
         mig_s, migrated, mig_bytes = self.migration(plan)
         dense = self.dense_s(tokens_MS, attn_pairs_MS)
+        res = metrics.residency if metrics.residency is not None else residencies(plan)
+        latency_ML = self.collective_latency_s(
+            layer_collectives_ML(res, plan.topology, self.options.dispatch, self.options.refetch_replicas),
+            plan.topology.num_nodes)
         out = self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s,
                             migrated, mig_bytes, metrics.cross_send_MLG.sum(),
-                            metrics.intra_send_MLG.sum(), replica_bytes, plan_latency_s)
+                            metrics.intra_send_MLG.sum(), replica_bytes, plan_latency_s, latency_ML)
         out.cross_node_recv_imbalance = float(imbalance(metrics.cross_recv_MLG).mean())
         return out
+
+    def collective_latency_s(self, collectives_ML: torch.Tensor, num_nodes: int) -> torch.Tensor:
+        """float64 ``[M, L]``: the fixed latency of the layer's collectives (``hardware.*_latency_us``
+        each; they span nodes when there are several)."""
+        hw = self.hardware
+        us = hw.inter_node_latency_us if num_nodes > 1 else hw.nvlink_latency_us
+        return collectives_ML.to(torch.float64) * us * 1e-6
+
+    def exchange_collectives(self, num_nodes: int, gpus_per_node: int) -> int:
+        """Collectives of one layer's token exchange per micro-batch, forward + backward (0 on
+        one GPU): what every plan's layer issues, fills and plan check aside."""
+        if num_nodes * gpus_per_node == 1:
+            return 0
+        return hierarchical_collectives(num_nodes, gpus_per_node) if self.options.dispatch == "hierarchical" else 4
 
     def uniform_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,
                           tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> StepCost:
@@ -383,8 +405,10 @@ class CostModel:
         a2a_one = self.all_to_all_s(cross_send, cross_recv, intra_send, intra_recv)
         zero = torch.zeros(M, L, dtype=torch.float64)
         dense = self.dense_s(tokens_MS, attn_pairs_MS)
+        latency_ML = self.collective_latency_s(
+            torch.full((M, L), self.exchange_collectives(num_nodes, gpus_per_node) + 1), num_nodes)  # + plan check
         return self._combine(expert_fwd, expert_bwd, a2a_one, zero, zero, dense, 0.0, 0, 0.0,
-                             cross_send.sum(), intra_send.sum(), 0.0)
+                             cross_send.sum(), intra_send.sum(), 0.0, latency_s_ML=latency_ML)
 
     def reorder_weights(self) -> ReorderWeights:
         """Per-unit costs for a planner's objective, from the same terms as :meth:`step_cost`.

@@ -13,7 +13,7 @@ G GPUs (node-major), J slots per GPU, X = G * J slots, N nodes, T tokens, K top-
   one inter-node send per (token, remote node) at the source and one receive at the
   landing GPU; one NVLink send per (token, GPU of its own node other than itself) at the
   source, and one per (token, GPU of a remote node other than the landing GPU) at the
-  landing GPU, each received by that GPU. (Before issue 20 NVLink was counted per pair;
+  landing GPU, each received by that GPU. (Before the layer ran hierarchical dispatch NVLink was counted per pair;
   the layer, like DeepEP, sends a token to a GPU once however many of its experts that
   GPU holds, so this module now counts what the layer sends.)
 

@@ -275,6 +275,7 @@ STEP_PARTS = (("expert compute", "expert_compute_s", "#4c72b0"),
               ("replica transfer", "replica_exposed_s", "#55a868"),
               ("migration", "migration_s", "#c44e52"),
               ("host planning", "planning_charged_s", "#8172b3"),
+              ("collective latency", "collective_latency_s", "#937860"),
               ("attention / dense", "attention_dense_s", "#b0b0b0"))
 
 

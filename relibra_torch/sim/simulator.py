@@ -164,6 +164,8 @@ class SystemResult:
             "all_to_all_s": sum(float(c.all_to_all_s_ML.sum()) for c in self.costs) / len(self.costs),
             "replica_transfer_s": sum(float(c.replica_s_ML.sum()) for c in self.costs) / len(self.costs),
             "replica_exposed_s": sum(float(c.replica_exposed_s_ML.sum()) for c in self.costs) / len(self.costs),
+            "collective_latency_s": sum(float(c.latency_s_ML.sum()) for c in self.costs
+                                        if c.latency_s_ML is not None) / len(self.costs),
             "planning_exposed_s": sum(float(c.planning_exposed_s_ML.sum()) for c in self.costs
                                       if c.planning_exposed_s_ML is not None) / len(self.costs),
             "attention_dense_s": self.mean("attention_dense_s"),
@@ -281,7 +283,7 @@ def simulate(workload: Workload, config: SimConfig,
                                                 getattr(planner, "plan_latency_s", 0.0)))
                     imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
-                    balanced.append(balanced_at_own_bytes_s(cost, metrics, tokens_MS, pairs_MS))
+                    balanced.append(balanced_at_own_bytes_s(cost, metrics, tokens_MS, pairs_MS, topo))
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"))
                 planner.commit(plan, loads_MLSE)

@@ -88,22 +88,12 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
     traffic = replica_traffic(res, refetch)
     weight, grad = expert_params * param_bytes, expert_params * grad_bytes
     M, L, G, _ = res.fill_MLGJ.shape
-    # Collectives: every rank joins each one. Forward: plan check, dispatch, (fill), combine;
-    # backward: combine, (second fetch with refetch), (gradient return), dispatch.
-    if refetch:
-        fills = 3 * res.active_MLGJ.flatten(2).any(-1).to(torch.int64)  # fetch, fetch, return
-    else:
-        fills = (res.fill_start_MLGJ.flatten(2).any(-1).to(torch.int64)
-                 + res.grad_return_MLGJ.flatten(2).any(-1).to(torch.int64))
-    topo = plan.topology
+    per_layer = layer_collectives_ML(res, plan.topology, dispatch, refetch, check_plan)
     if dispatch == "hierarchical":
         rows = hierarchical_rows(plan, loads_MLSE, routed_ids)
         cross_MLG, intra_MLG = rows["cross_node_rows"], rows["intra_node_rows"]
-        exchange = hierarchical_collectives(topo.num_nodes, topo.gpus_per_node)
     else:
         cross_MLG, intra_MLG = metrics.cross_send_MLG.clone(), metrics.intra_send_MLG.clone()
-        exchange = 4  # dispatch and combine, forward and backward
-    per_layer = (exchange + int(check_plan) + fills) * int(G > 1)
     return {
         "cross_node_rows": cross_MLG,
         "intra_node_rows": intra_MLG,
@@ -113,6 +103,23 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
         "grad_return_bytes_intra": traffic["return_send_intra"] * grad,
         "collectives": per_layer.unsqueeze(-1).expand(M, L, G).contiguous(),
     }
+
+
+def layer_collectives_ML(res: Residencies, topology, dispatch: str = "flat", refetch: bool = False,
+                         check_plan: bool = True) -> torch.Tensor:
+    """int64 ``[M, L]``: collectives one layer issues per micro-batch, forward + backward (every
+    rank joins each one, so the count is every GPU's): plan check, the token exchange (flat:
+    dispatch and combine each way; hierarchical: :func:`hierarchical_collectives`), a fill
+    where a residency starts and a gradient return where one ends (with ``refetch``: fetch,
+    fetch, return wherever a replica computes). None on one GPU."""
+    if refetch:
+        fills = 3 * res.active_MLGJ.flatten(2).any(-1).to(torch.int64)  # fetch, fetch, return
+    else:
+        fills = (res.fill_start_MLGJ.flatten(2).any(-1).to(torch.int64)
+                 + res.grad_return_MLGJ.flatten(2).any(-1).to(torch.int64))
+    exchange = (hierarchical_collectives(topology.num_nodes, topology.gpus_per_node)
+                if dispatch == "hierarchical" else 4)
+    return (exchange + int(check_plan) + fills) * int(topology.num_gpus > 1)
 
 
 def hierarchical_collectives(num_nodes: int, gpus_per_node: int) -> int:
