@@ -36,6 +36,7 @@ from .baselines import SECTIONS as BASELINE_SECTIONS
 from .baselines import baseline_options
 from .cost import CostOptions
 from .dispatch import DISPATCH_MODES
+from .memory import capacity_bytes, ideal_memory, memory_options, precheck
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_config_file,
                       parse_override)
@@ -77,6 +78,7 @@ DEFAULTS = {
     "plot": None,
     "trace": "default",
     "packing": "fixed",
+    "ignore_memory": False,
 }
 
 
@@ -137,6 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(longest first, balancing attention and tokens), routepack (replay-aware "
                              "search) "
                              f"(default {d['packing']})")
+    parser.add_argument("--ignore-memory", action="store_true", default=None,
+                        help="run a configuration that does not fit the GPUs' memory (what-if; a warning "
+                             "line says so); the memory model: --set memory.FIELD=VALUE, docs/simulator.md")
 
 
 def _int_option(name: str, value: object, minimum: int) -> int:
@@ -215,7 +220,11 @@ def resolve(args: argparse.Namespace) -> dict:
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
     check_choice("--dispatch", opts["dispatch"], DISPATCH_MODES)
-    return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
+    memory = _memory_settings(args, file_cfg)
+    # weights, gradients, optimizer state and replica slots: refused before any trace or plan
+    warnings = _memory_verdict(precheck(model, topology, hardware, memory, systems_replicate(systems)),
+                               opts["ignore_memory"], [])
+    return {**opts, "memory": memory, "memory_warnings": warnings, "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems,
             "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"]),
             "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
@@ -250,6 +259,36 @@ def file_warmup(num_steps: int, workload_notes: dict) -> int:
     workload_notes["warm-up"] = ("none: the file holds one step, so history-based systems (eplb) "
                                  "plan it from uniform history")
     return 0
+
+
+def systems_replicate(systems) -> bool:
+    """Whether any system fills replica slots (all but static and ideal)."""
+    return any(name not in ("static", "ideal") for name in systems)
+
+
+def _memory_settings(args: argparse.Namespace, file_cfg: dict):
+    """The ``[memory]`` section of ``--config``, then ``--set memory.X=..`` over it."""
+    raw = file_cfg.get("memory")
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"--config: 'memory' must be a table of FIELD = VALUE, got {raw!r}")
+    fields = dict(raw or {})
+    for text in args.set or []:
+        section, name, value = parse_override(text)
+        if section == "memory":
+            fields[name] = value
+    try:
+        return memory_options(fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--set/--config: {exc}") from None
+
+
+def _memory_verdict(message: str | None, ignore: bool, warnings: list[str]) -> list[str]:
+    """Raise ``message`` as the refusal, or keep it as a warning under --ignore-memory."""
+    if message and not ignore:
+        raise ValueError(message)
+    if message and not warnings:  # one warning before the run is enough
+        warnings.append(message)
+    return warnings
 
 
 def _baseline_settings(args: argparse.Namespace, file_cfg: dict):
@@ -295,8 +334,14 @@ def run(args: argparse.Namespace) -> int:
     else:
         workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
                                    s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"])
+    # the ideal system's activations are a lower bound for every plan: refuse before planning
+    act = max(ideal_memory(model, s["memory"], workload.loads_XMLSE[x], workload.tokens_XMS[x]).activations
+              for x in range(s["warmup_steps"], workload.num_steps)) if s["warmup_steps"] < workload.num_steps else 0.0
+    _memory_verdict(precheck(model, topo, s["hardware_spec"], s["memory"], systems_replicate(s["systems"]), act),
+                    s["ignore_memory"], s["memory_warnings"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
-                       baseline_options=s["baseline_options"])
+                       baseline_options=s["baseline_options"], memory=s["memory"],
+                       memory_check=not s["ignore_memory"])
 
     err = Console(stderr=True)
     show = not args.no_progress and err.is_terminal
@@ -325,6 +370,11 @@ def run(args: argparse.Namespace) -> int:
     if s["trace"] != "default" or s["packing"] != "fixed":  # the default JSON stays as it was
         extra.update({"trace": s["trace"] if not args.file else None, "packing": s["packing"]})
     doc = result_json(result, extra)
+    cap = capacity_bytes(s["hardware_spec"], s["memory"])
+    s["memory_warnings"] += [f"{name} needs {f['memory_peak_bytes'] / 1e9:,.1f} GB per GPU, {cap / 1e9:,.1f} GB "
+                             f"available" for name, f in doc["systems"].items() if f["memory_peak_bytes"] > cap]
+    for text in s["memory_warnings"]:  # only with --ignore-memory: otherwise these were refused
+        err.print(f"relibra simulate: warning (--ignore-memory): {text}", highlight=False, soft_wrap=True)
     out = Console()
     if not out.is_terminal:
         out = Console(width=200)

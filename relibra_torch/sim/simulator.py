@@ -31,6 +31,7 @@ from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
+from .memory import MemoryBreakdown, MemoryOptions, capacity_bytes, check_fits, ideal_memory, plan_memory
 from .presets import HardwareSpec, ModelSpec
 from .workload import Workload
 
@@ -87,6 +88,10 @@ class SimConfig:
     warmup_steps: int = 0
     validate: bool = True
     baseline_options: BaselineOptions = field(default_factory=BaselineOptions)
+    # the memory model's recipe; with memory_check, a plan whose busiest GPU needs more
+    # than the capacity raises ValueError (the CLI sets it unless --ignore-memory)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    memory_check: bool = False
 
     def __post_init__(self) -> None:
         if self.topology.num_experts != self.model.num_experts:
@@ -110,6 +115,7 @@ class SystemResult:
     imbalance_XML: torch.Tensor
     costs: list[StepCost]
     planner_s: list[float]
+    memory: list[MemoryBreakdown] = field(default_factory=list)  # per measured step, busiest GPU
 
     def mean(self, attr: str) -> float:
         return sum(float(getattr(c, attr)) for c in self.costs) / len(self.costs)
@@ -139,7 +145,16 @@ class SystemResult:
             "migrated_experts": self.mean("migrated_experts"),
             "migrated_bytes": self.mean("migrated_bytes"),
             "planner_s": sum(self.planner_s) / len(self.planner_s) if self.planner_s else 0.0,
+            **self.memory_figures(),
         }
+
+    def memory_figures(self) -> dict:
+        """``memory_peak_bytes`` (the busiest GPU's peak over the measured steps) and
+        ``memory`` (that step's breakdown, bytes; see :class:`MemoryBreakdown`)."""
+        if not self.memory:
+            return {"memory_peak_bytes": None, "memory": None}
+        worst = max(self.memory, key=lambda b: b.peak)
+        return {"memory_peak_bytes": worst.peak, "memory": worst.as_dict()}
 
 
 @dataclass
@@ -193,7 +208,7 @@ def simulate(workload: Workload, config: SimConfig,
         workload.notes["dispatch"] = EXACT_NOTE if workload.routing is not None else ESTIMATE_NOTE
     results: dict[str, SystemResult] = {}
     for name in config.systems:
-        imb, costs, planner_s = [], [], []
+        imb, costs, planner_s, memory = [], [], [], []
         planner = None if name == "ideal" else planner_factory(name, topo, cost)
         for x in range(X):
             loads_MLSE = workload.loads_XMLSE[x]
@@ -204,6 +219,7 @@ def simulate(workload: Workload, config: SimConfig,
                     costs.append(cost.ideal_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
                                                       tokens_MS, pairs_MS))
                     imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
+                    memory.append(ideal_memory(config.model, config.memory, loads_MLSE, tokens_MS))
             else:
                 t0 = time.perf_counter()
                 if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
@@ -224,8 +240,24 @@ def simulate(workload: Workload, config: SimConfig,
                                                 getattr(planner, "plan_latency_s", 0.0)))
                     imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
+                    memory.append(plan_memory(config.model, config.memory, plan, metrics.gpu_load_MLG, tokens_MS))
+                    _check_memory(config, name, x, memory[-1])
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
-        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s)
+        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, memory)
     return SimResult(config, workload, results)
+
+
+def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
+    """Refuse (``ValueError``) a plan whose busiest GPU does not fit, when asked to."""
+    if not config.memory_check:
+        return
+    topo = config.topology
+    msg = check_fits(b, capacity_bytes(config.hardware, config.memory),
+                     f"{name}'s plan of step {step} ({config.model.name} on {topo.num_nodes} x "
+                     f"{topo.gpus_per_node} {config.hardware.name}, R={topo.replica_slots})",
+                     "use more --nodes, fewer --replica-slots, a smaller --micro-batch-tokens or "
+                     "--set memory.shard=params (dense weights, gradients and optimizer state sharded)")
+    if msg:
+        raise ValueError(msg)
