@@ -18,7 +18,7 @@ overrides single fields (e.g. --set hardware.inter_node_gbps=25).
 
 examples:
   relibra simulate
-  relibra simulate --model qwen3-235b-a22b --nodes 2 --systems static,eplb-oracle,relibra
+  relibra simulate --model qwen3-235b-a22b --nodes 16 --systems static,eplb-oracle,relibra
   relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
   relibra simulate replay.safetensors --model-config Mixtral-8x7B/config.json --nodes 1
   relibra simulate --trace long-tail --packing routepack --systems static,eplb-oracle,relibra
