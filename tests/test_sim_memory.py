@@ -219,3 +219,17 @@ def test_activations_are_checked_before_planning(tmp_path, capsys, monkeypatch):
                       "--no-progress", "--set", f"hardware.hbm_gb={hbm!r}")
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert f"activations {act / 1e9:,.1f} GB" in err and "memory: qwen3-30b-a3b on 1 x 4 h200" in err
+
+
+def test_memory_section_of_config_and_set(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[memory]\nshard = "grads"\nreserve_fraction = 0\n[simulate]\nignore_memory = true\n')
+
+    def memory(*argv):
+        return sim_cli.resolve(build_parser().parse_args(["simulate", "--config", str(cfg), *argv]))["memory"]
+    assert memory() == MemoryOptions(shard="grads", reserve_fraction=0.0)
+    assert memory("--set", "memory.shard=params").shard == "params"  # --set beats the file
+    with pytest.raises(ValueError, match=r"memory.recompute = 'some'; allowed: one of 'full', 'none'"):
+        memory("--set", "memory.recompute=some")
+    with pytest.raises(ValueError, match=r"memory.grad_bytes = 'x'; allowed: an int"):
+        memory("--set", "memory.grad_bytes=x")
