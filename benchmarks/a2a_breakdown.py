@@ -84,6 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not any(a == "--systems" or a.startswith("--systems=") for a in argv):
         argv += ["--systems", "eplb-oracle,online-global,relibra"]
+    if not any(a == "--dispatch" or a.startswith("--dispatch=") for a in argv):
+        argv += ["--dispatch", "flat"]  # its counterfactuals are flat sends (simulate defaults to hierarchical)
     args = parser.parse_args(argv)
     s = cli.resolve(args)
     if args.file or s["trace"] not in FAMILIES or s["packing"] != "fixed":

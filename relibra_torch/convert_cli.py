@@ -5,11 +5,15 @@ engine's responses; OUT is the replay file ``relibra simulate`` reads. Only the 
 and only real tokens reach the file: the per-layer MoE map (from --model-config, or
 --moe-layers) drops the dense layers slime and SGLang count in the layer dim, and pad rows
 (an attention_mask or a length) are dropped. A record's "step" (an int) becomes its
-samples' optimizer step. See docs/replay.md for each engine's fields.
+samples' optimizer step. SGLang: /generate or OpenAI-compatible (sglext) responses. vLLM
+rows of the generated tokens only (no prompt routing) are refused unless --completion-only.
+Errors name the record, the field's row and the engine's layer. See docs/replay.md for each
+engine's fields.
 
 examples:
   relibra convert sglang responses.jsonl rollout.safetensors --model-config Qwen3-30B-A3B/config.json
   relibra convert vllm responses.json rollout.safetensors --model-config DeepSeek-V3/config.json
+  relibra convert slime samples.jsonl rollout.safetensors --num-experts 128 --top-k 8 --moe-layers 1-45
   relibra convert verl batch.json rollout.safetensors --num-experts 64 --moe-layers 1-26
 """
 
@@ -18,11 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from .checks import check_int
 from .replay.convert import from_per_sample
-from .replay.engines import (ENGINES, LayerIndices, parse_layer_spec, sglang_samples, slime_samples,
-                      verl_samples, vllm_samples)
+from .replay.engines import (ENGINES, LayerIndices, check_pieces, parse_layer_spec, sglang_samples,
+                              slime_samples, verl_samples, vllm_samples)
 
 HELP = "convert SGLang / vLLM / verl / slime routing responses (JSON or JSONL) to a relibra.routing/1 file"
 
@@ -43,14 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "0-11 (default: the MoE layers of --model-config)")
     parser.add_argument("--model", help="model name stored in the file, e.g. a preset of relibra simulate "
                                         "(default: the --model-config name)")
+    parser.add_argument("--completion-only", action="store_true",
+                        help="accept vLLM responses whose rows cover the generated tokens only (no prompt "
+                             "routing): their prompt tokens are left out, a warning says how many, and the file "
+                             "is marked coverage=completion-only (default: refuse them)")
 
 
 def read_records(path: str) -> list[dict]:
     """The JSON objects of a JSON file (an object or a list) or a JSONL file."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"IN {path!r} does not exist")
-    with open(path, encoding="utf-8") as fh:
-        text = fh.read()
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError as exc:  # a folder, no permission
+        raise ValueError(f"IN {path!r} cannot be read: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"IN {path!r} is not UTF-8 text; allowed: JSON or JSONL") from None
     try:
         data = json.loads(text)
         records = data if isinstance(data, list) else [data]
@@ -82,8 +96,29 @@ def _steps(records: list[dict], record_of_sample: list[int]) -> list[int] | None
     return steps
 
 
+def check_output(path: str) -> None:
+    """Fail before converting when OUT cannot be written (one line naming OUT)."""
+    if os.path.isdir(path):
+        raise ValueError(f"OUT {path!r} is a folder; allowed: a file path such as {os.path.join(path, 'rollout.safetensors')!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"OUT {path!r}: folder {os.path.dirname(path) or folder!r} does not exist; create it first")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"OUT {path!r}: folder {os.path.dirname(path) or folder!r} is not writable")
+
+
+def _save(replay, path: str) -> None:
+    from safetensors import SafetensorError
+
+    try:
+        replay.save(path)
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"OUT {path!r} cannot be written: {' '.join(str(exc).split())}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Convert ``args.input`` and write ``args.output``; bad input raises ValueError naming the flag."""
+    check_output(args.output)
     hf = None
     if args.model_config:
         from .sim.hf_config import model_from_hf_config
@@ -101,26 +136,38 @@ def run(args: argparse.Namespace) -> int:
     elif hf is not None:
         layers = hf.moe_layers
     records = read_records(args.input)
-    pairs = _CONVERTERS[args.engine](records, layers, hf.spec.num_layers if hf else None, top_k)
-    samples = [ids for _, ids in pairs]
-    sample_step = _steps(records, [i for i, _ in pairs])
-    if hf is not None and args.moe_layers is None and samples and samples[0].shape[2] != hf.spec.top_k:
-        raise ValueError(f"IN holds top-k {samples[0].shape[2]} but --model-config has top_k "
-                         f"{hf.spec.top_k}; pass the config of the model that served IN")
-    for n, ids in enumerate(samples):
-        if ids.numel() and int(ids.min()) < 0:  # sglang-jax and others mark "no expert" with -1
-            layers_bad = sorted(set((ids < 0).nonzero()[:, 1].tolist()))
-            raise ValueError(f"sample {n} holds negative (placeholder) ids in kept layers {layers_bad}; "
-                             f"keep only the MoE layers with --moe-layers or --model-config")
+    samples = _CONVERTERS[args.engine](records, layers, hf.spec.num_layers if hf else None, top_k,
+                                       completion_only=args.completion_only)
+    if not samples:
+        raise ValueError(f"IN {args.input!r} holds no sample")
+    sample_step = _steps(records, [s.record for s in samples])
+    for s in samples:
+        where = f"record {s.record}: {s.pieces[-1].field}"
+        if s.ids.shape[0] == 0:
+            raise ValueError(f"{where}: a sample with no real token (all rows are pads)")
+        if 0 in s.ids.shape[1:]:
+            raise ValueError(f"{where} has [layers, top_k] = {list(s.ids.shape[1:])}; allowed: >= 1 each")
+        if hf is not None and args.moe_layers is None and s.ids.shape[2] != hf.spec.top_k:
+            raise ValueError(f"{where} holds top-k {s.ids.shape[2]} but --model-config has top_k "
+                             f"{hf.spec.top_k}; pass the config of the model that served IN")
+        if s.ids.shape[1:] != samples[0].ids.shape[1:]:
+            p = s.pieces[-1]
+            raise ValueError(f"record {s.record}: {p.field} has [layers, top_k] = {list(s.ids.shape[1:])} but "
+                             f"record {samples[0].record} has {list(samples[0].ids.shape[1:])}; allowed: the same "
+                             f"model for every record")
+    check_pieces([p for s in samples for p in s.pieces], num_experts)
+    partial = [s for s in samples if s.completion_only]
     model = args.model if args.model is not None else (hf.spec.name if hf else None)
-    try:
-        replay = from_per_sample(samples, num_experts, model=model, sample_step=sample_step)
-    except ValueError as exc:
-        hint = "; the expert count comes from --num-experts or --model-config" if "out of range" in str(exc) else ""
-        raise ValueError(f"{exc}{hint}") from None
-    replay.save(args.output)
+    replay = from_per_sample([s.ids for s in samples], num_experts, model=model, sample_step=sample_step,
+                             coverage="completion-only" if partial else None)
+    _save(replay, args.output)
     steps = f" in {len(set(sample_step))} steps" if sample_step is not None else ""
     print(f"wrote {args.output}: {replay.num_samples} samples{steps}, {replay.num_tokens} tokens, "
           f"{replay.num_layers} MoE layers, top-{replay.top_k} of {num_experts} experts"
           + (f", model {model}" if model else ""))
+    if partial:
+        missing = sum(s.missing_prompt for s in partial)
+        print(f"WARNING: {len(partial)} of {replay.num_samples} samples hold their generated tokens only: "
+              f"{missing} prompt tokens have no routing and are not in the file (metadata "
+              f"coverage=completion-only); training replay needs them", file=sys.stderr)
     return 0

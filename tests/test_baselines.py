@@ -235,7 +235,7 @@ def test_online_on_uniform_loads_takes_static_time_plus_planning(overlap):
     M, L = 3, TINY.num_moe_layers
     loads = torch.full((1, M, L, 4, 16), 32)
     wl = workload_from_loads(loads, TINY, topo)
-    opts = BaselineOptions(online_plan_latency_us=123.0)
+    opts = BaselineOptions(online_plan_latency_us=123.0, planning_overlap_s=1e9)  # static's host work hidden
     res = simulate(wl, SimConfig(TINY, get_hardware("h200"), topo,
                                  systems=("static", "online-node", "online-global", "ideal"),
                                  cost_options=CostOptions(overlap_replication=overlap),
@@ -315,7 +315,9 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
     doc = json.loads(out.read_text())
     assert doc["config"]["baseline_options"] == {
         "eplb_interval": 2, "eplb_window": 8, "eplb_num_groups": 1,          # --set beats the file
-        "online_plan_latency_us": 10.0, "online_min_replica_tokens": 8}
+        "online_plan_latency_us": 10.0, "online_min_replica_tokens": 8, "planning_overlap_s": None,
+        "relibra_cross_node_replicas": True, "relibra_reorder": True, "relibra_traffic_search": True,
+        "relibra_balance": True, "relibra_max_swap_rounds": 64, "relibra_swap_candidates": 8}
     assert list(doc["systems"]) == ["static", "eplb", "eplb-oracle-instance", "online-node",
                                     "online-global", "ideal"]
     assert "run-time planning 10.0 us per layer" in " ".join(capsys.readouterr().out.split())

@@ -159,7 +159,7 @@ def test_layers_with_different_token_counts(known, tmp_path, capsys):
 @pytest.mark.parametrize("engine,record,flags,needle", [
     ("slime", {"routed_experts": [[[1, 2]]]}, [], "--model-config CONFIG.json or --num-experts"),
     ("sglang", {"meta_info": {"routed_experts": base64.b64encode(np.arange(8, dtype="<i4").tobytes()).decode()}},
-     ["--num-experts", "16"], "pass --model-config (or --top-k)"),
+     ["--num-experts", "16"], "pass --model-config, or --top-k"),
     ("slime", {"routed_experts": [[[1, 20]]]}, ["--num-experts", "16"], "--num-experts or --model-config"),
     ("slime", {"routed_experts": [[[0, 0], [1, 2]], [[0, 0], [3, 4]]]}, ["--num-experts", "16"],
      "--model-config or --moe-layers"),
@@ -168,7 +168,8 @@ def test_layers_with_different_token_counts(known, tmp_path, capsys):
     ("verl", {"routed_experts": [[[[1, 2]]]]}, ["--num-experts", "16"], "attention_mask [B, P] or lengths [B]"),
     ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "16", "--moe-layers", "x"], "--moe-layers 'x'"),
     ("slime", {"routed_experts": [[[1, 2], [-1, 3]], [[4, 5], [6, 7]]]}, ["--num-experts", "16"],
-     "placeholder) ids in kept layers [1]; keep only the MoE layers with --moe-layers"),
+     "record 0: routed_experts[0, 1, 0] (token position 0, engine layer 1) = -1 is a placeholder (no expert) in a "
+     "kept layer; keep only the MoE layers with --moe-layers"),
     ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "0"], "--num-experts = 0; allowed: an int >= 1"),
     ("slime", {"routed_experts": [[[1, 2]]], "length": 5}, ["--num-experts", "16"], "length = 5; allowed"),
 ])

@@ -49,6 +49,12 @@ def test_tiny_model_bytes_by_hand():
     p = state_breakdown(TINY, 2, MemoryOptions(shard="params"))
     assert p.dense_weights == 2 * 904 / 2 + 2 * 2 * 352 and p.gradients == 4 * 192 + 4 * 904 / 2 + 4 * 352
     assert state_breakdown(TINY, 2, MemoryOptions(shard="none")).optimizer == 12 * (192 + 904)
+    # EP 2 inside 4 GPUs (--compare-ep): the experts' data-parallel group has 2 GPUs, the dense part's 4
+    w = state_breakdown(TINY, 2, MemoryOptions(), world=4)
+    assert w.optimizer == 12 * 192 / 2 + 12 * 904 / 4 and w.gradients == 4 * 192 + 4 * 904
+    w = state_breakdown(TINY, 2, MemoryOptions(shard="params"), world=4)  # a unit: dense 352 + 2 local experts
+    assert w.expert_weights == 2 * 192 / 2 and w.dense_weights == 2 * 904 / 4 + 2 * 2 * (352 + 192)
+    assert w.gradients == 4 * 192 / 2 + 4 * 904 / 4 + 4 * (352 + 192)
 
     # activations: 10 tokens, 30 routed rows. Per token: attention 2*(16+8+4+4+8) + 4*2 = 88,
     # MoE token part 2*(16+6) + 4*4 = 60, dense FFN 2*(16+18) = 68; per row 2*(16+12) = 56

@@ -38,6 +38,28 @@ EXPECTED = {
     "Mixtral-8x7B-v0.1": ("mixtral", 32, 32, 8, 2, 14336, 0, 1),
     "OLMoE-1B-7B-0924": ("olmoe", 16, 16, 64, 8, 1024, 0, 1),
     "gpt-oss-20b": ("gpt_oss", 24, 24, 32, 4, 2880, 0, 1),
+    "Kimi-K2-Instruct": ("kimi_k2", 61, 60, 384, 8, 2048, 1, 1),
+    "Kimi-K2.5": ("kimi_k2", 61, 60, 384, 8, 2048, 1, 1),  # text_config of a kimi_k25 wrapper
+    "Llama-4-Scout-17B-16E": ("llama4_text", 48, 48, 16, 1, 8192, 1, 1),  # text_config of llama4
+    "Llama-4-Maverick-17B-128E-Instruct": ("llama4_text", 48, 24, 128, 1, 8192, 1, 1),  # interleave 2
+    "MiniMax-M2": ("minimax_m2", 62, 62, 256, 8, 1536, 0, 1),
+    "Ling-lite-1.5": ("bailing_moe", 28, 28, 64, 6, 1408, 2, 1),
+    "Ling-mini-2.0": ("bailing_moe", 20, 19, 256, 8, 512, 1, 8),
+    "Qwen3-VL-30B-A3B-Instruct": ("qwen3_vl_moe_text", 48, 48, 128, 8, 768, 0, 1),
+    "GLM-4.5": ("glm4_moe", 92, 89, 160, 8, 1536, 1, 1),
+    "GLM-5": ("glm_moe_dsa", 78, 75, 256, 8, 2048, 1, 1),
+    "LongCat-Flash-Chat": ("longcat_flash", 28, 28, 768, 12, 2048, 1, 1),  # 512 + 256 zero experts
+}
+# name: (shared FFN width, dense FFN width, MLA) where the family spells them its own way
+WIDTHS = {
+    "Kimi-K2.5": (2048, 18432, True),
+    "Llama-4-Maverick-17B-128E-Instruct": (8192, 16384, False),  # one shared expert; intermediate_size_mlp
+    "Ling-lite-1.5": (2816, 0, False),  # num_shared_experts x moe_intermediate_size
+    "Ling-mini-2.0": (512, 5120, False),  # moe_shared_expert_intermediate_size
+    "Qwen1.5-MoE-A2.7B": (5632, 0, False),  # shared_expert_intermediate_size
+    "GLM-5": (2048, 12288, True),
+    "MiniMax-M2": (0, 0, False),  # shared_intermediate_size 0
+    "LongCat-Flash-Chat": (2 * 12288, 0, True),  # the two dense FFNs of each layer
 }
 
 
@@ -68,6 +90,76 @@ def test_fixture_config_reads_the_public_fields(name):
     assert (hf.model_type, s.num_layers, s.num_moe_layers, s.num_experts, s.top_k, s.moe_ffn,
             s.num_shared_experts, s.num_expert_groups) == (kind, layers, moe, E, K, F, shared, groups)
     assert s.name == name and len(hf.moe_layers) == layers and sum(hf.moe_layers) == moe
+    if name in WIDTHS:
+        assert (s.shared_ffn, s.dense_ffn, s.is_mla) == WIDTHS[name]
+
+
+def test_model_config_folder_names_the_folder_itself_not_its_parent():
+    """`--model-config DIR` names the model after DIR (it named it after DIR's parent)."""
+    assert model_from_hf_config(os.path.join(FIXTURES, "MiniMax-M2")).spec.name == "MiniMax-M2"
+    assert model_from_hf_config(os.path.join(FIXTURES, "MiniMax-M2") + "/").spec.name == "MiniMax-M2"
+    named = json.load(open(config_path("Kimi-K2.5")))
+    named["_name_or_path"] = "moonshotai/Kimi-K2.5"
+    assert model_from_hf_config(named).spec.name == "Kimi-K2.5"
+    assert model_from_hf_config(json.load(open(config_path("GLM-5")))).spec.name == "glm_moe_dsa"
+
+
+def _moe(**fields):
+    base = {"hidden_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4, "vocab_size": 100,
+            "intermediate_size": 256}
+    return {**base, **fields}
+
+
+def test_unknown_model_type_with_moe_fields_loads_by_meaning():
+    hf = model_from_hf_config(_moe(model_type="my_new_moe", moe_num_experts=16, moe_k=2, moe_ffn_hidden_size=32,
+                                   moe_num_shared_experts=2, moe_layer_start_index=1, num_expert_group=4))
+    s = hf.spec
+    assert (s.num_experts, s.top_k, s.moe_ffn, s.num_shared_experts, s.shared_ffn, s.num_expert_groups,
+            s.dense_ffn) == (16, 2, 32, 2, 64, 4, 256)
+    assert hf.moe_layers == (False, True, True, True) and hf.model_type == "my_new_moe"
+    # Jamba-style period/offset, nested in an llm_config wrapper
+    jamba = model_from_hf_config({"model_type": "wrapper", "llm_config": _moe(
+        model_type="x", num_experts=8, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1)})
+    assert jamba.moe_layers == (False, True, False, True) and jamba.spec.moe_ffn == 256
+    nemotron = model_from_hf_config(_moe(model_type="nemotron_h", n_routed_experts=8, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, hybrid_override_pattern="ME*E"))
+    assert nemotron.moe_layers == (False, True, False, True) and "1 linear-attention / Mamba" in nemotron.notes[0]
+    step3 = model_from_hf_config({"model_type": "step3_vl", "text_config": _moe(
+        model_type="step3_text", moe_num_experts=8, moe_top_k=3, moe_intermediate_size=32, moe_layers_enum="2,3")})
+    assert step3.moe_layers == (False, False, True, True) and step3.spec.top_k == 3
+    omni = model_from_hf_config({"model_type": "qwen3_omni_moe", "thinker_config": {"text_config": _moe(
+        model_type="qwen3_omni_moe_text", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)}})
+    assert omni.model_type == "qwen3_omni_moe_text" and omni.spec.num_experts == 8
+
+
+def test_features_the_cost_model_lacks_are_approximated_with_a_note_not_refused():
+    hunyuan = model_from_hf_config(_moe(model_type="hunyuan_v1_moe", num_experts=8, moe_topk=[2, 2, 2, 2],
+                                        moe_intermediate_size=[32, 32, 64, 64], num_shared_expert=[1, 1, 1, 1]))
+    assert hunyuan.spec.moe_ffn == 48 and "expert widths differ across layers (32..64)" in " ".join(hunyuan.notes)
+    assert (hunyuan.spec.num_shared_experts, hunyuan.spec.shared_ffn) == (1, 48)
+    dbrx = model_from_hf_config({"model_type": "dbrx", "d_model": 64, "n_heads": 4, "n_layers": 2, "vocab_size": 100,
+                                 "attn_config": {"kv_n_heads": 2}, "ffn_config": {
+                                     "moe_num_experts": 16, "moe_top_k": 4, "ffn_hidden_size": 96}})
+    assert (dbrx.spec.num_experts, dbrx.spec.top_k, dbrx.spec.moe_ffn, dbrx.spec.num_kv_heads) == (16, 4, 96, 2)
+    zero = model_from_hf_config(config_path("LongCat-Flash-Chat"))
+    assert "256 zero-computation (identity) experts" in " ".join(zero.notes)
+    hybrid = model_from_hf_config(_moe(model_type="qwen3_next", num_experts=8, num_experts_per_tok=2,
+                                       moe_intermediate_size=16, layer_types=["linear_attention"] * 3 + ["full_attention"]))
+    assert "3 linear-attention / Mamba layers" in " ".join(hybrid.notes)
+    assert "DeepSeek sparse attention" in " ".join(model_from_hf_config(config_path("GLM-5")).notes)
+    assert "chunked attention" in " ".join(model_from_hf_config(config_path("Llama-4-Scout-17B-16E")).notes)
+
+
+@pytest.mark.parametrize("cfg", [
+    _moe(model_type="llama"),  # a dense model
+    {"model_type": "qwen2_vl", "text_config": _moe(model_type="qwen2_vl_text")},  # a dense wrapper
+    _moe(model_type="qwen3", num_experts=1, num_experts_per_tok=1),  # one expert is no routing
+])
+def test_a_config_that_is_not_an_moe_is_refused_saying_so(cfg):
+    with pytest.raises(ValueError, match="not an MoE .*no routed-expert count .*n_routed_experts, num_experts"):
+        model_from_hf_config(cfg)
+    with pytest.raises(ValueError, match="not an MoE: no layer holds routed experts"):
+        model_from_hf_config(_moe(model_type="x", num_experts=4, num_experts_per_tok=2, mlp_only_layers=[0, 1, 2, 3]))
 
 
 def test_fixture_configs_equal_the_presets_built_from_the_same_cards():
@@ -86,9 +178,9 @@ def test_moe_layer_maps_and_approximation_notes():
     assert moe_layer_map(json.load(open(config_path("DeepSeek-V3"))))[:4] == (False, False, False, True)
     assert "multi-token-prediction" in " ".join(model_from_hf_config(config_path("DeepSeek-V3")).notes)
     assert "sliding-window" in " ".join(model_from_hf_config(config_path("gpt-oss-20b")).notes)
-    with pytest.raises(ValueError, match="model_type 'llama' is not supported.*--model PRESET"):
+    with pytest.raises(ValueError, match="not an MoE.*--model PRESET"):
         model_from_hf_config({"model_type": "llama", "num_hidden_layers": 2})
-    with pytest.raises(ValueError, match="--model-config config: field 'num_experts' is missing"):
+    with pytest.raises(ValueError, match="--model-config config: field 'n_routed_experts' is missing \\(also read as num_experts"):
         model_from_hf_config({"model_type": "olmoe", "num_hidden_layers": 2, "hidden_size": 8,
                               "num_attention_heads": 2, "vocab_size": 10, "num_experts_per_tok": 1,
                               "intermediate_size": 4})
@@ -177,7 +269,7 @@ def test_times_in_fitting_units_and_json_in_seconds(tmp_path, capsys):
     f = tmp_path / "r.safetensors"
     routing_file(f, 64, 8, 16)
     rc, out, err = run(capsys, str(f), "--model-config", config_path("OLMoE-1B-7B-0924"), *SMALL,
-                       "--json", str(tmp_path / "r.json"))
+                       "--json", str(tmp_path / "r.json"), "--set", "planning.overlap_s=1e9")  # no host charge
     assert rc == 0, err
     step = json.loads((tmp_path / "r.json").read_text())["systems"]["static"]["step_time_s"]
     assert step < 1e-2 and re.search(r"static .* \d+(\.\d+)? (ms|us) ", out)  # not "0.00"
@@ -217,3 +309,31 @@ def test_format_seconds_keeps_three_digits(x):
     value, unit = format_seconds(x).split()
     back = float(value) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
     assert abs(back - x) <= 0.006 * x and 1 <= float(value) < 1000 or unit == "s"
+
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+_JUNK = st.one_of(st.none(), st.booleans(), st.integers(-2, 300), st.floats(allow_nan=True), st.text(max_size=4),
+                  st.lists(st.integers(-1, 60), max_size=4), st.lists(st.sampled_from(["dense", "sparse", "x"])),
+                  st.dictionaries(st.sampled_from(["model_type", "num_experts"]), st.integers(0, 4), max_size=2))
+
+
+@settings(max_examples=int(os.environ.get("RELIBRA_FUZZ_EXAMPLES", 150)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(EXPECTED)), data=st.data())
+def test_damaged_configs_load_or_fail_with_one_value_error(name, data):
+    """Any field of any fixture replaced or deleted: a model, or a ValueError naming --model-config."""
+    cfg = json.load(open(config_path(name)))
+    inner = cfg.get("text_config", cfg)
+    for _ in range(data.draw(st.integers(1, 3))):
+        target = data.draw(st.sampled_from([cfg, inner]))
+        key = data.draw(st.sampled_from(sorted(target) + ["moe_layers", "mlp_layer_types", "moe_layer_freq",
+                                                          "layer_types", "attn_type_list", "zero_expert_num"]))
+        if data.draw(st.booleans()) and key in target:
+            del target[key]
+        else:
+            target[key] = data.draw(_JUNK)
+    try:
+        model_from_hf_config(cfg)
+    except ValueError as exc:
+        assert "\n" not in str(exc) and "--model-config" in str(exc) or str(exc).startswith("model.")

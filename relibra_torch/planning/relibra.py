@@ -91,6 +91,12 @@ class ReLibraConfig:
             (:func:`relibra_torch.replay.counts.count_pairs`, which only replay gives);
             without them, or with ``"flat"``, placement ignores co-activation.
         reorder: choose a new placement each step (False: keep the previous one).
+        traffic_search: after the load-first swap search, run the traffic swap search of
+            reordering (each node's cross-node send and receive net of its traffic replicas).
+        balance: balancing replication per micro-batch (copies of the busiest GPU's experts
+            onto less loaded GPUs of its node). ``reorder``, ``traffic_search``,
+            ``cross_node_replicas`` and ``balance`` switch relibra's mechanisms one by one
+            (``relibra simulate --set relibra.balance=false``) for ablations.
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -105,6 +111,8 @@ class ReLibraConfig:
     cross_node_replicas: bool = True
     dispatch: str = "flat"
     reorder: bool = True
+    traffic_search: bool = True
+    balance: bool = True
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -147,6 +155,9 @@ class ReLibraConfig:
                      "cross_replica_fill_s_per_expert"):
             check_number(name, getattr(self, name), 0)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
+        for name in ("cross_node_replicas", "reorder", "traffic_search", "balance"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ReLibraConfig.{name} is {getattr(self, name)!r}; allowed: True or False")
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
         check_int("swap_candidates", self.swap_candidates, 1)
 
@@ -230,8 +241,9 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
                                     prev_node_LE, config, N, g, full_objective, pairs_LEE, coloc_w)
         # Then each node's cross-node send and receive, net of its traffic replicas.
         slots = topology.replica_slots // 2 if config.cross_node_replicas else 0
-        best_node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g, slots,
-                                           pairs_LEE, coloc_w)
+        if config.traffic_search:
+            best_node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g, slots,
+                                               pairs_LEE, coloc_w)
     return _assign_gpus(best_node_LE, total_LE, prev_gpu_LE, topology)
 
 
@@ -358,8 +370,11 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     if config.cross_node_replicas and topology.num_nodes > 1 and R:
         prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2,
                                      config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
-    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE, config.min_replica_tokens, prefilled,
-                                         config.min_cross_replica_tokens)
+    # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
+    never = torch.iinfo(torch.int64).max
+    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE,
+                                         config.min_replica_tokens if config.balance else never, prefilled,
+                                         config.min_cross_replica_tokens if config.balance else never)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
 

@@ -52,6 +52,8 @@ def _print_routing(path: str, replay: RoutingReplay) -> None:
     print(f"  format       {ROUTING_FORMAT}")
     if replay.model is not None:
         print(f"  model        {replay.model}")
+    if replay.coverage == "completion-only":
+        print("  coverage     completion-only: some samples hold only their generated tokens (prompt rows missing)")
     extra = []
     if replay.sample_step is not None:
         extra.append(f"steps {torch.unique(replay.sample_step).numel()}")

@@ -95,10 +95,13 @@ def from_per_sample(
     model: str | None = None,
     sample_step=None,
     sample_task=None,
+    coverage: str | None = None,
 ) -> RoutingReplay:
     """Convert a list of per-sample ``[T_i, L, K]`` arrays (slime / SGLang) to a replay.
 
-    Every sample needs >= 1 token and the same ``L`` and ``K``.
+    Every sample needs >= 1 token and the same ``L`` and ``K``. ``coverage``: as in
+    :func:`relibra_torch.replay.save_routing` (``"completion-only"`` when some samples lack
+    their prompt rows).
     """
     if isinstance(routed_experts_per_sample, torch.Tensor) or not isinstance(routed_experts_per_sample, Sequence):
         raise TypeError(
@@ -128,6 +131,7 @@ def from_per_sample(
         torch.cat(samples), offsets, num_experts, model=model,
         sample_step=None if sample_step is None else _as_ids(sample_step, "sample_step"),
         sample_task=None if sample_task is None else _as_ids(sample_task, "sample_task"),
+        coverage=coverage,
     )
 
 

@@ -1,9 +1,11 @@
 """Routing replay from serving-engine and RL-framework responses (``relibra convert``).
 
 Each converter takes the decoded JSON records (one response, or one sample, each) and
-returns, per sample, ``(index of the record it starts in, [T_i, L, K] expert ids)`` of the
-**MoE layers only, real tokens only**, ready for :func:`relibra_torch.replay.from_per_sample`
-(a record's optional ``step`` becomes the sample's ``sample_step``).
+returns one :class:`EngineSample` per sample: the index of the record it starts in and its
+:class:`~relibra_torch.replay.engine_ids.Piece` s, the ``[T, L, K]`` ids of the **MoE
+layers only, real tokens only**, each with the field, rows and engine layers it came from
+(so errors name the user's data). ``EngineSample.ids`` is ready for
+:func:`relibra_torch.replay.from_per_sample`.
 
 Layouts followed (checked against the engines' sources and docs, see docs/replay.md):
 
@@ -13,14 +15,20 @@ Layouts followed (checked against the engines' sources and docs, see docs/replay
   rows cover positions ``[routed_experts_start_len, prompt_tokens + completion_tokens - 1)``
   (the last generated token is never forwarded). A response with ``routed_experts_start_len
   > 0`` continues the sample of the records before it (multi-turn appended chunks).
-* **slime**: a sample's ``rollout_routed_experts`` (or ``routed_experts``) ``[tokens, layers,
-  top_k]``, as nested lists or as SGLang's base64 string; the layer dim counts dense layers.
-* **vLLM** (OpenAI server with ``--enable-return-routed-experts``): response-level
-  ``prompt_routed_experts`` ``[prompt_tokens, num_moe_layers, top_k]`` and per choice
-  ``routed_experts`` ``[completion rows, num_moe_layers, top_k]`` (int16 ids of MoE layers
-  only), as nested lists, as a base64 ``.npy`` buffer, or as ``{"encoding": "base64",
-  "dtype", "shape", "data"}``; ``outputs`` (offline ``RequestOutput``) is read like
-  ``choices``. One sample per choice: prompt rows, then completion rows.
+  SGLang's OpenAI-compatible ``/v1/chat/completions`` and ``/v1/completions`` carry the same
+  payload as the response-level ``sglext["routed_experts"]`` (of the first choice), with
+  the counts in ``usage`` (or the choice's ``prompt_token_ids`` / ``token_ids``).
+* **slime**: a sample's ``rollout_routed_experts`` (or ``routed_experts``) ``[len(tokens) -
+  1, layers, top_k]``, as nested lists or as SGLang's base64 string (its rows follow from
+  ``tokens``); the layer dim counts dense layers.
+* **vLLM** (``--enable-return-routed-experts``), MoE layers only, int16 ids as nested
+  lists, a base64 ``.npy`` buffer, or ``{"encoding": "base64", "dtype", "shape", "data"}``.
+  A choice's ``routed_experts`` covers the whole sequence (``prompt + generated - 1`` rows,
+  the prompt's first) or, with a response-level ``prompt_routed_experts`` ``[prompt_tokens,
+  L, K]``, the generated tokens only (``generated`` or ``generated - 1`` rows). Without
+  ``prompt_routed_experts``, generated-only rows lack the prompt's: refused unless
+  ``completion_only`` is allowed (the sample is then marked). ``outputs`` (offline
+  ``RequestOutput``) is read like ``choices``. One sample per choice.
 * **verl** (router replay R3): a padded batch ``{"routed_experts": [B, P, L, K],
   "attention_mask": [B, P]}`` (or ``"lengths": [B]`` for right padding), or one row per
   record with ``routed_experts`` ``[P, L, K]`` and ``attention_mask`` ``[P]``.
@@ -35,321 +43,269 @@ Shape legend: T tokens (rows), H engine layers (the layer dim as sent), L MoE la
 
 from __future__ import annotations
 
-import base64
-import binascii
-import io
-from typing import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
-import numpy as np
 import torch
 
-__all__ = ["ENGINES", "LayerIndices", "decode_ids", "parse_layer_spec", "select_moe_layers", "from_per_layer",
-           "sglang_samples", "slime_samples", "vllm_samples", "verl_samples"]
+from .engine_ids import (LayerIndices, Piece, check_pieces, decode_ids, from_per_layer, parse_layer_spec,
+                         select_layers, select_moe_layers)
+
+__all__ = ["ENGINES", "EngineSample", "LayerIndices", "Piece", "check_pieces", "decode_ids", "from_per_layer",
+           "parse_layer_spec", "select_moe_layers", "sglang_samples", "slime_samples", "vllm_samples",
+           "verl_samples"]
 
 ENGINES = ("verl", "slime", "sglang", "vllm")
-_NPY_MAGIC = b"\x93NUMPY"
-_INT_DTYPES = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64")
 
 
-class LayerIndices(tuple):
-    """Layer indices to keep, counted in the layer dim as the engine sends it (``--moe-layers``)."""
+@dataclass
+class EngineSample:
+    """One sample: the record it starts in and its pieces, in token order.
+
+    ``missing_prompt`` is the number of prompt tokens whose rows the engine did not send
+    (vLLM generated-only rows accepted with ``completion_only``; -1 when unknown).
+    """
+
+    record: int
+    pieces: list[Piece]
+    completion_only: bool = False
+    missing_prompt: int = 0
+    _ids: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        """int64 ``[T, L, K]``: the pieces joined."""
+        if self._ids is None:
+            self._ids = torch.cat([p.ids_TLK for p in self.pieces])
+        return self._ids
+
+    @property
+    def num_rows(self) -> int:
+        return sum(p.ids_TLK.shape[0] for p in self.pieces)
+
+    def __iter__(self):  # (record, ids), as the converters returned before pieces existed
+        return iter((self.record, self.ids))
 
 
-def _keep(n: int, select, what: str) -> list[int] | None:
-    """Indices of the ``n`` layers to keep, or None to keep all (checked against ``select``)."""
-    if select is None:
-        return None
-    if isinstance(select, LayerIndices):
-        if select and max(select) >= n:
-            raise ValueError(f"{what} has {n} layers but --moe-layers names layer {max(select)}")
-        return list(select)
-    keep = [i for i, m in enumerate(select) if m]
-    if n == len(select):
-        return keep
-    if n == len(keep):
-        return None
-    raise ValueError(f"{what} has {n} layers but the model has {len(select)} layers of which "
-                     f"{len(keep)} are MoE; fix --moe-layers or --model-config")
+def _int(d, key: str) -> int | None:
+    v = d.get(key) if isinstance(d, dict) else None
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def _b64(text: str, what: str) -> bytes:
+def _ints(value, what: str) -> torch.Tensor:
+    """An integer tensor from JSON, or ValueError naming ``what``."""
     try:
-        return base64.b64decode(text, validate=True)
-    except (binascii.Error, ValueError):
-        raise ValueError(f"{what} is a string but not valid base64; allowed: base64 or a nested list") from None
-
-
-def _as_tensor(arr: np.ndarray, what: str) -> torch.Tensor:
-    if arr.dtype.kind not in "iu":
-        raise ValueError(f"{what} has dtype {arr.dtype}; allowed: integer expert ids")
-    return torch.from_numpy(np.ascontiguousarray(arr).astype(np.int64, copy=False))
-
-
-def _decode(value, what: str, flat_shape, rows) -> torch.Tensor:
-    if isinstance(value, dict):
-        if value.get("encoding") != "base64" or str(value.get("dtype")) not in _INT_DTYPES:
-            raise ValueError(f"{what} is an object with encoding {value.get('encoding')!r}, dtype "
-                             f"{value.get('dtype')!r}; allowed: base64 of an integer dtype")
-        arr = np.frombuffer(_b64(value.get("data", ""), what), dtype=np.dtype(value["dtype"]).newbyteorder("<"))
-        try:
-            arr = arr.reshape([int(x) for x in value.get("shape", [])])
-        except (ValueError, TypeError):
-            raise ValueError(f"{what}: {arr.size} ids do not fill shape {value.get('shape')}") from None
-        return _as_tensor(arr, what)
-    if isinstance(value, str):
-        raw = _b64(value, what)
-        if raw.startswith(_NPY_MAGIC):
-            try:
-                return _as_tensor(np.load(io.BytesIO(raw), allow_pickle=False), what)
-            except (ValueError, EOFError, OSError) as exc:
-                raise ValueError(f"{what} is a damaged .npy buffer ({exc})") from None
-        if flat_shape is None:
-            raise ValueError(f"{what}: a flat base64 buffer needs its shape; allowed here: a nested "
-                             f"list, a base64 .npy buffer or an encoding/dtype/shape/data object")
-        if len(raw) % 4:
-            raise ValueError(f"{what}: {len(raw)} bytes is not a whole number of int32 ids")
-        flat = np.frombuffer(raw, dtype="<i4")
-        H, K = flat_shape
-        if rows and (H is None) != (K is None):
-            per_row = flat.size // rows
-            H, K = (per_row // K, K) if H is None else (H, per_row // H)
-        if not H or not K or flat.size % (H * K):
-            raise ValueError(f"{what}: a flat buffer of {flat.size} ids cannot be reshaped to "
-                             f"[tokens, layers={H}, top_k={K}]; pass --model-config (or --top-k)")
-        return _as_tensor(flat.reshape(-1, H, K), what)
-    try:
-        return torch.as_tensor(value, dtype=torch.int64)
+        t = torch.as_tensor(value)
     except (TypeError, ValueError, RuntimeError, OverflowError):
-        raise ValueError(f"{what} is not a rectangular array of ints (ragged, or not numbers); "
-                         f"for layers with different token counts send routed_experts_by_layer") from None
+        t = None
+    if t is None or t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
+        raise ValueError(f"{what} is not an array of ints")
+    return t
 
 
-def decode_ids(value, what: str, *, flat_shape: tuple[int | None, int | None] | None = None,
-               rows: int | None = None) -> torch.Tensor:
-    """Expert ids ``[T, H, K]`` (int64) from any encoding the engines use.
-
-    Args:
-        value: a nested list; a base64 string of a ``.npy`` buffer; a base64 string of a
-            flat little-endian int32 buffer (SGLang); or ``{"encoding": "base64", "dtype",
-            "shape", "data"}``.
-        what: the field's name for messages.
-        flat_shape: ``(H, K)`` of a flat buffer; one may be None when ``rows`` is known.
-        rows: the token rows of a flat buffer (to infer a missing ``H`` or ``K``).
-    """
-    ids = _decode(value, what, flat_shape, rows)
-    if ids.dim() != 3:
-        raise ValueError(f"{what} has shape {tuple(ids.shape)}; allowed: [tokens, layers, top_k]")
-    return ids
-
-
-def parse_layer_spec(text: str, num_layers: int | None = None) -> tuple[int, ...]:
-    """``"3-60"`` / ``"1,3,5-7"`` -> sorted layer indices (``--moe-layers``)."""
-    out: set[int] = set()
-    for part in str(text).split(","):
-        part = part.strip()
-        try:
-            lo, _, hi = part.partition("-")
-            lo_i, hi_i = int(lo), int(hi) if hi else int(lo)
-        except ValueError:
-            raise ValueError(f"--moe-layers {text!r}: {part!r} is not N or N-M; allowed: e.g. 3-60 or 1,3,5") from None
-        if lo_i < 0 or hi_i < lo_i:
-            raise ValueError(f"--moe-layers {text!r}: {part!r} is not an increasing range of indices >= 0")
-        out.update(range(lo_i, hi_i + 1))
-    if num_layers is not None and out and max(out) >= num_layers:
-        raise ValueError(f"--moe-layers {text!r} names layer {max(out)} but the model has {num_layers}")
-    return tuple(sorted(out))
-
-
-def select_moe_layers(ids_THK: torch.Tensor, moe_map: Sequence[bool] | None, what: str) -> torch.Tensor:
-    """Keep the MoE layers of ``[T, H, K]`` ids.
-
-    With a map (one bool per transformer layer): an ``H`` equal to its length is cut to the
-    MoE layers (SGLang and slime count dense layers), an ``H`` equal to the MoE count is
-    kept (vLLM). :class:`LayerIndices` keep exactly those layers. Without either every
-    layer is kept, but placeholder layers (all ids -1, or all 0 with top_k > 1) are
-    refused: they would count as expert 0.
-    """
-    if moe_map is not None:
-        keep = _keep(ids_THK.shape[1], moe_map, what)
-        return ids_THK if keep is None else ids_THK[:, keep]
-    K = ids_THK.shape[2]
-    if ids_THK.shape[0]:
-        placeholder = (ids_THK == -1).all(dim=(0, 2)) | ((ids_THK == 0).all(dim=(0, 2)) & (K > 1))
-        if bool(placeholder.any()):
-            bad = placeholder.nonzero().flatten().tolist()
-            raise ValueError(f"{what}: layers {bad} hold only placeholder ids (dense layers): pass "
-                             f"--model-config or --moe-layers to keep the MoE layers only")
-    return ids_THK
-
-
-def from_per_layer(ids_per_layer: Sequence, moe_map: Sequence[bool] | None, what: str) -> torch.Tensor:
-    """``[T, L, K]`` from one ``[T_l, K]`` array per layer, when the kept layers agree on ``T``.
-
-    Layers with different token counts (an encoder/decoder pair, MTP layers) cannot share a
-    ``relibra.routing/1`` file, which routes every token through every MoE layer; the error
-    says which layers differ and what to do instead.
-    """
-    layers = [_decode(layer, f"{what}[{i}]", None, None) for i, layer in enumerate(ids_per_layer)]
-    for i, t in enumerate(layers):
-        if t.dim() != 2:
-            raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)}; allowed: [tokens, top_k]")
-    keep = _keep(len(layers), moe_map, what)
-    if keep is not None:
-        layers = [layers[i] for i in keep]
-    if len({t.shape[1] for t in layers}) > 1:
-        raise ValueError(f"{what}: the layers have top_k {sorted({t.shape[1] for t in layers})}; allowed: one top_k")
-    counts = [t.shape[0] for t in layers]
-    if len(set(counts)) > 1:
-        groups: dict[int, list[int]] = {}
-        for i, c in enumerate(counts):
-            groups.setdefault(c, []).append(i)
-        text = "; ".join(f"layers {_ranges(v)} hold {c} tokens" for c, v in groups.items())
-        raise ValueError(f"{what}: {text}. A relibra.routing/1 file routes every token through every "
-                         f"MoE layer: convert each group of layers on its own (--moe-layers, one output "
-                         f"file each) and simulate them separately, or drop the tokens some layers lack")
-    return torch.stack(layers, dim=1)
-
-
-def _ranges(idx: list[int]) -> str:
-    out, start = [], idx[0]
-    for a, b in zip(idx, idx[1:] + [None]):
-        if b != a + 1:
-            out.append(f"{start}" if start == a else f"{start}-{a}")
-            start = b
-    return ",".join(out)
-
-
-def _drop_pads(ids_TLK: torch.Tensor, record: dict, what: str) -> torch.Tensor:
-    """Drop the pad rows a record marks (``attention_mask`` 0, or rows past ``length``)."""
+def _kept_rows(n: int, record: dict, what: str) -> torch.Tensor:
+    """The rows of ``n`` that are real tokens (``attention_mask`` 1, or before ``length``)."""
+    keep = torch.arange(n)
     if record.get("attention_mask") is not None:
-        mask = torch.as_tensor(record["attention_mask"])
-        if mask.dim() != 1 or mask.numel() != ids_TLK.shape[0] or bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError(f"{what}: attention_mask must be 0/1 per row ({ids_TLK.shape[0]} rows), "
-                             f"got shape {tuple(mask.shape)}")
-        ids_TLK = ids_TLK[mask.bool()]
+        mask = _ints(record["attention_mask"], f"{what}: attention_mask")
+        if mask.dim() != 1 or mask.numel() != n or bool(((mask != 0) & (mask != 1)).any()):
+            raise ValueError(f"{what}: attention_mask must be 0/1 per row ({n} rows), got shape {tuple(mask.shape)}")
+        keep = keep[mask.bool()]
     if record.get("length") is not None:
-        n = record["length"]
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 < n <= ids_TLK.shape[0]:
-            raise ValueError(f"{what}: length = {n!r}; allowed: an int in [1, {ids_TLK.shape[0]}] (the real rows)")
-        ids_TLK = ids_TLK[:n]
-    return ids_TLK
+        m = record["length"]
+        if isinstance(m, bool) or not isinstance(m, int) or not 0 < m <= keep.numel():
+            raise ValueError(f"{what}: length = {m!r}; allowed: an int in [1, {keep.numel()}] (the real rows)")
+        keep = keep[:m]
+    return keep
 
 
-def _ids_of(record: dict, keys: Iterable[str], what: str, moe_map, **decode) -> torch.Tensor:
-    for key in keys:
-        if record.get(key) is not None:
-            return select_moe_layers(decode_ids(record[key], f"{what}.{key}", **decode), moe_map, what)
-    if record.get("routed_experts_by_layer") is not None:
-        return from_per_layer(record["routed_experts_by_layer"], moe_map, f"{what}.routed_experts_by_layer")
-    raise ValueError(f"{what} has none of the fields {list(keys) + ['routed_experts_by_layer']}")
+def _piece(ids_THK, record: dict, i: int, fld: str, moe_map, row_name: str, base: int = 0,
+           layers: tuple[int, ...] | None = None) -> Piece:
+    if layers is None:
+        ids_THK, layers = select_layers(ids_THK, moe_map, f"record {i}: {fld}")
+    keep = _kept_rows(ids_THK.shape[0], record, f"record {i}")
+    return Piece(ids_THK[keep], i, fld, keep, layers, row_name, base)
 
 
-def _int_field(d: dict, key: str) -> int | None:
-    v = d.get(key)
-    return v if isinstance(v, int) and not isinstance(v, bool) else None
+def _sglang_payload(rec: dict, i: int):
+    """``(field, value, start, prompt tokens, generated tokens)`` of a /generate or OpenAI response."""
+    meta, ext = rec.get("meta_info"), rec.get("sglext")
+    if isinstance(meta, dict) and meta.get("routed_experts") is not None:
+        return ("meta_info.routed_experts", meta["routed_experts"], _int(meta, "routed_experts_start_len") or 0,
+                _int(meta, "prompt_tokens"), _int(meta, "completion_tokens"))
+    choices = rec.get("choices")
+    if isinstance(ext, dict) and ext.get("routed_experts") is not None:
+        if isinstance(choices, list) and len(choices) > 1:
+            raise ValueError(f"record {i}: sglext.routed_experts holds the routing of choice 0 only (SGLang sends "
+                             f"the first of the {len(choices)} choices); send one request per sample (n = 1), "
+                             f"or use /generate")
+        c0 = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+        usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+        P = len(c0["prompt_token_ids"]) if isinstance(c0.get("prompt_token_ids"), list) else _int(usage, "prompt_tokens")
+        C = len(c0["token_ids"]) if isinstance(c0.get("token_ids"), list) else _int(usage, "completion_tokens")
+        return "sglext.routed_experts", ext["routed_experts"], _int(rec, "routed_experts_start_len") or 0, P, C
+    if "choices" in rec or "object" in rec:
+        raise ValueError(f"record {i} is an OpenAI-style response without sglext.routed_experts; send "
+                         f"return_routed_experts=true in the request (server started with "
+                         f"--enable-return-routed-experts)")
+    raise ValueError(f"record {i} has no meta_info.routed_experts (nor sglext.routed_experts); start SGLang with "
+                     f"--enable-return-routed-experts and send return_routed_experts=true")
 
 
-def sglang_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
-    """Samples from SGLang ``/generate`` responses (see the module docstring)."""
-    samples: list[torch.Tensor] = []
+def sglang_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None,
+                   **_) -> list[EngineSample]:
+    """Samples from SGLang ``/generate`` or OpenAI-compatible responses (see the module docstring)."""
+    samples: list[EngineSample] = []
     for i, rec in enumerate(records):
-        what = f"record {i}"
-        meta = rec.get("meta_info") if isinstance(rec, dict) else None
-        if not isinstance(meta, dict) or meta.get("routed_experts") is None:
-            raise ValueError(f"{what} has no meta_info.routed_experts; start SGLang with "
-                             f"--enable-return-routed-experts and send return_routed_experts=true")
-        start = _int_field(meta, "routed_experts_start_len") or 0
-        P, C = _int_field(meta, "prompt_tokens"), _int_field(meta, "completion_tokens")
+        fld, value, start, P, C = _sglang_payload(rec, i)
         rows = P + C - 1 - start if P is not None and C is not None else None
-        ids = decode_ids(meta["routed_experts"], f"{what}.meta_info.routed_experts",
-                         flat_shape=(num_layers, top_k), rows=rows)
+        ids = decode_ids(value, f"record {i}: {fld}", flat_shape=(num_layers, top_k), rows=rows)
         if rows is not None and ids.shape[0] != rows:
-            raise ValueError(f"{what}: routed_experts has {ids.shape[0]} rows but prompt_tokens + "
-                             f"completion_tokens - 1 - routed_experts_start_len = {rows}")
-        ids = _drop_pads(select_moe_layers(ids, moe_map, what), rec, what)
+            raise ValueError(f"record {i}: {fld} has {ids.shape[0]} rows but prompt_tokens {P} + completion_tokens "
+                             f"{C} - 1 - routed_experts_start_len {start} = {rows}")
+        piece = _piece(ids, rec, i, fld, moe_map, "token position", start)
         if start == 0:
-            samples.append((i, ids))
+            samples.append(EngineSample(i, [piece]))
             continue
-        if not samples or start > samples[-1][1].shape[0]:
-            have = samples[-1][1].shape[0] if samples else 0
-            raise ValueError(f"{what}: routed_experts_start_len = {start} but the sample before it has "
+        if not samples or start > samples[-1].num_rows:
+            have = samples[-1].num_rows if samples else 0
+            raise ValueError(f"record {i}: routed_experts_start_len = {start} but the sample before it has "
                              f"{have} rows; an appended chunk must follow the records of its sample")
-        samples[-1] = (samples[-1][0], torch.cat([samples[-1][1][:start], ids]))
+        kept, left = [], start
+        for p in samples[-1].pieces:  # the previous rows up to start, then this chunk
+            if left > 0:
+                kept.append(p.head(min(left, p.ids_TLK.shape[0])))
+                left -= kept[-1].ids_TLK.shape[0]
+        samples[-1] = EngineSample(samples[-1].record, kept + [piece])
     return samples
 
 
-def slime_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
+def _ids_of(rec: dict, keys: Sequence[str], what: str, moe_map, hint: str = "", **decode):
+    """``(field, [T, L, K] ids, kept engine layers)`` of the first of ``keys`` a record has."""
+    for key in keys:
+        if rec.get(key) is not None:
+            ids, layers = select_layers(decode_ids(rec[key], f"{what}: {key}", **decode), moe_map, f"{what}: {key}")
+            return key, ids, layers
+    if rec.get("routed_experts_by_layer") is not None:
+        ids, layers = from_per_layer(rec["routed_experts_by_layer"], moe_map, f"{what}: routed_experts_by_layer")
+        return "routed_experts_by_layer", ids, layers
+    raise ValueError(f"{what} has none of the fields {list(keys) + ['routed_experts_by_layer']}{hint}")
+
+
+def slime_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None,
+                  **_) -> list[EngineSample]:
     """Samples from slime ``Sample`` dicts (``rollout_routed_experts`` per sample)."""
     out = []
     for i, rec in enumerate(records):
-        ids = _ids_of(rec, ("rollout_routed_experts", "routed_experts"), f"record {i}", moe_map,
-                      flat_shape=(num_layers, top_k))
-        out.append((i, _drop_pads(ids, rec, f"record {i}")))
+        tokens = rec.get("tokens")
+        rows = len(tokens) - 1 if isinstance(tokens, list) and len(tokens) > 1 else None  # slime: tokens - 1
+        fld, ids, layers = _ids_of(rec, ("rollout_routed_experts", "routed_experts"), f"record {i}", moe_map,
+                                   flat_shape=(num_layers, top_k), rows=rows)
+        out.append(EngineSample(i, [_piece(ids, rec, i, fld, moe_map, "token position", layers=layers)]))
     return out
 
 
-def vllm_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
-    """Samples from vLLM responses: one per choice (prompt rows, then its completion rows)."""
+def _vllm_choice(rec: dict, i: int, j: int, choice: dict, prompt: Piece | None, P: int | None,
+                 n_choices: int, moe_map, completion_only: bool) -> EngineSample:
+    what = f"record {i}: choices[{j}]"
+    fld, ids, layers = _ids_of(choice, ("routed_experts",), what, moe_map,
+                               hint="; start vLLM with --enable-return-routed-experts")
+    usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+    tokens = choice.get("token_ids")
+    C = len(tokens) if isinstance(tokens, list) else (_int(usage, "completion_tokens") if n_choices == 1 else None)
+    R = ids.shape[0]
+    gen = {C, C - 1} if C is not None else set()
+    field_name = f"choices[{j}].{fld}"
+    if prompt is not None:  # split layout: prompt rows at the response level
+        if C is not None and R not in gen:
+            raise ValueError(f"{what}: {fld} has {R} rows for {C} generated tokens; allowed: {sorted(gen)}")
+        if prompt.ids_TLK.shape[1:] != ids.shape[1:]:
+            raise ValueError(f"{what}: [layers, top_k] {list(ids.shape[1:])} differs from prompt_routed_experts' "
+                             f"{list(prompt.ids_TLK.shape[1:])}")
+        body = _piece(ids, choice, i, field_name, moe_map, "completion row", layers=layers)
+        return EngineSample(i, [prompt, body])
+    if P is None or C is None:
+        raise ValueError(f"{what}: {fld} has {R} rows, and the response has no prompt_routed_experts and not both "
+                         f"counts (prompt_token_ids or usage.prompt_tokens; token_ids, or usage.completion_tokens "
+                         f"with one choice) to tell whether the rows include the prompt's; request "
+                         f"return_token_ids=true")
+    if R in (P + C - 1, P + C):  # whole sequence: the prompt's rows first
+        return EngineSample(i, [_piece(ids, choice, i, field_name, moe_map, "token position", layers=layers)])
+    if R in gen:
+        if not completion_only:
+            raise ValueError(f"{what}: {fld} covers the {C} generated tokens only; the {P} prompt tokens have no "
+                             f"rows (no prompt_routed_experts in the response), and training replay needs them: "
+                             f"have vLLM return the prompt's routing, or pass --completion-only to keep the "
+                             f"generated tokens' rows (the file is then marked coverage=completion-only)")
+        body = _piece(ids, choice, i, field_name, moe_map, "completion row", layers=layers)
+        return EngineSample(i, [body], completion_only=True, missing_prompt=P)
+    raise ValueError(f"{what}: {fld} has {R} rows; allowed: {P + C - 1} or {P + C} (prompt {P} + generated {C}, "
+                     f"the whole sequence) or {C - 1} or {C} (generated only)")
+
+
+def vllm_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None,
+                 completion_only: bool = False, **_) -> list[EngineSample]:
+    """Samples from vLLM responses: one per choice (prompt rows, then its generated tokens' rows)."""
     out = []
     for i, rec in enumerate(records):
         choices = rec.get("choices", rec.get("outputs"))
-        if not isinstance(choices, list) or not choices:
+        if not isinstance(choices, list) or not choices or not all(isinstance(c, dict) for c in choices):
             raise ValueError(f"record {i} has no choices (or outputs); allowed: a vLLM completion "
                              f"or chat completion response")
+        usage = rec.get("usage") if isinstance(rec.get("usage"), dict) else {}
+        P = len(rec["prompt_token_ids"]) if isinstance(rec.get("prompt_token_ids"), list) else _int(usage, "prompt_tokens")
         prompt = None
         if rec.get("prompt_routed_experts") is not None:
-            prompt = select_moe_layers(decode_ids(rec["prompt_routed_experts"], f"record {i}.prompt_routed_experts"),
-                                       moe_map, f"record {i}")
-            n_prompt = len(rec["prompt_token_ids"]) if isinstance(rec.get("prompt_token_ids"), list) else None
-            if n_prompt is not None and prompt.shape[0] != n_prompt:
-                raise ValueError(f"record {i}: prompt_routed_experts has {prompt.shape[0]} rows but "
-                                 f"prompt_token_ids has {n_prompt} tokens")
+            ids = decode_ids(rec["prompt_routed_experts"], f"record {i}: prompt_routed_experts")
+            if P is not None and ids.shape[0] != P:
+                raise ValueError(f"record {i}: prompt_routed_experts has {ids.shape[0]} rows but the prompt has "
+                                 f"{P} tokens (prompt_token_ids / usage.prompt_tokens)")
+            prompt = _piece(ids, {}, i, "prompt_routed_experts", moe_map, "prompt row")
         for j, choice in enumerate(choices):
-            what = f"record {i}.choices[{j}]"
-            ids = _ids_of(choice, ("routed_experts",), what, moe_map)
-            tokens = choice.get("token_ids")
-            n_prompt = len(rec["prompt_token_ids"]) if isinstance(rec.get("prompt_token_ids"), list) else 0
-            if isinstance(tokens, list):
-                # the completion's rows: one per generated token but the last (never forwarded),
-                # or, without prompt_routed_experts (earlier servers), the whole sequence
-                allowed = {len(tokens), len(tokens) - 1}
-                if prompt is None and n_prompt:
-                    allowed |= {n_prompt + len(tokens) - 1}
-                if ids.shape[0] not in allowed:
-                    raise ValueError(f"{what}: routed_experts has {ids.shape[0]} rows for {len(tokens)} "
-                                     f"generated tokens; allowed: {sorted(allowed)}")
-            if prompt is not None:
-                if prompt.shape[1:] != ids.shape[1:]:
-                    raise ValueError(f"{what}: [layers, top_k] {list(ids.shape[1:])} differs from the "
-                                     f"prompt's {list(prompt.shape[1:])}")
-                ids = torch.cat([prompt, ids])
-            out.append((i, _drop_pads(ids, choice, what)))
+            c_prompt = prompt
+            if choice.get("prompt_routed_experts") is not None:  # /v1/completions: per choice
+                ids = decode_ids(choice["prompt_routed_experts"], f"record {i}: choices[{j}].prompt_routed_experts")
+                c_prompt = _piece(ids, {}, i, f"choices[{j}].prompt_routed_experts", moe_map, "prompt row")
+            c_P = len(choice["prompt_token_ids"]) if isinstance(choice.get("prompt_token_ids"), list) else P
+            out.append(_vllm_choice(rec, i, j, choice, c_prompt, c_P, len(choices), moe_map, completion_only))
     return out
 
 
-def verl_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None) -> list[tuple[int, torch.Tensor]]:
+def verl_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k: int | None,
+                 **_) -> list[EngineSample]:
     """Samples from verl: padded batches ``[B, P, L, K]`` + mask/lengths, or one row per record."""
     out = []
     for i, rec in enumerate(records):
         what = f"record {i}"
         raw = rec.get("routed_experts")
-        arr = _decode(raw, f"{what}.routed_experts", None, None) if raw is not None else None
+        arr = None
+        if raw is not None and not isinstance(raw, str):
+            try:
+                arr = torch.as_tensor(raw, dtype=torch.int64)
+            except (TypeError, ValueError, RuntimeError, OverflowError):
+                arr = None  # decode_ids below says what is wrong
         if arr is not None and arr.dim() == 4:
             B, P = arr.shape[:2]
             if rec.get("attention_mask") is not None:
-                mask = torch.as_tensor(rec["attention_mask"])
+                mask = _ints(rec["attention_mask"], f"{what}: attention_mask")
             elif rec.get("lengths") is not None:
-                mask = torch.arange(P)[None, :] < torch.as_tensor(rec["lengths"])[:, None]
+                lengths = _ints(rec["lengths"], f"{what}: lengths")
+                if lengths.dim() != 1 or lengths.numel() != B:
+                    raise ValueError(f"{what}: lengths must be {B} ints (one per batch row), got shape "
+                                     f"{tuple(lengths.shape)}")
+                mask = torch.arange(P)[None, :] < lengths[:, None]
             else:
                 raise ValueError(f"{what}: a padded batch needs attention_mask [B, P] or lengths [B] "
                                  f"(no pad row may count as expert 0)")
             if tuple(mask.shape) != (B, P) or bool(((mask != 0) & (mask != 1)).any()):
                 raise ValueError(f"{what}: attention_mask must be 0/1 of shape [{B}, {P}], got {tuple(mask.shape)}")
             for b in range(B):
-                row = select_moe_layers(arr[b][mask[b].bool()].long(), moe_map, f"{what}[{b}]")
-                if row.shape[0] == 0:
+                keep = mask[b].bool().nonzero().flatten()
+                if keep.numel() == 0:
                     raise ValueError(f"{what}: batch row {b} has no real token")
-                out.append((i, row))
+                ids, layers = select_layers(arr[b][keep], moe_map, f"{what}: routed_experts[{b}]")
+                out.append(EngineSample(i, [Piece(ids, i, f"routed_experts[{b}]", keep, layers, "position")]))
         else:
-            out.append((i, _drop_pads(_ids_of(rec, ("routed_experts",), what, moe_map), rec, what)))
+            fld, ids, layers = _ids_of(rec, ("routed_experts",), what, moe_map)
+            out.append(EngineSample(i, [_piece(ids, rec, i, fld, moe_map, "position", layers=layers)]))
     return out

@@ -9,7 +9,9 @@ File format ``relibra.routing/1`` (safetensors):
 * optional tensors ``sample_step`` and ``sample_task``: int64 ``[num_samples]``, >= 0
   (the optimizer step a sample belongs to, and a task/data-source id);
 * metadata ``format = "relibra.routing/1"``, ``num_experts``, ``top_k``, ``num_layers``
-  (decimal integers), optional ``model`` (printable text). Nothing else is allowed.
+  (decimal integers), optional ``model`` (printable text), optional ``coverage =
+  "completion-only"`` (some samples hold only their generated tokens' rows; absent: every
+  token). Nothing else is allowed.
 
 Inside one token's top-k the expert ids are distinct, and every id is in ``[0, num_experts)``.
 
@@ -34,6 +36,7 @@ from .fileio import (
     check_names,
     check_text_metadata,
     dtype_name,
+    one_line,
     parse_int_metadata,
     read_header,
     read_tensors,
@@ -59,7 +62,9 @@ MAX_TOP_K = 2**10
 
 _FILE_ID_DTYPES = (torch.int16, torch.int32)  # accepted in files
 _REQUIRED_META = ("format", "num_experts", "top_k", "num_layers")
-_OPTIONAL_META = ("model",)
+_OPTIONAL_META = ("model", "coverage")
+# metadata coverage: which rows of each sample the file holds (absent: all of its tokens)
+COVERAGES = ("completion-only",)
 _REQUIRED_TENSORS = ("routed_experts", "sample_offsets")
 _OPTIONAL_TENSORS = ("sample_step", "sample_task")
 
@@ -112,6 +117,7 @@ def validate_routing(
     sample_step=None,
     sample_task=None,
     model: str | None = None,
+    coverage: str | None = None,
 ) -> None:
     """Check routing replay tensors (in memory or just read from a file).
 
@@ -122,6 +128,9 @@ def validate_routing(
         top_k, num_layers: if given, must equal ``K`` and ``L``.
         sample_step, sample_task: optional int64 ``[N]``, values >= 0.
         model: optional printable one-line name.
+        coverage: None (every token of every sample) or ``"completion-only"`` (some
+            samples hold only the rows of their generated tokens; their prompt rows are
+            missing, see ``relibra convert --completion-only``).
 
     Raises ``ValueError`` (``TypeError`` for wrong Python types) naming the field, the bad
     value and what is allowed.
@@ -147,6 +156,8 @@ def validate_routing(
         )
     if model is not None:
         check_text_metadata(model, "model", "routing")
+    if coverage is not None and coverage not in COVERAGES:
+        raise ValueError(f"coverage = {coverage!r}; allowed: None (all tokens) or one of {list(COVERAGES)}")
     _validate_offsets(sample_offsets, T)
     num_samples = sample_offsets.numel() - 1
     _validate_per_sample(sample_step, "sample_step", num_samples)
@@ -181,6 +192,7 @@ class RoutingReplay:
     model: str | None = None
     sample_step: torch.Tensor | None = None
     sample_task: torch.Tensor | None = None
+    coverage: str | None = None
     check: InitVar[bool] = True
     num_layers: int = field(init=False)
     top_k: int = field(init=False)
@@ -195,6 +207,7 @@ class RoutingReplay:
                 sample_step=self.sample_step,
                 sample_task=self.sample_task,
                 model=self.model,
+                coverage=self.coverage,
             )
         object.__setattr__(self, "num_layers", int(self.routed_experts_TLK.shape[1]))
         object.__setattr__(self, "top_k", int(self.routed_experts_TLK.shape[2]))
@@ -248,6 +261,7 @@ class RoutingReplay:
             model=self.model,
             sample_step=None if self.sample_step is None else self.sample_step[ids],
             sample_task=None if self.sample_task is None else self.sample_task[ids],
+            coverage=self.coverage,
         )
 
     def split_by_step(self) -> dict[int, "RoutingReplay"]:
@@ -295,6 +309,7 @@ class RoutingReplay:
         save_routing(
             path, self.routed_experts_TLK, self.sample_offsets, self.num_experts,
             model=self.model, sample_step=self.sample_step, sample_task=self.sample_task,
+            coverage=self.coverage,
         )
 
 
@@ -316,6 +331,7 @@ def save_routing(
     model: str | None = None,
     sample_step=None,
     sample_task=None,
+    coverage: str | None = None,
 ) -> None:
     """Validate and write a ``relibra.routing/1`` file.
 
@@ -326,13 +342,14 @@ def save_routing(
         num_experts: ``E``.
         model: optional printable name.
         sample_step, sample_task: optional integer ``[N]`` (stored as int64).
+        coverage: optional ``"completion-only"`` (see :func:`validate_routing`).
     """
     sample_offsets = _as_int64(sample_offsets, "sample_offsets")
     sample_step = _as_int64(sample_step, "sample_step")
     sample_task = _as_int64(sample_task, "sample_task")
     validate_routing(
         routed_experts_TLK, sample_offsets, num_experts,
-        sample_step=sample_step, sample_task=sample_task, model=model,
+        sample_step=sample_step, sample_task=sample_task, model=model, coverage=coverage,
     )
     T, L, K = routed_experts_TLK.shape
     id_dtype = torch.int16 if num_experts <= 2**15 else torch.int32
@@ -344,6 +361,8 @@ def save_routing(
     metadata = {"format": ROUTING_FORMAT, "num_experts": str(num_experts), "top_k": str(K), "num_layers": str(L)}
     if model is not None:
         metadata["model"] = model
+    if coverage is not None:
+        metadata["coverage"] = coverage
     write_tensors(path, tensors, metadata)
 
 
@@ -366,6 +385,10 @@ def load_routing(path) -> RoutingReplay:
     model = meta.get("model")
     if model is not None:
         check_text_metadata(model, "metadata model", where)
+    coverage = meta.get("coverage")
+    if coverage is not None and coverage not in COVERAGES:
+        raise ValueError(f"{where}: metadata coverage = {one_line(coverage)}; allowed: {', '.join(COVERAGES)} "
+                         f"(or absent: every token)")
     if header.dtype("routed_experts") not in _FILE_ID_DTYPES:
         raise ValueError(
             f"{where}: routed_experts has dtype {dtype_name(header.dtype('routed_experts'))}; allowed: int16 or int32"
@@ -391,5 +414,5 @@ def load_routing(path) -> RoutingReplay:
     return RoutingReplay(
         tensors["routed_experts"], tensors["sample_offsets"], num_experts,
         model=model, sample_step=tensors.get("sample_step"), sample_task=tensors.get("sample_task"),
-        check=False,
+        coverage=coverage, check=False,
     )

@@ -13,7 +13,8 @@ from .simulator import SYSTEMS, SimConfig, SimResult, SystemResult, simulate
 from .workload import Workload, synthetic_workload, workload_from_file, workload_from_loads
 
 __all__ = [
-    "BaselineOptions", "CostModel", "CostOptions", "HARDWARE", "HardwareSpec", "MODELS", "MemoryBreakdown", "MemoryOptions", "ModelSpec", "ReorderWeights",
+    "BaselineOptions", "CostModel", "CostOptions", "HARDWARE", "HardwareSpec", "MODELS", "MemoryBreakdown",
+    "MemoryOptions", "ModelSpec", "ReorderWeights",
     "SYSTEMS", "SimConfig", "SimResult", "StepCost", "SystemResult", "Workload", "get_hardware",
     "get_model", "simulate", "synthetic_workload", "workload_from_file", "workload_from_loads",
 ]

@@ -34,6 +34,11 @@ class BaselineOptions:
         online_min_replica_tokens: fewest tokens an ``online-global`` replica takes
             (UltraEP's ``ULTRA_EP_QUOTA_MIN_TOKENS_PER_REPLICA`` default, 1024). MoonEP has
             no such floor and ``online-node`` uses none.
+        planning_overlap_s: host work a step may spend planning ahead (planner, token splits)
+            without delaying it; the excess is charged. ``None``: the cost model's forward
+            pass over the step's tokens under the system's plan (RL pipelines compute old
+            log-probs with the same replay before the update; planning runs meanwhile).
+        relibra_*: relibra's mechanisms (``ReLibraConfig`` fields), for ablations.
     """
 
     eplb_interval: int = 1
@@ -41,6 +46,13 @@ class BaselineOptions:
     eplb_num_groups: int = 1
     online_plan_latency_us: float = 67.0
     online_min_replica_tokens: int = 1024
+    planning_overlap_s: float | None = None
+    relibra_cross_node_replicas: bool = True
+    relibra_reorder: bool = True
+    relibra_traffic_search: bool = True
+    relibra_balance: bool = True
+    relibra_max_swap_rounds: int = 64
+    relibra_swap_candidates: int = 8
 
     def __post_init__(self) -> None:
         check_int("eplb.interval", self.eplb_interval, 1)
@@ -48,6 +60,18 @@ class BaselineOptions:
         check_int("eplb.num_groups", self.eplb_num_groups, 1)
         check_number("online.plan_latency_us", self.online_plan_latency_us, 0.0)
         check_int("online.min_replica_tokens", self.online_min_replica_tokens, 0)
+        if self.planning_overlap_s is not None:
+            check_number("planning.overlap_s", self.planning_overlap_s, 0.0)
+        for name in ("cross_node_replicas", "reorder", "traffic_search", "balance"):
+            if not isinstance(getattr(self, f"relibra_{name}"), bool):
+                raise TypeError(f"relibra.{name} is {getattr(self, f'relibra_{name}')!r}; allowed: true or false")
+        check_int("relibra.max_swap_rounds", self.relibra_max_swap_rounds, 0)
+        check_int("relibra.swap_candidates", self.relibra_swap_candidates, 1)
+
+    def relibra_fields(self) -> dict:
+        """The ``ReLibraConfig`` fields set by the ``[relibra]`` section."""
+        return {f.name[len("relibra_"):]: getattr(self, f.name) for f in dataclasses.fields(self)
+                if f.name.startswith("relibra_")}
 
     def planner_kwargs(self, name: str) -> dict:
         """Keyword arguments of :func:`relibra_torch.planning.make_planner` for system ``name``."""
@@ -67,11 +91,20 @@ class BaselineOptions:
 SECTIONS = {
     "eplb": {"interval": int, "window": int, "num_groups": int},
     "online": {"plan_latency_us": float, "min_replica_tokens": int},
+    "planning": {"overlap_s": float},
+    "relibra": {"cross_node_replicas": bool, "reorder": bool, "traffic_search": bool, "balance": bool,
+                "max_swap_rounds": int, "swap_candidates": int},
 }
 """Sections and fields accepted in ``--config`` files and ``--set SECTION.FIELD=VALUE``."""
 
 
 def _convert(section: str, name: str, kind: type, value: object) -> object:
+    if kind is bool and isinstance(value, str):  # bool("false") would be True
+        if value.strip().lower() in ("true", "1", "yes", "on"):
+            return True
+        if value.strip().lower() in ("false", "0", "no", "off"):
+            return False
+        raise ValueError(f"{section}.{name} = {value!r}; allowed: true or false")
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)                     # TOML/JSON write 10 for 10.0
     if not isinstance(value, str):

@@ -30,13 +30,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..checks import check_choice, check_int
+from ..checks import check_choice, check_int, check_number
 from ..planning.topology import Topology
 from .baselines import SECTIONS as BASELINE_SECTIONS
 from .baselines import baseline_options
 from .cost import CostOptions
 from .dispatch import DISPATCH_MODES
-from .memory import capacity_bytes, ideal_memory, memory_options, precheck
+from .memory import memory_settings, memory_verdict, peak_warnings, precheck, replicating, workload_activations
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_config_file,
                       parse_override)
@@ -73,7 +73,7 @@ DEFAULTS = {
     "seed": 0,
     "sample_tokens": DEFAULT_SAMPLE_TOKENS,
     "overlap_replication": False,
-    "dispatch": "flat",
+    "dispatch": None,  # hierarchical with more than one node (DeepEP-style, what cross-node EP runs), else flat
     "json": None,
     "plot": None,
     "trace": "default",
@@ -117,7 +117,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dispatch", choices=DISPATCH_MODES,
                         help=f"all-to-all model: flat = one copy per token-expert pair; hierarchical = "
                              f"one copy per token and remote node, NVLink fan-out (DeepEP) "
-                             f"(default {d['dispatch']})")
+                             f"(default: hierarchical with more than one node, flat inside one)")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override a preset field or a baseline setting, e.g. "
                              "hardware.nvlink_gbps=300, eplb.interval=4, online.plan_latency_us=50 "
@@ -127,6 +127,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     parser.add_argument("--plot", metavar="OUT.png", help="write the imbalance and step-time plot")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--compare-ep", metavar="SIZES",
+                        help="compare EP layouts on this cluster, e.g. 8,16,32: the same trace split into "
+                             "EP groups of each size, every system, expert gradient sync priced "
+                             "(docs/simulator.md, 'EP layouts')")
     parser.add_argument("--trace", choices=ALL_TRACES,
                         help="synthetic trace family: " + "; ".join(f"{f.name}: {f.description}"
                                                                     for f in TRACE_FAMILIES.values())
@@ -214,17 +218,24 @@ def resolve(args: argparse.Namespace) -> dict:
     if opts["warmup_steps"] is not None:  # a file's default depends on its steps (see run)
         _int_option("warmup_steps", opts["warmup_steps"], 0)
     baselines = _baseline_settings(args, file_cfg)
+    opts["skew"] = _trace_skew(args, file_cfg)
+    if args.file and opts["skew"] != 1.0:
+        raise ValueError(f"--set trace.skew={opts['skew']:g} shapes the synthetic trace; it does not apply to "
+                         f"the file {args.file!r} (drop trace.skew or the file)")
     systems = parse_systems(opts["systems"])
     _check_trace_packing(args.file, opts)
     overlap = opts["overlap_replication"]
     if not isinstance(overlap, bool):
         raise ValueError(f"--overlap-replication = {overlap!r}; allowed: true or false")
+    if opts["dispatch"] is None:  # what cross-node EP runs in practice; one node: the two are the same
+        opts["dispatch"] = "hierarchical" if nodes > 1 else "flat"
     check_choice("--dispatch", opts["dispatch"], DISPATCH_MODES)
-    memory = _memory_settings(args, file_cfg)
+    memory = memory_settings(file_cfg, args.set or [])
     # weights, gradients, optimizer state and replica slots: refused before any trace or plan
-    warnings = _memory_verdict(precheck(model, topology, hardware, memory, systems_replicate(systems)),
-                               opts["ignore_memory"], [])
-    return {**opts, "memory": memory, "memory_warnings": warnings, "model_spec": model, "hardware_spec": hardware, "topology": topology,
+    warnings = memory_verdict(precheck(model, topology, hardware, memory, replicating(systems)),
+                              opts["ignore_memory"], [])
+    return {**opts, "memory": memory, "memory_warnings": warnings,
+            "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems,
             "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"]),
             "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
@@ -250,6 +261,28 @@ def _check_trace_packing(file: str | None, opts: dict) -> None:
                              f"holds only batched counts; use --packing fixed, or a routing replay file")
 
 
+def _trace_skew(args: argparse.Namespace, file_cfg: dict) -> float:
+    """``trace.skew`` from ``--config``'s ``[trace]`` table, then ``--set trace.skew=X`` over it
+    (the only trace field the command line sets: the exponent on the trace's expert weights)."""
+    raw = file_cfg.get("trace")
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"--config: 'trace' must be a table of FIELD = VALUE, got {raw!r}")
+    fields = dict(raw or {})
+    for text in args.set or []:
+        section, name, value = parse_override(text)
+        if section == "trace":
+            fields[name] = value
+    unknown = set(fields) - {"skew"}
+    if unknown:
+        raise ValueError(f"--set/--config trace.{sorted(unknown)[0]}: unknown trace field; allowed: trace.skew")
+    value = fields.get("skew", 1.0)
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--set trace.skew={value!r}; allowed: a number in [0, 4] (1: the calibrated trace)") from None
+    return check_number("--set trace.skew", value, 0.0, maximum=4.0)
+
+
 def file_warmup(num_steps: int, workload_notes: dict) -> int:
     """Default warm-up for a file of ``num_steps`` steps: one step when it has two or more
     (history-based planners such as eplb then start from real history), else none, and the
@@ -259,36 +292,6 @@ def file_warmup(num_steps: int, workload_notes: dict) -> int:
     workload_notes["warm-up"] = ("none: the file holds one step, so history-based systems (eplb) "
                                  "plan it from uniform history")
     return 0
-
-
-def systems_replicate(systems) -> bool:
-    """Whether any system fills replica slots (all but static and ideal)."""
-    return any(name not in ("static", "ideal") for name in systems)
-
-
-def _memory_settings(args: argparse.Namespace, file_cfg: dict):
-    """The ``[memory]`` section of ``--config``, then ``--set memory.X=..`` over it."""
-    raw = file_cfg.get("memory")
-    if raw is not None and not isinstance(raw, dict):
-        raise ValueError(f"--config: 'memory' must be a table of FIELD = VALUE, got {raw!r}")
-    fields = dict(raw or {})
-    for text in args.set or []:
-        section, name, value = parse_override(text)
-        if section == "memory":
-            fields[name] = value
-    try:
-        return memory_options(fields)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"--set/--config: {exc}") from None
-
-
-def _memory_verdict(message: str | None, ignore: bool, warnings: list[str]) -> list[str]:
-    """Raise ``message`` as the refusal, or keep it as a warning under --ignore-memory."""
-    if message and not ignore:
-        raise ValueError(message)
-    if message and not warnings:  # one warning before the run is enough
-        warnings.append(message)
-    return warnings
 
 
 def _baseline_settings(args: argparse.Namespace, file_cfg: dict):
@@ -330,18 +333,21 @@ def run(args: argparse.Namespace) -> int:
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
     elif s["trace"] in FAMILIES and s["packing"] == "fixed":  # count-level; default: today's trace, bit for bit
         workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
-                                      s["steps"], s["seed"], s["sample_tokens"], s["trace"])
+                                      s["steps"], s["seed"], s["sample_tokens"], s["trace"], s["skew"])
     else:
         workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
-                                   s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"])
+                                   s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"],
+                                   s["skew"])
     # the ideal system's activations are a lower bound for every plan: refuse before planning
-    act = max(ideal_memory(model, s["memory"], workload.loads_XMLSE[x], workload.tokens_XMS[x]).activations
-              for x in range(s["warmup_steps"], workload.num_steps)) if s["warmup_steps"] < workload.num_steps else 0.0
-    _memory_verdict(precheck(model, topo, s["hardware_spec"], s["memory"], systems_replicate(s["systems"]), act),
-                    s["ignore_memory"], s["memory_warnings"])
+    act = workload_activations(model, s["memory"], workload, s["warmup_steps"])
+    memory_verdict(precheck(model, topo, s["hardware_spec"], s["memory"], replicating(s["systems"]), act),
+                   s["ignore_memory"], s["memory_warnings"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
                        baseline_options=s["baseline_options"], memory=s["memory"],
                        memory_check=not s["ignore_memory"])
+
+    if getattr(args, "compare_ep", None):
+        return _run_layouts(args, s, workload, config)
 
     err = Console(stderr=True)
     show = not args.no_progress and err.is_terminal
@@ -367,13 +373,12 @@ def run(args: argparse.Namespace) -> int:
              "seed": s["seed"] if not args.file else None, "file": args.file,
 
              "command": "relibra simulate " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["simulate"] else None}
+    if not args.file:
+        extra["trace_skew"] = s["skew"]
     if s["trace"] != "default" or s["packing"] != "fixed":  # the default JSON stays as it was
         extra.update({"trace": s["trace"] if not args.file else None, "packing": s["packing"]})
     doc = result_json(result, extra)
-    cap = capacity_bytes(s["hardware_spec"], s["memory"])
-    s["memory_warnings"] += [f"{name} needs {f['memory_peak_bytes'] / 1e9:,.1f} GB per GPU, {cap / 1e9:,.1f} GB "
-                             f"available" for name, f in doc["systems"].items() if f["memory_peak_bytes"] > cap]
-    for text in s["memory_warnings"]:  # only with --ignore-memory: otherwise these were refused
+    for text in s["memory_warnings"] + peak_warnings(doc):  # only with --ignore-memory: otherwise these were refused
         err.print(f"relibra simulate: warning (--ignore-memory): {text}", highlight=False, soft_wrap=True)
     out = Console()
     if not out.is_terminal:
@@ -385,4 +390,32 @@ def run(args: argparse.Namespace) -> int:
     if s["plot"]:
         write_plot(result, s["plot"])
         out.print(f"wrote {s['plot']}")
+    return 0
+
+
+def _run_layouts(args: argparse.Namespace, s: dict, workload, config) -> int:
+    """``--compare-ep``: every system at every EP size (relibra_torch.sim.layouts)."""
+    from rich.console import Console
+
+    from .layouts import compare_layouts, layouts_json, parse_ep_sizes, print_layouts
+    from .report import write_json
+
+    topo = s["topology"]
+    sizes = parse_ep_sizes(args.compare_ep, topo.num_gpus, topo.num_experts, topo.gpus_per_node)
+    if s["plot"]:
+        raise ValueError("--plot does not apply to --compare-ep (use --json)")
+    err = Console(stderr=True)
+    rows = compare_layouts(workload, config, sizes,
+                           progress=None if args.no_progress else lambda line: err.print(line, highlight=False))
+    out = Console() if Console().is_terminal else Console(width=200)
+    cfg = s["model_spec"]
+    out.print(f"{cfg.name} on {topo.num_nodes} x {topo.gpus_per_node} {s['hardware_spec'].name} "
+              f"(R={topo.replica_slots}), {s['dispatch']} dispatch, {workload.num_micro_batches} micro-batches, "
+              f"source: {workload.source}", highlight=False)
+    print_layouts(rows, out)
+    if s["json"]:
+        write_json({"config": {"model": cfg.name, "nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
+                               "replica_slots": topo.replica_slots, "dispatch": s["dispatch"],
+                               "source": workload.source}, **layouts_json(rows)}, s["json"])
+        out.print(f"wrote {s['json']}")
     return 0

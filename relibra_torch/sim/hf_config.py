@@ -1,33 +1,27 @@
 """A Hugging Face ``config.json`` as the simulator's :class:`ModelSpec` (``--model-config``).
 
-Reads the fields the public configs of the MoE families trained with RL today carry:
+Any MoE config is read by meaning (:mod:`relibra_torch.sim.hf_fields` lists every spelling):
+the routed-expert count, top-k, the expert width and the shared experts, which layers are
+MoE, the expert groups, the attention (GQA, or DeepSeek's MLA when ``kv_lora_rank`` is set)
+and the text model of a multimodal wrapper. Checked on the public configs of
+:data:`FAMILIES` (``tests/fixtures/hf_configs``); another ``model_type`` loads the same way
+when it spells its fields like one of them. Only a config with no routed experts is refused
+("not an MoE").
 
-========================  =====================================================================
-``model_type``            fields read (besides hidden_size, num_hidden_layers, attention heads,
-                          vocab_size)
-========================  =====================================================================
-qwen3_moe, qwen2_moe      num_experts, num_experts_per_tok, moe_intermediate_size,
-                          decoder_sparse_step, mlp_only_layers, intermediate_size (dense
-                          layers), shared_expert_intermediate_size (qwen2_moe: one shared expert)
-deepseek_v2, deepseek_v3  n_routed_experts, num_experts_per_tok, moe_intermediate_size,
-                          n_shared_experts, first_k_dense_replace, moe_layer_freq,
-                          intermediate_size, MLA (q_lora_rank, kv_lora_rank, qk_nope_head_dim,
-                          qk_rope_head_dim, v_head_dim), n_group / topk_group,
-                          num_nextn_predict_layers (MTP)
-glm4_moe                  as deepseek (GQA attention with head_dim instead of MLA)
-mixtral                   num_local_experts, num_experts_per_tok, intermediate_size (expert
-                          width: every layer is MoE), sliding_window
-olmoe                     num_experts, num_experts_per_tok, intermediate_size (expert width)
-gpt_oss                   num_local_experts, num_experts_per_tok (or experts_per_token),
-                          intermediate_size (expert width), sliding_window, layer_types
-========================  =====================================================================
+Expert width: a dedicated spelling (``moe_intermediate_size``, ...) when the config has one,
+and then ``intermediate_size`` is the dense layers' width; otherwise ``intermediate_size``
+is the expert width (Mixtral, OLMoE, gpt-oss, Llama 4, MiniMax) and the dense width is
+``intermediate_size_mlp`` (Llama 4). Shared experts: ``n_shared_experts`` (or
+``num_shared_experts``) experts of ``moe_shared_expert_intermediate_size`` (default: the
+expert width), or one of ``shared_expert_intermediate_size`` / ``shared_intermediate_size``
+(Qwen2-MoE, MiniMax; 0 = none); Llama 4 has one shared expert of ``intermediate_size``.
 
-A config nested as ``text_config`` (multimodal wrappers) is read from there. What the cost
-model lacks is approximated and said in :attr:`HFModel.notes`: multi-token-prediction
-(MTP) layers are left out, sliding-window attention is priced as full causal attention,
-qwen2_moe's shared-expert gate and gpt-oss's expert biases and attention sinks are ignored.
-
-Layer legend: H hidden (transformer) layers; the MoE map is a bool per hidden layer.
+What the cost model cannot represent is approximated and said in :attr:`HFModel.notes`
+(printed under the simulate table and kept in its JSON): multi-token-prediction layers are
+left out; sliding-window, chunked and DeepSeek-sparse attention are priced as full causal
+attention; linear-attention / Mamba layers as attention layers; zero-computation
+(identity) experts as routed experts (they are ids of the routing, so they count in ``E``);
+per-layer widths or top-k as their mean; gates and biases are not priced.
 """
 
 from __future__ import annotations
@@ -36,12 +30,15 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from .hf_fields import Fields, find_moe_config, layer_map
 from .presets import ModelSpec
 
 __all__ = ["FAMILIES", "HFModel", "load_hf_config", "model_from_hf_config", "moe_layer_map"]
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "mixtral",
-            "olmoe", "gpt_oss")
+# the model types whose public configs are fixtures (tests/fixtures/hf_configs)
+FAMILIES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "deepseek_v2", "deepseek_v3", "kimi_k2",
+            "glm4_moe", "glm_moe_dsa", "mixtral", "olmoe", "gpt_oss", "llama4_text", "minimax_m2",
+            "bailing_moe", "longcat_flash")
 
 
 @dataclass(frozen=True)
@@ -51,8 +48,9 @@ class HFModel:
     Attributes:
         spec: the :class:`ModelSpec` for the cost model.
         moe_layers: per hidden layer, whether it is an MoE layer (``len == spec.num_layers``).
-        model_type: the config's ``model_type``.
-        notes: what the cost model approximates for this family (empty when nothing).
+        model_type: the ``model_type`` of the config that holds the experts (the inner one
+            of a multimodal wrapper).
+        notes: what the cost model approximates for this model (empty when nothing).
         topk_group: DeepSeek-style group-limited routing (``topk_group``; 0 when absent); the
             routing already reflects it, so it is informational only.
     """
@@ -76,79 +74,101 @@ def load_hf_config(path: str) -> dict:
             data = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"--model-config {path!r} is not valid JSON: {exc}") from None
+    except OSError as exc:
+        raise ValueError(f"--model-config {path!r} cannot be read: {exc.strerror}") from None
     if not isinstance(data, dict):
         raise ValueError(f"--model-config {path!r} must hold a JSON object (a Hugging Face config.json)")
     return data
 
 
-class _Fields:
-    """Typed access to config fields; every error names ``--model-config`` and the field."""
-
-    def __init__(self, cfg: dict, where: str):
-        self.cfg, self.where = cfg, where
-
-    def has(self, key: str) -> bool:
-        return self.cfg.get(key) is not None
-
-    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.cfg.get(key)
-        if value is None:
-            if default is None:
-                raise ValueError(f"--model-config {self.where}: field {key!r} is missing; "
-                                 f"allowed: an int >= {minimum} (model_type {self.cfg.get('model_type')!r})")
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise ValueError(f"--model-config {self.where}: {key} = {value!r}; allowed: an int >= {minimum}")
-        return value
-
-    def int_list(self, key: str) -> list[int]:
-        value = self.cfg.get(key) or []
-        if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool)
-                                                  and v >= 0 for v in value):
-            raise ValueError(f"--model-config {self.where}: {key} = {value!r}; allowed: a list of layer indices >= 0")
-        return value
-
-
 def moe_layer_map(cfg: dict, where: str = "config") -> tuple[bool, ...]:
-    """Per hidden layer of a Hugging Face config, whether it holds routed experts.
-
-    qwen: layer ``i`` is MoE unless ``i in mlp_only_layers`` and when ``(i + 1) %
-    decoder_sparse_step == 0``; deepseek/glm: ``i >= first_k_dense_replace`` and ``i %
-    moe_layer_freq == 0``; mixtral, olmoe, gpt-oss: every layer.
-    """
-    cfg = cfg.get("text_config") or cfg
-    f = _Fields(cfg, where)
-    kind = _family(cfg, where)
-    H = f.int("num_hidden_layers")
-    if kind in ("qwen3_moe", "qwen2_moe"):
-        step = f.int("decoder_sparse_step", 1)
-        dense = set(f.int_list("mlp_only_layers"))
-        return tuple(i not in dense and (i + 1) % step == 0 for i in range(H))
-    if kind in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
-        first = f.int("first_k_dense_replace", 0, minimum=0)
-        freq = f.int("moe_layer_freq", 1)
-        return tuple(i >= first and i % freq == 0 for i in range(H))
-    return (True,) * H
+    """Per hidden layer of a Hugging Face config (or a wrapper), whether it holds routed
+    experts (see :func:`relibra_torch.sim.hf_fields.layer_map` for the patterns read). The
+    config that holds the experts is read, else the config itself (only its layers are needed)."""
+    try:
+        inner = find_moe_config(cfg, where)
+    except ValueError:
+        inner = cfg
+    return layer_map(inner, where)
 
 
-def _family(cfg: dict, where: str) -> str:
-    kind = cfg.get("model_type")
-    if kind not in FAMILIES:
-        raise ValueError(f"--model-config {where}: model_type {kind!r} is not supported; allowed: "
-                         f"{', '.join(FAMILIES)} (for another model pass --model PRESET with "
-                         f"--set model.FIELD=VALUE, or a --config file with a [model] table)")
-    return kind
-
-
-def _name(cfg: dict, path: str | None) -> str:
-    named = cfg.get("_name_or_path")
-    if isinstance(named, str) and named.strip():
-        return os.path.basename(named.rstrip("/")) or named
+def _name(outer: dict, inner: dict, path: str | None) -> str:
+    """``_name_or_path`` (its last part), else the folder of the config, else ``model_type``."""
+    for cfg in (outer, inner):
+        named = cfg.get("_name_or_path")
+        if isinstance(named, str) and named.strip():
+            return os.path.basename(named.strip().rstrip("/")) or named.strip()
     if path:
-        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        if folder:
-            return folder
-    return str(cfg.get("model_type"))
+        folder = path if os.path.isdir(path) else os.path.dirname(path)
+        name = os.path.basename(os.path.abspath(folder))
+        if name:
+            return name
+    return str(inner.get("model_type") or outer.get("model_type"))
+
+
+def _attention(f: Fields, D: int, notes: list[str]) -> dict:
+    """GQA fields, or MLA's when the config has a ``kv_lora_rank``; priced-as-full notes."""
+    cfg = f.cfg
+    heads = f.int("heads")
+    kv_heads = f.int("kv_heads", heads)
+    out = dict(num_heads=heads, num_kv_heads=kv_heads,
+               head_dim=f.int("head_dim", D // heads if D % heads == 0 else None))
+    if f.int("kv_lora_rank", 0, minimum=0):
+        v = f.int("v_head_dim")
+        out.update(kv_lora_rank=f.int("kv_lora_rank"), q_lora_rank=f.int("q_lora_rank", 0, minimum=0),
+                   qk_nope_head_dim=f.int("qk_nope_head_dim"), qk_rope_head_dim=f.int("qk_rope_head_dim"),
+                   v_head_dim=v, num_kv_heads=heads, head_dim=v)  # MLA: head_dim unused by pricing
+    window = cfg.get("sliding_window")
+    if window is not None and cfg.get("use_sliding_window", True):
+        types = cfg.get("layer_types")
+        which = "on the layers layer_types marks sliding" if isinstance(types, list) else "on every layer"
+        notes.append(f"sliding-window attention (window {window}, {which}) priced as full causal attention")
+    if cfg.get("attention_chunk_size") is not None:
+        notes.append(f"chunked attention (chunks of {cfg['attention_chunk_size']} tokens) priced as full causal attention")
+    if cfg.get("index_topk") is not None:
+        notes.append(f"DeepSeek sparse attention (index_topk {cfg['index_topk']}) priced as full causal attention")
+    types = [cfg.get(k) for k in ("layer_types", "layers_block_type") if isinstance(cfg.get(k), list)]
+    kinds = [t for t in (types[0] if types else []) if isinstance(t, str) and any(w in t for w in ("linear", "mamba"))]
+    attn = cfg.get("attn_type_list")
+    kinds += [t for t in (attn if isinstance(attn, list) else []) if t == 0]  # MiniMax: 0 = lightning attention
+    pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: "M" = Mamba layer
+    kinds += [c for c in (pattern if isinstance(pattern, str) else "") if c == "M"]
+    if kinds:
+        notes.append(f"{len(kinds)} linear-attention / Mamba layers priced as full-attention layers")
+    return out
+
+
+def _experts(f: Fields, kind: str, notes: list[str]) -> dict:
+    """Routed and shared experts: counts, top-k, widths (see the module docstring)."""
+    cfg = f.cfg
+    E, per_E = f.per_layer("experts", minimum=2)
+    K, per_K = f.per_layer("top_k")
+    F, per_F = f.per_layer("expert_ffn" if f.key("expert_ffn") else "expert_ffn_fallback")
+    for what, per in (("routed-expert counts", per_E), ("top-k", per_K), ("expert widths", per_F)):
+        if per is not None and len(set(per)) > 1:  # e.g. Hunyuan's per-layer lists
+            notes.append(f"{what} differ across layers ({min(per)}..{max(per)}); priced at their mean")
+    zero = f.int("zero_expert_num", 0, minimum=0)
+    if zero:  # LongCat-Flash: the router picks among E + zero experts; the zero ones return their input
+        notes.append(f"{zero} zero-computation ({cfg.get('zero_expert_type', 'identity')}) experts are "
+                     f"expert ids {E}..{E + zero - 1} of the routing and are priced as routed experts")
+        E += zero
+    out = dict(num_experts=E, top_k=K, moe_ffn=F)
+    count, per_count = f.per_layer("shared_count", 0, minimum=0)  # Hunyuan: one per layer
+    if per_count is not None and len(set(per_count)) > 1:
+        notes.append(f"shared-expert counts differ across layers ({min(per_count)}..{max(per_count)}); "
+                     f"priced at their mean")
+    total = f.int("shared_total", 0, minimum=0)
+    if count:
+        out.update(num_shared_experts=count, shared_ffn=count * f.int("shared_width", F))
+    elif total:
+        out.update(num_shared_experts=1, shared_ffn=total)
+    elif kind == "llama4_text":  # every Llama 4 MoE layer adds one shared expert of the expert width
+        out.update(num_shared_experts=1, shared_ffn=F)
+    if f.key("shared_total") == "shared_expert_intermediate_size" and total:
+        notes.append("the shared expert's sigmoid gate is not priced")
+    if kind == "gpt_oss":
+        notes.append("expert biases and attention sinks are not priced")
+    return out
 
 
 def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel:
@@ -156,67 +176,46 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
 
     Args:
         config: the parsed JSON object, or a path (file or folder).
-        name: the model name to report; default: ``_name_or_path``, else the folder name.
+        name: the model name to report; default: ``_name_or_path``, else the config's folder,
+            else its ``model_type``.
     Raises:
-        ValueError naming ``--model-config`` and the field for an unsupported ``model_type``,
-        a missing or non-integer field, or a config with no MoE layer.
+        ValueError naming ``--model-config``: a config that is not an MoE (no routed
+        experts, or no MoE layer), or a missing or non-integer field.
     """
     path = config if isinstance(config, str) else None
     outer = load_hf_config(config) if isinstance(config, str) else config
     if not isinstance(outer, dict):
         raise TypeError(f"--model-config is {type(outer).__name__}; allowed: a dict or a path")
     where = repr(path) if path else "config"
-    cfg = outer.get("text_config") or outer
-    kind = _family(cfg, where)
-    f = _Fields(cfg, where)
-    moe = moe_layer_map(cfg, where)
-    H, D = len(moe), f.int("hidden_size")
-    heads = f.int("num_attention_heads")
-    kv_heads = f.int("num_key_value_heads", heads)
-    head_dim = f.int("head_dim", D // heads if D % heads == 0 else None)
+    cfg = find_moe_config(outer, where)
+    kind = str(cfg.get("model_type") or outer.get("model_type"))
+    f = Fields(cfg, where)
+    moe = layer_map(cfg, where)
+    H, D = len(moe), f.int("hidden")
     notes: list[str] = []
-    fields: dict = dict(hidden_size=D, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-                        vocab_size=f.int("vocab_size"))
-    groups, topk_group = 1, 0
-    if kind in ("qwen3_moe", "qwen2_moe"):
-        fields.update(num_experts=f.int("num_experts"), top_k=f.int("num_experts_per_tok"),
-                      moe_ffn=f.int("moe_intermediate_size"))
-        if kind == "qwen2_moe" and f.int("shared_expert_intermediate_size", 0, minimum=0):
-            fields.update(num_shared_experts=1, shared_ffn=f.int("shared_expert_intermediate_size"))
-            notes.append("the shared expert's sigmoid gate is not priced")
-    elif kind in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
-        fields.update(num_experts=f.int("n_routed_experts"), top_k=f.int("num_experts_per_tok"),
-                      moe_ffn=f.int("moe_intermediate_size"))
-        shared = f.int("n_shared_experts", 0, minimum=0)
-        if shared:
-            # n_shared_experts experts of moe_intermediate_size = one FFN of their summed width
-            fields.update(num_shared_experts=shared, shared_ffn=shared * fields["moe_ffn"])
-        groups = f.int("n_group", 1)
-        topk_group = f.int("topk_group", 0, minimum=0)
-        if kind != "glm4_moe":
-            fields.update(kv_lora_rank=f.int("kv_lora_rank"), q_lora_rank=f.int("q_lora_rank", 0, minimum=0),
-                          qk_nope_head_dim=f.int("qk_nope_head_dim"),
-                          qk_rope_head_dim=f.int("qk_rope_head_dim"), v_head_dim=f.int("v_head_dim"),
-                          num_kv_heads=heads, head_dim=f.int("v_head_dim"))  # unused by MLA pricing
-        mtp = f.int("num_nextn_predict_layers", 0, minimum=0)
-        if mtp:
-            notes.append(f"{mtp} multi-token-prediction (MTP) layer(s) not modelled")
-    else:  # mixtral, olmoe, gpt_oss: every layer MoE, the expert width is intermediate_size
-        experts_key = "num_experts" if kind == "olmoe" else "num_local_experts"
-        top_k = f.int("num_experts_per_tok", f.int("experts_per_token", None) if f.has("experts_per_token") else None)
-        fields.update(num_experts=f.int(experts_key), top_k=top_k, moe_ffn=f.int("intermediate_size"))
-        if kind == "gpt_oss":
-            notes.append("expert biases and attention sinks are not priced")
-    window = cfg.get("sliding_window")
-    if window is not None and (kind in ("mixtral", "gpt_oss") or cfg.get("use_sliding_window")):
-        which = "on the layers layer_types marks sliding" if kind == "gpt_oss" else "on every layer"
-        notes.append(f"sliding-window attention (window {window}, {which}) priced as full causal attention")
+    fields: dict = dict(hidden_size=D, vocab_size=f.int("vocab"), **_attention(f, D, notes))
+    fields.update(_experts(f, kind, notes))
+    groups = f.int("groups", 1)
+    if fields["num_experts"] % groups:
+        notes.append(f"{groups} expert groups do not divide {fields['num_experts']} experts; groups ignored")
+        groups = 1
     num_moe = sum(moe)
     if num_moe == 0:
-        raise ValueError(f"--model-config {where}: no MoE layer (check first_k_dense_replace, "
-                         f"mlp_only_layers, decoder_sparse_step); allowed: a model with routed experts")
-    if num_moe < H:
-        fields["dense_ffn"] = f.int("intermediate_size")
-    spec = ModelSpec(name or _name(outer, path), num_layers=H, num_moe_layers=num_moe,
+        raise ValueError(f"--model-config {where}: not an MoE: no layer holds routed experts (check "
+                         f"first_k_dense_replace, mlp_only_layers, decoder_sparse_step, moe_layers); "
+                         f"allowed: a model with routed experts")
+    if kind == "longcat_flash":  # each layer: two attention + two dense FFN sublayers around one MoE
+        dense2 = 2 * f.int("dense_ffn")
+        fields.update(num_shared_experts=fields.get("num_shared_experts", 0) + 1,
+                      shared_ffn=fields.get("shared_ffn", 0) + dense2)
+        notes.append(f"each layer's two dense FFNs are priced as one shared expert of width {dense2}; "
+                     f"its second attention block is not priced")
+    if num_moe < H:  # intermediate_size_mlp (Llama 4) first: there intermediate_size is the experts'
+        fields["dense_ffn"] = f.int("dense_ffn")
+    mtp_key = f.key("mtp")
+    mtp = f.int("mtp", 0, minimum=0) if cfg.get("use_mtp", True) is not False else 0
+    if mtp:
+        notes.append(f"{mtp} multi-token-prediction (MTP) layer(s) ({mtp_key}) not modelled")
+    spec = ModelSpec(name or _name(outer, cfg, path), num_layers=H, num_moe_layers=num_moe,
                      num_expert_groups=groups, **fields)
-    return HFModel(spec, moe, kind, tuple(notes), topk_group)
+    return HFModel(spec, moe, kind, tuple(notes), f.int("topk_group", 0, minimum=0))

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice, check_int, check_number
-from .presets import HardwareSpec, ModelSpec
+from .presets import HardwareSpec, ModelSpec, parse_override
 
 __all__ = ["MemoryOptions", "MemoryBreakdown", "SHARD_LEVELS", "RECOMPUTE_MODES", "memory_options",
            "param_counts", "capacity_bytes", "state_breakdown", "activation_bytes_MG",
-           "plan_memory", "ideal_memory", "check_fits", "fit_hint", "precheck"]
+           "plan_memory", "ideal_memory", "check_fits", "fit_hint", "precheck", "memory_settings",
+           "memory_verdict", "replicating", "workload_activations", "peak_warnings"]
 
 SHARD_LEVELS = ("none", "optimizer", "grads", "params")
 RECOMPUTE_MODES = ("full", "none")
@@ -152,12 +153,15 @@ def capacity_bytes(hardware: HardwareSpec, options: MemoryOptions) -> float:
 
 
 def state_breakdown(model: ModelSpec, num_gpus: int, options: MemoryOptions, live_slots: int = 0,
-                    migrates: bool = True) -> MemoryBreakdown:
+                    migrates: bool = True, world: int | None = None) -> MemoryBreakdown:
     """Weights, gradients, optimizer state, ``live_slots`` replica buffers and migration
     staging per GPU, activations 0 (see :func:`activation_bytes_MG`).
 
     Args:
-        model: the model; num_gpus: ``G`` (EP size = data-parallel size of the dense part).
+        model: the model; num_gpus: ``G``, the EP size.
+        world: the data-parallel size of the dense part (default ``G``: EP over every GPU);
+            the experts' data-parallel group is then ``world / G`` GPUs
+            (``relibra simulate --compare-ep`` runs EP groups smaller than the cluster).
         live_slots: replica slots alive at once on the GPU, summed over MoE layers; each
             holds an expert's weights (``param_bytes``) and a gradient buffer (``grad_bytes``).
         migrates: whether experts move between steps (staging, see below).
@@ -170,26 +174,35 @@ def state_breakdown(model: ModelSpec, num_gpus: int, options: MemoryOptions, liv
     """
     o = options
     G = check_int("num_gpus", num_gpus)
+    d = check_int("world", G if world is None else world)  # data-parallel group of the dense part
+    if d % G:
+        raise ValueError(f"world = {d}; allowed: a multiple of the EP size {G}")
     n = param_counts(model)
-    d = G  # data-parallel group of the dense part; the experts' group has one GPU (EP = G)
+    ed = d // G  # the experts' data-parallel group (1 when EP spans every GPU)
     shard = SHARD_LEVELS.index(o.shard)
     experts_here = n["experts"] / G
+    unit = n["largest_dense_unit"]
+    if ed > 1:  # a sharded unit then also holds the layer's experts of this EP rank
+        unit = max(unit, n["experts"] / model.num_moe_layers / G + n["largest_dense_unit"])
     dense_w = o.param_bytes * n["dense"] / (d if shard >= 3 else 1)
     dense_g = o.grad_bytes * n["dense"] / (d if shard >= 2 else 1)
     if shard >= 3:  # FSDP gathers a unit's weights, prefetching the next one
-        dense_w += 2 * o.param_bytes * n["largest_dense_unit"]
+        dense_w += 2 * o.param_bytes * unit
     if shard >= 2:  # one unit's full gradient before its reduce-scatter
-        dense_g += o.grad_bytes * n["largest_dense_unit"]
+        dense_g += o.grad_bytes * unit
     opt_per_param = o.master_bytes + o.optimizer_bytes
     dense_opt = opt_per_param * n["dense"] / (d if shard >= 1 else 1)
+    experts_w = experts_here / (ed if shard >= 3 else 1)
+    experts_g = experts_here / (ed if shard >= 2 else 1)
+    experts_opt = experts_here / (ed if shard >= 1 else 1)
     slot_bytes = model.expert_params() * (o.param_bytes + o.grad_bytes)
     El = model.num_experts // G
     widest = max(o.param_bytes, o.grad_bytes, 4 if (o.master_bytes or o.optimizer_bytes) else 0)
     staging = 3 * El * model.hidden_size * model.moe_ffn * widest if migrates else 0
     return MemoryBreakdown(
-        expert_weights=o.param_bytes * experts_here, dense_weights=dense_w,
-        gradients=o.grad_bytes * experts_here + dense_g,
-        optimizer=opt_per_param * experts_here + dense_opt,
+        expert_weights=o.param_bytes * experts_w, dense_weights=dense_w,
+        gradients=o.grad_bytes * experts_g + dense_g,
+        optimizer=opt_per_param * experts_opt + dense_opt,
         replica_slots=float(live_slots * slot_bytes), activations=0.0,
         migration_staging=float(staging))
 
@@ -255,13 +268,13 @@ def live_slots_MG(plan) -> torch.Tensor:
 
 
 def plan_memory(model: ModelSpec, options: MemoryOptions, plan, gpu_load_MLG: torch.Tensor,
-                tokens_MS: torch.Tensor) -> MemoryBreakdown:
+                tokens_MS: torch.Tensor, world: int | None = None) -> MemoryBreakdown:
     """The busiest GPU's memory under one step plan: the state, the plan's live replica
     slots and activations at the worst (micro-batch, GPU); staging when experts moved."""
     topo = plan.topology
     migrates = plan.previous_placement_LE is not None and not torch.equal(
         plan.previous_placement_LE // topo.experts_per_gpu, plan.owner_gpu_LE())
-    base = state_breakdown(model, topo.num_gpus, options, 0, migrates)
+    base = state_breakdown(model, topo.num_gpus, options, 0, migrates, world)
     slot_bytes = model.expert_params() * (options.param_bytes + options.grad_bytes)
     step_MG = live_slots_MG(plan) * float(slot_bytes) + activation_bytes_MG(
         model, options, tokens_MS, gpu_load_MLG)
@@ -272,13 +285,13 @@ def plan_memory(model: ModelSpec, options: MemoryOptions, plan, gpu_load_MLG: to
 
 
 def ideal_memory(model: ModelSpec, options: MemoryOptions, loads_MLSE: torch.Tensor,
-                 tokens_MS: torch.Tensor) -> MemoryBreakdown:
+                 tokens_MS: torch.Tensor, world: int | None = None) -> MemoryBreakdown:
     """Memory of the ideal system: no replicas, no migration, the mean load on every GPU.
     A lower bound on every system's need for the same step."""
     M, L, S, _ = loads_MLSE.shape
     mean_ML = loads_MLSE.sum((2, 3), dtype=torch.float64) / S
     act_MG = activation_bytes_MG(model, options, tokens_MS, mean_ML.unsqueeze(-1).expand(M, L, S))
-    return dataclasses.replace(state_breakdown(model, S, options, 0, False), activations=float(act_MG.max()))
+    return dataclasses.replace(state_breakdown(model, S, options, 0, False, world), activations=float(act_MG.max()))
 
 
 def _gb(x: float) -> str:
@@ -344,3 +357,49 @@ def precheck(model: ModelSpec, topology, hardware: HardwareSpec, options: Memory
             f"(EP {topology.num_gpus}, R={R})")
     return check_fits(b, cap, what, "fix: " + ("; or ".join(fixes) if fixes else
                                                  "nothing in reach (the experts do not fit at any EP size)"))
+
+
+# --- the CLI's side: settings, the checks around planning, warnings ----------------------
+def memory_settings(file_cfg: dict, sets: list[str]) -> MemoryOptions:
+    """The ``[memory]`` table of ``--config``, then ``--set memory.X=..`` over it."""
+    raw = file_cfg.get("memory")
+    if raw is not None and not isinstance(raw, dict):
+        raise ValueError(f"--config: 'memory' must be a table of FIELD = VALUE, got {raw!r}")
+    fields = dict(raw or {})
+    for text in sets:
+        section, name, value = parse_override(text)
+        if section == "memory":
+            fields[name] = value
+    try:
+        return memory_options(fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"--set/--config: {exc}") from None
+
+
+def memory_verdict(message: str | None, ignore: bool, warnings: list[str]) -> list[str]:
+    """Raise ``message`` as the refusal, or keep it as a warning under ``--ignore-memory``
+    (one warning before the run is enough)."""
+    if message and not ignore:
+        raise ValueError(message)
+    if message and not warnings:
+        warnings.append(message)
+    return warnings
+
+
+def replicating(systems) -> bool:
+    """Whether any of ``systems`` fills replica slots (all but static and ideal)."""
+    return any(name not in ("static", "ideal") for name in systems)
+
+
+def workload_activations(model: ModelSpec, options: MemoryOptions, workload, warmup_steps: int) -> float:
+    """The ideal system's activations over the measured steps (0 when there are none)."""
+    steps = range(warmup_steps, workload.num_steps)
+    return max((ideal_memory(model, options, workload.loads_XMLSE[x], workload.tokens_XMS[x]).activations
+                for x in steps), default=0.0)
+
+
+def peak_warnings(doc: dict) -> list[str]:
+    """One line per system of a report whose peak exceeds the usable memory."""
+    cap = doc["config"]["memory_capacity_bytes"]
+    return [f"{name} needs {_gb(f['memory_peak_bytes'])} per GPU, {_gb(cap)} available"
+            for name, f in doc["systems"].items() if f["memory_peak_bytes"] > cap]

@@ -69,8 +69,10 @@ def _pack_steps(steps: list[SampleStep], method: str, topology: Topology, M: int
 
 def sample_workload(model: ModelSpec, topology: Topology, cost: CostModel, num_micro_batches: int,
                     tokens_per_rank: int, steps: int, seed: int, trace: str = "long-tail",
-                    packing: str = "fixed", sample_tokens: int = DEFAULT_SAMPLE_TOKENS) -> Workload:
-    """A trace family's samples (``--trace``), packed per step by ``packing``.
+                    packing: str = "fixed", sample_tokens: int = DEFAULT_SAMPLE_TOKENS,
+                    skew: float = 1.0) -> Workload:
+    """A trace family's samples (``--trace``), packed per step by ``packing``; ``skew`` is
+    ``TraceConfig.skew`` (1: as calibrated).
 
     ``fixed`` keeps the family's sequential packing (for ``default`` that is the rule of
     :func:`relibra_torch.sim.traces.generate_load_trace`, with per-sample count draws; the
@@ -81,7 +83,7 @@ def sample_workload(model: ModelSpec, topology: Topology, cost: CostModel, num_m
         raise ValueError(f"--packing {packing!r}; allowed: {', '.join(PACKING_METHODS)}")
     fam = TRACE_FAMILIES[trace]
     cfg = family_config(trace, num_experts=model.num_experts, top_k=model.top_k,
-                        num_layers=model.num_moe_layers, seed=seed)
+                        num_layers=model.num_moe_layers, seed=seed, skew=skew)
     S, M = topology.num_gpus, num_micro_batches
     st = generate_sample_trace(cfg, M, S, tokens_per_rank, steps=steps, truncate=fam.truncate)
     cap = max(tokens_per_rank, 1)

@@ -208,7 +208,7 @@ def apply_overrides(spec, section: str, overrides: dict[str, object]):
 # Sections of --set and of config files: the presets, then the baselines' settings
 # (relibra_torch.sim.baselines.SECTIONS), then the memory model's recipe
 # (relibra_torch.sim.memory.MemoryOptions).
-SET_SECTIONS = ("hardware", "model", "eplb", "online", "memory")
+SET_SECTIONS = ("hardware", "model", "eplb", "online", "trace", "planning", "relibra", "memory")
 
 
 def parse_override(text: str) -> tuple[str, str, str]:
@@ -228,7 +228,8 @@ def load_config_file(path: str) -> dict:
     """Read a small JSON or TOML config file.
 
     Layout: ``{"model": NAME or {FIELD: VALUE, "preset": NAME}, "hardware": same,
-    "eplb": {FIELD: VALUE}, "online": {FIELD: VALUE}, "simulate": {OPTION: VALUE}}`` where
+    "eplb": {FIELD: VALUE}, "online": {FIELD: VALUE}, "trace": {"skew": X},
+    "simulate": {OPTION: VALUE}}`` where
     OPTION is a ``relibra simulate`` long option with dashes as underscores
     (``micro_batch_tokens``) and the ``eplb``/``online`` fields are those of
     :data:`relibra_torch.sim.baselines.SECTIONS`. Unknown top-level keys are an error.

@@ -55,8 +55,24 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
     }
     if extra_config:
         config.update(extra_config)
+    config["static_imbalance"] = static_imbalance(wl.loads_XMLSE[cfg.warmup_steps:], topo.num_gpus)
     lis_XML = lis(wl.loads_XMLSE[cfg.warmup_steps:].sum(3, dtype=torch.int64))
     return {"config": config, **lis_summary(lis_XML), "systems": result.figures()}
+
+
+def static_imbalance(loads_XMLSE: torch.Tensor, num_gpus: int) -> float:
+    """How skewed a trace is at this EP size: max/mean GPU load under static placement
+    (expert ``e`` on GPU ``e // (E / G)``), averaged over (step, micro-batch, layer) with
+    tokens. The same trace gives different values at different EP sizes, so every speedup is
+    reported next to it."""
+    X, M, L, S, E = loads_XMLSE.shape
+    gpu_R = loads_XMLSE.sum(3, dtype=torch.int64).view(X * M * L, num_gpus, E // num_gpus).sum(-1)
+    total_R = gpu_R.sum(-1)
+    busy = total_R > 0
+    if not bool(busy.any()):
+        return 1.0
+    ratio = gpu_R[busy].max(-1).values.double() * num_gpus / total_R[busy].double()
+    return float(ratio.mean())
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -168,6 +184,11 @@ def print_table(doc: dict, console=None) -> None:
                   f"{cfg['hardware']['name']} (EP {cfg['ep_size']}, R={cfg['replica_slots']}), "
                   f"{cfg['micro_batches']} micro-batches, {cfg['measured_steps']} measured step(s), "
                   f"figures per step", highlight=False)
+    if "static_imbalance" in cfg:
+        console.print(f"trace skew: static imbalance {cfg['static_imbalance']:.2f} at EP {cfg['ep_size']} "
+                      f"(max/mean GPU load under static placement)"
+                      + (f", trace.skew = {cfg['trace_skew']:g}" if cfg.get("trace_skew") is not None else ""),
+                      highlight=False)
     if cfg.get("model_from") and cfg.get("file"):
         console.print(f"model dims from {cfg['model_from']}", highlight=False)
     elif cfg.get("model_from", "").startswith("--model-config"):
@@ -198,6 +219,24 @@ def print_table(doc: dict, console=None) -> None:
         console.print(f"{', '.join(online)}: run-time planning {b.get('online_plan_latency_us')} us per "
                       f"layer and micro-batch on the critical path (--set online.plan_latency_us=...)",
                       highlight=False)
+    console.print(host_planning_line(doc), highlight=False)
+
+
+def host_planning_line(doc: dict) -> str:
+    """What each system's host work ahead of the step cost and what of it was charged."""
+    ahead = {n: f for n, f in doc["systems"].items() if f.get("host_cpu_s")}
+    if not ahead:
+        return "host planning ahead of the step: none"
+    window = cfg_window = doc["config"].get("baseline_options", {}).get("planning_overlap_s")
+    window = "the forward pass" if cfg_window is None else f"{format_seconds(cfg_window)} (planning.overlap_s)"
+    line = ("host planning ahead of the step (one thread's CPU: planner + token splits): "
+            + ", ".join(f"{n} {format_seconds(f['host_cpu_s'])}" for n, f in ahead.items())
+            + f"; overlap window {window}")
+    charged = {n: f["planning_charged_s"] for n, f in ahead.items() if f["planning_charged_s"] > 0}
+    if not charged:
+        return line + "; charged: none (every system fits the window)"
+    return line + ("; charged (measured CPU time: varies run to run): "
+                   + ", ".join(f"{n} {format_seconds(v)}" for n, v in charged.items()))
 
 
 # step-time parts of the plot's stacked bars: (label, figure key, colour)
@@ -205,6 +244,7 @@ STEP_PARTS = (("expert compute", "expert_compute_s", "#4c72b0"),
               ("all-to-all", "all_to_all_s", "#dd8452"),
               ("replica transfer", "replica_exposed_s", "#55a868"),
               ("migration", "migration_s", "#c44e52"),
+              ("host planning", "planning_charged_s", "#8172b3"),
               ("attention / dense", "attention_dense_s", "#b0b0b0"))
 
 

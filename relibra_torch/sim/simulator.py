@@ -9,6 +9,14 @@ For each system the simulator walks the steps in order: ``plan = planner.plan(lo
 step's migration is counted from the placement actually in force. The first
 ``warmup_steps`` steps are run but left out of the figures (EPLB has no history yet).
 
+Host work ahead of the step (the planner and the layer's per-micro-batch token splits) is
+measured as one thread's CPU time (torch limited to one thread: the planner's target is
+one core, and CPU time does not grow on a loaded machine) and charged where it exceeds the
+overlap window (``planning.overlap_s``; default: the system's forward pass over the step,
+during which RL pipelines compute old log-probs with the same replay). Systems that plan at
+run time (a ``plan_latency_s`` attribute) are charged that latency per layer and
+micro-batch instead.
+
 "static" and "ideal" are always computed, because the speedup and fraction-of-ideal
 figures are relative to them. A planner with a ``plan_latency_s`` attribute (the online
 systems) plans at run time: the cost model charges that much per layer and micro-batch.
@@ -25,7 +33,7 @@ import torch
 from ..checks import check_int
 from ..planning.base import Planner, StaticPlanner
 from ..planning.evaluate import evaluate
-from ..planning.plan import validate_plan
+from ..planning.plan import token_split, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
@@ -66,8 +74,9 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
     if name == "relibra":
         # dispatch: under hierarchical dispatch relibra prices co-activation (when the source
         # has per-token ids to count pairs from)
+        fields = (options or BaselineOptions()).relibra_fields()  # [relibra] ablation switches
         return make_planner(name, topology, config=ReLibraConfig.from_weights(
-            cost.reorder_weights(), dispatch=cost.options.dispatch))
+            cost.reorder_weights(), dispatch=cost.options.dispatch, **fields))
     kwargs = (options or BaselineOptions()).planner_kwargs(name)
     if name.startswith("eplb") and kwargs.get("num_groups", 1) == 1:
         # EPLB's hierarchical policy packs the model's expert groups (n_group), unless the
@@ -92,6 +101,7 @@ class SimConfig:
     # than the capacity raises ValueError (the CLI sets it unless --ignore-memory)
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     memory_check: bool = False
+    memory_world: int | None = None  # GPUs of the dense part's data-parallel group (None: the EP size)
 
     def __post_init__(self) -> None:
         if self.topology.num_experts != self.model.num_experts:
@@ -108,7 +118,11 @@ class SystemResult:
         name: the system.
         imbalance_XML: float64 ``[X, M, L]`` per measured step, micro-batch and layer.
         costs: one :class:`StepCost` per measured step.
-        planner_s: wall seconds of ``plan()`` per measured step (empty for ideal).
+        planner_s: one thread's CPU seconds of ``plan()`` per measured step (empty for ideal).
+        host_s: CPU seconds of the step's host work ahead of it (``plan()`` plus the token
+            split of every micro-batch; 0 for run-time planners), per measured step.
+        window_s: the overlap window it hides behind, per measured step.
+        charged_s: ``max(0, host_s - window_s)``, added to the step time, per measured step.
     """
 
     name: str
@@ -116,6 +130,9 @@ class SystemResult:
     costs: list[StepCost]
     planner_s: list[float]
     memory: list[MemoryBreakdown] = field(default_factory=list)  # per measured step, busiest GPU
+    host_s: list[float] = field(default_factory=list)
+    window_s: list[float] = field(default_factory=list)
+    charged_s: list[float] = field(default_factory=list)
 
     def mean(self, attr: str) -> float:
         return sum(float(getattr(c, attr)) for c in self.costs) / len(self.costs)
@@ -145,6 +162,9 @@ class SystemResult:
             "migrated_experts": self.mean("migrated_experts"),
             "migrated_bytes": self.mean("migrated_bytes"),
             "planner_s": sum(self.planner_s) / len(self.planner_s) if self.planner_s else 0.0,
+            "host_cpu_s": sum(self.host_s) / len(self.host_s) if self.host_s else 0.0,
+            "overlap_window_s": sum(self.window_s) / len(self.window_s) if self.window_s else 0.0,
+            "planning_charged_s": sum(self.charged_s) / len(self.charged_s) if self.charged_s else 0.0,
             **self.memory_figures(),
         }
 
@@ -209,6 +229,7 @@ def simulate(workload: Workload, config: SimConfig,
     results: dict[str, SystemResult] = {}
     for name in config.systems:
         imb, costs, planner_s, memory = [], [], [], []
+        host: dict[str, list[float]] = {"host_s": [], "window_s": [], "charged_s": []}
         planner = None if name == "ideal" else planner_factory(name, topo, cost)
         for x in range(X):
             loads_MLSE = workload.loads_XMLSE[x]
@@ -219,16 +240,14 @@ def simulate(workload: Workload, config: SimConfig,
                     costs.append(cost.ideal_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
                                                       tokens_MS, pairs_MS))
                     imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
-                    memory.append(ideal_memory(config.model, config.memory, loads_MLSE, tokens_MS))
+                    memory.append(ideal_memory(config.model, config.memory, loads_MLSE, tokens_MS, config.memory_world))
             else:
-                t0 = time.perf_counter()
                 if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
                     r = workload.routing  # the step's exact pair counts, as replay gives them
                     pairs_LEE = count_pairs(r.routed_experts_TLK[r.token_index[x]], topo.num_experts)
-                    plan = planner.plan(loads_MLSE, pairs_LEE)
+                    plan, secs = one_thread_cpu(lambda: planner.plan(loads_MLSE, pairs_LEE))
                 else:
-                    plan = planner.plan(loads_MLSE)
-                secs = time.perf_counter() - t0
+                    plan, secs = one_thread_cpu(lambda: planner.plan(loads_MLSE))
                 if config.validate:
                     validate_plan(plan, loads_MLSE)
                 if measured:  # a warm-up step only advances the planner's state
@@ -240,12 +259,15 @@ def simulate(workload: Workload, config: SimConfig,
                                                 getattr(planner, "plan_latency_s", 0.0)))
                     imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
-                    memory.append(plan_memory(config.model, config.memory, plan, metrics.gpu_load_MLG, tokens_MS))
+                    memory.append(plan_memory(config.model, config.memory, plan, metrics.gpu_load_MLG, tokens_MS,
+                                              config.memory_world))
                     _check_memory(config, name, x, memory[-1])
+                    _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], config.baseline_options,
+                                      run_time=hasattr(planner, "plan_latency_s"))
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
-        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, memory)
+        results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, memory=memory, **host)
     return SimResult(config, workload, results)
 
 
@@ -261,3 +283,41 @@ def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -
                      "--set memory.shard=params (dense weights, gradients and optimizer state sharded)")
     if msg:
         raise ValueError(msg)
+
+
+def one_thread_cpu(fn: Callable[[], object]) -> tuple[object, float]:
+    """``fn()`` and the CPU seconds this thread spent in it, with torch on one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t0 = time.thread_time()
+    try:
+        out = fn()
+    finally:
+        secs = time.thread_time() - t0
+        torch.set_num_threads(threads)
+    return out, secs
+
+
+def forward_s(c: StepCost) -> float:
+    """The cost model's forward pass of a step: a third of expert and dense compute (backward
+    is twice forward), half of the all-to-all (dispatch and combine, forward only)."""
+    return float(c.expert_s_ML.sum()) / 3 + float(c.all_to_all_s_ML.sum()) / 2 + c.attention_dense_s / 3
+
+
+def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
+                      c: StepCost, options: BaselineOptions, run_time: bool) -> None:
+    """Add the host work that does not fit the overlap window to the step (see the module
+    docstring); record host CPU, window and charge in ``host``."""
+    window = forward_s(c) if options.planning_overlap_s is None else options.planning_overlap_s
+    if run_time:  # planned on the critical path, per layer: the cost model charged its latency
+        work = 0.0
+    else:
+        def splits():
+            for m in range(loads_MLSE.shape[0]):  # the layer splits once per micro-batch
+                token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])
+        work = planner_s + one_thread_cpu(splits)[1]
+    charged = max(0.0, work - window)
+    c.step_s += charged
+    host["host_s"].append(work)
+    host["window_s"].append(window)
+    host["charged_s"].append(charged)

@@ -134,10 +134,11 @@ def workload_from_loads(loads: torch.Tensor, model: ModelSpec, topology: Topolog
 
 def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: int,
                        tokens_per_rank: int, steps: int, seed: int,
-                       sample_tokens: int = DEFAULT_SAMPLE_TOKENS, trace: str = "default") -> Workload:
+                       sample_tokens: int = DEFAULT_SAMPLE_TOKENS, trace: str = "default",
+                       skew: float = 1.0) -> Workload:
     """A synthetic RL trace (seeded, mixed tasks) from :mod:`relibra_torch.sim.traces`:
     ``trace`` names a family of ``relibra_torch.sim.traces.families.FAMILIES`` (``default``:
-    the calibrated trace of docs/traces.md)."""
+    the calibrated trace of docs/traces.md); ``skew`` is ``TraceConfig.skew`` (1: as calibrated)."""
     try:
         from . import traces
         from .traces.families import FAMILIES
@@ -147,7 +148,7 @@ def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: 
     if trace not in FAMILIES:
         raise ValueError(f"--trace = {trace!r}; allowed: one of {', '.join(FAMILIES)}")
     family = trace
-    cfg = _trace_config(traces, model, seed)
+    cfg = _trace_config(traces, model, seed, skew)
     trace = FAMILIES[family](cfg, num_micro_batches, topology.num_gpus, tokens_per_rank, steps=steps)
     X, M, S = trace.tokens_XMS.shape
     pairs_XMS = torch.zeros(X * M * S, dtype=torch.int64).index_add_(
@@ -159,11 +160,11 @@ def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: 
                                tokens_XMS=trace.tokens_XMS, attn_pairs_XMS=pairs_XMS.to(torch.float64))
 
 
-def _trace_config(traces, model: ModelSpec, seed: int):
+def _trace_config(traces, model: ModelSpec, seed: int, skew: float = 1.0):
     """A ``TraceConfig`` for ``model``: fills the fields the generator has by their names."""
     import dataclasses
     wanted = {"num_experts": model.num_experts, "top_k": model.top_k,
-              "num_layers": model.num_moe_layers, "seed": seed}
+              "num_layers": model.num_moe_layers, "seed": seed, "skew": skew}
     names = {f.name for f in dataclasses.fields(traces.TraceConfig)}
     missing = {"num_experts", "top_k", "num_layers"} - names
     if missing:
@@ -229,4 +230,6 @@ def workload_from_file(path: str, model: ModelSpec, topology: Topology, num_micr
                              tokens_XMS=torch.stack(tokens), attn_pairs_XMS=torch.stack(pairs))
     wl.routing = token_routing_from_bins(rr.routed_experts_TLK, rr.sample_offsets, bins, groups,
                                          num_micro_batches * G, G)
+    if rr.coverage == "completion-only":  # relibra convert --completion-only: say it under every table
+        wl.notes["coverage"] = "completion-only: some samples lack their prompt tokens' rows (loads understated)"
     return wl

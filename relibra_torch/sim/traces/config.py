@@ -45,6 +45,11 @@ class TraceConfig:
     stationary AR(1) processes started at 0 in step 0, with stationary sigma
     ``drift_sigma`` / ``mix_drift_sigma`` and step-to-step correlation ``drift_correlation``.
 
+    Skew: ``skew`` is the exponent on the step's expert weights (base x task multiplier x
+    drift, before the per-sample noise): ``w ** skew``. ``1`` is the calibrated trace (bit for
+    bit), ``0`` makes every expert equally likely up to sample noise, values above 1 sharpen
+    the hot experts. docs/traces.md lists the static imbalance each value gives.
+
     ``seed`` fixes everything; outputs are bit-identical for equal configs and arguments.
     """
 
@@ -71,6 +76,7 @@ class TraceConfig:
     drift_sigma: float = 0.3
     drift_correlation: float = 0.9
     mix_drift_sigma: float = 0.2
+    skew: float = 1.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -133,6 +139,7 @@ class TraceConfig:
         as_float("drift_sigma", 0.0, 3.0)
         as_float("drift_correlation", 0.0, 1.0)
         as_float("mix_drift_sigma", 0.0, 3.0)
+        as_float("skew", 0.0, 4.0)
 
     @property
     def num_tasks(self) -> int:

@@ -295,6 +295,8 @@ def _state(cfg: TraceConfig, d_ALE: torch.Tensor, d_A: torch.Tensor) -> StepStat
     m = _model(cfg)
     A, L, E = d_ALE.shape
     log_w = m.log_base_LE + m.log_mult_ALE + cfg.drift_sigma * d_ALE
+    if cfg.skew != 1.0:  # w ** skew; skipped at 1 so the calibrated trace stays bit for bit
+        log_w = cfg.skew * log_w
     mix = m.mix_A * torch.exp(cfg.mix_drift_sigma * d_A)
     tau = _solve_tau(log_w.exp().view(A * L, E), cfg.top_k, m.eps_H, m.g_H, tol=1e-10 * cfg.top_k)
     return StepState(log_w, mix / mix.sum(), tau.view(A, L))

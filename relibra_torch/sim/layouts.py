@@ -1,0 +1,214 @@
+"""Compare expert-parallel layouts of one model on one cluster (``relibra simulate --compare-ep``).
+
+A cluster of ``W = nodes * gpus_per_node`` GPUs can run a model at any EP size ``g`` that
+divides ``W`` (and the expert count): ``W / g`` EP groups then each hold a full copy of the
+experts, sharded ``E / g`` per GPU, and train data-parallel. The comparison keeps the work
+fixed: the same trace of ``W`` ranks (the same tokens on every GPU) is split into ``W / g``
+consecutive, node-aligned groups of ``g`` ranks, and each group is simulated on its own
+``g``-GPU topology with every system. The optimizer step waits for the slowest group, so a
+system's step is, per measured step, the maximum over groups, plus the expert gradients'
+data-parallel synchronisation (absent at ``g = W``):
+
+* experts are replicated over the ``W / g`` groups, so every expert's gradient is reduced
+  over a data-parallel group of ``W / g`` GPUs (one GPU with the same EP rank in each group).
+  Megatron-Core's distributed optimizer reduce-scatters fp32 gradients and all-gathers the
+  updated bf16 weights: ``(n - 1) / n * P * (4 + 2)`` bytes per GPU for ``P`` expert
+  parameters on it and ``n = W / g``, over the slowest link of that group (inter-node once
+  the group spans nodes, NVLink otherwise), not overlapped with the backward pass (a
+  conservative choice: Megatron can overlap it; the time is printed so it can be discounted).
+* dense (attention, shared-expert, dense-layer) gradients are all-reduced over all ``W``
+  GPUs at every EP size and for every system alike: left out here as in the single-layout
+  tables.
+
+Throughput is tokens per GPU-second: the step's tokens over ``W * step seconds``.
+
+Legend: X steps, M micro-batches, L MoE layers, S source ranks, E experts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..planning.topology import Topology
+from .simulator import SimConfig, simulate
+from .workload import Workload
+
+__all__ = ["LayoutRow", "compare_layouts", "expert_grad_sync_s", "parse_ep_sizes", "split_workload"]
+
+# Megatron-Core distributed optimizer: fp32 gradient reduce-scatter + bf16 weight all-gather
+GRAD_SYNC_BYTES_PER_PARAM = 4 + 2
+
+
+def parse_ep_sizes(text: str, num_gpus: int, num_experts: int, gpus_per_node: int) -> tuple[int, ...]:
+    """``"8,16,32"`` -> sorted EP sizes; each must divide the cluster and the expert count and
+    fill whole nodes or divide one node (so that groups are node-aligned)."""
+    try:
+        sizes = sorted({int(s) for s in str(text).split(",") if s.strip()})
+    except ValueError:
+        raise ValueError(f"--compare-ep {text!r}; allowed: comma-separated EP sizes, e.g. 8,16,32") from None
+    if not sizes:
+        raise ValueError("--compare-ep is empty; allowed: comma-separated EP sizes, e.g. 8,16,32")
+    for g in sizes:
+        if g < 1 or num_gpus % g or num_experts % g or (g % gpus_per_node and gpus_per_node % g):
+            ok = [d for d in range(1, num_gpus + 1) if num_gpus % d == 0 and num_experts % d == 0
+                  and (d % gpus_per_node == 0 or gpus_per_node % d == 0)]
+            raise ValueError(f"--compare-ep {g}: an EP size must divide the {num_gpus} GPUs and the "
+                             f"{num_experts} experts and fill whole nodes of {gpus_per_node} or divide one; "
+                             f"allowed: {','.join(map(str, ok))}")
+    return tuple(sizes)
+
+
+def split_workload(workload: Workload, ep_size: int) -> list[Workload]:
+    """The ``S / ep_size`` EP groups of consecutive ranks, each a workload of its own.
+
+    Per-token routing (routing files) is not split: the groups' hierarchical traffic is then
+    estimated from counts, and each group's notes say so.
+    """
+    S = workload.loads_XMLSE.shape[3]
+    out = []
+    for first in range(0, S, ep_size):
+        ranks = slice(first, first + ep_size)
+        notes = dict(workload.notes)
+        if workload.routing is not None:
+            notes["layouts"] = "EP groups use counts: hierarchical traffic is estimated per group"
+        out.append(Workload(workload.loads_XMLSE[:, :, :, ranks].contiguous(),
+                            workload.tokens_XMS[:, :, ranks].contiguous(),
+                            workload.attn_pairs_XMS[:, :, ranks].contiguous(),
+                            f"{workload.source}, ranks {first}-{first + ep_size - 1}", notes))
+    return out
+
+
+def expert_grad_sync_s(config: SimConfig, ep_size: int, num_gpus: int) -> float:
+    """Seconds per step of the expert gradients' data-parallel synchronisation at ``ep_size``
+    (see the module docstring); 0 when one EP group spans the cluster."""
+    n = num_gpus // ep_size
+    if n == 1:
+        return 0.0
+    model, hw = config.model, config.hardware
+    params = model.num_moe_layers * (model.num_experts // ep_size) * model.expert_params()
+    gpn = config.topology.gpus_per_node
+    # peers sit ep_size ranks apart: on other nodes unless several groups share one node
+    gbps = hw.nvlink_gbps if ep_size * (n - 1) < gpn else hw.inter_node_gbps
+    return (n - 1) / n * params * GRAD_SYNC_BYTES_PER_PARAM / (gbps * 1e9)
+
+
+@dataclass(frozen=True)
+class LayoutRow:
+    """One (EP size, system) of a layout comparison; times are seconds per measured step."""
+
+    ep_size: int
+    groups: int
+    system: str
+    step_s: float
+    slowest_group_s: float
+    grad_sync_s: float
+    tokens_per_gpu_s: float
+    static_imbalance: float
+
+
+def _static_imbalance(loads_XMLSE: torch.Tensor, ep_size: int) -> float:
+    X, M, L, S, E = loads_XMLSE.shape
+    gpu_R = loads_XMLSE.sum(3, dtype=torch.int64).view(-1, ep_size, E // ep_size).sum(-1)
+    total_R = gpu_R.sum(-1)
+    busy = total_R > 0
+    if not bool(busy.any()):
+        return 1.0
+    return float((gpu_R[busy].max(-1).values.double() * ep_size / total_R[busy].double()).mean())
+
+
+def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, ...],
+                    progress: Callable[[str], None] | None = None) -> list[LayoutRow]:
+    """Every system of ``config`` at every EP size (see the module docstring).
+
+    Args:
+        workload: the whole cluster's trace, ``S = config.topology.num_gpus`` ranks.
+        config: model, hardware, systems, options; its topology gives the cluster (nodes x
+            GPUs per node) and the replica slots.
+        ep_sizes: from :func:`parse_ep_sizes`.
+        progress: called with a line before each group is simulated.
+    Returns:
+        One :class:`LayoutRow` per (EP size, system), EP sizes ascending.
+    """
+    topo = config.topology
+    W, gpn = topo.num_gpus, topo.gpus_per_node
+    tokens_per_step = float(workload.tokens_XMS[config.warmup_steps:].sum()) / (
+        workload.num_steps - config.warmup_steps)
+    rows = []
+    for g in ep_sizes:
+        group_topo = Topology(max(1, g // gpn), min(g, gpn), topo.num_experts, topo.replica_slots)
+        group_cfg = dataclasses.replace(config, topology=group_topo, memory_world=W)  # dense DP: all W GPUs
+        per_group = []  # per group: {system: [step seconds per measured step]}
+        groups = split_workload(workload, g)
+        for i, wl in enumerate(groups):
+            if progress is not None:
+                progress(f"EP {g}: group {i + 1} of {len(groups)}")
+            res = simulate(wl, group_cfg)
+            per_group.append({name: [float(c.step_s) for c in r.costs] for name, r in res.systems.items()})
+        sync = expert_grad_sync_s(config, g, W)
+        imb = _static_imbalance(workload.loads_XMLSE[config.warmup_steps:], g)
+        for name in per_group[0]:
+            steps = torch.tensor([grp[name] for grp in per_group], dtype=torch.float64)  # [groups, X]
+            slowest = float(steps.max(0).values.mean())
+            step = slowest + sync
+            rows.append(LayoutRow(g, len(groups), name, step, slowest, sync,
+                                  tokens_per_step / (W * step), imb))
+    return rows
+
+
+REFERENCES = ("ideal",)  # reference rows, not systems anyone runs
+
+
+def headline(rows: list[LayoutRow]) -> dict:
+    """Where to compare: the EP size at which the fastest *baseline* (any system but static,
+    relibra and reference rows) has the most tokens per GPU-second, relibra there, and
+    relibra at its own best EP size."""
+    base = [r for r in rows if r.system not in ("static", "relibra", *REFERENCES)]
+    if not base:
+        return {}
+    best = max(base, key=lambda r: (r.tokens_per_gpu_s, -r.ep_size))
+    out = {"baseline": best.system, "baseline_ep": best.ep_size, "baseline_tokens_per_gpu_s": best.tokens_per_gpu_s}
+    mine = [r for r in rows if r.system == "relibra"]
+    if mine:
+        there = next(r for r in mine if r.ep_size == best.ep_size)
+        own = max(mine, key=lambda r: (r.tokens_per_gpu_s, -r.ep_size))
+        out.update({"relibra_at_baseline_ep": there.tokens_per_gpu_s / best.tokens_per_gpu_s,
+                    "relibra_best_ep": own.ep_size,
+                    "relibra_best_vs_baseline": own.tokens_per_gpu_s / best.tokens_per_gpu_s})
+    return out
+
+
+def layouts_json(rows: list[LayoutRow]) -> dict:
+    """``{"layouts": [row dicts], "headline": headline(rows)}``."""
+    return {"layouts": [dataclasses.asdict(r) for r in rows], "headline": headline(rows)}
+
+
+def print_layouts(rows: list[LayoutRow], console) -> None:
+    """A rich table (EP size x system) and the headline line."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="EP layouts (same tokens per GPU)", title_justify="left", box=box.SIMPLE_HEAD,
+                  pad_edge=False, collapse_padding=True, padding=(0, 1), show_edge=False)
+    for i, col in enumerate(("EP", "groups", "static imb", "system", "step", "grad sync", "tok/GPU-s",
+                             "vs static")):
+        table.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
+    static = {r.ep_size: r.step_s for r in rows if r.system == "static"}
+    for r in rows:
+        table.add_row(str(r.ep_size), str(r.groups), f"{r.static_imbalance:.2f}", r.system, f"{r.step_s:.2f} s",
+                      f"{r.grad_sync_s:.2f} s", f"{r.tokens_per_gpu_s:,.0f}", f"{static[r.ep_size] / r.step_s:.3f}x")
+    console.print(table)
+    h = headline(rows)
+    if h:
+        line = (f"fastest baseline: {h['baseline']} at EP {h['baseline_ep']} "
+                f"({h['baseline_tokens_per_gpu_s']:,.0f} tokens per GPU-second)")
+        if "relibra_best_ep" in h:
+            line += (f"; relibra there: {h['relibra_at_baseline_ep']:.3f}x its throughput; relibra's best "
+                     f"layout EP {h['relibra_best_ep']}: {h['relibra_best_vs_baseline']:.3f}x")
+        console.print(line, highlight=False)
+    console.print("step = slowest EP group + expert gradient sync over the groups (fp32 reduce-scatter + "
+                  "bf16 all-gather, not overlapped); dense gradient sync is the same for every row and left out",
+                  highlight=False)

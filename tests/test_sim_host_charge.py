@@ -1,0 +1,90 @@
+"""Host work on the critical path and relibra's ablation switches.
+
+Tiny shapes (2 nodes x 2 GPUs, 8 experts, 2 layers) keep this to a few seconds.
+Legend: X steps, M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from relibra_torch.cli import main
+from relibra_torch.planning import ReLibraConfig, Topology, relibra_plan
+from relibra_torch.sim import SimConfig, get_hardware, simulate, workload_from_loads
+from relibra_torch.sim.baselines import BaselineOptions, baseline_options
+from relibra_torch.sim.presets import ModelSpec
+from relibra_torch.sim.simulator import forward_s
+
+MODEL = ModelSpec("tiny-moe", num_layers=2, num_moe_layers=2, hidden_size=256, moe_ffn=128,
+                  num_experts=8, top_k=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=1000)
+HW = get_hardware("h200")
+TOPO = Topology(2, 2, 8, 2)
+
+
+def _loads(X=2, M=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.rand(X, M, 2, 1, 8, generator=g) ** 4 + 0.01).expand(X, M, 2, 4, 8).reshape(-1, 8)
+    picks = torch.multinomial(w, 512, replacement=True, generator=g)  # seeded: the same loads every run
+    return torch.zeros_like(w, dtype=torch.int64).scatter_add_(1, picks, torch.ones_like(picks)).view(X, M, 2, 4, 8)
+
+
+def _run(options=BaselineOptions(), systems=("static", "eplb-oracle", "online-global", "relibra", "ideal")):
+    wl = workload_from_loads(_loads(), MODEL, TOPO, 128)
+    return simulate(wl, SimConfig(MODEL, HW, TOPO, systems, warmup_steps=1, baseline_options=options))
+
+
+def test_host_work_is_charged_beyond_the_window_only():
+    free = _run(BaselineOptions(planning_overlap_s=100.0)).figures()
+    for name, f in free.items():  # a window longer than any planning hides it all
+        assert f["planning_charged_s"] == 0.0, name
+    charged = _run(BaselineOptions(planning_overlap_s=0.0))
+    figs = charged.figures()
+    for name in ("static", "eplb-oracle", "relibra"):
+        r = charged.systems[name]
+        assert r.host_s[0] >= r.planner_s[0] > 0.0  # planner + the token splits
+        assert r.charged_s == r.host_s  # window 0: everything is charged
+        # the step is the same plan's step plus the charge
+        assert figs[name]["step_time_s"] == pytest.approx(free[name]["step_time_s"] + r.charged_s[0], rel=1e-9)
+    # a run-time planner pays its per-layer latency, not a step-level charge
+    assert charged.systems["online-global"].charged_s == [0.0]
+    assert figs["online-global"]["step_time_s"] == pytest.approx(free["online-global"]["step_time_s"])
+
+
+def test_default_window_is_the_forward_pass():
+    res = _run()
+    r = res.systems["relibra"]
+    c = r.costs[0]
+    assert r.window_s[0] == pytest.approx(forward_s(c))
+    # forward = a third of compute (bwd = 2 fwd), half of the exchange (fwd of dispatch + combine)
+    assert forward_s(c) < c.step_s and forward_s(c) > c.attention_dense_s / 3
+
+
+def test_relibra_section_switches_each_mechanism():
+    opts = baseline_options({"relibra": {"balance": "false", "traffic_search": "off", "cross_node_replicas": "no"}})
+    assert opts.relibra_fields() == {"cross_node_replicas": False, "reorder": True, "traffic_search": False,
+                                     "balance": False, "max_swap_rounds": 64, "swap_candidates": 8}
+    with pytest.raises(ValueError, match="relibra.balance = 'maybe'; allowed: true or false"):
+        baseline_options({"relibra": {"balance": "maybe"}})
+    loads_MLSE = _loads()[0]
+    on = relibra_plan(loads_MLSE, TOPO, config=ReLibraConfig())
+    off = relibra_plan(loads_MLSE, TOPO, config=ReLibraConfig(balance=False, cross_node_replicas=False))
+    El = TOPO.experts_per_gpu
+    assert bool((on.slot_expert_MLGJ[..., El:] >= 0).any())  # the skewed loads get copies
+    assert bool((off.slot_expert_MLGJ[..., El:] < 0).all())  # neither balancing nor traffic copies
+    with pytest.raises(TypeError, match="ReLibraConfig.balance"):
+        ReLibraConfig(balance="no")
+
+
+def test_cli_planning_and_relibra_sections(tmp_path):
+    path = tmp_path / "o.json"
+    args = ["simulate", "--nodes", "2", "--gpus-per-node", "2", "--no-progress", "--systems", "relibra",
+            "--micro-batches", "2", "--micro-batch-tokens", "256", "--steps", "1", "--json", str(path),
+            "--ignore-memory"]  # full-size model on a few GPUs: a memory what-if
+    assert main([*args, "--set", "planning.overlap_s=0", "--set", "relibra.balance=false"]) == 0
+    f = json.loads(path.read_text())["systems"]["relibra"]
+    assert f["planning_charged_s"] == pytest.approx(f["host_cpu_s"]) and f["host_cpu_s"] > 0
+    assert main([*args, "--set", "relibra.speed=9"]) == 2
