@@ -345,11 +345,11 @@ def run(args: argparse.Namespace) -> int:
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
                        baseline_options=s["baseline_options"], memory=s["memory"],
                        memory_check=not s["ignore_memory"])
-
     if getattr(args, "compare_ep", None):
         return _run_layouts(args, s, workload, config)
-
     err = Console(stderr=True)
+    _memory_warnings(err, s["memory_warnings"])
+
     show = not args.no_progress and err.is_terminal
     if show:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -378,8 +378,7 @@ def run(args: argparse.Namespace) -> int:
     if s["trace"] != "default" or s["packing"] != "fixed":  # the default JSON stays as it was
         extra.update({"trace": s["trace"] if not args.file else None, "packing": s["packing"]})
     doc = result_json(result, extra)
-    for text in s["memory_warnings"] + peak_warnings(doc):  # only with --ignore-memory: otherwise these were refused
-        err.print(f"relibra simulate: warning (--ignore-memory): {text}", highlight=False, soft_wrap=True)
+    _memory_warnings(err, peak_warnings(doc))
     out = Console()
     if not out.is_terminal:
         out = Console(width=200)
@@ -391,6 +390,12 @@ def run(args: argparse.Namespace) -> int:
         write_plot(result, s["plot"])
         out.print(f"wrote {s['plot']}")
     return 0
+
+
+def _memory_warnings(err, texts: list[str]) -> None:
+    """One stderr line per memory check that failed (only under --ignore-memory: otherwise refused)."""
+    for text in texts:
+        err.print(f"relibra simulate: warning (--ignore-memory): {text}", highlight=False, soft_wrap=True)
 
 
 def _run_layouts(args: argparse.Namespace, s: dict, workload, config) -> int:
@@ -405,6 +410,7 @@ def _run_layouts(args: argparse.Namespace, s: dict, workload, config) -> int:
     if s["plot"]:
         raise ValueError("--plot does not apply to --compare-ep (use --json)")
     err = Console(stderr=True)
+    _memory_warnings(err, s["memory_warnings"])
     rows = compare_layouts(workload, config, sizes,
                            progress=None if args.no_progress else lambda line: err.print(line, highlight=False))
     out = Console() if Console().is_terminal else Console(width=200)
