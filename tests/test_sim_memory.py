@@ -95,7 +95,7 @@ def _need(model: ModelSpec, G: int, R: int) -> float:
 @given(D=st.sampled_from([1024, 2048, 4096, 7168]), F=st.sampled_from([512, 1408, 2048, 4096]),
        L=st.integers(4, 96), log_E=st.integers(5, 8), nodes=st.sampled_from([1, 2, 4, 8, 16]),
        gpn=st.sampled_from([4, 8]), R=st.integers(0, 4), hardware=st.sampled_from(["h100", "h200"]))
-@example(D=4096, F=1536, L=94, log_E=7, nodes=4, gpn=8, R=2, hardware="h200")  # refused: qwen3-235b-a22b on 4 x 8
+@example(D=4096, F=1536, L=94, log_E=7, nodes=4, gpn=8, R=2, hardware="h200")  # refused: qwen3-235b-a22b's experts on 4 x 8
 @example(D=2048, F=768, L=48, log_E=7, nodes=4, gpn=8, R=2, hardware="h100")  # fits: qwen3-30b-a3b
 def test_refusal_iff_the_need_exceeds_the_capacity(D, F, L, log_E, nodes, gpn, R, hardware):
     E = 2 ** log_E
