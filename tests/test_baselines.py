@@ -308,7 +308,7 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
     cfg.write_text('[online]\nplan_latency_us = 10\nmin_replica_tokens = 8\n[eplb]\ninterval = 3\n')
     out = tmp_path / "r.json"
     argv = ["simulate", "--nodes", "1", "--gpus-per-node", "4", "--micro-batches", "2",
-            "--micro-batch-tokens", "64", "--steps", "2", "--no-progress", "--config", str(cfg),
+            "--micro-batch-tokens", "64", "--steps", "2", "--no-progress", "--config", str(cfg), "--ignore-memory",
             "--systems", "eplb,eplb-oracle-instance,online-node,online-global",
             "--set", "eplb.interval=2", "--json", str(out)]
     assert main(argv) == 0

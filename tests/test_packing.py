@@ -173,7 +173,9 @@ def _simulate(capsys, *argv):
     return rc, out.out, out.err
 
 
-SMALL = ["--nodes", "1", "--gpus-per-node", "4", "--no-progress"]
+# full-size models on a few GPUs do not fit the memory model (docs/simulator.md, "Memory"):
+# these tests are about other things, so they run as what-ifs
+SMALL = ["--nodes", "1", "--gpus-per-node", "4", "--no-progress", "--ignore-memory"]
 
 
 def test_loads_file_refuses_other_packings_and_a_file_refuses_trace(tmp_path, capsys):

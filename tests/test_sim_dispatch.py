@@ -296,7 +296,7 @@ def test_cli_dispatch_from_config_file_and_notes(tmp_path, capsys):
     routing_file(r, steps=torch.tensor([0, 0, 0, 0, 1, 1, 1, 1]))
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"simulate": {"dispatch": "hierarchical", "systems": "static",
-                                            "nodes": 2, "gpus_per_node": 2}}))
+                                            "nodes": 2, "gpus_per_node": 2, "ignore_memory": True}}))
     for path, word in ((f, "estimated"), (r, "exact")):
         out_json = tmp_path / f"{word}.json"
         rc, out, err = run(capsys, str(path), "--config", str(cfg), "--no-progress", "--json", str(out_json))

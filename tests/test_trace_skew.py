@@ -50,7 +50,7 @@ def test_static_imbalance_definition_by_hand():
 
 
 ARGS = ["simulate", "--nodes", "1", "--gpus-per-node", "4", "--no-progress", "--systems", "static",
-        "--micro-batches", "2", "--micro-batch-tokens", "256", "--steps", "1"]
+        "--micro-batches", "2", "--micro-batch-tokens", "256", "--steps", "1", "--ignore-memory"]  # full-size model on a few GPUs: a memory what-if
 
 
 def test_cli_skew_reaches_the_trace_and_the_json(tmp_path, capsys):

@@ -18,7 +18,7 @@ overrides single fields (e.g. --set hardware.inter_node_gbps=25).
 
 examples:
   relibra simulate
-  relibra simulate --model qwen3-235b-a22b --nodes 2 --systems static,eplb-oracle,relibra
+  relibra simulate --model qwen3-235b-a22b --nodes 16 --systems static,eplb-oracle,relibra
   relibra simulate replay.safetensors --model qwen3-30b-a3b --json out.json --plot out.png
   relibra simulate replay.safetensors --model-config Mixtral-8x7B/config.json --nodes 1
   relibra simulate --trace long-tail --packing routepack --systems static,eplb-oracle,relibra
@@ -36,6 +36,7 @@ from .baselines import SECTIONS as BASELINE_SECTIONS
 from .baselines import baseline_options
 from .cost import CostOptions
 from .dispatch import DISPATCH_MODES
+from .memory import memory_settings, memory_verdict, peak_warnings, precheck, replicating, workload_activations
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_config_file,
                       parse_override)
@@ -79,6 +80,7 @@ DEFAULTS = {
     "plot": None,
     "trace": "default",
     "packing": "fixed",
+    "ignore_memory": False,
 }
 
 
@@ -149,6 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(longest first, balancing attention and tokens), routepack (replay-aware "
                              "search) "
                              f"(default {d['packing']})")
+    parser.add_argument("--ignore-memory", action="store_true", default=None,
+                        help="run a configuration that does not fit the GPUs' memory (what-if; a warning "
+                             "line says so); the memory model: --set memory.FIELD=VALUE, docs/simulator.md")
 
 
 def _int_option(name: str, value: object, minimum: int) -> int:
@@ -240,7 +245,12 @@ def resolve(args: argparse.Namespace) -> dict:
     check_choice("--dispatch", opts["dispatch"], DISPATCH_MODES)
     if not isinstance(opts["refetch_replicas"], bool):
         raise ValueError(f"--refetch-replicas = {opts['refetch_replicas']!r}; allowed: true or false")
-    return {**opts, "model_spec": model, "hardware_spec": hardware, "topology": topology,
+    memory = memory_settings(file_cfg, args.set or [])
+    # weights, gradients, optimizer state and replica slots: refused before any trace or plan
+    warnings = memory_verdict(precheck(model, topology, hardware, memory, replicating(systems)),
+                              opts["ignore_memory"], [])
+    return {**opts, "memory": memory, "memory_warnings": warnings,
+            "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems,
             "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"],
                                         refetch_replicas=opts["refetch_replicas"]),
@@ -348,12 +358,16 @@ def run(args: argparse.Namespace) -> int:
         workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
                                    s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"],
                                    s["skew"])
+    # the ideal system's activations are a lower bound for every plan: refuse before planning
+    act = workload_activations(model, s["memory"], workload, s["warmup_steps"])
+    memory_verdict(precheck(model, topo, s["hardware_spec"], s["memory"], replicating(s["systems"]), act),
+                   s["ignore_memory"], s["memory_warnings"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
-                       baseline_options=s["baseline_options"])
-
+                       baseline_options=s["baseline_options"], memory=s["memory"],
+                       memory_check=not s["ignore_memory"])
     if getattr(args, "compare_ep", None):
         return _run_layouts(args, s, workload, config)
-
+    _memory_warnings(err, s["memory_warnings"])
     if plain:
         plain.phase(f"{workload.num_steps} step(s) x {workload.num_micro_batches} micro-batches; "
                     f"planning {', '.join(config.systems)}")
@@ -387,6 +401,7 @@ def run(args: argparse.Namespace) -> int:
     if s["trace"] != "default" or s["packing"] != "fixed":  # the default JSON stays as it was
         extra.update({"trace": s["trace"] if not args.file else None, "packing": s["packing"]})
     doc = result_json(result, extra)
+    _memory_warnings(err, peak_warnings(doc))
     out = Console()
     if not out.is_terminal:
         out = Console(width=200)
@@ -398,6 +413,12 @@ def run(args: argparse.Namespace) -> int:
         write_plot(result, s["plot"])
         out.print(f"wrote {s['plot']}")
     return 0
+
+
+def _memory_warnings(err, texts: list[str]) -> None:
+    """One stderr line per memory check that failed (only under --ignore-memory: otherwise refused)."""
+    for text in texts:
+        err.print(f"relibra simulate: warning (--ignore-memory): {text}", highlight=False, soft_wrap=True)
 
 
 def _run_layouts(args: argparse.Namespace, s: dict, workload, config) -> int:
@@ -412,6 +433,7 @@ def _run_layouts(args: argparse.Namespace, s: dict, workload, config) -> int:
     if s["plot"]:
         raise ValueError("--plot does not apply to --compare-ep (use --json)")
     err = Console(stderr=True)
+    _memory_warnings(err, s["memory_warnings"])
     rows = compare_layouts(workload, config, sizes,
                            progress=None if args.no_progress else lambda line: err.print(line, highlight=False))
     out = Console() if Console().is_terminal else Console(width=200)

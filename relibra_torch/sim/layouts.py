@@ -140,7 +140,7 @@ def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, 
     rows = []
     for g in ep_sizes:
         group_topo = Topology(max(1, g // gpn), min(g, gpn), topo.num_experts, topo.replica_slots)
-        group_cfg = dataclasses.replace(config, topology=group_topo)
+        group_cfg = dataclasses.replace(config, topology=group_topo, memory_world=W)  # dense DP: all W GPUs
         per_group = []  # per group: {system: [step seconds per measured step]}
         groups = split_workload(workload, g)
         for i, wl in enumerate(groups):

@@ -228,8 +228,9 @@ def apply_overrides(spec, section: str, overrides: dict[str, object]):
 
 
 # Sections of --set and of config files: the presets, then the baselines' settings
-# (relibra_torch.sim.baselines.SECTIONS).
-SET_SECTIONS = ("hardware", "model", "eplb", "online", "trace", "planning", "relibra")
+# (relibra_torch.sim.baselines.SECTIONS), then the memory model's recipe
+# (relibra_torch.sim.memory.MemoryOptions).
+SET_SECTIONS = ("hardware", "model", "eplb", "online", "trace", "planning", "relibra", "memory")
 
 
 def parse_override(text: str) -> tuple[str, str, str]:

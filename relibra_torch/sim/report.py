@@ -13,6 +13,7 @@ import os
 import torch
 
 from ..planning.lis import lis, lis_summary
+from .memory import capacity_bytes
 from .simulator import SimResult
 
 __all__ = ["result_json", "write_json", "format_seconds", "format_table", "print_table", "write_plot",
@@ -49,6 +50,8 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
         "systems": list(cfg.systems),
         "cost_options": dataclasses.asdict(cfg.cost_options),
         "baseline_options": dataclasses.asdict(cfg.baseline_options),
+        "memory_options": dataclasses.asdict(cfg.memory),
+        "memory_capacity_bytes": capacity_bytes(cfg.hardware, cfg.memory),
         "source": wl.source,
         "notes": dict(wl.notes),
     }
@@ -160,6 +163,8 @@ def format_table(figures: dict[str, dict]) -> str:
 TIME_COLUMNS = ("system", "imb", "p99", "MoE", "step", "bal.", "vs static", "vs oracle", "of bound")
 TRAFFIC_COLUMNS = ("system", "imb p50", "cross GB", "intra GB", "repl. GB", "migr.",
                    "migr. GB", "plan")
+# per GPU, GB, the busiest GPU of the worst measured step (relibra_torch.sim.memory)
+MEMORY_COLUMNS = ("system", "weights", "grads", "optim.", "replicas", "activ.", "staging", "peak")
 
 
 # One line per column, printed under each table (columns without an entry get none).
@@ -199,6 +204,12 @@ def _traffic_row(name: str, f: dict) -> list[str]:
             format_seconds(f['planner_s'])]
 
 
+def _memory_row(name: str, f: dict) -> list[str]:
+    b = f["memory"]
+    return [name, _gb(b["expert_weights"] + b["dense_weights"]), _gb(b["gradients"]), _gb(b["optimizer"]),
+            _gb(b["replica_slots"]), _gb(b["activations"]), _gb(b["migration_staging"]), _gb(b["peak"])]
+
+
 def print_table(doc: dict, console=None) -> None:
     """Print two rich tables (step time; traffic and planning) and the run's assumptions.
 
@@ -225,8 +236,11 @@ def print_table(doc: dict, console=None) -> None:
         console.print(f"model dims from {cfg['model_from']}", highlight=False)
     elif cfg.get("model_from", "").startswith("--model-config"):
         console.print(f"model from {cfg['model_from']}", highlight=False)
-    for title, columns, row in (("step time", TIME_COLUMNS, _time_row),
-                                ("traffic and planning", TRAFFIC_COLUMNS, _traffic_row)):
+    tables = [("step time", TIME_COLUMNS, _time_row), ("traffic and planning", TRAFFIC_COLUMNS, _traffic_row)]
+    if all(f.get("memory") for f in doc["systems"].values()):
+        tables.append((f"memory per GPU, GB (busiest GPU; {cfg['memory_capacity_bytes'] / 1e9:,.1f} GB "
+                       f"usable)", MEMORY_COLUMNS, _memory_row))
+    for title, columns, row in tables:
         # no cell padding: the box's column separator is the one space, so nine systems fit 80 columns
         table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                       collapse_padding=True, padding=(0, 0), show_edge=False)

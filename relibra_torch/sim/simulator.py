@@ -43,6 +43,7 @@ from .baselines import BaselineOptions
 from .bound import balanced_at_own_bytes_s, bound_step_cost
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
+from .memory import MemoryBreakdown, MemoryOptions, capacity_bytes, check_fits, ideal_memory, plan_memory
 from .presets import HardwareSpec, ModelSpec
 from .workload import Workload
 
@@ -108,6 +109,11 @@ class SimConfig:
     warmup_steps: int = 0
     validate: bool = True
     baseline_options: BaselineOptions = field(default_factory=BaselineOptions)
+    # the memory model's recipe; with memory_check, a plan whose busiest GPU needs more
+    # than the capacity raises ValueError (the CLI sets it unless --ignore-memory)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
+    memory_check: bool = False
+    memory_world: int | None = None  # GPUs of the dense part's data-parallel group (None: the EP size)
 
     def __post_init__(self) -> None:
         if self.topology.num_experts != self.model.num_experts:
@@ -140,6 +146,7 @@ class SystemResult:
     imbalance_XML: torch.Tensor
     costs: list[StepCost]
     planner_s: list[float]
+    memory: list[MemoryBreakdown] = field(default_factory=list)  # per measured step, busiest GPU
     host_s: list[float] = field(default_factory=list)
     window_s: list[float] = field(default_factory=list)
     charged_s: list[float] = field(default_factory=list)
@@ -183,7 +190,16 @@ class SystemResult:
             "planning_charged_s": sum(self.charged_s) / len(self.charged_s) if self.charged_s else 0.0,
             "balanced_at_own_bytes_s": (sum(self.balanced_s) / len(self.balanced_s) if self.balanced_s
                                         else self.mean("step_s")),
+            **self.memory_figures(),
         }
+
+    def memory_figures(self) -> dict:
+        """``memory_peak_bytes`` (the busiest GPU's peak over the measured steps) and
+        ``memory`` (that step's breakdown, bytes; see :class:`MemoryBreakdown`)."""
+        if not self.memory:
+            return {"memory_peak_bytes": None, "memory": None}
+        worst = max(self.memory, key=lambda b: b.peak)
+        return {"memory_peak_bytes": worst.peak, "memory": worst.as_dict()}
 
 
 @dataclass
@@ -250,7 +266,7 @@ def simulate(workload: Workload, config: SimConfig,
     systems = [n for n in config.systems if n not in REFERENCES]
     systems = (["static"] if "static" not in systems else []) + systems + list(REFERENCES)
     for name in systems:
-        imb, costs, planner_s, balanced = [], [], [], []
+        imb, costs, planner_s, balanced, memory = [], [], [], [], []
         host: dict[str, list[float]] = {"host_s": [], "window_s": [], "charged_s": []}
         planner = None if name in REFERENCES else planner_factory(name, topo, cost)
         for x in range(X):
@@ -265,6 +281,7 @@ def simulate(workload: Workload, config: SimConfig,
                         costs.append(cost.uniform_step_cost(loads_MLSE, topo.num_nodes, topo.gpus_per_node,
                                                             tokens_MS, pairs_MS))
                     imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
+                    memory.append(ideal_memory(config.model, config.memory, loads_MLSE, tokens_MS, config.memory_world))
             else:
                 if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
                     r = workload.routing  # the step's exact pair counts, as replay gives them
@@ -284,14 +301,31 @@ def simulate(workload: Workload, config: SimConfig,
                     imb.append(metrics.imbalance_ML)
                     planner_s.append(secs)
                     balanced.append(balanced_at_own_bytes_s(cost, metrics, tokens_MS, pairs_MS, topo))
+                    memory.append(plan_memory(config.model, config.memory, plan, metrics.gpu_load_MLG, tokens_MS,
+                                              config.memory_world))
+                    _check_memory(config, name, x, memory[-1])
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"))
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
         results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, balanced_s=balanced,
-                                     active_XM=active_XM, **host)
+                                     active_XM=active_XM, memory=memory, **host)
     return SimResult(config, workload, results)
+
+
+def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
+    """Refuse (``ValueError``) a plan whose busiest GPU does not fit, when asked to."""
+    if not config.memory_check:
+        return
+    topo = config.topology
+    msg = check_fits(b, capacity_bytes(config.hardware, config.memory),
+                     f"{name}'s plan of step {step} ({config.model.name} on {topo.num_nodes} x "
+                     f"{topo.gpus_per_node} {config.hardware.name}, R={topo.replica_slots})",
+                     "use more --nodes, fewer --replica-slots, a smaller --micro-batch-tokens or "
+                     "--set memory.shard=params (dense weights, gradients and optimizer state sharded)")
+    if msg:
+        raise ValueError(msg)
 
 
 def one_thread_cpu(fn: Callable[[], object]) -> tuple[object, float]:
