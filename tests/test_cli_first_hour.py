@@ -28,7 +28,8 @@ from relibra_torch.replay import save_loads
 from relibra_torch.sim.run_checks import PlainProgress
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SMALL = ["--nodes", "1", "--gpus-per-node", "4", "--systems", "static"]
+# a full-size model on 4 GPUs does not fit the memory model: these runs are what-ifs
+SMALL = ["--nodes", "1", "--gpus-per-node", "4", "--ignore-memory", "--systems", "static"]
 
 
 def loads_file(path, X=1):
@@ -49,7 +50,8 @@ def test_progress_lines_when_stderr_is_not_a_terminal(tmp_path, capsys):
     for step in ("planning static: step 1/2", "planning static: step 2/2", "planning uniform: step 2/2",
                  "planning bound: step 2/2"):
         assert any(line.endswith(step) for line in err), (step, err)
-    assert err[-1].endswith(": done")
+    # "done" ends the progress lines (the what-if's memory warnings may follow it)
+    assert [line for line in err if "warning (--ignore-memory)" not in line][-1].endswith(": done")
     assert main(["simulate", str(f), *SMALL, "--no-progress"]) == 0
     assert capsys.readouterr().err == ""
 

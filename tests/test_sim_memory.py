@@ -199,16 +199,16 @@ def test_a_plan_that_does_not_fit_is_refused_by_name(tmp_path):
     model = dataclasses.replace(TINY, num_experts=128, top_k=8, num_layers=48, num_moe_layers=48, dense_ffn=0,
                                 num_shared_experts=0, shared_ffn=0)
     wl = workload_from_loads(loads, model, topo)
-    free = simulate(wl, SimConfig(model, get_hardware("h200"), topo, ("static", "eplb-oracle", "ideal")))
+    free = simulate(wl, SimConfig(model, get_hardware("h200"), topo, ("static", "eplb-oracle", "uniform")))
     peaks = {n: r.memory_figures()["memory_peak_bytes"] for n, r in free.systems.items()}
-    assert min(peaks["static"], peaks["eplb-oracle"]) >= peaks["ideal"]  # the pre-check's lower bound
+    assert min(peaks["static"], peaks["eplb-oracle"]) >= peaks["uniform"]  # the pre-check's lower bound
     big, small = sorted(("static", "eplb-oracle"), key=peaks.get, reverse=True)
     assert peaks[big] > peaks[small]
     hw = dataclasses.replace(get_hardware("h200"), hbm_gb=(peaks[big] + peaks[small]) / 2 / 0.9 / 1e9)
     with pytest.raises(ValueError, match=rf"^memory: {big}'s plan of step 0 .* needs .* per GPU"):
-        simulate(wl, SimConfig(model, hw, topo, ("static", "eplb-oracle", "ideal"), memory_check=True))
+        simulate(wl, SimConfig(model, hw, topo, ("static", "eplb-oracle", "uniform"), memory_check=True))
     # the same capacity without the check: both run, and the JSON-level figures show who does not fit
-    ran = simulate(wl, SimConfig(model, hw, topo, ("static", "eplb-oracle", "ideal")))
+    ran = simulate(wl, SimConfig(model, hw, topo, ("static", "eplb-oracle", "uniform")))
     assert ran.systems[big].memory_figures()["memory_peak_bytes"] == peaks[big]
 
 
