@@ -27,7 +27,7 @@ from ... import ops
 from ...checks import check_number
 from ...moe import EXPERT_PARAMS, moe_layers
 from .mesh import PHASES, ServingMesh
-from .transport import (CLOSED, DONE, ERRCODE, ERROR, ERRORS, FINISHED, LAYER, READY, ROWS, STAT_TILES,
+from .transport import (CLOSED, DONE, DONE_TILES, ERRCODE, ERROR, ERRORS, FINISHED, LAYER, READY, ROWS, STAT_TILES,
                         Backoff, Transport, TransportTimeout, wait_until)
 
 __all__ = ["ExpertClient", "ExpertRefused", "RemoteMoE", "split_attention"]
@@ -101,8 +101,8 @@ class ExpertClient:
             raise ExpertRefused(f"expert rank {r} refused {PHASES[self.phase]} rank {self.source}'s request {seq}: "
                                 f"{ERRORS.get(code, f'error code {code}')}")
         for ev in reversed(self.events):
-            if ev[0] == r and not ev[3]:
-                ev[3].extend(self._tiles(r))
+            if ev[0] == r and not ev[3]:  # the expert rank's tile counts when it raised DONE
+                ev[3].extend([b.flag(m, DONE_TILES), b.flag(m, DONE_TILES + 1)])
                 break
         return b.y_RD[self.base:self.base + n].clone()
 

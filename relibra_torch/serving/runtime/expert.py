@@ -45,7 +45,7 @@ from ...moe.engine import expert_ffn, local_tensor
 from ...ops import persistent_gemm as pg
 from .mesh import DECODE, PHASES, PREFILL, ServingMesh
 from .share import decode_programs
-from .transport import (CLOSED, DONE, ERRCODE, ERROR, FINISHED, LAYER, READY, ROWS, STAT_CHECKS,
+from .transport import (CLOSED, DONE, DONE_TILES, ERRCODE, ERROR, FINISHED, LAYER, READY, ROWS, STAT_CHECKS,
                         STAT_REQUESTS, STAT_STOP, STAT_TILES, Backoff, ExpertBuffers)
 
 __all__ = ["ExpertWeights", "ExpertServer", "EXECUTORS"]
@@ -190,6 +190,8 @@ class ExpertServer:
             self._done(m)
 
     def _done(self, m: int) -> None:
+        for phase in (0, 1):  # before DONE: visible when the attention rank sees it
+            self.buf.set_flag(m, DONE_TILES + phase, int(self.buf.stats_W[STAT_TILES + phase]))
         self.buf.set_flag(m, DONE, self.handled[m])
         last = self.buf.flag(m, LAYER) == self.mesh.num_layers - 1
         self.open_since[m] = None if last else time.monotonic()

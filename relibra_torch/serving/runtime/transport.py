@@ -34,12 +34,15 @@ import torch
 from ...checks import check_number
 from .mesh import ServingMesh
 
-__all__ = ["READY", "DONE", "LAYER", "ROWS", "ERROR", "ERRCODE", "CLOSED", "FINISHED", "FLAG_WORDS",
+__all__ = ["READY", "DONE", "LAYER", "ROWS", "ERROR", "ERRCODE", "CLOSED", "FINISHED", "DONE_TILES", "FLAG_WORDS",
            "STAT_TILES", "STAT_CHECKS", "STAT_REQUESTS", "STAT_STOP", "STAT_WORDS", "ERRORS",
            "Backoff", "ExpertBuffers", "Transport", "ShmTransport", "TransportTimeout", "wait_until"]
 
 READY, DONE, LAYER, ROWS, ERROR, ERRCODE, CLOSED, FINISHED = range(8)
-FLAG_WORDS = 8
+# the expert rank's tiles done per phase (words 8, 9) when it raised DONE: what a request
+# waited for, counted where it happened (the attention rank may see DONE late)
+DONE_TILES = 8
+FLAG_WORDS = 10
 # stats: tiles done per phase (words 0, 1), checks (polls of the mailboxes), requests
 # accepted, and a stop word the driver raises when the expert loop should end.
 STAT_TILES, STAT_CHECKS, STAT_REQUESTS, STAT_STOP = 0, 2, 3, 4
