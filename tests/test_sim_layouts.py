@@ -107,3 +107,17 @@ def test_cli_compare_ep_json_and_errors(tmp_path, capsys):
     assert main([*args, "--compare-ep", "3"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--compare-ep 3" in err and "\n" not in err
+
+
+def test_layouts_that_do_not_fit_are_left_out_with_the_reason():
+    import dataclasses
+    wl, cfg = _workload(), _config(("static", "relibra", "uniform"))
+    tiny = dataclasses.replace(cfg, hardware=dataclasses.replace(HW, hbm_gb=1e-3), memory_check=True)
+    refused: dict[int, str] = {}
+    assert compare_layouts(wl, tiny, (2, 4), refused=refused) == []
+    assert set(refused) == {2, 4} and all("GB per GPU" in why for why in refused.values())
+    with pytest.raises(ValueError, match="GB per GPU"):  # without a place to report it: refused
+        compare_layouts(wl, tiny, (2,))
+    refused.clear()
+    assert compare_layouts(wl, dataclasses.replace(cfg, memory_check=True), (2, 4), refused=refused)
+    assert refused == {}

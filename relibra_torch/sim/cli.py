@@ -366,7 +366,8 @@ def run(args: argparse.Namespace) -> int:
                        baseline_options=s["baseline_options"], memory=s["memory"],
                        memory_check=not s["ignore_memory"])
     if getattr(args, "compare_ep", None):
-        return _run_layouts(args, s, workload, config)
+        from .layouts import run_compare  # --compare-ep
+        return run_compare(args, s, workload, config)
     _memory_warnings(err, s["memory_warnings"])
     if plain:
         plain.phase(f"{workload.num_steps} step(s) x {workload.num_micro_batches} micro-batches; "
@@ -419,32 +420,3 @@ def _memory_warnings(err, texts: list[str]) -> None:
     """One stderr line per memory check that failed (only under --ignore-memory: otherwise refused)."""
     for text in texts:
         err.print(f"relibra simulate: warning (--ignore-memory): {text}", highlight=False, soft_wrap=True)
-
-
-def _run_layouts(args: argparse.Namespace, s: dict, workload, config) -> int:
-    """``--compare-ep``: every system at every EP size (relibra_torch.sim.layouts)."""
-    from rich.console import Console
-
-    from .layouts import compare_layouts, layouts_json, parse_ep_sizes, print_layouts
-    from .report import write_json
-
-    topo = s["topology"]
-    sizes = parse_ep_sizes(args.compare_ep, topo.num_gpus, topo.num_experts, topo.gpus_per_node)
-    if s["plot"]:
-        raise ValueError("--plot does not apply to --compare-ep (use --json)")
-    err = Console(stderr=True)
-    _memory_warnings(err, s["memory_warnings"])
-    rows = compare_layouts(workload, config, sizes,
-                           progress=None if args.no_progress else lambda line: err.print(line, highlight=False))
-    out = Console() if Console().is_terminal else Console(width=200)
-    cfg = s["model_spec"]
-    out.print(f"{cfg.name} on {topo.num_nodes} x {topo.gpus_per_node} {s['hardware_spec'].name} "
-              f"(R={topo.replica_slots}), {s['dispatch']} dispatch, {workload.num_micro_batches} micro-batches, "
-              f"source: {workload.source}", highlight=False)
-    print_layouts(rows, out)
-    if s["json"]:
-        write_json({"config": {"model": cfg.name, "nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
-                               "replica_slots": topo.replica_slots, "dispatch": s["dispatch"],
-                               "source": workload.source}, **layouts_json(rows)}, s["json"])
-        out.print(f"wrote {s['json']}")
-    return 0

@@ -37,7 +37,7 @@ from ..planning.topology import Topology
 from .simulator import REFERENCES, SimConfig, simulate
 from .workload import Workload
 
-__all__ = ["LayoutRow", "compare_layouts", "expert_grad_sync_s", "parse_ep_sizes", "split_workload"]
+__all__ = ["LayoutRow", "compare_layouts", "run_compare", "expert_grad_sync_s", "parse_ep_sizes", "split_workload"]
 
 # Megatron-Core distributed optimizer: fp32 gradient reduce-scatter + bf16 weight all-gather
 GRAD_SYNC_BYTES_PER_PARAM = 4 + 2
@@ -121,7 +121,8 @@ def _static_imbalance(loads_XMLSE: torch.Tensor, ep_size: int) -> float:
 
 
 def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, ...],
-                    progress: Callable[[str], None] | None = None) -> list[LayoutRow]:
+                    progress: Callable[[str], None] | None = None,
+                    refused: dict[int, str] | None = None) -> list[LayoutRow]:
     """Every system of ``config`` at every EP size (see the module docstring).
 
     Args:
@@ -130,8 +131,10 @@ def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, 
             GPUs per node) and the replica slots.
         ep_sizes: from :func:`parse_ep_sizes`.
         progress: called with a line before each group is simulated.
+        refused: EP sizes whose plans do not fit the GPUs (``config.memory_check``) are left
+            out of the rows and written here with the memory model's reason.
     Returns:
-        One :class:`LayoutRow` per (EP size, system), EP sizes ascending.
+        One :class:`LayoutRow` per (EP size that fits, system), EP sizes ascending.
     """
     topo = config.topology
     W, gpn = topo.num_gpus, topo.gpus_per_node
@@ -143,11 +146,17 @@ def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, 
         group_cfg = dataclasses.replace(config, topology=group_topo, memory_world=W)  # dense DP: all W GPUs
         per_group = []  # per group: {system: [step seconds per measured step]}
         groups = split_workload(workload, g)
-        for i, wl in enumerate(groups):
-            if progress is not None:
-                progress(f"EP {g}: group {i + 1} of {len(groups)}")
-            res = simulate(wl, group_cfg)
-            per_group.append({name: [float(c.step_s) for c in r.costs] for name, r in res.systems.items()})
+        try:
+            for i, wl in enumerate(groups):
+                if progress is not None:
+                    progress(f"EP {g}: group {i + 1} of {len(groups)}")
+                res = simulate(wl, group_cfg)
+                per_group.append({name: [float(c.step_s) for c in r.costs] for name, r in res.systems.items()})
+        except ValueError as exc:  # the memory model refuses a plan: this layout does not fit
+            if refused is None or "GB per GPU" not in str(exc):
+                raise
+            refused[g] = str(exc)
+            continue
         sync = expert_grad_sync_s(config, g, W)
         imb = _static_imbalance(workload.loads_XMLSE[config.warmup_steps:], g)
         for name in per_group[0]:
@@ -211,3 +220,36 @@ def print_layouts(rows: list[LayoutRow], console) -> None:
     console.print("step = slowest EP group + expert gradient sync over the groups (fp32 reduce-scatter + "
                   "bf16 all-gather, not overlapped); dense gradient sync is the same for every row and left out",
                   highlight=False)
+
+
+def run_compare(args, s: dict, workload, config) -> int:
+    """``--compare-ep``: every system at every EP size (relibra_torch.sim.layouts)."""
+    from rich.console import Console
+
+    from .report import write_json
+
+    topo = s["topology"]
+    sizes = parse_ep_sizes(args.compare_ep, topo.num_gpus, topo.num_experts, topo.gpus_per_node)
+    if s["plot"]:
+        raise ValueError("--plot does not apply to --compare-ep (use --json)")
+    err = Console(stderr=True)
+    for text in s["memory_warnings"]:  # only under --ignore-memory: otherwise refused before
+        err.print(f"relibra simulate: warning (--ignore-memory): {text}", highlight=False, soft_wrap=True)
+    refused: dict[int, str] = {}
+    rows = compare_layouts(workload, config, sizes, refused=refused,
+                           progress=None if args.no_progress else lambda line: err.print(line, highlight=False))
+    out = Console() if Console().is_terminal else Console(width=200)
+    cfg = s["model_spec"]
+    out.print(f"{cfg.name} on {topo.num_nodes} x {topo.gpus_per_node} {s['hardware_spec'].name} "
+              f"(R={topo.replica_slots}), {s['dispatch']} dispatch, {workload.num_micro_batches} micro-batches, "
+              f"source: {workload.source}", highlight=False)
+    print_layouts(rows, out)
+    for g, why in refused.items():
+        out.print(f"EP {g}: does not fit, left out ({why.split('; ')[0]})", highlight=False)
+    if s["json"]:
+        write_json({"config": {"model": cfg.name, "nodes": topo.num_nodes, "gpus_per_node": topo.gpus_per_node,
+                               "replica_slots": topo.replica_slots, "dispatch": s["dispatch"],
+                               "source": workload.source}, **layouts_json(rows),
+                    "refused": {str(g): why for g, why in refused.items()}}, s["json"])
+        out.print(f"wrote {s['json']}")
+    return 0
