@@ -57,3 +57,19 @@ def naive_counts(ids_TLK, offsets, rank_N, micro_N, M, S, E) -> torch.Tensor:
                 for k in range(K):
                     out[m, layer, s, int(ids_TLK[t, layer, k])] += 1
     return out
+
+
+def skewed_routing_file(path, E: int, K: int, L: int, num_samples: int, lo: int, hi: int, seed: int) -> None:
+    """A routing file of ``num_samples`` samples of ``lo..hi`` tokens; per (sample, layer) a
+    skewed expert preference, each token ``K`` distinct experts drawn from it."""
+    from relibra_torch.replay import RoutingReplay
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi, (num_samples,), generator=g)
+    parts = []
+    for n in lengths.tolist():
+        ids = torch.empty(n, L, K, dtype=torch.int64)
+        for l in range(L):
+            w = torch.rand(E, generator=g) ** 3 + 1e-2
+            ids[:, l] = torch.multinomial(w.expand(n, E), K, replacement=False, generator=g)
+        parts.append(ids)
+    RoutingReplay(torch.cat(parts).to(torch.int16), offsets_from_lengths(lengths.tolist()), E).save(str(path))

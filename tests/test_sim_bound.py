@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relibra_torch.planning import Topology, static_plan
-from relibra_torch.replay import RoutingReplay
+from _replay_helpers import skewed_routing_file
 from relibra_torch.sim import CostModel, CostOptions, SimConfig, get_hardware, simulate, workload_from_loads
 from relibra_torch.sim.bound import a2a_lower_bound_ML, bound_step_cost, must_cross_pairs_MLN
 from relibra_torch.sim.simulator import SYSTEMS
@@ -67,19 +67,8 @@ def test_no_system_is_ever_below_the_bound(trace, dispatch, overlap):
 def test_no_system_is_below_the_bound_with_exact_hierarchical_counts(tmp_path):
     """A routing file: hierarchical crossings counted per token, exactly."""
     E, K, L = 16, 4, 2
-    g = torch.Generator().manual_seed(5)
-    lengths = torch.randint(20, 80, (48,), generator=g)
-    parts = []
-    for n in lengths.tolist():
-        ids = torch.empty(n, L, K, dtype=torch.int64)
-        for l in range(L):
-            w = torch.rand(E, generator=g) ** 3 + 1e-2
-            ids[:, l] = torch.multinomial(w.expand(n, E), K, replacement=False, generator=g)
-        parts.append(ids)
-    offsets = torch.zeros(49, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
     path = str(tmp_path / "r.safetensors")
-    RoutingReplay(torch.cat(parts).to(torch.int16), offsets, E).save(path)
+    skewed_routing_file(path, E, K, L, 48, 20, 80, seed=5)
     model = dataclasses.replace(MODEL, num_experts=E, top_k=K, num_layers=L, num_moe_layers=L)
     topo = Topology(2, 2, E, replica_slots=1)
     wl = workload_from_file(path, model, topo, num_micro_batches=2)

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from relibra_torch.moe.schedule import LayerPlan, assign_slots, build_rank_schedule
 from relibra_torch.planning import ReLibraConfig, StaticPlanner, Topology, evaluate, make_planner, token_split
+from _replay_helpers import skewed_routing_file
 from relibra_torch.replay import RoutingReplay
 from relibra_torch.sim import CostModel, CostOptions, SimConfig, get_hardware, simulate, workload_from_loads
 from relibra_torch.sim.dispatch import (approx_cross_tokens, approx_gpu_copies, exact_copies, exact_cross_tokens,
@@ -199,19 +200,8 @@ def test_exact_and_estimated_hierarchical_agree_on_a_routing_file(tmp_path):
     Stated tolerance: total cross-node bytes within 2% for every system (measured: 0.3%); the estimate's
     known bias is low (it over-states the chance of needing no expert on a node)."""
     E, K, L, S = 32, 4, 2, 8
-    g = torch.Generator().manual_seed(7)
-    lengths = torch.randint(20, 60, (64,), generator=g)
-    parts = []
-    for n in lengths.tolist():
-        ids = torch.empty(n, L, K, dtype=torch.int64)
-        for l in range(L):
-            w = torch.rand(E, generator=g) ** 3 + 1e-2
-            ids[:, l] = torch.multinomial(w.expand(n, E), K, replacement=False, generator=g)
-        parts.append(ids)
-    offsets = torch.zeros(65, dtype=torch.int64)
-    offsets[1:] = lengths.cumsum(0)
     path = str(tmp_path / "r.safetensors")
-    RoutingReplay(torch.cat(parts).to(torch.int16), offsets, E).save(path)
+    skewed_routing_file(path, E, K, L, 64, 20, 60, seed=7)
     model = tiny_model(E, K, L)
     topo = Topology(4, 2, E, replica_slots=1)
     wl = workload_from_file(path, model, topo, num_micro_batches=2)
