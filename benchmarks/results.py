@@ -24,9 +24,8 @@ import time
 from pathlib import Path
 
 from relibra_torch.cli import main as relibra_main
+from relibra_torch.sim.simulator import REFERENCES  # rows no planner runs: never "the fastest baseline"
 
-# Reference rows of a table (no planner runs them): never "the fastest baseline".
-REFERENCES = {"ideal", "uniform", "bound"}
 MINE = "relibra"
 
 # name -> simulate arguments. Multi-node runs use the default (hierarchical) dispatch. Every

@@ -79,7 +79,7 @@ from ..planning.plan import StepPlan
 from ..planning.pricing import ReorderWeights, reorder_weights
 from ..planning.residency import residencies
 from .dispatch import DISPATCH_MODES, uniform_remote_node_probability
-from .transfers import hierarchical_collectives, layer_collectives_ML, replica_traffic
+from .transfers import exchange_collectives, layer_collectives_ML, replica_traffic
 from .presets import HardwareSpec, ModelSpec
 
 # ReorderWeights lives with the planner's pricing (relibra_torch.planning.pricing); it is
@@ -373,9 +373,7 @@ class CostModel:
     def exchange_collectives(self, num_nodes: int, gpus_per_node: int) -> int:
         """Collectives of one layer's token exchange per micro-batch, forward + backward (0 on
         one GPU): what every plan's layer issues, fills and plan check aside."""
-        if num_nodes * gpus_per_node == 1:
-            return 0
-        return hierarchical_collectives(num_nodes, gpus_per_node) if self.options.dispatch == "hierarchical" else 4
+        return exchange_collectives(num_nodes, gpus_per_node, self.options.dispatch)
 
     def uniform_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,
                           tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> StepCost:
@@ -406,7 +404,7 @@ class CostModel:
         zero = torch.zeros(M, L, dtype=torch.float64)
         dense = self.dense_s(tokens_MS, attn_pairs_MS)
         latency_ML = self.collective_latency_s(
-            torch.full((M, L), self.exchange_collectives(num_nodes, gpus_per_node) + 1), num_nodes)  # + plan check
+            torch.full((M, L), self.exchange_collectives(num_nodes, gpus_per_node) + int(G > 1)), num_nodes)  # + plan check
         return self._combine(expert_fwd, expert_bwd, a2a_one, zero, zero, dense, 0.0, 0, 0.0,
                              cross_send.sum(), intra_send.sum(), 0.0, latency_s_ML=latency_ML)
 

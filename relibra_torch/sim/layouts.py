@@ -34,6 +34,7 @@ from typing import Callable
 import torch
 
 from ..planning.topology import Topology
+from .report import static_imbalance
 from .simulator import REFERENCES, SimConfig, simulate
 from .workload import Workload
 
@@ -110,16 +111,6 @@ class LayoutRow:
     static_imbalance: float
 
 
-def _static_imbalance(loads_XMLSE: torch.Tensor, ep_size: int) -> float:
-    X, M, L, S, E = loads_XMLSE.shape
-    gpu_R = loads_XMLSE.sum(3, dtype=torch.int64).view(-1, ep_size, E // ep_size).sum(-1)
-    total_R = gpu_R.sum(-1)
-    busy = total_R > 0
-    if not bool(busy.any()):
-        return 1.0
-    return float((gpu_R[busy].max(-1).values.double() * ep_size / total_R[busy].double()).mean())
-
-
 def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, ...],
                     progress: Callable[[str], None] | None = None,
                     refused: dict[int, str] | None = None) -> list[LayoutRow]:
@@ -158,7 +149,7 @@ def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, 
             refused[g] = str(exc)
             continue
         sync = expert_grad_sync_s(config, g, W)
-        imb = _static_imbalance(workload.loads_XMLSE[config.warmup_steps:], g)
+        imb = static_imbalance(workload.loads_XMLSE[config.warmup_steps:], g)
         for name in per_group[0]:
             steps = torch.tensor([grp[name] for grp in per_group], dtype=torch.float64)  # [groups, X]
             slowest = float(steps.max(0).values.mean())

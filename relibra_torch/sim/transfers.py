@@ -117,9 +117,16 @@ def layer_collectives_ML(res: Residencies, topology, dispatch: str = "flat", ref
     else:
         fills = (res.fill_start_MLGJ.flatten(2).any(-1).to(torch.int64)
                  + res.grad_return_MLGJ.flatten(2).any(-1).to(torch.int64))
-    exchange = (hierarchical_collectives(topology.num_nodes, topology.gpus_per_node)
-                if dispatch == "hierarchical" else 4)
+    exchange = exchange_collectives(topology.num_nodes, topology.gpus_per_node, dispatch)
     return (exchange + int(check_plan) + fills) * int(topology.num_gpus > 1)
+
+
+def exchange_collectives(num_nodes: int, gpus_per_node: int, dispatch: str) -> int:
+    """Collectives of one layer's token exchange per micro-batch, forward + backward (0 on
+    one GPU): flat, dispatch and combine each way; hierarchical, :func:`hierarchical_collectives`."""
+    if num_nodes * gpus_per_node == 1:
+        return 0
+    return hierarchical_collectives(num_nodes, gpus_per_node) if dispatch == "hierarchical" else 4
 
 
 def hierarchical_collectives(num_nodes: int, gpus_per_node: int) -> int:
