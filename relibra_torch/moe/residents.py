@@ -26,6 +26,13 @@ What can go wrong, and what happens:
 * activation recomputation: a forward run again reuses the kept buffers (fetched again,
   on every rank alike, if ``no_grad`` freed them).
 
+Two-hop replicas (``planning.two_hop``, ``sched.hub_GJ``): a residency with a hub on its
+node fills in a second exchange after the first hops, from the hub's kept buffer (NVLink),
+and in the backward of its return micro-batch reduces its gradient into the hub's
+accumulator before the first-hop returns run, so the hub sends the sum home once. A
+second-hop fill whose hub holds nothing (a re-fetch after ``no_grad`` freed the hub)
+comes from the owner instead, and its gradient then goes to the owner too.
+
 Legend: G GPUs, J slots per GPU, El native experts per GPU, Fr fills this rank computes.
 """
 
@@ -35,7 +42,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..distributed.replicas import FillSpec, ReplicaMemory, fetch_replica_weights, return_replica_grads
+from ..distributed.replicas import (FillSpec, ReplicaMemory, exchange_replica_rows, fetch_replica_weights,
+                                    return_replica_grads)
 from .schedule import RankSchedule, fill_exchange
 
 __all__ = ["ResidentReplicas"]
@@ -67,6 +75,7 @@ class ResidentReplicas:
         self.held_GJ = torch.full((G, J), -1, dtype=torch.int64, device="cpu")  # fill_mb held
         self.return_GJ = torch.full_like(self.held_GJ, -1)                      # its return_mb
         self.pending_GJ = torch.zeros(G, J, dtype=torch.bool, device="cpu")     # gradient not home
+        self.via_GJ = torch.full_like(self.held_GJ, -1)                         # hub filled from
         self.entries: dict[int, _Entry] = {}
         self.last_mb: int | None = None
         self.forward_mbs: set[int] = set()
@@ -103,6 +112,7 @@ class ResidentReplicas:
         drop_GJ = drop_GJ & (self.held_GJ >= 0)
         self.held_GJ[drop_GJ] = -1
         self.return_GJ[drop_GJ] = -1
+        self.via_GJ[drop_GJ] = -1
         for j in drop_GJ[self.rank].nonzero().flatten().tolist():
             self.entries.pop(j, None)
 
@@ -142,17 +152,51 @@ class ResidentReplicas:
         return out[0], bufs
 
     def _fetch(self, need_GJ, sched: RankSchedule, weights, group, memory, count) -> None:
-        send_idx, send_sizes, recv_sizes, recv_slots = fill_exchange(
-            need_GJ, sched.slot_expert_GJ, sched.owner_GJ, sched.local_E, self.rank)
-        spec = FillSpec(send_idx.to(weights[0].device), send_sizes, recv_sizes, group)
-        bufs = fetch_replica_weights(weights, spec, memory)
-        count("collectives", 1)
-        for i, j in enumerate(recv_slots.tolist()):
-            self.entries[j] = _Entry(int(sched.fill_mb_GJ[self.rank, j]), [b[i] for b in bufs])
-            nbytes = sum(b[i].numel() * b.element_size() for b in bufs)
-            count(self._key("fill_bytes", int(sched.owner_GJ[self.rank, j])), nbytes)
-        self.held_GJ[need_GJ] = sched.fill_mb_GJ[need_GJ]
-        self.return_GJ[need_GJ] = sched.return_mb_GJ[need_GJ]
+        hub_GJ = sched.hub_GJ if sched.hub_GJ is not None else torch.full_like(need_GJ, -1, dtype=torch.int64)
+        hub_flat = hub_GJ.clamp(min=0).flatten()
+        # a second hop needs its hub's buffer: held for the same residency, or a first hop now
+        hub_ok = ((self.held_GJ >= 0) & (self.held_GJ == sched.fill_mb_GJ)).flatten()[hub_flat] \
+            | (need_GJ & (hub_GJ < 0)).flatten()[hub_flat]
+        hop2_GJ = need_GJ & (hub_GJ >= 0) & hub_ok.view_as(need_GJ)
+        direct_GJ = need_GJ & ~hop2_GJ
+        if direct_GJ.any():
+            send_idx, send_sizes, recv_sizes, recv_slots = fill_exchange(
+                direct_GJ, sched.slot_expert_GJ, sched.owner_GJ, sched.local_E, self.rank)
+            spec = FillSpec(send_idx.to(weights[0].device), send_sizes, recv_sizes, group)
+            bufs = fetch_replica_weights(weights, spec, memory)
+            count("collectives", 1)
+            for i, j in enumerate(recv_slots.tolist()):
+                self.entries[j] = _Entry(int(sched.fill_mb_GJ[self.rank, j]), [b[i] for b in bufs])
+                nbytes = sum(b[i].numel() * b.element_size() for b in bufs)
+                count(self._key("fill_bytes", int(sched.owner_GJ[self.rank, j])), nbytes)
+            self._hold(direct_GJ, sched, -1)
+        if hop2_GJ.any():
+            # second hop, after the first: hub GPU -> copies on its node, from the kept buffer
+            leaves, hubs = self._hop2_pairs(hop2_GJ, hub_GJ)
+            mine_out = [(q, jh) for (q, _), (h, jh) in zip(leaves, hubs) if h == self.rank]
+            mine_in = sorted((h, j) for (q, j), (h, _) in zip(leaves, hubs) if q == self.rank)
+            send_sizes = [sum(1 for q, _ in mine_out if q == p) for p in range(self.G)]
+            recv_sizes = [sum(1 for h, _ in mine_in if h == p) for p in range(self.G)]
+            rows = [torch.stack([self.entries[jh].bufs[k] for _, jh in mine_out]) if mine_out
+                    else w.new_empty(0, *w.shape[1:]) for k, w in enumerate(weights)]
+            bufs = exchange_replica_rows(rows, send_sizes, recv_sizes, group, memory)
+            count("collectives", 1)
+            for i, (_, j) in enumerate(mine_in):
+                self.entries[j] = _Entry(int(sched.fill_mb_GJ[self.rank, j]), [b[i] for b in bufs])
+                count("fill_bytes_intra", sum(b[i].numel() * b.element_size() for b in bufs))
+            self._hold(hop2_GJ, sched, hub_GJ)
+
+    def _hold(self, mask_GJ, sched: RankSchedule, via) -> None:
+        self.held_GJ[mask_GJ] = sched.fill_mb_GJ[mask_GJ]
+        self.return_GJ[mask_GJ] = sched.return_mb_GJ[mask_GJ]
+        self.via_GJ[mask_GJ] = via if isinstance(via, int) else via[mask_GJ]
+
+    def _hop2_pairs(self, mask_GJ, hub_GJ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """``(leaves, hubs)``: the ``(gpu, slot)`` of every second-hop slot in ``mask_GJ``
+        (row-major) and of its hub; senders and receivers both order rows by leaf slot."""
+        leaves = [tuple(x) for x in mask_GJ.nonzero().tolist()]
+        hubs = [divmod(int(hub_GJ[q, j]), self.J) for q, j in leaves]
+        return leaves, hubs
 
     def _key(self, prefix: str, owner: int) -> str:
         return f"{prefix}_cross" if owner // self.g != self.rank // self.g else f"{prefix}_intra"
@@ -190,6 +234,39 @@ class ResidentReplicas:
             raise RuntimeError(f"micro-batch {m}'s backward would send replica gradients home before the "
                                f"backward of micro-batches {early}: run backward per micro-batch, in "
                                f"forward order (or use refetch_replicas=True)")
+        # second hops first: copies reduce their gradients into their hubs (NVLink)
+        ret2_GJ = ret_GJ & (self.via_GJ >= 0)
+        if ret2_GJ.any():
+            leaves, hubs = self._hop2_pairs(ret2_GJ, self.via_GJ)
+            if any(int(self.held_GJ[h, jh]) < 0 for h, jh in hubs):
+                raise RuntimeError(f"micro-batch {m}'s backward: a two-hop replica's hub was released before "
+                                   f"its copies' gradients reached it (slots {leaves}); run backward per "
+                                   f"micro-batch, in forward order")
+            mine_out = [j for q, j in leaves if q == self.rank]                  # leaf slot order
+            mine_in = sorted((q, j, jh) for (q, j), (h, jh) in zip(leaves, hubs) if h == self.rank)
+            send_sizes = [sum(1 for (q, _), (h, _) in zip(leaves, hubs) if q == self.rank and h == p)
+                          for p in range(self.G)]
+            recv_sizes = [sum(1 for q, _, _ in mine_in if q == p) for p in range(self.G)]
+            # rows to each hub GPU in leaf-slot order: leaves sorted by (hub gpu, slot)
+            out_order = sorted((h, j) for (q, j), (h, _) in zip(leaves, hubs) if q == self.rank)
+            for _, j in out_order:
+                count("grad_return_bytes_intra", sum(a.numel() * a.element_size() for a in self.entries[j].acc))
+            rows = [torch.stack([self.entries[j].acc[k] for _, j in out_order]) if mine_out else
+                    torch.zeros(0, *shape[1:], dtype=dtypes[k], device=device)
+                    for k, (_, shape) in enumerate(weights_meta)]
+            got = exchange_replica_rows(rows, send_sizes, recv_sizes, group)
+            count("collectives", 1)
+            for i, (_, _, jh) in enumerate(mine_in):
+                hub = self.entries[jh]
+                if hub.acc is None:
+                    hub.acc = [torch.zeros(b.shape, dtype=dt, device=b.device) for b, dt in zip(hub.bufs, dtypes)]
+                for a, part in zip(hub.acc, got):
+                    a.add_(part[i])
+            self.pending_GJ[ret2_GJ] = False
+            self._end(ret2_GJ, "gradient reduction into two-hop hubs")
+        ret_GJ = ret_GJ & ~ret2_GJ
+        if not ret_GJ.any():
+            return [None] * len(weights_meta)
         send_idx, send_sizes, recv_sizes, recv_slots = fill_exchange(
             ret_GJ, sched.slot_expert_GJ, sched.owner_GJ, sched.local_E, self.rank)
         spec = FillSpec(send_idx.to(device), send_sizes, recv_sizes, group)

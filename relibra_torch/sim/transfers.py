@@ -37,20 +37,33 @@ def replica_traffic(res: Residencies, refetch: bool = False) -> dict[str, torch.
     replica's GPU / received by the owner, in that micro-batch's backward); ``cross`` when the
     owner is on another node. Kept buffers: one fetch per residency (its first micro-batch
     with tokens) and one return (its last); ``refetch``: two fetches and one return per
-    micro-batch with tokens.
+    micro-batch with tokens. Second hops (``planning.two_hop``, kept buffers only) are
+    ``fetch2_{recv,send}`` and ``return2_{send,recv}``: NVLink copies received from / sent by
+    the hub's GPU, and gradients sent to / received by it; their first hops are the hubs'
+    own fetches and returns above.
     """
     M, L, G, J = res.fill_MLGJ.shape
     owner = res.owner_MLGJ.clamp(min=0).reshape(M, L, G * J)
+    hub_MLX = res.hubs(refetch).reshape(M, L, G * J)
+    hop2 = (hub_MLX >= 0).view(M, L, G, J)
+    hub_gpu = hub_MLX.clamp(min=0) // J
     out = {}
     for what, n_MLGJ in (("fetch", res.fetches(refetch)), ("return", res.returns(refetch))):
-        for link, mask in (("cross", res.cross_node_MLGJ), ("intra", res.fill_MLGJ & ~res.cross_node_MLGJ)):
+        for link, mask in (("cross", res.cross_node_MLGJ & ~hop2), ("intra", res.fill_MLGJ & ~res.cross_node_MLGJ),
+                           ("2", hop2)):
             here = n_MLGJ * mask
-            at_owner = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(2, owner, here.reshape(M, L, G * J))
-            replica_side, owner_side = here.sum(-1), at_owner
-            if what == "fetch":
-                out[f"fetch_recv_{link}"], out[f"fetch_send_{link}"] = replica_side, owner_side
+            src = hub_gpu if link == "2" else owner
+            at_src = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(2, src, here.reshape(M, L, G * J))
+            replica_side = here.sum(-1)
+            if link == "2":
+                if what == "fetch":
+                    out["fetch2_recv"], out["fetch2_send"] = replica_side, at_src
+                else:
+                    out["return2_send"], out["return2_recv"] = replica_side, at_src
+            elif what == "fetch":
+                out[f"fetch_recv_{link}"], out[f"fetch_send_{link}"] = replica_side, at_src
             else:
-                out[f"return_send_{link}"], out[f"return_recv_{link}"] = replica_side, owner_side
+                out[f"return_send_{link}"], out[f"return_recv_{link}"] = replica_side, at_src
     return out
 
 
@@ -98,9 +111,9 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
         "cross_node_rows": cross_MLG,
         "intra_node_rows": intra_MLG,
         "fill_bytes_cross": traffic["fetch_recv_cross"] * weight,
-        "fill_bytes_intra": traffic["fetch_recv_intra"] * weight,
+        "fill_bytes_intra": (traffic["fetch_recv_intra"] + traffic["fetch2_recv"]) * weight,
         "grad_return_bytes_cross": traffic["return_send_cross"] * grad,
-        "grad_return_bytes_intra": traffic["return_send_intra"] * grad,
+        "grad_return_bytes_intra": (traffic["return_send_intra"] + traffic["return2_send"]) * grad,
         "collectives": per_layer.unsqueeze(-1).expand(M, L, G).contiguous(),
     }
 
@@ -110,13 +123,16 @@ def layer_collectives_ML(res: Residencies, topology, dispatch: str = "flat", ref
     """int64 ``[M, L]``: collectives one layer issues per micro-batch, forward + backward (every
     rank joins each one, so the count is every GPU's): plan check, the token exchange (flat:
     dispatch and combine each way; hierarchical: :func:`hierarchical_collectives`), a fill
-    where a residency starts and a gradient return where one ends (with ``refetch``: fetch,
-    fetch, return wherever a replica computes). None on one GPU."""
+    where a residency starts and a gradient return where one ends, each once for first hops
+    (from and to owners) and once more for second hops (from and to hubs,
+    ``planning.two_hop``); with ``refetch``: fetch, fetch, return wherever a replica
+    computes. None on one GPU."""
     if refetch:
         fills = 3 * res.active_MLGJ.flatten(2).any(-1).to(torch.int64)  # fetch, fetch, return
     else:
-        fills = (res.fill_start_MLGJ.flatten(2).any(-1).to(torch.int64)
-                 + res.grad_return_MLGJ.flatten(2).any(-1).to(torch.int64))
+        hop2 = res.hubs(refetch) >= 0
+        fills = sum(mask.flatten(2).any(-1).to(torch.int64)
+                    for ev in (res.fill_start_MLGJ, res.grad_return_MLGJ) for mask in (ev & ~hop2, ev & hop2))
     exchange = exchange_collectives(topology.num_nodes, topology.gpus_per_node, dispatch)
     return (exchange + int(check_plan) + fills) * int(topology.num_gpus > 1)
 
