@@ -164,3 +164,34 @@ def test_a_copy_outliving_the_first_is_not_covered_and_fills_from_the_owner():
     assert (res.hub_MLGJ == -1).all()
     c = CostModel(MODEL, HW).replica_counts(plan, evaluate(plan, loads))
     assert int(c["fetch_recv_cross"].sum()) == 2 and int(c["fetch2_recv"].sum()) == 0
+
+
+def test_relibra_spreads_a_hot_remote_expert_over_the_node_for_one_crossing():
+    """The collapsed-router case in small: node 1's tokens almost all want node 0's expert 0.
+    relibra's traffic replica keeps them home; with two hops balancing splits it over node
+    1's GPUs for one inter-node fill (the copy fills from the first over NVLink), and the
+    step is shorter than without (where a second copy would need a second crossing)."""
+    import dataclasses
+
+    from relibra_torch.planning import relibra_plan
+    from relibra_torch.planning.pricing import priced_config
+
+    topo = Topology(2, 2, 4, 2)
+    M = 3
+    loads = torch.full((M, 1, 4, 4), 10, dtype=torch.int64)
+    loads[:, 0, :, 0] = 3000
+    cost = CostModel(MODEL, HW)
+    tokens, pairs = torch.full((M, 4), 3030), torch.full((M, 4), 3030 * 3031 / 2)
+    steps = {}
+    for two_hop in (True, False):
+        cfg = priced_config(MODEL.hidden_size, MODEL.moe_ffn, "h200", reorder=False, two_hop=two_hop)
+        plan = relibra_plan(loads, topo, config=cfg)
+        metrics = evaluate(plan, loads)
+        res = metrics.residency
+        copies = ((plan.slot_expert_MLGJ[:, 0, 2:] == 0).sum((-1, -2))).tolist()
+        crossing = res.fill_start_MLGJ & res.cross_node_MLGJ & (res.hub_MLGJ < 0)
+        assert int(crossing.sum()) == 1, two_hop                 # one inter-node fill either way
+        assert copies == ([2] * M if two_hop else [1] * M), (two_hop, copies)
+        steps[two_hop] = cost.step_cost(plan, metrics, tokens, pairs).step_s
+    assert steps[True] < steps[False], steps
+    assert dataclasses.replace(cfg, two_hop=True).min_cross_replica_tokens < cfg.min_cross_replica_tokens
