@@ -126,8 +126,11 @@ def test_a_second_copy_fills_from_the_first_over_nvlink_after_it():
     assert c["fetch_recv_cross"][:, 0].tolist() == [[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert c["fetch_send_cross"][:, 0].tolist() == [[1, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
     assert c["return_send_cross"][:, 0].tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
-    assert c["fetch2_recv"][:, 0].tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
-    assert c["fetch2_send"][:, 0].tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
+    # the hub was filled in micro-batch 0: the copy rides in micro-batch 1's first-hop exchange
+    assert c["fetch_recv_intra"][:, 0].tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+    assert c["fetch_send_intra"][:, 0].tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [0, 0, 0, 0]]
+    assert int(c["fetch2_recv"].sum()) == 0 and int(c["fetch2_send"].sum()) == 0
+    # both return in micro-batch 2: the copy reduces into the hub first, in its own exchange
     assert c["return2_send"][:, 0].tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 0, 1]]
     assert c["return2_recv"][:, 0].tolist() == [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 0]]
     w, gb = cost.expert_weight_bytes, cost.expert_grad_bytes
@@ -140,8 +143,20 @@ def test_a_second_copy_fills_from_the_first_over_nvlink_after_it():
     plan.slot_expert_MLGJ[0, 0, 3, 1] = 0
     plan.slot_tokens_MLGJ[0, 0, 3, 1] = 6
     plan.slot_tokens_MLGJ[0, 0, 2, 1] = 6
-    fill2, _ = cost.replica_s(cost.replica_counts(plan, evaluate(plan, loads)))
+    c2 = cost.replica_counts(plan, evaluate(plan, loads))
+    assert c2["fetch2_recv"][0, 0].tolist() == [0, 0, 0, 1] and c2["fetch2_send"][0, 0].tolist() == [0, 0, 1, 0]
+    fill2, _ = cost.replica_s(c2)
     assert fill2[0, 0].item() == approx(w / ib + w / nvl)
+    assert layer_collectives_ML(residencies(plan), topo)[0, 0].item() == 5 + 2
+    # a copy that returns before its hub reduces into it in its own micro-batch's return exchange
+    _, plan, _ = _two_copies_plan()
+    plan.slot_tokens_MLGJ[2, 0, 3, 1] = 0
+    plan.slot_expert_MLGJ[2, 0, 3, 1] = -1
+    plan.slot_tokens_MLGJ[2, 0, 2, 1] = 12
+    c3 = cost.replica_counts(plan, evaluate(plan, loads))
+    assert c3["return_send_intra"][:, 0, 3].tolist() == [0, 1, 0] and c3["return_recv_intra"][:, 0, 2].tolist() == [0, 1, 0]
+    assert int(c3["return2_send"].sum()) == 0
+    assert layer_collectives_ML(residencies(plan), topo)[:, 0].tolist() == [5 + 1, 5 + 2, 5 + 1]
     # collectives: plan check + 4 exchange, + first-hop fill (mb 0), second-hop fill (mb 1),
     # second-hop reduction and first-hop return (mb 2)
     _, plan, _ = _two_copies_plan()

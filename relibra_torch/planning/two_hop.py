@@ -20,7 +20,9 @@ executes it), so both agree without changing :class:`~relibra_torch.planning.Ste
     lowest direct residency covering it: it fills from the hub over NVLink, after the hub's
     own fill (second hop), and in its return micro-batch's backward reduces its gradient
     into the hub's over NVLink, before the hub returns the sum to the owner (the hub's
-    return micro-batch is never earlier). Covering is a strict partial order, so every
+    return micro-batch is never earlier). Only a second hop whose hub fills (returns) in
+    the same micro-batch needs an exchange of its own after (before) the first hops; the
+    others ride in the micro-batch's first-hop exchange (:func:`sequential_hops`). Covering is a strict partial order, so every
     non-direct residency has a direct cover, and a hub is always direct: at most two hops.
 
 Only kept replicas (``refetch_replicas=False``) use hubs: re-fetched replicas keep nothing
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["residency_spans", "two_hop_hubs"]
+__all__ = ["residency_spans", "sequential_hops", "two_hop_hubs"]
 
 
 def residency_spans(held_MLGJ: torch.Tensor, fill_start_MLGJ: torch.Tensor,
@@ -99,3 +101,24 @@ def two_hop_hubs(slot_expert_MLGJ: torch.Tensor, cross_node_MLGJ: torch.Tensor, 
     hub_rp = torch.where(first < P, node.unsqueeze(1) * P + first, -1)
     hub.view(-1, P)[rows] = hub_rp
     return hub
+
+
+def sequential_hops(hub_MLGJ: torch.Tensor, held_MLGJ: torch.Tensor, fill_start_MLGJ: torch.Tensor,
+                    grad_return_MLGJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which second hops must wait for their hub in the same micro-batch (bool ``[M, L, G, J]``).
+
+    ``fill_after``: a second-hop fill whose hub is filled in the same forward: it runs in an
+    exchange after the first hops. A hub filled earlier already holds the weights, so its
+    copies join the micro-batch's first-hop exchange. ``return_before``: a second-hop
+    reduction whose hub returns in the same backward: it runs in an exchange before the
+    returns; one whose hub returns later joins that backward's return exchange.
+    """
+    M, L, G, J = hub_MLGJ.shape
+    hop2 = hub_MLGJ >= 0
+    if not bool(hop2.any()):
+        return hop2.clone(), hop2.clone()
+    a, b = residency_spans(held_MLGJ, fill_start_MLGJ, grad_return_MLGJ)
+    idx = hub_MLGJ.clamp(min=0).view(M, L, G * J)
+    hub_a = a.view(M, L, G * J).gather(2, idx).view_as(a)
+    hub_b = b.view(M, L, G * J).gather(2, idx).view_as(b)
+    return hop2 & fill_start_MLGJ & (hub_a == a), hop2 & grad_return_MLGJ & (hub_b == b)
