@@ -92,8 +92,9 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
         raise ValueError(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}, expected [{M}, L, S, E]")
     split_LSGJ = token_split(plan.micro_batch(micro_batch),
                              loads_MLSE[micro_batch : micro_batch + 1])[0]
-    fill_mb_LGJ, return_mb_LGJ = residency_micro_batches(plan, micro_batch)
-    hub_LGJ = residencies(plan).hubs()[micro_batch]
+    res = residencies(plan)
+    fill_mb_LGJ, return_mb_LGJ = residency_micro_batches(plan, micro_batch, res)
+    hub_LGJ = res.hubs()[micro_batch]
     return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),
                       plan.placement_LE[l].clone(), plan.topology, micro_batch,
                       fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone(), hub_LGJ[l].clone())

@@ -148,12 +148,13 @@ def residencies(plan) -> Residencies:
     return Residencies(fill, cross, fill & (plan.slot_tokens_MLGJ > 0), start, ret, held, owner, hub)
 
 
-def residency_micro_batches(plan, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def residency_micro_batches(plan, micro_batch: int, res: Residencies | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ``[L, G, J]`` ``(fill_mb, return_mb)`` of the residency each slot is in at
     ``micro_batch``: where its weights arrive and where its gradient goes home (``-1``: no
     residency with tokens). From :func:`residencies`; ``moe.schedule.layer_plans`` hands
-    them to the layer."""
-    res = residencies(plan)
+    them to the layer. ``res``: ``residencies(plan)`` if already computed."""
+    res = residencies(plan) if res is None else res
     M = plan.num_micro_batches
     idx = torch.arange(M).view(M, 1, 1, 1)
     same = torch.ones_like(res.fill_MLGJ)
