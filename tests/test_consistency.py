@@ -1,7 +1,8 @@
 """The layer sends what the cost model prices: one test of both public interfaces.
 
 Plans from static, eplb-oracle and relibra (with cross-node traffic replicas and replica
-residencies over several micro-batches) and a random plan (tokenless replica micro-batches,
+residencies over several micro-batches, and two-hop groups: more copies of a remote expert
+on a node filled from its first copy, ``planning.two_hop``) and a random plan (tokenless replica micro-batches,
 mid-step refills, migration from a previous placement) run through
 
 * the layer: ``relibra_torch.testing.run_plan_transfers`` (real ``ReplayBalancedMoE`` layers
@@ -69,6 +70,12 @@ def test_the_plans_have_what_the_claims_rest_on():
     res = evaluate(plans["relibra"], loads).residency
     assert ((res.active_MLGJ.sum(0) >= 2) & (res.fill_start_MLGJ.sum(0) == 1)).any()  # kept over micro-batches
     assert (plans["relibra"].slot_expert_MLGJ[:, :, :, TOPO.experts_per_gpu:] >= 0).any()  # traffic replicas
+    # two-hop groups (planning.two_hop): second hops filled with their hub and after it,
+    # reducing into a hub that returns in the same micro-batch
+    hub = res.hub_MLGJ
+    assert ((hub >= 0) & res.fill_start_MLGJ).any() and ((hub >= 0) & res.grad_return_MLGJ).any()
+    for name in ("eplb-oracle", "relibra"):
+        assert (evaluate(plans[name], loads).residency.hub_MLGJ >= 0).any(), name
     res = evaluate(plans["random"], loads).residency
     assert (res.fill_MLGJ & ~res.active_MLGJ).any()               # replica micro-batches without tokens
     assert not torch.equal(plans["random"].placement_LE, plans["random"].previous_placement_LE)  # migration
@@ -102,9 +109,12 @@ def test_the_cost_model_prices_these_counts():
         metrics = evaluate(plan, loads)
         counts = cost.replica_counts(plan, metrics)
         sim = transfer_counts(plan, loads, refetch=refetch, expert_params=model.expert_params(), metrics=metrics)
+        hop2 = {"fetch": counts["fetch2_recv"], "return": counts["return2_send"]}
         for link in ("cross", "intra"):
-            assert torch.equal(counts[f"fetch_recv_{link}"] * cost.expert_weight_bytes, sim[f"fill_bytes_{link}"])
-            assert torch.equal(counts[f"return_send_{link}"] * cost.expert_grad_bytes,
+            extra = {k: v if link == "intra" else 0 for k, v in hop2.items()}   # second hops: NVLink
+            assert torch.equal((counts[f"fetch_recv_{link}"] + extra["fetch"]) * cost.expert_weight_bytes,
+                               sim[f"fill_bytes_{link}"])
+            assert torch.equal((counts[f"return_send_{link}"] + extra["return"]) * cost.expert_grad_bytes,
                                sim[f"grad_return_bytes_{link}"])
         assert torch.equal(metrics.cross_send_MLG, sim["cross_node_rows"])
 

@@ -15,7 +15,7 @@ import torch
 
 import _moe_fns as fns
 import _step_fns as sf
-from relibra_torch.planning import Topology, evaluate, make_planner
+from relibra_torch.planning import Topology, evaluate, make_planner, validate_plan
 from relibra_torch.testing import RankPool
 
 pytestmark = pytest.mark.slow
@@ -95,6 +95,53 @@ def test_steps_match_one_process(pool, refetch):
 
 def test_compiled_steps_match_one_process(pool):
     case = _case(5, compile=True)
+    _check(case, pool.run(sf.run_steps, case))
+
+
+def _force_copies(plan, loads, l: int, owner_gpu: int, spans: dict) -> None:
+    """Copy ``owner_gpu``'s first native expert of layer ``l`` into the last slot of the GPUs
+    in ``spans`` (``{gpu: (first, last micro-batch)}``), one token each, after removing
+    its other copies; whatever those slots held goes back to its owner."""
+    topo = plan.topology
+    El, J = topo.experts_per_gpu, topo.slots_per_gpu
+    se, st = plan.slot_expert_MLGJ, plan.slot_tokens_MLGJ
+    e = int(plan.native_experts_LGl()[l, owner_gpu, 0])
+
+    def give_home(m, gpu, j):
+        x = int(se[m, l, gpu, j])
+        if x >= 0 and j >= El:
+            og, oj = (se[m, l, :, :El] == x).nonzero()[0].tolist()
+            st[m, l, og, oj] += st[m, l, gpu, j]
+            se[m, l, gpu, j], st[m, l, gpu, j] = -1, 0
+
+    for m in range(plan.num_micro_batches):
+        for gpu, j in (se[m, l, :, El:] == e).nonzero().tolist():
+            give_home(m, gpu, El + j)
+        for gpu, (a, b) in spans.items():
+            if a <= m <= b:
+                give_home(m, gpu, J - 1)
+                assert st[m, l, owner_gpu, 0] >= 1, "pick a seed whose expert has tokens"
+                se[m, l, gpu, J - 1], st[m, l, gpu, J - 1] = e, 1
+                st[m, l, owner_gpu, 0] -= 1
+    validate_plan(plan, loads)
+
+
+def test_two_hop_steps_match_one_process(pool):
+    """Two-hop groups (planning.two_hop): layer 0's node-1 copies of GPU 0's expert, one over
+    the whole step (the hub) and one over micro-batches 1-2 (filled from the hub after it,
+    reducing into it before the hub's return); layer 1's node-0 copies of GPU 3's expert
+    over the same span (first and second hop in one forward, reduce then return in one
+    backward). Outputs, input and weight gradients at the owners, weights after SGD: as one
+    process, fp32 1e-5."""
+    case = _case(8)   # a seed whose two experts have tokens in every micro-batch
+    loads = case.loads(0)
+    plan = case.plans[0]
+    _force_copies(plan, loads, 0, 0, {2: (0, M - 1), 3: (1, 2)})
+    _force_copies(plan, loads, 1, 3, {0: (0, M - 1), 1: (0, M - 1)})
+    J = plan.topology.slots_per_gpu
+    hub = evaluate(plan, loads).residency.hub_MLGJ
+    assert hub[1:3, 0, 3, J - 1].tolist() == [2 * J + J - 1] * 2 and (hub[:, 0, 2] == -1).all()
+    assert hub[:, 1, 1, J - 1].tolist() == [J - 1] * M and (hub[:, 1, 0] == -1).all()
     _check(case, pool.run(sf.run_steps, case))
 
 

@@ -260,14 +260,24 @@ def test_traffic_replicas_take_their_nodes_own_tokens_and_pay(problem):
 
 
 @SETTINGS
-@given(problems())
-def test_cross_node_copies_take_only_their_nodes_tokens_and_split_only_when_it_pays(problem):
+@given(problems(), st.booleans())
+def test_cross_node_copies_take_only_their_nodes_tokens_and_split_only_when_it_pays(problem, two_hop):
     """relibra priced: in a node that does not own expert e, e's copies together take at most
     the node's own tokens for e (none cross for it), and a second copy exists only when it
-    takes enough tokens to pay for another fill from the owner's node."""
+    takes enough tokens to pay for its fill: from the node's first copy over NVLink with
+    ``two_hop`` (planning.two_hop; then the first copy keeps a token and covers the others,
+    so one copy per node and expert crosses), else from the owner's node."""
     topo, loads = problem
-    cfg = dataclasses.replace(PRICED, replica_fill_s_per_expert=0.0, cross_replica_fill_s_per_expert=2e-6)
+    cfg = dataclasses.replace(PRICED, replica_fill_s_per_expert=2e-7, cross_replica_fill_s_per_expert=2e-6,
+                              two_hop=two_hop)
     plan = relibra_plan(loads, topo, config=cfg)
+    if two_hop:
+        res = evaluate(plan, loads).residency
+        direct = res.held_MLGJ & res.cross_node_MLGJ & (res.hub_MLGJ < 0)
+        M_, L_, G_, J_ = direct.shape
+        key = torch.where(direct, plan.slot_expert_MLGJ, -1).view(M_, L_, topo.num_nodes, -1)
+        srt = key.sort(-1).values
+        assert not ((srt[..., 1:] == srt[..., :-1]) & (srt[..., 1:] >= 0)).any()   # one crossing per node
     validate_plan(plan, loads)
     M, L, S, E = loads.shape
     N, g, El = topo.num_nodes, topo.gpus_per_node, topo.experts_per_gpu

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from .collectives import all_to_all_rows
 
-__all__ = ["FillSpec", "ReplicaMemory", "fetch_replica_weights",
+__all__ = ["FillSpec", "ReplicaMemory", "exchange_replica_rows", "fetch_replica_weights",
            "refetch_replica_ffn", "return_replica_grads"]
 
 
@@ -105,6 +105,28 @@ def fetch_replica_weights(weights: Sequence[torch.Tensor], spec: FillSpec,
     shapes = [w.shape for w in weights]
     send = _flat_rows([w.detach().index_select(0, spec.send_idx) for w in weights])
     recv = all_to_all_rows(send, spec.send_sizes, spec.recv_sizes, spec.group)
+    if memory is not None:
+        memory.track(recv)
+    return _split_rows(recv, shapes)
+
+
+def exchange_replica_rows(rows: Sequence[torch.Tensor], send_sizes: list[int], recv_sizes: list[int],
+                          group, memory: ReplicaMemory | None = None) -> list[torch.Tensor]:
+    """Send per-expert rows (kept weights or accumulated gradients) to other ranks and receive
+    theirs: the second hop of two-hop replicas (``planning.two_hop``), hub to copies for
+    weights and copies to hub for gradients (not differentiable).
+
+    Args:
+        rows: one tensor ``[Fs, ...]`` per weight (``Fs`` rows sent, by destination rank),
+            one dtype.
+        send_sizes / recv_sizes: ``[G]`` rows sent to / received from every rank.
+        memory: optional tracker the received block is counted in (until freed).
+
+    Returns:
+        one tensor ``[Fr, ...]`` per weight, rows by source rank: views of one received block.
+    """
+    shapes = [r.shape for r in rows]
+    recv = all_to_all_rows(_flat_rows([r.detach() for r in rows]).contiguous(), send_sizes, recv_sizes, group)
     if memory is not None:
         memory.track(recv)
     return _split_rows(recv, shapes)

@@ -26,6 +26,14 @@ What can go wrong, and what happens:
 * activation recomputation: a forward run again reuses the kept buffers (fetched again,
   on every rank alike, if ``no_grad`` freed them).
 
+Two-hop replicas (``planning.two_hop``, ``sched.hub_GJ``): a residency with a hub on its
+node fills from the hub's kept buffer (NVLink) and in the backward of its return
+micro-batch reduces its gradient into the hub's accumulator, so the hub sends the sum home
+once: in the micro-batch's first-hop exchange when the hub was filled earlier (returns
+later), else in an exchange after the first-hop fills (before the returns). A
+second-hop fill whose hub holds nothing (a re-fetch after ``no_grad`` freed the hub)
+comes from the owner instead, and its gradient then goes to the owner too.
+
 Legend: G GPUs, J slots per GPU, El native experts per GPU, Fr fills this rank computes.
 """
 
@@ -35,7 +43,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..distributed.replicas import FillSpec, ReplicaMemory, fetch_replica_weights, return_replica_grads
+from ..distributed.replicas import (FillSpec, ReplicaMemory, exchange_replica_rows, fetch_replica_weights,
+                                    return_replica_grads)
 from .schedule import RankSchedule, fill_exchange
 
 __all__ = ["ResidentReplicas"]
@@ -67,6 +76,7 @@ class ResidentReplicas:
         self.held_GJ = torch.full((G, J), -1, dtype=torch.int64, device="cpu")  # fill_mb held
         self.return_GJ = torch.full_like(self.held_GJ, -1)                      # its return_mb
         self.pending_GJ = torch.zeros(G, J, dtype=torch.bool, device="cpu")     # gradient not home
+        self.via_GJ = torch.full_like(self.held_GJ, -1)                         # hub filled from
         self.entries: dict[int, _Entry] = {}
         self.last_mb: int | None = None
         self.forward_mbs: set[int] = set()
@@ -103,6 +113,7 @@ class ResidentReplicas:
         drop_GJ = drop_GJ & (self.held_GJ >= 0)
         self.held_GJ[drop_GJ] = -1
         self.return_GJ[drop_GJ] = -1
+        self.via_GJ[drop_GJ] = -1
         for j in drop_GJ[self.rank].nonzero().flatten().tolist():
             self.entries.pop(j, None)
 
@@ -142,17 +153,64 @@ class ResidentReplicas:
         return out[0], bufs
 
     def _fetch(self, need_GJ, sched: RankSchedule, weights, group, memory, count) -> None:
-        send_idx, send_sizes, recv_sizes, recv_slots = fill_exchange(
-            need_GJ, sched.slot_expert_GJ, sched.owner_GJ, sched.local_E, self.rank)
-        spec = FillSpec(send_idx.to(weights[0].device), send_sizes, recv_sizes, group)
-        bufs = fetch_replica_weights(weights, spec, memory)
+        J = self.J
+        hub_GJ = sched.hub_GJ if sched.hub_GJ is not None else torch.full_like(need_GJ, -1, dtype=torch.int64)
+        hub_flat = hub_GJ.clamp(min=0).flatten()
+        # a second hop needs its hub's buffer: held for the same residency, or a first hop now
+        direct_now = (need_GJ & (hub_GJ < 0)).flatten()[hub_flat].view_as(need_GJ)
+        held_ok = ((self.held_GJ >= 0) & (self.held_GJ == sched.fill_mb_GJ)).flatten()[hub_flat].view_as(need_GJ)
+        hop2_GJ = need_GJ & (hub_GJ >= 0) & (held_ok | direct_now)
+        via_GJ = torch.where(hop2_GJ, hub_GJ, -1)
+        src_GJ = torch.where(hop2_GJ, hub_GJ.div(J, rounding_mode="floor"), sched.owner_GJ)
+        # copies of a hub filled now wait for it (an exchange after the first hops); copies
+        # of a hub filled earlier ride in the first-hop exchange
+        after_GJ = hop2_GJ & direct_now & ~held_ok
+        for mask_GJ in (need_GJ & ~after_GJ, after_GJ):
+            if mask_GJ.any():
+                self._fill(mask_GJ, src_GJ, via_GJ, sched, weights, group, memory, count)
+
+    def _fill(self, mask_GJ, src_GJ, via_GJ, sched, weights, group, memory, count) -> None:
+        """One weight exchange: the slots in ``mask_GJ`` from their owners or hubs (``via_GJ``)."""
+        r = self.rank
+        if not (via_GJ[mask_GJ] >= 0).any():   # owners only: rows straight from the native weights
+            send_idx, send_sizes, recv_sizes, recv_slots = fill_exchange(
+                mask_GJ, sched.slot_expert_GJ, sched.owner_GJ, sched.local_E, r)
+            bufs = fetch_replica_weights(weights, FillSpec(send_idx.to(weights[0].device), send_sizes,
+                                                           recv_sizes, group), memory)
+            inn = [(int(sched.owner_GJ[r, j]), j) for j in recv_slots.tolist()]
+        else:
+            out, inn, send_sizes, recv_sizes = self._routes(mask_GJ, src_GJ, fill=True)
+            rows = []
+            for k, w in enumerate(weights):
+                parts = [self.entries[int(via_GJ[q, j]) % self.J].bufs[k] if via_GJ[q, j] >= 0
+                         else w.detach()[int(sched.local_E[sched.slot_expert_GJ[q, j]])] for q, j in out]
+                rows.append(torch.stack(parts) if parts else w.new_empty(0, *w.shape[1:]))
+            bufs = exchange_replica_rows(rows, send_sizes, recv_sizes, group, memory)
         count("collectives", 1)
-        for i, j in enumerate(recv_slots.tolist()):
-            self.entries[j] = _Entry(int(sched.fill_mb_GJ[self.rank, j]), [b[i] for b in bufs])
+        for i, (_, j) in enumerate(inn):
+            self.entries[j] = _Entry(int(sched.fill_mb_GJ[r, j]), [b[i] for b in bufs])
             nbytes = sum(b[i].numel() * b.element_size() for b in bufs)
-            count(self._key("fill_bytes", int(sched.owner_GJ[self.rank, j])), nbytes)
-        self.held_GJ[need_GJ] = sched.fill_mb_GJ[need_GJ]
-        self.return_GJ[need_GJ] = sched.return_mb_GJ[need_GJ]
+            hop2 = bool(via_GJ[r, j] >= 0)
+            count("fill_bytes_intra" if hop2 else self._key("fill_bytes", int(sched.owner_GJ[r, j])), nbytes)
+        self.held_GJ[mask_GJ] = sched.fill_mb_GJ[mask_GJ]
+        self.return_GJ[mask_GJ] = sched.return_mb_GJ[mask_GJ]
+        self.via_GJ[mask_GJ] = via_GJ[mask_GJ]
+
+    def _routes(self, mask_GJ, peer_GJ, fill: bool):
+        """``(send, recv, send_sizes, recv_sizes)`` of one exchange over the slots in ``mask_GJ``
+        (the same on every rank): ``peer_GJ`` is each slot's source (``fill``) or destination
+        GPU. ``send``/``recv`` list this rank's rows as ``(peer or slot GPU, slot)``, grouped by
+        the rank they go to / come from and, between two ranks, by slot."""
+        items = [(q, j, int(peer_GJ[q, j])) for q, j in mask_GJ.nonzero().tolist()]
+        r = self.rank
+        if fill:   # the peer sends weights to the slot's GPU
+            send = [(q, j) for q, j, p in items if p == r]
+            recv = sorted((p, j) for q, j, p in items if q == r)
+        else:      # the slot's GPU sends gradients to the peer
+            send = sorted((p, j) for q, j, p in items if q == r)
+            recv = [(q, j) for q, j, p in items if p == r]
+        sizes = [[sum(1 for x, _ in lst if x == p) for p in range(self.G)] for lst in (send, recv)]
+        return send, recv, sizes[0], sizes[1]
 
     def _key(self, prefix: str, owner: int) -> str:
         return f"{prefix}_cross" if owner // self.g != self.rank // self.g else f"{prefix}_intra"
@@ -190,20 +248,63 @@ class ResidentReplicas:
             raise RuntimeError(f"micro-batch {m}'s backward would send replica gradients home before the "
                                f"backward of micro-batches {early}: run backward per micro-batch, in "
                                f"forward order (or use refetch_replicas=True)")
-        send_idx, send_sizes, recv_sizes, recv_slots = fill_exchange(
-            ret_GJ, sched.slot_expert_GJ, sched.owner_GJ, sched.local_E, self.rank)
-        spec = FillSpec(send_idx.to(device), send_sizes, recv_sizes, group)
-        slots = recv_slots.tolist()
-        for j in slots:
+        via = self.via_GJ
+        hop2_GJ = ret_GJ & (via >= 0)
+        hub_idx = via.clamp(min=0).flatten()
+        if (hop2_GJ & (self.held_GJ.flatten()[hub_idx].view_as(via) < 0)).any():
+            raise RuntimeError(f"micro-batch {m}'s backward: a two-hop replica's hub was released before "
+                               f"its copies' gradients reached it; run backward per micro-batch, in forward order")
+        # copies whose hub returns now reduce into it first (an exchange before the returns);
+        # copies of a hub that returns later ride in the return exchange
+        before_GJ = hop2_GJ & ret_GJ.flatten()[hub_idx].view_as(via)
+        native = [None] * len(weights_meta)
+        for mask_GJ in (before_GJ, ret_GJ & ~before_GJ):
+            if mask_GJ.any():
+                got = self._reduce(mask_GJ, sched, weights_meta, dtypes, group, count, device)
+                native = [g if n is None else n + g for n, g in zip(native, got)] if got is not None else native
+        return native
+
+    def _reduce(self, mask_GJ, sched, weights_meta, dtypes, group, count, device):
+        """One gradient exchange: the slots in ``mask_GJ`` to their owners (returned: the native
+        gradients, ``None`` if this exchange has no owner rows) or into their hubs."""
+        r, via, J = self.rank, self.via_GJ, self.J
+        shapes = [shape for _, shape in weights_meta]
+        if not (via[mask_GJ] >= 0).any():   # owners only
+            send_idx, send_sizes, recv_sizes, recv_slots = fill_exchange(
+                mask_GJ, sched.slot_expert_GJ, sched.owner_GJ, sched.local_E, r)
+            send = [(int(sched.owner_GJ[r, j]), j) for j in recv_slots.tolist()]
+        else:
+            dst_GJ = torch.where(via >= 0, via.div(J, rounding_mode="floor"), sched.owner_GJ)
+            send, recv, send_sizes, recv_sizes = self._routes(mask_GJ, dst_GJ, fill=False)
+        for _, j in send:
             nbytes = sum(a.numel() * a.element_size() for a in self.entries[j].acc)
-            count(self._key("grad_return_bytes", int(sched.owner_GJ[self.rank, j])), nbytes)
-        rows = [torch.stack([self.entries[j].acc[k] for j in slots]) if slots else
-                torch.zeros(0, *shape[1:], dtype=dtypes[k], device=device)
-                for k, (_, shape) in enumerate(weights_meta)]
-        native = return_replica_grads(rows, spec, [shape for _, shape in weights_meta])
+            count("grad_return_bytes_intra" if via[r, j] >= 0
+                  else self._key("grad_return_bytes", int(sched.owner_GJ[r, j])), nbytes)
+        rows = [torch.stack([self.entries[j].acc[k] for _, j in send]) if send else
+                torch.zeros(0, *shape[1:], dtype=dtypes[k], device=device) for k, shape in enumerate(shapes)]
+        if not (via[mask_GJ] >= 0).any():
+            native = return_replica_grads(rows, FillSpec(send_idx.to(device), send_sizes, recv_sizes, group), shapes)
+        else:
+            got = exchange_replica_rows(rows, send_sizes, recv_sizes, group)
+            native, idx, own = None, [], []
+            for i, (q, j) in enumerate(recv):
+                if via[q, j] >= 0:   # into the hub's accumulator
+                    hub = self.entries[int(via[q, j]) % J]
+                    if hub.acc is None:
+                        hub.acc = [torch.zeros(b.shape, dtype=dt, device=b.device) for b, dt in zip(hub.bufs, dtypes)]
+                    for a, part in zip(hub.acc, got):
+                        a.add_(part[i])
+                else:
+                    idx.append(int(sched.local_E[sched.slot_expert_GJ[q, j]]))
+                    own.append(i)
+            if own:
+                sel = torch.tensor(own, device=device)
+                at = torch.tensor(idx, device=device)
+                native = [part.new_zeros(shape).index_add_(0, at, part.index_select(0, sel))
+                          for part, shape in zip(got, shapes)]
         count("collectives", 1)
-        self.pending_GJ[ret_GJ] = False
-        self._end(ret_GJ, "gradient return")
+        self.pending_GJ[mask_GJ] = False
+        self._end(mask_GJ, "gradient return")
         return native
 
 

@@ -28,7 +28,7 @@ import torch
 
 from ..planning.pair_slots import assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
-from ..planning.residency import residency_micro_batches
+from ..planning.residency import residencies, residency_micro_batches
 from ..planning.topology import Topology
 
 __all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
@@ -56,6 +56,10 @@ class LayerPlan:
             residency without tokens). Set by :func:`layer_plans` (with ``micro_batch``);
             without them every forward is a residency of its own (fill and return in the same
             micro-batch).
+        hub_GJ: optional int64 ``[G, J]``: the flat slot ``gpu * J + j`` a second-hop
+            residency fills from and reduces its gradient into over NVLink
+            (``planning.two_hop``), ``-1`` for every other slot. Set by :func:`layer_plans`;
+            ``None``: every fill comes from its owner.
     """
 
     slot_expert_GJ: torch.Tensor
@@ -65,6 +69,7 @@ class LayerPlan:
     micro_batch: int | None = None
     fill_mb_GJ: torch.Tensor | None = None
     return_mb_GJ: torch.Tensor | None = None
+    hub_GJ: torch.Tensor | None = None
 
 
 def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> list[LayerPlan]:
@@ -87,10 +92,12 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
         raise ValueError(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}, expected [{M}, L, S, E]")
     split_LSGJ = token_split(plan.micro_batch(micro_batch),
                              loads_MLSE[micro_batch : micro_batch + 1])[0]
-    fill_mb_LGJ, return_mb_LGJ = residency_micro_batches(plan, micro_batch)
+    res = residencies(plan)
+    fill_mb_LGJ, return_mb_LGJ = residency_micro_batches(plan, micro_batch, res)
+    hub_LGJ = res.hubs()[micro_batch]
     return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),
                       plan.placement_LE[l].clone(), plan.topology, micro_batch,
-                      fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone())
+                      fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone(), hub_LGJ[l].clone())
             for l in range(plan.num_layers)]
 
 
@@ -169,7 +176,15 @@ def check_layer_plan(layer_plan: object, topology: Topology,
         res.append(t)
     if (res[0] is None) != (res[1] is None):
         raise ValueError("LayerPlan.fill_mb_GJ and return_mb_GJ come together (layer_plans sets both)")
-    return LayerPlan(se, sp, pl, layer_plan.topology, layer_plan.micro_batch, *res)
+    hub = layer_plan.hub_GJ
+    if hub is not None:
+        if not isinstance(hub, torch.Tensor) or tuple(hub.shape) != (G, J):
+            raise ValueError(f"LayerPlan.hub_GJ must be an integer tensor [{G}, {J}] (or None), got "
+                             f"{getattr(hub, 'shape', type(hub).__name__)}")
+        hub = hub.detach().to("cpu", torch.int64)
+        if ((hub < -1) | (hub >= G * J)).any():
+            raise ValueError(f"LayerPlan.hub_GJ has values outside [-1, {G * J - 1}] (flat slots gpu * J + j)")
+    return LayerPlan(se, sp, pl, layer_plan.topology, layer_plan.micro_batch, *res, hub)
 
 
 def native_layer_plan(topology: Topology, placement_E: torch.Tensor,
@@ -219,6 +234,8 @@ class RankSchedule:
         fill_mb_GJ / return_mb_GJ: the residencies (see :class:`LayerPlan`; derived for a
             plan without them: this forward is the whole residency).
         local_E: int64 ``[E]`` local row of every expert at its owner.
+        hub_GJ: int64 ``[G, J]`` second-hop hubs (see :class:`LayerPlan`; all ``-1``
+            without them).
 
     The tensors the forward indexes with live on the layer's device after :meth:`to`;
     ``expected_counts_E`` and ``slot_tokens_J`` stay on the CPU (host-side checks and
@@ -252,6 +269,7 @@ class RankSchedule:
     local_E: torch.Tensor
     micro_batch: int | None = None
     fill_single_offsets: list = dataclasses.field(default_factory=list)
+    hub_GJ: torch.Tensor | None = None
 
     _DEVICE_FIELDS = ("slot_order_X", "slot_cum_end_X", "chunk_group_C", "chunk_count_C",
                       "fill_send_idx", "own_offsets", "fill_offsets")
@@ -352,6 +370,8 @@ def build_rank_schedule(topology: Topology, placement_E: torch.Tensor, layer_pla
         return_mb_GJ=return_mb_GJ,
         local_E=local_E,
         micro_batch=layer_plan.micro_batch,
+        hub_GJ=(layer_plan.hub_GJ if layer_plan.hub_GJ is not None and layer_plan.fill_mb_GJ is not None
+                else torch.full_like(se_GJ, -1)),
     )
 
 

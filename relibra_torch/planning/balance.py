@@ -21,7 +21,7 @@ __all__ = ["replicate"]
 
 def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
               min_tokens: int = 0, prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
-              min_cross_tokens: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              min_cross_tokens: int = 0, keep_prefilled: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-micro-batch intra-node replication under a fixed placement.
 
     ``min_tokens``: a replica is made only if it takes at least this many tokens (see
@@ -31,6 +31,9 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     GPU's load, and balancing uses the remaining ``R - r`` slots. A GPU overloaded by such a
     replica can give part of its quota to another GPU of the node like a native expert's
     (a second copy, filled from the owner's node: at least ``min_cross_tokens`` tokens).
+    ``keep_prefilled``: tokens a prefilled replica with tokens keeps (two-hop replicas,
+    ``planning.two_hop``: a copy fills from the node's first copy over NVLink only while
+    that copy's residency, which needs tokens, covers it).
 
     Returns:
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
@@ -70,7 +73,8 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     rows = torch.arange(B)
     # What a GPU can give away: its native experts' remaining load, then its prefilled
     # replicas' quotas (a copy of those is filled from another node).
-    giveable = torch.cat([rem, rep_quota[..., :r0]], -1)                   # [B, g, El + r0]
+    kept = rep_quota[..., :r0].clamp(max=int(keep_prefilled))             # stays on the first copy
+    giveable = torch.cat([rem, rep_quota[..., :r0] - kept], -1)            # [B, g, El + r0]
     # ... and how much of it is remote (a cross-node copy's tokens are its node's own)
     give_remote = torch.cat([remote_MLGl.reshape(B, g, El), torch.zeros_like(rep_quota[..., :r0])], -1)
     give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
@@ -116,7 +120,7 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         load[r, hh] -= amt
         load[r, uu] += amt
     rem = giveable[..., :El]
-    rep_quota[..., :r0] = giveable[..., El:]
+    rep_quota[..., :r0] = giveable[..., El:] + kept
     slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
     slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
     return slot_expert.contiguous(), slot_tokens.contiguous()

@@ -93,6 +93,11 @@ class ReLibraConfig:
         reorder: choose a new placement each step (False: keep the previous one).
         traffic_search: after the load-first swap search, run the traffic swap search of
             reordering (each node's cross-node send and receive net of its traffic replicas).
+        two_hop: a further copy of a cross-node replica on its node fills from that first copy
+            over NVLink (``planning.two_hop``, which the layer and the simulator execute for
+            any plan): balancing prices it as an NVLink fill (``replica_fill_s_per_expert``)
+            and leaves the first copy a token so that its residency covers the copies.
+            ``False``: priced as a fill from the owner's node.
         balance: balancing replication per micro-batch (copies of the busiest GPU's experts
             onto less loaded GPUs of its node). ``reorder``, ``traffic_search``,
             ``cross_node_replicas`` and ``balance`` switch relibra's mechanisms one by one
@@ -109,6 +114,7 @@ class ReLibraConfig:
     replica_fill_s_per_expert: float = 0.0
     cross_replica_fill_s_per_expert: float = 0.0
     cross_node_replicas: bool = True
+    two_hop: bool = True
     dispatch: str = "flat"
     reorder: bool = True
     traffic_search: bool = True
@@ -141,13 +147,15 @@ class ReLibraConfig:
         of its node to pay for its fill from the owner's node (0 when fills are free).
 
         The tokens stay inside the node either way, so only expert compute is saved; and
-        every copy is sent by the same owner, whose link carries them all.
+        every copy is sent by the same owner, whose link carries them all. With ``two_hop``
+        the copy fills from the node's first copy over NVLink (``replica_fill_s_per_expert``).
         """
-        if self.cross_replica_fill_s_per_expert <= 0:
+        fill_s = self.replica_fill_s_per_expert if self.two_hop else self.cross_replica_fill_s_per_expert
+        if fill_s <= 0:
             return 0
         if self.compute_s_per_token <= 0:
             return torch.iinfo(torch.int64).max
-        return math.ceil(self.cross_replica_fill_s_per_expert / self.compute_s_per_token)
+        return math.ceil(fill_s / self.compute_s_per_token)
 
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
@@ -155,7 +163,7 @@ class ReLibraConfig:
                      "cross_replica_fill_s_per_expert"):
             check_number(name, getattr(self, name), 0)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
-        for name in ("cross_node_replicas", "reorder", "traffic_search", "balance"):
+        for name in ("cross_node_replicas", "two_hop", "reorder", "traffic_search", "balance"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ReLibraConfig.{name} is {getattr(self, name)!r}; allowed: True or False")
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
@@ -374,7 +382,8 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     never = torch.iinfo(torch.int64).max
     slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE,
                                          config.min_replica_tokens if config.balance else never, prefilled,
-                                         config.min_cross_replica_tokens if config.balance else never)
+                                         config.min_cross_replica_tokens if config.balance else never,
+                                         keep_prefilled=int(config.two_hop))
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
 

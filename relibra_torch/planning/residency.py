@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .two_hop import two_hop_hubs
+
 __all__ = ["Residencies", "residencies", "residency_masks", "residency_micro_batches"]
 
 
@@ -92,6 +94,9 @@ class Residencies:
         grad_return_MLGJ: its gradient goes home in this micro-batch's backward.
         held_MLGJ: the weight and gradient buffers are alive in this micro-batch.
         owner_MLGJ: int64, the GPU that owns the slot's expert (``-1`` for empty slots).
+        hub_MLGJ: int64, for kept buffers: the flat slot ``gpu * J + j`` of the hub a
+            second-hop residency fills from and returns its gradient to over NVLink
+            (``planning.two_hop``), at every micro-batch it is held; ``-1`` elsewhere.
     """
 
     fill_MLGJ: torch.Tensor
@@ -101,6 +106,14 @@ class Residencies:
     grad_return_MLGJ: torch.Tensor
     held_MLGJ: torch.Tensor
     owner_MLGJ: torch.Tensor
+    hub_MLGJ: torch.Tensor | None = None
+
+    def hubs(self, refetch: bool = False) -> torch.Tensor:
+        """int64 ``[M, L, G, J]``: :attr:`hub_MLGJ`, all ``-1`` with ``refetch`` (re-fetched
+        replicas keep no buffer to forward from) or when unset."""
+        if refetch or self.hub_MLGJ is None:
+            return torch.full_like(self.owner_MLGJ, -1)
+        return self.hub_MLGJ
 
     def fetches(self, refetch: bool = False) -> torch.Tensor:
         """int64 ``[M, L, G, J]`` weight fetches of each slot in each micro-batch: 1 at a
@@ -131,15 +144,17 @@ def residencies(plan) -> Residencies:
     fill = (se >= 0) & (owner != gpu)
     cross = fill & (owner // g != gpu // g)
     start, ret, held = residency_masks(se, fill, plan.slot_tokens_MLGJ)
-    return Residencies(fill, cross, fill & (plan.slot_tokens_MLGJ > 0), start, ret, held, owner)
+    hub = two_hop_hubs(se, cross, held, start, ret, g)
+    return Residencies(fill, cross, fill & (plan.slot_tokens_MLGJ > 0), start, ret, held, owner, hub)
 
 
-def residency_micro_batches(plan, micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+def residency_micro_batches(plan, micro_batch: int, res: Residencies | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """int64 ``[L, G, J]`` ``(fill_mb, return_mb)`` of the residency each slot is in at
     ``micro_batch``: where its weights arrive and where its gradient goes home (``-1``: no
     residency with tokens). From :func:`residencies`; ``moe.schedule.layer_plans`` hands
-    them to the layer."""
-    res = residencies(plan)
+    them to the layer. ``res``: ``residencies(plan)`` if already computed."""
+    res = residencies(plan) if res is None else res
     M = plan.num_micro_batches
     idx = torch.arange(M).view(M, 1, 1, 1)
     same = torch.ones_like(res.fill_MLGJ)

@@ -213,19 +213,25 @@ class CostModel:
         """Forward and backward replica transfer time ``[M, L]`` from :meth:`replica_counts`.
 
         Forward: the fills; backward: the gradient returns, plus the second fetch when
-        replicas are re-fetched (half of the fetches then happen in backward).
+        replicas are re-fetched (half of the fetches then happen in backward). Second hops
+        (``planning.two_hop``, NVLink) are an exchange of their own, after the first hops in
+        forward, before them in backward (into the hubs, then home): their time adds.
         """
         w, gb, c = self.expert_weight_bytes, self.expert_grad_bytes, counts
         # with refetch, the first of a micro-batch's two fetches is in forward, the second in backward
-        fwd = {k: c[k] // 2 if self.options.refetch_replicas else c[k] for k in c if k.startswith("fetch")}
+        first = [k for k in c if k.startswith("fetch_")]
+        fwd = {k: c[k] // 2 if self.options.refetch_replicas else c[k] for k in first}
         bwd = {k: c[k] - fwd[k] for k in fwd}
+        z = torch.zeros_like(c["fetch2_send"])
         fill = self.transfer_s(fwd["fetch_send_cross"] * w, fwd["fetch_recv_cross"] * w,
-                               fwd["fetch_send_intra"] * w, fwd["fetch_recv_intra"] * w)
+                               fwd["fetch_send_intra"] * w, fwd["fetch_recv_intra"] * w) \
+            + self.transfer_s(z, z, c["fetch2_send"] * w, c["fetch2_recv"] * w)
         # backward: a GPU receives its second fetch and sends gradients home (owners the reverse)
         grad = self.transfer_s(bwd["fetch_send_cross"] * w + c["return_send_cross"] * gb,
                                bwd["fetch_recv_cross"] * w + c["return_recv_cross"] * gb,
                                bwd["fetch_send_intra"] * w + c["return_send_intra"] * gb,
-                               bwd["fetch_recv_intra"] * w + c["return_recv_intra"] * gb)
+                               bwd["fetch_recv_intra"] * w + c["return_recv_intra"] * gb) \
+            + self.transfer_s(z, z, c["return2_send"] * gb, c["return2_recv"] * gb)
         return fill, grad
 
     def migration(self, plan: StepPlan) -> tuple[float, int, float]:
@@ -348,8 +354,8 @@ class CostModel:
                                     metrics.intra_send_MLG, metrics.intra_recv_MLG)
         counts = self.replica_counts(plan, metrics)
         fill_fwd, grad_bwd = self.replica_s(counts)
-        fetches = int(counts["fetch_recv_intra"].sum() + counts["fetch_recv_cross"].sum())
-        returns = int(counts["return_send_intra"].sum() + counts["return_send_cross"].sum())
+        fetches = int(sum(counts[k].sum() for k in ("fetch_recv_intra", "fetch_recv_cross", "fetch2_recv")))
+        returns = int(sum(counts[k].sum() for k in ("return_send_intra", "return_send_cross", "return2_send")))
         replica_bytes = fetches * self.expert_weight_bytes + returns * self.expert_grad_bytes
         mig_s, migrated, mig_bytes = self.migration(plan)
         dense = self.dense_s(tokens_MS, attn_pairs_MS)

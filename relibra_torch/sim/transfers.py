@@ -18,6 +18,7 @@ from ..checks import check_choice, check_int
 from ..planning.evaluate import PlanMetrics, evaluate
 from ..planning.plan import StepPlan
 from ..planning.residency import Residencies, residencies
+from ..planning.two_hop import sequential_hops
 from .dispatch import DISPATCH_MODES, hierarchical_rows
 
 __all__ = ["COUNT_KEYS", "hook_step_collectives", "replica_traffic", "transfer_counts"]
@@ -37,20 +38,36 @@ def replica_traffic(res: Residencies, refetch: bool = False) -> dict[str, torch.
     replica's GPU / received by the owner, in that micro-batch's backward); ``cross`` when the
     owner is on another node. Kept buffers: one fetch per residency (its first micro-batch
     with tokens) and one return (its last); ``refetch``: two fetches and one return per
-    micro-batch with tokens.
+    micro-batch with tokens. Second hops (``planning.two_hop``, kept buffers only) come from
+    (go to) the hub's GPU over NVLink: in ``*_intra`` (sender or receiver the hub) when they
+    ride in the micro-batch's first-hop exchange, else (the hub fills or returns in the same
+    micro-batch, ``two_hop.sequential_hops``) in ``fetch2_{recv,send}`` / ``return2_{send,recv}``,
+    an exchange of their own after the first hops (fills) or before them (returns).
     """
     M, L, G, J = res.fill_MLGJ.shape
     owner = res.owner_MLGJ.clamp(min=0).reshape(M, L, G * J)
+    hub_MLGJ = res.hubs(refetch)
+    hop2 = hub_MLGJ >= 0
+    hub_gpu = hub_MLGJ.clamp(min=0).reshape(M, L, G * J) // J
+    seq_fill, seq_ret = sequential_hops(hub_MLGJ, res.held_MLGJ, res.fill_start_MLGJ, res.grad_return_MLGJ)
+    direct_intra = res.fill_MLGJ & ~res.cross_node_MLGJ
     out = {}
-    for what, n_MLGJ in (("fetch", res.fetches(refetch)), ("return", res.returns(refetch))):
-        for link, mask in (("cross", res.cross_node_MLGJ), ("intra", res.fill_MLGJ & ~res.cross_node_MLGJ)):
-            here = n_MLGJ * mask
-            at_owner = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(2, owner, here.reshape(M, L, G * J))
-            replica_side, owner_side = here.sum(-1), at_owner
+    for what, n_MLGJ, seq in (("fetch", res.fetches(refetch), seq_fill), ("return", res.returns(refetch), seq_ret)):
+        for link, parts in (("cross", ((res.cross_node_MLGJ & ~hop2, owner),)),
+                            ("intra", ((direct_intra, owner), (hop2 & ~seq, hub_gpu))),
+                            ("2", ((seq, hub_gpu),))):
+            replica_side = torch.zeros(M, L, G, dtype=torch.int64)
+            at_src = torch.zeros(M, L, G, dtype=torch.int64)
+            for mask, src in parts:
+                here = n_MLGJ * mask
+                replica_side += here.sum(-1)
+                at_src.scatter_add_(2, src, here.reshape(M, L, G * J))
+            name = f"{what}2" if link == "2" else what
+            suffix = "" if link == "2" else f"_{link}"
             if what == "fetch":
-                out[f"fetch_recv_{link}"], out[f"fetch_send_{link}"] = replica_side, owner_side
+                out[f"{name}_recv{suffix}"], out[f"{name}_send{suffix}"] = replica_side, at_src
             else:
-                out[f"return_send_{link}"], out[f"return_recv_{link}"] = replica_side, owner_side
+                out[f"{name}_send{suffix}"], out[f"{name}_recv{suffix}"] = replica_side, at_src
     return out
 
 
@@ -98,9 +115,9 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
         "cross_node_rows": cross_MLG,
         "intra_node_rows": intra_MLG,
         "fill_bytes_cross": traffic["fetch_recv_cross"] * weight,
-        "fill_bytes_intra": traffic["fetch_recv_intra"] * weight,
+        "fill_bytes_intra": (traffic["fetch_recv_intra"] + traffic["fetch2_recv"]) * weight,
         "grad_return_bytes_cross": traffic["return_send_cross"] * grad,
-        "grad_return_bytes_intra": traffic["return_send_intra"] * grad,
+        "grad_return_bytes_intra": (traffic["return_send_intra"] + traffic["return2_send"]) * grad,
         "collectives": per_layer.unsqueeze(-1).expand(M, L, G).contiguous(),
     }
 
@@ -110,13 +127,17 @@ def layer_collectives_ML(res: Residencies, topology, dispatch: str = "flat", ref
     """int64 ``[M, L]``: collectives one layer issues per micro-batch, forward + backward (every
     rank joins each one, so the count is every GPU's): plan check, the token exchange (flat:
     dispatch and combine each way; hierarchical: :func:`hierarchical_collectives`), a fill
-    where a residency starts and a gradient return where one ends (with ``refetch``: fetch,
-    fetch, return wherever a replica computes). None on one GPU."""
+    where a residency starts and a gradient return where one ends, and one more where a
+    second hop must wait for its hub in the same micro-batch (``two_hop.sequential_hops``);
+    with ``refetch``: fetch, fetch, return wherever a replica
+    computes. None on one GPU."""
     if refetch:
         fills = 3 * res.active_MLGJ.flatten(2).any(-1).to(torch.int64)  # fetch, fetch, return
     else:
-        fills = (res.fill_start_MLGJ.flatten(2).any(-1).to(torch.int64)
-                 + res.grad_return_MLGJ.flatten(2).any(-1).to(torch.int64))
+        seq_fill, seq_ret = sequential_hops(res.hubs(), res.held_MLGJ, res.fill_start_MLGJ, res.grad_return_MLGJ)
+        fills = sum(mask.flatten(2).any(-1).to(torch.int64)
+                    for ev, seq in ((res.fill_start_MLGJ, seq_fill), (res.grad_return_MLGJ, seq_ret))
+                    for mask in (ev & ~seq, seq))
     exchange = exchange_collectives(topology.num_nodes, topology.gpus_per_node, dispatch)
     return (exchange + int(check_plan) + fills) * int(topology.num_gpus > 1)
 
