@@ -52,6 +52,8 @@ from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
+from .choose import candidate_sets, choose_sequence, native_slots
+from .price import migration_seconds, moe_seconds_ML
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -95,8 +97,16 @@ class ReLibraConfig:
             reordering (each node's cross-node send and receive net of its traffic replicas).
         balance: balancing replication per micro-batch (copies of the busiest GPU's experts
             onto less loaded GPUs of its node). ``reorder``, ``traffic_search``,
-            ``cross_node_replicas`` and ``balance`` switch relibra's mechanisms one by one
-            (``relibra simulate --set relibra.balance=false``) for ablations.
+            ``cross_node_replicas``, ``balance`` and ``choose`` switch relibra's mechanisms one
+            by one (``relibra simulate --set relibra.balance=false``) for ablations.
+        choose: price relibra's candidate replica sets per (micro-batch, layer) with these
+            weights (:mod:`relibra_torch.planning.choose`) and keep the cheapest sequence, and
+            keep the previous placement without copies when that prices lower for the step
+            (False: always traffic replicas plus balancing, the reordered placement).
+        intra_node_s_per_token: moving one token-expert pair to another GPU of the node
+            (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
+        top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
+            tokens per remote node rather than pairs.
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -113,6 +123,9 @@ class ReLibraConfig:
     reorder: bool = True
     traffic_search: bool = True
     balance: bool = True
+    choose: bool = True
+    intra_node_s_per_token: float = 4.1e-8
+    top_k: int = 0
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -152,10 +165,11 @@ class ReLibraConfig:
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
-                     "cross_replica_fill_s_per_expert"):
+                     "cross_replica_fill_s_per_expert", "intra_node_s_per_token"):
             check_number(name, getattr(self, name), 0)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
-        for name in ("cross_node_replicas", "reorder", "traffic_search", "balance"):
+        check_int("top_k", self.top_k, 0)
+        for name in ("cross_node_replicas", "reorder", "traffic_search", "balance", "choose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ReLibraConfig.{name} is {getattr(self, name)!r}; allowed: True or False")
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
@@ -365,6 +379,8 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE)
     else:
         placement_LE = previous_placement_LE.clone()
+    if config.choose:
+        return _chosen_plan(loads_MLSE, topology, placement_LE, previous_placement_LE, config)
     prefilled = None
     R, g = topology.replica_slots, topology.gpus_per_node
     if config.cross_node_replicas and topology.num_nodes > 1 and R:
@@ -377,6 +393,22 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                                          config.min_cross_replica_tokens if config.balance else never)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
+
+
+def _chosen_plan(loads_MLSE, topology, placement_LE, previous_placement_LE, config) -> StepPlan:
+    """The cheapest sequence of candidate replica sets (:mod:`.choose`) under the new
+    placement, or the previous placement without copies when that prices lower for the step
+    (migration included), so no mechanism makes the step slower than leaving it out."""
+    se, st, _, priced_L = choose_sequence(candidate_sets(loads_MLSE, topology, placement_LE, config),
+                                          placement_LE, loads_MLSE, topology, config)
+    if not torch.equal(placement_LE, previous_placement_LE):
+        new_s = float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
+        keep_se, keep_st = native_slots(loads_MLSE, topology, previous_placement_LE)
+        keep = StepPlan(topology, previous_placement_LE.clone(), keep_se, keep_st, "relibra",
+                        previous_placement_LE.clone())
+        if float(moe_seconds_ML(keep, loads_MLSE, config).sum()) <= new_s:
+            return keep
+    return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())
 
 
 class ReLibraPlanner(Planner):

@@ -1,0 +1,125 @@
+"""Never worse than its own alternatives: relibra prices the replica sets its mechanisms can
+produce and keeps the cheapest.
+
+Candidates, all under the step's placement (each mechanism switched off in
+:class:`~relibra_torch.planning.relibra.ReLibraConfig` drops the ones that use it):
+
+* ``none``: every expert on its owner only;
+* ``traffic``: cross-node traffic replicas only (:mod:`relibra_torch.planning.traffic`);
+* ``balance``: balancing replication only (:mod:`relibra_torch.planning.balance`);
+* ``both``: traffic replicas, then balancing (relibra's plan before this module);
+* ``step``: the step-long traffic set of every (layer, node), then balancing.
+
+Each candidate is a complete, valid set of slots per (micro-batch, layer) (every expert's
+load on its instances), so any per-(micro-batch, layer) mix of them is a valid plan. Its
+price (:mod:`relibra_torch.planning.price`) is compute + all-to-all per (micro-batch, layer)
+plus fills; a fill is charged once per residency, so what a slot costs at ``m`` depends on
+what it held at ``m - 1``, i.e. on the candidate chosen there. Per layer, the cheapest
+sequence of candidates over the step is then a shortest path over ``M`` stages of ``C``
+states (Viterbi): ``V[m, c] = moe[m, c] + min_c' (V[m - 1, c'] + fill[m, c' -> c])``. It is
+exact for the planner's price, so the chosen sequence is never priced above any single
+candidate's (the ``none`` sequence included). Ties go to the earlier candidate, ``none``
+first.
+
+Legend: C candidates, M micro-batches, L layers, S source ranks, E experts, G GPUs,
+J slots per GPU, El native experts per GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .balance import replicate
+from .plan import StepPlan
+from .price import fill_seconds_ML, moe_seconds_ML
+from .topology import Topology
+from .traffic import traffic_replicas
+
+__all__ = ["candidate_sets", "choose_sequence", "native_slots"]
+
+_NEVER = torch.iinfo(torch.int64).max
+
+
+def native_slots(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_expert_MLGJ, slot_tokens_MLGJ)`` with every expert on its owner only."""
+    M, L, _, E = loads_MLSE.shape
+    G, El, R = topology.num_gpus, topology.experts_per_gpu, topology.replica_slots
+    inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
+    native_MLGl = inverse_LE.view(1, L, G, El).expand(M, L, G, El)
+    tokens_MLGl = loads_MLSE.to(torch.int64).sum(2).gather(2, native_MLGl.reshape(M, L, G * El)).view(M, L, G, El)
+    se = torch.cat([native_MLGl, torch.full((M, L, G, R), -1, dtype=torch.int64)], -1)
+    st = torch.cat([tokens_MLGl, torch.zeros(M, L, G, R, dtype=torch.int64)], -1)
+    return se.contiguous(), st.contiguous()
+
+
+def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config
+                   ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``[(name, slot_expert_MLGJ, slot_tokens_MLGJ), ...]``, ``none`` first (module docstring)."""
+    R, g, N = topology.replica_slots, topology.gpus_per_node, topology.num_nodes
+    out = [("none", *native_slots(loads_MLSE, topology, placement_LE))]
+    if not R:
+        return out
+    mt = config.min_replica_tokens if config.balance else _NEVER
+    mct = config.min_cross_replica_tokens if config.balance else _NEVER
+    traffic = config.cross_node_replicas and N > 1
+    if traffic:
+        best, step = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
+                                      config.cross_replica_fill_s_per_expert, also_step=True)
+        if bool((best[0] >= 0).any()):
+            out.append(("traffic", *replicate(loads_MLSE, topology, placement_LE, _NEVER, best, _NEVER)))
+    if config.balance:
+        out.append(("balance", *replicate(loads_MLSE, topology, placement_LE, mt, None, mct)))
+    if traffic and bool((best[0] >= 0).any()):
+        if config.balance:
+            out.append(("both", *replicate(loads_MLSE, topology, placement_LE, mt, best, mct)))
+        if bool((step[0] >= 0).any()) and not torch.equal(step[0], best[0]):
+            out.append(("step", *replicate(loads_MLSE, topology, placement_LE, mt, step, mct)))
+    # a candidate equal to an earlier one adds nothing but pricing time
+    unique: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    for name, se, st in out:
+        if not any(torch.equal(se, u[1]) and torch.equal(st, u[2]) for u in unique):
+            unique.append((name, se, st))
+    return unique
+
+
+def choose_sequence(candidates: list[tuple[str, torch.Tensor, torch.Tensor]], placement_LE: torch.Tensor,
+                    loads_MLSE: torch.Tensor, topology: Topology, config
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The cheapest per-layer sequence of candidates (module docstring).
+
+    Returns:
+        ``(slot_expert_MLGJ, slot_tokens_MLGJ, choice_ML, priced_L)``: the chosen slots, the
+        index of the candidate chosen per (micro-batch, layer), and float64 ``[L]`` the
+        price of each layer's chosen sequence (compute + all-to-all + fills over the step).
+    """
+    C = len(candidates)
+    M, L, G, J = candidates[0][1].shape
+    se_CMLGJ = torch.stack([c[1] for c in candidates])
+    st_CMLGJ = torch.stack([c[2] for c in candidates])
+    # All candidates priced in one pass: stacked along the layer axis (row c * L + l).
+    se_all = se_CMLGJ.permute(1, 0, 2, 3, 4).reshape(M, C * L, G, J)
+    st_all = st_CMLGJ.permute(1, 0, 2, 3, 4).reshape(M, C * L, G, J)
+    place_all = placement_LE.repeat(C, 1)
+    stacked = StepPlan(topology, place_all, se_all, st_all, "relibra")
+    moe_MCL = moe_seconds_ML(stacked, loads_MLSE.repeat(1, C, 1, 1), config).view(M, C, L)
+    owner_all = place_all // topology.experts_per_gpu
+    # fill[m, c', c]: fills of candidate c at m after candidate c' at m - 1
+    fill_MPCL = torch.empty(M, C, C, L, dtype=torch.float64)
+    for cp in range(C):
+        before = torch.cat([torch.full_like(se_CMLGJ[cp, :1], -2), se_CMLGJ[cp, :-1]]).repeat(1, C, 1, 1)
+        fill_MPCL[:, cp] = fill_seconds_ML(se_all, before, owner_all, topology, config).view(M, C, L)
+    value_CL = moe_MCL[0] + fill_MPCL[0, 0]      # m = 0: every slot starts empty (before = -2)
+    back_MCL = torch.zeros(M, C, L, dtype=torch.int64)
+    for m in range(1, M):
+        via_PCL = value_CL.unsqueeze(1) + fill_MPCL[m]        # [c', c, L]
+        best_CL, arg_CL = via_PCL.min(0)                      # first minimum: earlier c' on ties
+        back_MCL[m] = arg_CL
+        value_CL = moe_MCL[m] + best_CL
+    priced_L, last_L = value_CL.min(0)
+    choice_ML = torch.empty(M, L, dtype=torch.int64)
+    choice_ML[M - 1] = last_L
+    for m in range(M - 1, 0, -1):
+        choice_ML[m - 1] = back_MCL[m].gather(0, choice_ML[m].unsqueeze(0)).squeeze(0)
+    pick = choice_ML.view(1, M, L, 1, 1).expand(1, M, L, G, J)
+    return se_CMLGJ.gather(0, pick)[0], st_CMLGJ.gather(0, pick)[0], choice_ML, priced_L
