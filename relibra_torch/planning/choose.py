@@ -31,11 +31,12 @@ import torch
 
 from .balance import replicate
 from .plan import StepPlan
-from .price import fill_seconds_ML, moe_seconds_ML
+from .price import fill_seconds_ML, migration_seconds, moe_seconds_ML
+from .reorder_traffic import colocated_pairs
 from .topology import Topology
 from .traffic import traffic_replicas
 
-__all__ = ["candidate_sets", "choose_sequence", "native_slots"]
+__all__ = ["candidate_sets", "choose_sequence", "chosen_plan", "native_slots"]
 
 _NEVER = torch.iinfo(torch.int64).max
 
@@ -123,3 +124,32 @@ def choose_sequence(candidates: list[tuple[str, torch.Tensor, torch.Tensor]], pl
         choice_ML[m - 1] = back_MCL[m].gather(0, choice_ML[m].unsqueeze(0)).squeeze(0)
     pick = choice_ML.view(1, M, L, 1, 1).expand(1, M, L, G, J)
     return se_CMLGJ.gather(0, pick)[0], st_CMLGJ.gather(0, pick)[0], choice_ML, priced_L
+
+
+def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                previous_placement_LE: torch.Tensor, config, pairs_LEE: torch.Tensor | None = None,
+                coloc_w: float = 0.0) -> StepPlan:
+    """The cheapest sequence of candidates under the new placement, or the previous
+    placement without copies when that prices lower for the step (migration included), so
+    no mechanism makes the step slower than leaving it out.
+
+    ``coloc_w``: seconds one co-located co-activated pair saves under hierarchical dispatch
+    (0: not priced); with the step's ``pairs_LEE`` the crossings the move saves that way,
+    which the count-level price cannot see, are credited to it.
+    """
+    se, st, _, priced_L = choose_sequence(candidate_sets(loads_MLSE, topology, placement_LE, config),
+                                          placement_LE, loads_MLSE, topology, config)
+    if not torch.equal(placement_LE, previous_placement_LE):
+        new_s = float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
+        if coloc_w and pairs_LEE is not None:
+            N, per_node = topology.num_nodes, topology.experts_per_node
+            pairs = pairs_LEE.to(torch.int64)
+            gained = (colocated_pairs(pairs, placement_LE // per_node, N)
+                      - colocated_pairs(pairs, previous_placement_LE // per_node, N)).sum()
+            new_s -= coloc_w * float(gained)
+        keep = StepPlan(topology, previous_placement_LE.clone(),
+                        *native_slots(loads_MLSE, topology, previous_placement_LE), "relibra",
+                        previous_placement_LE.clone())
+        if float(moe_seconds_ML(keep, loads_MLSE, config).sum()) <= new_s:
+            return keep
+    return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())

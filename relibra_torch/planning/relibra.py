@@ -52,8 +52,7 @@ from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
-from .choose import candidate_sets, choose_sequence, native_slots
-from .price import migration_seconds, moe_seconds_ML
+from .choose import chosen_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -380,7 +379,8 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     else:
         placement_LE = previous_placement_LE.clone()
     if config.choose:
-        return _chosen_plan(loads_MLSE, topology, placement_LE, previous_placement_LE, config)
+        coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
+        return chosen_plan(loads_MLSE, topology, placement_LE, previous_placement_LE, config, pairs_LEE, coloc_w)
     prefilled = None
     R, g = topology.replica_slots, topology.gpus_per_node
     if config.cross_node_replicas and topology.num_nodes > 1 and R:
@@ -393,22 +393,6 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                                          config.min_cross_replica_tokens if config.balance else never)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
-
-
-def _chosen_plan(loads_MLSE, topology, placement_LE, previous_placement_LE, config) -> StepPlan:
-    """The cheapest sequence of candidate replica sets (:mod:`.choose`) under the new
-    placement, or the previous placement without copies when that prices lower for the step
-    (migration included), so no mechanism makes the step slower than leaving it out."""
-    se, st, _, priced_L = choose_sequence(candidate_sets(loads_MLSE, topology, placement_LE, config),
-                                          placement_LE, loads_MLSE, topology, config)
-    if not torch.equal(placement_LE, previous_placement_LE):
-        new_s = float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
-        keep_se, keep_st = native_slots(loads_MLSE, topology, previous_placement_LE)
-        keep = StepPlan(topology, previous_placement_LE.clone(), keep_se, keep_st, "relibra",
-                        previous_placement_LE.clone())
-        if float(moe_seconds_ML(keep, loads_MLSE, config).sum()) <= new_s:
-            return keep
-    return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())
 
 
 class ReLibraPlanner(Planner):
