@@ -39,6 +39,7 @@ from .traffic import traffic_replicas
 __all__ = ["candidate_sets", "choose_sequence", "chosen_plan", "native_slots"]
 
 _NEVER = torch.iinfo(torch.int64).max
+_ROWS = 128  # (candidate, micro-batch, layer) rows priced per token split: bounds its memory
 
 
 def native_slots(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor
@@ -98,12 +99,26 @@ def choose_sequence(candidates: list[tuple[str, torch.Tensor, torch.Tensor]], pl
     M, L, G, J = candidates[0][1].shape
     se_CMLGJ = torch.stack([c[1] for c in candidates])
     st_CMLGJ = torch.stack([c[2] for c in candidates])
-    # All candidates priced in one pass: stacked along the layer axis (row c * L + l).
+    # Compute and all-to-all per (candidate, micro-batch, layer); a row equal to an earlier
+    # candidate's at the same (m, l) takes its price (most rows, where no copy is made).
+    first_CML = torch.arange(C).view(C, 1, 1).expand(C, M, L).clone()
+    for c in range(1, C):
+        for cp in range(c):
+            same = ((se_CMLGJ[c] == se_CMLGJ[cp]) & (st_CMLGJ[c] == st_CMLGJ[cp])).flatten(2).all(-1)
+            first_CML[c] = torch.where(same & (first_CML[c] == c), cp, first_CML[c])
+    own = first_CML == torch.arange(C).view(C, 1, 1)
+    c_R, m_R, l_R = own.nonzero(as_tuple=True)
+    price_R = torch.empty(c_R.numel(), dtype=torch.float64)
+    for a in range(0, c_R.numel(), _ROWS):  # rows priced as the layers of one micro-batch
+        c_, m_, l_ = c_R[a:a + _ROWS], m_R[a:a + _ROWS], l_R[a:a + _ROWS]
+        rows = StepPlan(topology, placement_LE[l_], se_CMLGJ[c_, m_, l_].unsqueeze(0),
+                        st_CMLGJ[c_, m_, l_].unsqueeze(0), "relibra")
+        price_R[a:a + _ROWS] = moe_seconds_ML(rows, loads_MLSE[m_, l_].unsqueeze(0), config)[0]
+    priced_CML = torch.zeros(C, M, L, dtype=torch.float64)
+    priced_CML[c_R, m_R, l_R] = price_R
+    moe_MCL = priced_CML.gather(0, first_CML).permute(1, 0, 2)
     se_all = se_CMLGJ.permute(1, 0, 2, 3, 4).reshape(M, C * L, G, J)
-    st_all = st_CMLGJ.permute(1, 0, 2, 3, 4).reshape(M, C * L, G, J)
     place_all = placement_LE.repeat(C, 1)
-    stacked = StepPlan(topology, place_all, se_all, st_all, "relibra")
-    moe_MCL = moe_seconds_ML(stacked, loads_MLSE.repeat(1, C, 1, 1), config).view(M, C, L)
     owner_all = place_all // topology.experts_per_gpu
     # fill[m, c', c]: fills of candidate c at m after candidate c' at m - 1
     fill_MPCL = torch.empty(M, C, C, L, dtype=torch.float64)
@@ -137,9 +152,16 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torc
     (0: not priced); with the step's ``pairs_LEE`` the crossings the move saves that way,
     which the count-level price cannot see, are credited to it.
     """
-    se, st, _, priced_L = choose_sequence(candidate_sets(loads_MLSE, topology, placement_LE, config),
-                                          placement_LE, loads_MLSE, topology, config)
-    if not torch.equal(placement_LE, previous_placement_LE):
+    candidates = candidate_sets(loads_MLSE, topology, placement_LE, config)
+    # slots reordered inside a GPU move nothing: keeping the previous placement is then the
+    # ``none`` candidate itself
+    El = topology.experts_per_gpu
+    moved = not torch.equal(placement_LE // El, previous_placement_LE // El)
+    if len(candidates) == 1 and not moved:  # nothing to choose between: no pricing at all
+        return StepPlan(topology, placement_LE, candidates[0][1], candidates[0][2], "relibra",
+                        previous_placement_LE.clone())
+    se, st, _, priced_L = choose_sequence(candidates, placement_LE, loads_MLSE, topology, config)
+    if moved:
         new_s = float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
         if coloc_w and pairs_LEE is not None:
             N, per_node = topology.num_nodes, topology.experts_per_node

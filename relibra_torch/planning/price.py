@@ -62,18 +62,31 @@ def hierarchical_counts(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor,
     flow.scatter_add_(2, (node_X * E + e_LX.clamp(min=0)).unsqueeze(1).expand(L, S, G * J),
                       (split_LSGJ.reshape(L, S, G * J) * (e_LX >= 0).unsqueeze(1)).to(torch.float64))
     T = tokens_LS.to(torch.float64).view(L, S, 1)
-    p = (flow.view(L, S, N, E) / T.unsqueeze(-1).clamp(min=1.0)).clamp(0.0, 1.0)
-    none_indep = torch.log1p(-p).sum(-1).exp()
+    # Only (node, expert) columns with an instance carry flow (at most G * J of N * E): the
+    # per-column work runs on those alone, summed per node by scatter.
+    used_LC = flow.ne(0).any(1)
+    width = max(int(used_LC.sum(1).max()), 1) if L else 1
+    col_LK = (~used_LC).to(torch.int8).argsort(dim=1, stable=True)[:, :width]
+    live_LK = used_LC.gather(1, col_LK)
+    p = (flow.gather(2, col_LK.unsqueeze(1).expand(L, S, width)) / T.clamp(min=1.0)).clamp(0.0, 1.0)
+    p = p * live_LK.unsqueeze(1)
+    node_LSK = (col_LK // E).unsqueeze(1).expand(L, S, width)
+
+    def per_node(x_LSK: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(L, S, N, dtype=torch.float64).scatter_add_(2, node_LSK, x_LSK)
+
+    none_indep = per_node(torch.log1p(-p)).exp()
     # K successive draws without replacement with draw probabilities p / K (see sim.dispatch)
     r = p / top_k
-    mass = r.sum(-1).clamp(max=1.0)
-    sq = (r * r).sum(-1)
+    mass = per_node(r).clamp(max=1.0)
+    sq = per_node(r * r)
     rho = ((sq.sum(-1, keepdim=True) - sq) / (1.0 - mass).clamp(min=1e-12)).clamp(min=0.0)
     none_draws = torch.ones_like(mass)
     for i in range(top_k):
         none_draws = none_draws * (1.0 - mass / (1.0 - i * rho).clamp(min=1e-12)).clamp(0.0, 1.0)
     need = 1.0 - torch.minimum(none_indep, none_draws)
-    need = torch.minimum(torch.maximum(need, p.amax(-1)), p.sum(-1))
+    p_max = torch.zeros(L, S, N, dtype=torch.float64).scatter_reduce_(2, node_LSK, p, "amax")
+    need = torch.minimum(torch.maximum(need, p_max), per_node(p))
     node_S = torch.arange(S) // g
     own_SN = torch.nn.functional.one_hot(node_S, N).bool()
     cross_LSN = (need * T).masked_fill(own_SN.unsqueeze(0), 0.0)

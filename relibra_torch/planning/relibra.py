@@ -52,7 +52,8 @@ from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
-from .choose import chosen_plan
+from .choose import chosen_plan, native_slots
+from .fastpath import nothing_pays
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -139,8 +140,13 @@ class ReLibraConfig:
 
     @property
     def min_replica_tokens(self) -> int:
-        """Fewest tokens a replica must take for its fill to pay (0 when fills are free)."""
-        per_token = self.compute_s_per_token + self.cross_node_s_per_token
+        """Fewest tokens a replica must take for its fill to pay (0 when fills are free).
+
+        A token moved to another GPU of its node saves its expert compute and, under flat
+        dispatch, its inter-node receive at the busiest GPU; under hierarchical dispatch its
+        crossing lands on the same GPU either way, so only its NVLink fan-out moves."""
+        hier = self.dispatch == "hierarchical" and self.top_k > 0
+        per_token = self.compute_s_per_token + (self.intra_node_s_per_token if hier else self.cross_node_s_per_token)
         if self.replica_fill_s_per_expert <= 0:
             return 0
         if per_token <= 0:
@@ -374,12 +380,24 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     L = loads_MLSE.shape[1]
     if previous_placement_LE is None:
         previous_placement_LE = topology.static_placement(L)
+    coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
+    if nothing_pays(loads_MLSE, topology, previous_placement_LE, config, coloc_w):
+        # the full search would keep every expert's GPU (reordering: in canonical slot order)
+        prev_gpu_LE = previous_placement_LE // topology.experts_per_gpu
+        native_LGl = torch.empty_like(previous_placement_LE).scatter_(
+            1, previous_placement_LE, torch.arange(topology.num_experts).expand(L, -1)).view(L, topology.num_gpus, -1)
+        canonical = bool((native_LGl[..., 1:] > native_LGl[..., :-1]).all())
+        placement_LE = previous_placement_LE.clone()
+        if config.reorder and not canonical:
+            placement_LE = _assign_gpus(prev_gpu_LE // topology.gpus_per_node, torch.zeros_like(prev_gpu_LE),
+                                        prev_gpu_LE, topology)
+        return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE), "relibra",
+                        previous_placement_LE.clone())
     if config.reorder:
         placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE)
     else:
         placement_LE = previous_placement_LE.clone()
     if config.choose:
-        coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
         return chosen_plan(loads_MLSE, topology, placement_LE, previous_placement_LE, config, pairs_LEE, coloc_w)
     prefilled = None
     R, g = topology.replica_slots, topology.gpus_per_node
