@@ -102,3 +102,21 @@ def test_simulated_step_never_above_static(dispatch, tokens, collapse):
                     baseline_options=BaselineOptions(planning_overlap_s=1e9))
     figs = simulate(wl, cfg).figures()
     assert figs["relibra"]["step_time_s"] <= figs["static"]["step_time_s"] * (1 + 1e-9)
+
+
+def test_a_subset_of_layers_plans_as_in_the_full_plan():
+    """The step guard decides per layer, so EP ranks that each plan a share of the layers
+    (``ReLibraPlanner.splits_layers``) get the full plan's layers."""
+    from relibra_torch.planning import ReLibraPlanner
+
+    topo = Topology(2, 2, 8, 2)
+    loads = routed_loads(3, 4, 4, 8, 300, 2, 7, 0.5)
+    planner = ReLibraPlanner(topo, priced("flat", migration_s_per_expert=1e-6))
+    g = torch.Generator().manual_seed(3)
+    planner.placement_LE = torch.stack([torch.randperm(8, generator=g) for _ in range(4)])
+    full = planner.plan(loads)
+    for layers in ([0, 2], [1], [3, 1]):
+        part = planner.plan_layers(loads, layers)
+        assert torch.equal(part.placement_LE, full.placement_LE[layers])
+        assert torch.equal(part.slot_expert_MLGJ, full.slot_expert_MLGJ[:, layers])
+        assert torch.equal(part.slot_tokens_MLGJ, full.slot_tokens_MLGJ[:, layers])

@@ -31,7 +31,7 @@ import torch
 
 from .balance import replicate
 from .plan import StepPlan
-from .price import fill_seconds_ML, migration_seconds, moe_seconds_ML
+from .price import fill_seconds_ML, migration_seconds_L, moe_seconds_ML
 from .reorder_traffic import colocated_pairs
 from .topology import Topology
 from .traffic import traffic_replicas
@@ -144,9 +144,11 @@ def choose_sequence(candidates: list[tuple[str, torch.Tensor, torch.Tensor]], pl
 def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
                 previous_placement_LE: torch.Tensor, config, pairs_LEE: torch.Tensor | None = None,
                 coloc_w: float = 0.0) -> StepPlan:
-    """The cheapest sequence of candidates under the new placement, or the previous
-    placement without copies when that prices lower for the step (migration included), so
-    no mechanism makes the step slower than leaving it out.
+    """The cheapest sequence of candidates under the new placement, or, per layer, the
+    previous placement without copies when that prices lower (the layer's migration priced
+    as if it moved alone, at least its share of the cost model's joint move), so no
+    mechanism makes the step slower than leaving it out; layers decide alone, so any subset
+    of layers plans as in the full plan.
 
     ``coloc_w``: seconds one co-located co-activated pair saves under hierarchical dispatch
     (0: not priced); with the step's ``pairs_LEE`` the crossings the move saves that way,
@@ -156,22 +158,29 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torc
     # slots reordered inside a GPU move nothing: keeping the previous placement is then the
     # ``none`` candidate itself
     El = topology.experts_per_gpu
-    moved = not torch.equal(placement_LE // El, previous_placement_LE // El)
-    if len(candidates) == 1 and not moved:  # nothing to choose between: no pricing at all
+    moved_L = (placement_LE // El != previous_placement_LE // El).any(1)
+    if len(candidates) == 1 and not bool(moved_L.any()):  # nothing to choose between: no pricing
         return StepPlan(topology, placement_LE, candidates[0][1], candidates[0][2], "relibra",
                         previous_placement_LE.clone())
     se, st, _, priced_L = choose_sequence(candidates, placement_LE, loads_MLSE, topology, config)
-    if moved:
-        new_s = float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
+    if bool(moved_L.any()):
+        moved = moved_L.nonzero().squeeze(1)
+        new_L = priced_L[moved] + migration_seconds_L(placement_LE[moved], previous_placement_LE[moved],
+                                                      topology, config)
         if coloc_w and pairs_LEE is not None:
             N, per_node = topology.num_nodes, topology.experts_per_node
-            pairs = pairs_LEE.to(torch.int64)
-            gained = (colocated_pairs(pairs, placement_LE // per_node, N)
-                      - colocated_pairs(pairs, previous_placement_LE // per_node, N)).sum()
-            new_s -= coloc_w * float(gained)
-        keep = StepPlan(topology, previous_placement_LE.clone(),
-                        *native_slots(loads_MLSE, topology, previous_placement_LE), "relibra",
-                        previous_placement_LE.clone())
-        if float(moe_seconds_ML(keep, loads_MLSE, config).sum()) <= new_s:
-            return keep
+            pairs = pairs_LEE[moved].to(torch.int64)
+            gained = (colocated_pairs(pairs, placement_LE[moved] // per_node, N)
+                      - colocated_pairs(pairs, previous_placement_LE[moved] // per_node, N))
+            new_L = new_L - coloc_w * gained.to(torch.float64)
+        prev = previous_placement_LE[moved]
+        keep_se, keep_st = native_slots(loads_MLSE[:, moved], topology, prev)
+        keep = StepPlan(topology, prev, keep_se, keep_st, "relibra")
+        revert = moved[moe_seconds_ML(keep, loads_MLSE[:, moved], config).sum(0) <= new_L]
+        if revert.numel():
+            placement_LE = placement_LE.clone()
+            placement_LE[revert] = previous_placement_LE[revert]
+            back_se, back_st = native_slots(loads_MLSE[:, revert], topology, previous_placement_LE[revert])
+            se, st = se.clone(), st.clone()
+            se[:, revert], st[:, revert] = back_se, back_st
     return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())

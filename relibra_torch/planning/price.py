@@ -34,7 +34,7 @@ from .plan import StepPlan, token_split
 from .topology import Topology
 
 __all__ = ["a2a_seconds_ML", "compute_seconds_ML", "fill_seconds_ML", "hierarchical_counts",
-           "migration_seconds", "moe_seconds_ML"]
+           "migration_seconds", "migration_seconds_L", "moe_seconds_ML"]
 
 
 def compute_seconds_ML(slot_tokens_MLGJ: torch.Tensor, config) -> torch.Tensor:
@@ -166,8 +166,28 @@ def fill_seconds_ML(slot_expert_MLGJ: torch.Tensor, before_MLGJ: torch.Tensor, o
     return out.max(-1).values
 
 
+def migration_seconds_L(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology,
+                        config) -> torch.Tensor:
+    """float64 ``[L]``: seconds to move each layer's experts whose owner GPU changed, as if
+    that layer moved alone. The cost model moves all layers at once (one maximum over GPUs
+    of the sums), so the sum of these is at least its time: pricing per layer is
+    conservative, and lets each layer decide alone (``Planner.splits_layers``)."""
+    El, g, G = topo.experts_per_gpu, topo.gpus_per_node, topo.num_gpus
+    L = placement_LE.shape[0]
+    old, new = previous_LE // El, placement_LE // El
+    moved = old != new
+    cross = moved & (old // g != new // g)
+    per_gpu = torch.zeros(L, G, dtype=torch.float64)
+    for mask, price in ((cross, config.migration_s_per_expert), (moved & ~cross, config.intra_migration_s_per_expert)):
+        sent = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, old, mask.to(torch.int64))
+        recv = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, new, mask.to(torch.int64))
+        per_gpu += torch.maximum(sent, recv).to(torch.float64) * price
+    return per_gpu.max(-1).values if G else torch.zeros(L, dtype=torch.float64)
+
+
 def migration_seconds(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config) -> float:
-    """Seconds to move every expert whose owner GPU changed, all layers at once."""
+    """Seconds to move every expert whose owner GPU changed, all layers at once (the cost
+    model's rule)."""
     El, g, G = topo.experts_per_gpu, topo.gpus_per_node, topo.num_gpus
     old, new = previous_LE // El, placement_LE // El
     moved = old != new
