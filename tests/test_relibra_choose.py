@@ -46,7 +46,8 @@ def sequence_price_L(se, st_, placement, loads, topo, cfg):
 
 def priced(dispatch="flat", **kw):
     cost = CostModel(MODEL, get_hardware("h200"), CostOptions(dispatch=dispatch))
-    return ReLibraConfig.from_weights(cost.reorder_weights(), dispatch=dispatch, top_k=MODEL.top_k, **kw)
+    return ReLibraConfig.from_weights(cost.reorder_weights(), dispatch=dispatch, top_k=MODEL.top_k,
+                                      **{"choose": True, **kw})
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -99,9 +100,21 @@ def test_simulated_step_never_above_static(dispatch, tokens, collapse):
     wl = workload_from_loads(loads.unsqueeze(0), MODEL, topo)
     cfg = SimConfig(MODEL, get_hardware("h200"), topo, ("static", "relibra", "ideal"),
                     cost_options=CostOptions(dispatch=dispatch),
-                    baseline_options=BaselineOptions(planning_overlap_s=1e9))
+                    baseline_options=BaselineOptions(planning_overlap_s=1e9, relibra_choose=True))
     figs = simulate(wl, cfg).figures()
     assert figs["relibra"]["step_time_s"] <= figs["static"]["step_time_s"] * (1 + 1e-9)
+
+
+def test_without_choose_relibra_can_be_slower_than_static():
+    """What relibra.choose guards against (why the test above can fail): 8 tokens per GPU,
+    flat dispatch, the plain mechanisms copy where copies do not pay."""
+    topo = Topology(2, 2, 8, 2)
+    loads = routed_loads(4, 2, 4, 8, 8, 2, 8, 0.0)
+    wl = workload_from_loads(loads.unsqueeze(0), MODEL, topo)
+    cfg = SimConfig(MODEL, get_hardware("h200"), topo, ("static", "relibra", "ideal"),
+                    baseline_options=BaselineOptions(planning_overlap_s=1e9, relibra_choose=False))
+    figs = simulate(wl, cfg).figures()
+    assert figs["relibra"]["step_time_s"] > figs["static"]["step_time_s"]
 
 
 def test_a_subset_of_layers_plans_as_in_the_full_plan():

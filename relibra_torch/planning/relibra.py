@@ -102,7 +102,11 @@ class ReLibraConfig:
         choose: price relibra's candidate replica sets per (micro-batch, layer) with these
             weights (:mod:`relibra_torch.planning.choose`) and keep the cheapest sequence, and
             keep the previous placement without copies when that prices lower for the step
-            (False: always traffic replicas plus balancing, the reordered placement).
+            (False, the default: always traffic replicas plus balancing, the reordered
+            placement). Off by default because pricing costs ~10x the planning CPU of the
+            rest (2.3 s against 0.23 s per step on the default trace at 8 micro-batches),
+            which the simulator charges where the forward pass cannot hide it, while the
+            step it saves there is 0.0-0.7% (docs/architecture.md).
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
@@ -123,7 +127,7 @@ class ReLibraConfig:
     reorder: bool = True
     traffic_search: bool = True
     balance: bool = True
-    choose: bool = True
+    choose: bool = False
     intra_node_s_per_token: float = 4.1e-8
     top_k: int = 0
     max_swap_rounds: int = 64
