@@ -1,25 +1,34 @@
-"""Never worse than its own alternatives: relibra prices the replica sets its mechanisms can
-produce and keeps the cheapest.
+"""Never worse than its own alternatives: relibra prices the plans its mechanisms can make
+(:mod:`relibra_torch.planning.price`, the simulator's step cost in its units) and keeps
+the cheapest (``ReLibraConfig.choose``).
 
-Candidates, all under the step's placement (each mechanism switched off in
-:class:`~relibra_torch.planning.relibra.ReLibraConfig` drops the ones that use it):
+**Candidates** under one placement (:func:`candidate_sets`), each a complete, valid set of
+slots per (micro-batch, layer), so any per-(micro-batch, layer) mix of them is a valid plan:
+``none`` (every expert on its owner only), ``traffic`` (cross-node traffic replicas,
+:mod:`relibra_torch.planning.traffic`), ``step_only`` (the step-long traffic set),
+``balance`` (balancing copies, :mod:`relibra_torch.planning.balance`), ``both`` (traffic,
+then balancing: relibra's plan without ``choose``) and ``step`` (step-long set, then
+balancing). A fill slot without tokens is emptied, so that a residency starts exactly where
+a slot's expert changes (:func:`~relibra_torch.planning.price.window_seconds`).
 
-* ``none``: every expert on its owner only;
-* ``traffic``: cross-node traffic replicas only (:mod:`relibra_torch.planning.traffic`);
-* ``balance``: balancing replication only (:mod:`relibra_torch.planning.balance`);
-* ``both``: traffic replicas, then balancing (relibra's plan before this module);
-* ``step``: the step-long traffic set of every (layer, node), then balancing.
+**Cheapest sequence** per layer (:func:`cheapest_sequence`): a fill is paid once per
+residency, so what a slot costs at ``m`` depends on the candidate at ``m - 1`` (and its
+gradient return at ``m - 1`` on the one at ``m``); the step's price is a sum of
+per-micro-batch terms and per-window terms, so the cheapest sequence is a shortest path
+over ``M`` stages of ``C`` states (Viterbi), exact for that price: never priced above any
+single candidate's sequence, ``none``'s included. Ties go to the earlier candidate.
 
-Each candidate is a complete, valid set of slots per (micro-batch, layer) (every expert's
-load on its instances), so any per-(micro-batch, layer) mix of them is a valid plan. Its
-price (:mod:`relibra_torch.planning.price`) is compute + all-to-all per (micro-batch, layer)
-plus fills; a fill is charged once per residency, so what a slot costs at ``m`` depends on
-what it held at ``m - 1``, i.e. on the candidate chosen there. Per layer, the cheapest
-sequence of candidates over the step is then a shortest path over ``M`` stages of ``C``
-states (Viterbi): ``V[m, c] = moe[m, c] + min_c' (V[m - 1, c'] + fill[m, c' -> c])``. It is
-exact for the planner's price, so the chosen sequence is never priced above any single
-candidate's (the ``none`` sequence included). Ties go to the earlier candidate, ``none``
-first.
+**Whole-step alternatives** (:func:`chosen_plan`). For every subset ``S`` of the mechanisms
+the config enables (traffic replicas, balancing), the plan relibra with only ``S`` would
+make: its placement (reordering with traffic slots iff ``S`` has traffic replicas), the
+cheapest sequence over ``S``'s candidates, and per layer the previous placement without
+copies instead where that prices lower (its migration priced per layer); also ``S``'s
+placement in every layer, the previous placement without copies, and static placement
+without copies. The cheapest, priced exactly (migration of all layers at once), is the
+plan. Each subset's alternatives are computed exactly as relibra configured with only ``S``
+computes them, so relibra's step is priced at most every ablation's (traffic replicas off,
+balancing off, both off), every pure candidate's sequence under its placement, and, from
+static placement, static's: in the simulator's units (``tests/test_relibra_choose.py``).
 
 Legend: C candidates, M micro-batches, L layers, S source ranks, E experts, G GPUs,
 J slots per GPU, El native experts per GPU.
@@ -27,19 +36,24 @@ J slots per GPU, El native experts per GPU.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .balance import replicate
 from .plan import StepPlan
-from .price import fill_seconds_ML, migration_seconds_L, moe_seconds_ML
+from .price import migration_seconds, migration_seconds_L, moe_seconds_ML, window_seconds
 from .reorder_traffic import colocated_pairs
 from .topology import Topology
 from .traffic import traffic_replicas
 
-__all__ = ["candidate_sets", "choose_sequence", "chosen_plan", "native_slots"]
+__all__ = ["Group", "candidate_sets", "cheapest_sequence", "chosen_plan", "native_slots", "price_groups"]
 
 _NEVER = torch.iinfo(torch.int64).max
 _ROWS = 128  # (candidate, micro-batch, layer) rows priced per token split: bounds its memory
+#: candidate names each mechanism subset may use (the ablation relibra with only those)
+SUBSET_NAMES = {("traffic", "balance"): ("none", "traffic", "step_only", "balance", "both", "step"),
+                ("traffic",): ("none", "traffic", "step_only"), ("balance",): ("none", "balance"), (): ("none",)}
 
 
 def native_slots(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor
@@ -55,132 +69,209 @@ def native_slots(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     return se.contiguous(), st.contiguous()
 
 
-def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config
-                   ) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
-    """``[(name, slot_expert_MLGJ, slot_tokens_MLGJ), ...]``, ``none`` first (module docstring)."""
-    R, g, N = topology.replica_slots, topology.gpus_per_node, topology.num_nodes
+def _emptied(se: torch.Tensor, st: torch.Tensor, El: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica slots without tokens hold nothing (a residency then starts where the slot's
+    expert changes; an empty slot costs nothing)."""
+    idle = (st == 0) & (torch.arange(se.shape[-1]) >= El)
+    return se.masked_fill(idle, -1), st
+
+
+def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
+                   traffic: bool, balance: bool) -> tuple[list[tuple[str, torch.Tensor, torch.Tensor]], dict]:
+    """``([(name, slot_expert_MLGJ, slot_tokens_MLGJ), ...], alias)``: ``none`` first, then
+    the candidates ``traffic`` and ``balance`` allow (module docstring); a candidate equal to
+    an earlier one is left out and ``alias`` maps every produced name to its kept index."""
+    R, g, N, El = topology.replica_slots, topology.gpus_per_node, topology.num_nodes, topology.experts_per_gpu
     out = [("none", *native_slots(loads_MLSE, topology, placement_LE))]
-    if not R:
-        return out
-    mt = config.min_replica_tokens if config.balance else _NEVER
-    mct = config.min_cross_replica_tokens if config.balance else _NEVER
-    traffic = config.cross_node_replicas and N > 1
-    if traffic:
-        best, step = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
-                                      config.cross_replica_fill_s_per_expert, also_step=True)
-        if bool((best[0] >= 0).any()):
-            out.append(("traffic", *replicate(loads_MLSE, topology, placement_LE, _NEVER, best, _NEVER)))
-    if config.balance:
-        out.append(("balance", *replicate(loads_MLSE, topology, placement_LE, mt, None, mct)))
-    if traffic and bool((best[0] >= 0).any()):
-        if config.balance:
-            out.append(("both", *replicate(loads_MLSE, topology, placement_LE, mt, best, mct)))
-        if bool((step[0] >= 0).any()) and not torch.equal(step[0], best[0]):
-            out.append(("step", *replicate(loads_MLSE, topology, placement_LE, mt, step, mct)))
-    # a candidate equal to an earlier one adds nothing but pricing time
+    if R:
+        mt, mct = config.min_replica_tokens, config.min_cross_replica_tokens
+        best = step = None
+        if traffic and N > 1:
+            best, step = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
+                                          config.cross_replica_fill_s_per_expert, also_step=True)
+            best = best if bool((best[0] >= 0).any()) else None
+            step = step if bool((step[0] >= 0).any()) and (best is None or not torch.equal(step[0], best[0])) else None
+        for name, traffic_set, use_balance in (("traffic", best, False), ("step_only", step, False),
+                                               ("balance", None, True), ("both", best, True), ("step", step, True)):
+            if (use_balance and not balance) or (name != "balance" and traffic_set is None):
+                continue
+            out.append((name, *replicate(loads_MLSE, topology, placement_LE, mt if use_balance else _NEVER,
+                                         traffic_set, mct if use_balance else _NEVER)))
     unique: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    alias: dict[str, int] = {}
     for name, se, st in out:
-        if not any(torch.equal(se, u[1]) and torch.equal(st, u[2]) for u in unique):
+        se, st = _emptied(se, st, El)
+        same = [i for i, u in enumerate(unique) if torch.equal(se, u[1]) and torch.equal(st, u[2])]
+        if same:
+            alias[name] = same[0]
+        else:
+            alias[name] = len(unique)
             unique.append((name, se, st))
-    return unique
+    return unique, alias
 
 
-def choose_sequence(candidates: list[tuple[str, torch.Tensor, torch.Tensor]], placement_LE: torch.Tensor,
-                    loads_MLSE: torch.Tensor, topology: Topology, config
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The cheapest per-layer sequence of candidates (module docstring).
+@dataclass
+class Group:
+    """One placement's candidates and their prices (float64; ``O`` candidates).
 
-    Returns:
-        ``(slot_expert_MLGJ, slot_tokens_MLGJ, choice_ML, priced_L)``: the chosen slots, the
-        index of the candidate chosen per (micro-batch, layer), and float64 ``[L]`` the
-        price of each layer's chosen sequence (compute + all-to-all + fills over the step).
+    Attributes:
+        placement_LE: the placement; slots_O: ``[(slot_expert_MLGJ, slot_tokens_MLGJ)]``.
+        moe_OML: compute + all-to-all + exchange latency of each candidate.
+        start_OL: fills at the step's first micro-batch; end_OL: returns at its last.
+        window_MOOL: ``[M - 1]``: fills at ``m + 1`` and returns at ``m`` from candidate
+            ``o'`` at ``m`` to ``o`` at ``m + 1`` (index ``[m, o', o]``).
     """
-    C = len(candidates)
-    M, L, G, J = candidates[0][1].shape
-    se_CMLGJ = torch.stack([c[1] for c in candidates])
-    st_CMLGJ = torch.stack([c[2] for c in candidates])
-    # Compute and all-to-all per (candidate, micro-batch, layer); a row equal to an earlier
-    # candidate's at the same (m, l) takes its price (most rows, where no copy is made).
-    first_CML = torch.arange(C).view(C, 1, 1).expand(C, M, L).clone()
-    for c in range(1, C):
+
+    placement_LE: torch.Tensor
+    slots_O: list
+    moe_OML: torch.Tensor | None = None
+    start_OL: torch.Tensor | None = None
+    end_OL: torch.Tensor | None = None
+    window_MOOL: torch.Tensor | None = None
+
+
+def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topology, config) -> None:
+    """Fill every group's prices. A (micro-batch, layer) row equal to one already priced
+    (any group, same slots) takes its price: most rows, where no copy is made."""
+    rows = [(gi, o) for gi, grp in enumerate(groups) for o in range(len(grp.slots_O))]
+    se_RMLGJ = torch.stack([groups[gi].slots_O[o][0] for gi, o in rows])
+    st_RMLGJ = torch.stack([groups[gi].slots_O[o][1] for gi, o in rows])
+    X, M, L, G, J = se_RMLGJ.shape
+    first_XML = torch.arange(X).view(X, 1, 1).expand(X, M, L).clone()
+    for c in range(1, X):
         for cp in range(c):
-            same = ((se_CMLGJ[c] == se_CMLGJ[cp]) & (st_CMLGJ[c] == st_CMLGJ[cp])).flatten(2).all(-1)
-            first_CML[c] = torch.where(same & (first_CML[c] == c), cp, first_CML[c])
-    own = first_CML == torch.arange(C).view(C, 1, 1)
-    c_R, m_R, l_R = own.nonzero(as_tuple=True)
+            same = ((se_RMLGJ[c] == se_RMLGJ[cp]) & (st_RMLGJ[c] == st_RMLGJ[cp])).flatten(2).all(-1)
+            first_XML[c] = torch.where(same & (first_XML[c] == c), cp, first_XML[c])
+    c_R, m_R, l_R = (first_XML == torch.arange(X).view(X, 1, 1)).nonzero(as_tuple=True)
     price_R = torch.empty(c_R.numel(), dtype=torch.float64)
+    # any placement will do for the rows: compute and all-to-all depend on the slots alone
+    place = groups[0].placement_LE
     for a in range(0, c_R.numel(), _ROWS):  # rows priced as the layers of one micro-batch
         c_, m_, l_ = c_R[a:a + _ROWS], m_R[a:a + _ROWS], l_R[a:a + _ROWS]
-        rows = StepPlan(topology, placement_LE[l_], se_CMLGJ[c_, m_, l_].unsqueeze(0),
-                        st_CMLGJ[c_, m_, l_].unsqueeze(0), "relibra")
-        price_R[a:a + _ROWS] = moe_seconds_ML(rows, loads_MLSE[m_, l_].unsqueeze(0), config)[0]
-    priced_CML = torch.zeros(C, M, L, dtype=torch.float64)
-    priced_CML[c_R, m_R, l_R] = price_R
-    moe_MCL = priced_CML.gather(0, first_CML).permute(1, 0, 2)
-    se_all = se_CMLGJ.permute(1, 0, 2, 3, 4).reshape(M, C * L, G, J)
-    place_all = placement_LE.repeat(C, 1)
-    owner_all = place_all // topology.experts_per_gpu
-    # fill[m, c', c]: fills of candidate c at m after candidate c' at m - 1
-    fill_MPCL = torch.empty(M, C, C, L, dtype=torch.float64)
-    for cp in range(C):
-        before = torch.cat([torch.full_like(se_CMLGJ[cp, :1], -2), se_CMLGJ[cp, :-1]]).repeat(1, C, 1, 1)
-        fill_MPCL[:, cp] = fill_seconds_ML(se_all, before, owner_all, topology, config).view(M, C, L)
-    value_CL = moe_MCL[0] + fill_MPCL[0, 0]      # m = 0: every slot starts empty (before = -2)
-    back_MCL = torch.zeros(M, C, L, dtype=torch.int64)
+        part = StepPlan(topology, place[l_], se_RMLGJ[c_, m_, l_].unsqueeze(0), st_RMLGJ[c_, m_, l_].unsqueeze(0),
+                        "relibra")
+        price_R[a:a + _ROWS] = moe_seconds_ML(part, loads_MLSE[m_, l_].unsqueeze(0), config)[0]
+    priced_XML = torch.zeros(X, M, L, dtype=torch.float64)
+    priced_XML[c_R, m_R, l_R] = price_R
+    moe_XML = priced_XML.gather(0, first_XML)
+    at = 0
+    for grp in groups:
+        O = len(grp.slots_O)
+        grp.moe_OML = moe_XML[at:at + O]
+        at += O
+        se_O = torch.stack([s[0] for s in grp.slots_O])
+        st_O = torch.stack([s[1] for s in grp.slots_O])
+        owner = grp.placement_LE // topology.experts_per_gpu
+        empty = torch.full_like(se_O[:, 0], -1)
+        zero = torch.zeros_like(st_O[:, 0])
+        grp.start_OL = window_seconds(empty, zero, se_O[:, 0], st_O[:, 0], owner, topology, config)[0]
+        grp.end_OL = window_seconds(se_O[:, M - 1], st_O[:, M - 1], empty, zero, owner, topology, config)[1]
+        win = torch.zeros(max(M - 1, 0), O, O, L, dtype=torch.float64)
+        for op in range(O):
+            before = se_O[op, :-1].unsqueeze(0).expand(O, M - 1, *se_O.shape[2:])
+            tokens = st_O[op, :-1].unsqueeze(0).expand(O, M - 1, *st_O.shape[2:])
+            fill_b, ret_a = window_seconds(before, tokens, se_O[:, 1:], st_O[:, 1:], owner, topology, config)
+            win[:, op] = (fill_b + ret_a).transpose(0, 1)
+        grp.window_MOOL = win
+
+
+def cheapest_sequence(grp: Group, allowed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(choice_ML, priced_L)``: per layer the cheapest sequence of the candidates
+    ``allowed`` (indices into ``grp.slots_O``) and its price (module docstring)."""
+    idx = torch.tensor(allowed)
+    moe = grp.moe_OML[idx]
+    M = moe.shape[1]
+    value_CL = moe[:, 0] + grp.start_OL[idx]
+    back = []
     for m in range(1, M):
-        via_PCL = value_CL.unsqueeze(1) + fill_MPCL[m]        # [c', c, L]
-        best_CL, arg_CL = via_PCL.min(0)                      # first minimum: earlier c' on ties
-        back_MCL[m] = arg_CL
-        value_CL = moe_MCL[m] + best_CL
-    priced_L, last_L = value_CL.min(0)
-    choice_ML = torch.empty(M, L, dtype=torch.int64)
-    choice_ML[M - 1] = last_L
-    for m in range(M - 1, 0, -1):
-        choice_ML[m - 1] = back_MCL[m].gather(0, choice_ML[m].unsqueeze(0)).squeeze(0)
-    pick = choice_ML.view(1, M, L, 1, 1).expand(1, M, L, G, J)
-    return se_CMLGJ.gather(0, pick)[0], st_CMLGJ.gather(0, pick)[0], choice_ML, priced_L
+        via_PCL = value_CL.unsqueeze(1) + grp.window_MOOL[m - 1][idx][:, idx]     # [c', c, L]
+        best_CL, arg_CL = via_PCL.min(0)                                            # ties: earlier c'
+        back.append(arg_CL)
+        value_CL = moe[:, m] + best_CL
+    priced_L, last_L = (value_CL + grp.end_OL[idx]).min(0)
+    choice = [last_L]
+    for arg_CL in reversed(back):
+        choice.append(arg_CL.gather(0, choice[-1].unsqueeze(0)).squeeze(0))
+    return idx[torch.stack(choice[::-1])], priced_L
 
 
-def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-                previous_placement_LE: torch.Tensor, config, pairs_LEE: torch.Tensor | None = None,
+def _assemble(parts: list[tuple[Group, torch.Tensor, torch.Tensor]], L: int, topology: Topology):
+    """``(placement_LE, se, st)`` taking layer ``l`` from the group and choice of ``parts``
+    whose mask ``[L]`` holds it (the first that does)."""
+    placement_LE = se = st = None
+    for grp, mask_L, choice_ML in parts:
+        se_O = torch.stack([s[0] for s in grp.slots_O])
+        st_O = torch.stack([s[1] for s in grp.slots_O])
+        pick = choice_ML.view(1, *choice_ML.shape, 1, 1).expand(1, *choice_ML.shape, *se_O.shape[-2:])
+        g_se, g_st = se_O.gather(0, pick)[0], st_O.gather(0, pick)[0]
+        if placement_LE is None:
+            placement_LE, se, st = grp.placement_LE.clone(), g_se, g_st
+        else:
+            m = mask_L.view(1, L, 1, 1)
+            placement_LE = torch.where(mask_L.view(L, 1), grp.placement_LE, placement_LE)
+            se, st = torch.where(m, g_se, se), torch.where(m, g_st, st)
+    return placement_LE, se, st
+
+
+def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
+                placements: dict[bool, torch.Tensor], pairs_LEE: torch.Tensor | None = None,
                 coloc_w: float = 0.0) -> StepPlan:
-    """The cheapest sequence of candidates under the new placement, or, per layer, the
-    previous placement without copies when that prices lower (the layer's migration priced
-    as if it moved alone, at least its share of the cost model's joint move), so no
-    mechanism makes the step slower than leaving it out; layers decide alone, so any subset
-    of layers plans as in the full plan.
+    """The cheapest whole-step alternative (module docstring). ``placements[t]``: relibra's
+    reordered placement with (``True``) and without traffic slots; ``coloc_w``: seconds a
+    co-located co-activated pair saves (hierarchical dispatch with the step's ``pairs_LEE``),
+    credited to a placement for the crossings the count-level price cannot see."""
+    M, L = loads_MLSE.shape[:2]
+    R, N = topology.replica_slots, topology.num_nodes
+    traffic_on = bool(config.cross_node_replicas and N > 1 and R)
+    balance_on = bool(config.balance and R)
+    subsets = [s for s in SUBSET_NAMES if ("traffic" not in s or traffic_on) and ("balance" not in s or balance_on)]
+    static_LE = topology.static_placement(L)
+    groups: list[Group] = []
+    alias_of: list[dict] = []
+    where: dict[bool, int] = {}
+    for t in sorted({("traffic" in s) for s in subsets}, reverse=True):
+        p = placements[t]
+        if not t and True in where and torch.equal(p, groups[where[True]].placement_LE):
+            where[False] = where[True]
+            continue
+        slots, alias = candidate_sets(loads_MLSE, topology, p, config, traffic=t and traffic_on, balance=balance_on)
+        where[t] = len(groups)
+        groups.append(Group(p, [(se, st) for _, se, st in slots]))
+        alias_of.append(alias)
+    keep = Group(previous_placement_LE, [native_slots(loads_MLSE, topology, previous_placement_LE)])
+    static = Group(static_LE, [native_slots(loads_MLSE, topology, static_LE)])
+    price_groups(groups + [keep, static], loads_MLSE, topology, config)
+    none_ML = torch.zeros(M, L, dtype=torch.int64)
 
-    ``coloc_w``: seconds one co-located co-activated pair saves under hierarchical dispatch
-    (0: not priced); with the step's ``pairs_LEE`` the crossings the move saves that way,
-    which the count-level price cannot see, are credited to it.
-    """
-    candidates = candidate_sets(loads_MLSE, topology, placement_LE, config)
-    # slots reordered inside a GPU move nothing: keeping the previous placement is then the
-    # ``none`` candidate itself
-    El = topology.experts_per_gpu
-    moved_L = (placement_LE // El != previous_placement_LE // El).any(1)
-    if len(candidates) == 1 and not bool(moved_L.any()):  # nothing to choose between: no pricing
-        return StepPlan(topology, placement_LE, candidates[0][1], candidates[0][2], "relibra",
-                        previous_placement_LE.clone())
-    se, st, _, priced_L = choose_sequence(candidates, placement_LE, loads_MLSE, topology, config)
-    if bool(moved_L.any()):
-        moved = moved_L.nonzero().squeeze(1)
-        new_L = priced_L[moved] + migration_seconds_L(placement_LE[moved], previous_placement_LE[moved],
-                                                      topology, config)
-        if coloc_w and pairs_LEE is not None:
-            N, per_node = topology.num_nodes, topology.experts_per_node
-            pairs = pairs_LEE[moved].to(torch.int64)
-            gained = (colocated_pairs(pairs, placement_LE[moved] // per_node, N)
-                      - colocated_pairs(pairs, previous_placement_LE[moved] // per_node, N))
-            new_L = new_L - coloc_w * gained.to(torch.float64)
-        prev = previous_placement_LE[moved]
-        keep_se, keep_st = native_slots(loads_MLSE[:, moved], topology, prev)
-        keep = StepPlan(topology, prev, keep_se, keep_st, "relibra")
-        revert = moved[moe_seconds_ML(keep, loads_MLSE[:, moved], config).sum(0) <= new_L]
-        if revert.numel():
-            placement_LE = placement_LE.clone()
-            placement_LE[revert] = previous_placement_LE[revert]
-            back_se, back_st = native_slots(loads_MLSE[:, revert], topology, previous_placement_LE[revert])
-            se, st = se.clone(), st.clone()
-            se[:, revert], st[:, revert] = back_se, back_st
+    def credit_L(p_LE: torch.Tensor) -> torch.Tensor:
+        if not coloc_w or pairs_LEE is None:
+            return torch.zeros(L, dtype=torch.float64)
+        per_node, pairs = topology.experts_per_node, pairs_LEE.to(torch.int64)
+        gained = (colocated_pairs(pairs, p_LE // per_node, N)
+                  - colocated_pairs(pairs, previous_placement_LE // per_node, N))
+        return coloc_w * gained.to(torch.float64)
+
+    keep_L = cheapest_sequence(keep, [0])[1]
+    alternatives = []  # (priced layers [L] before migration, parts)
+    for s in subsets:
+        grp = groups[where["traffic" in s]]
+        alias = alias_of[where["traffic" in s]]
+        allowed = sorted({alias[n] for n in SUBSET_NAMES[s] if n in alias})
+        choice_ML, priced_L = cheapest_sequence(grp, allowed)
+        moved_L = migration_seconds_L(grp.placement_LE, previous_placement_LE, topology, config)
+        use_L = priced_L + moved_L - credit_L(grp.placement_LE) < keep_L
+        mixed_L = torch.where(use_L, priced_L, keep_L)
+        alternatives.append((mixed_L, [(grp, use_L, choice_ML), (keep, ~use_L, none_ML)], grp.placement_LE, use_L))
+        alternatives.append((priced_L, [(grp, torch.ones(L, dtype=torch.bool), choice_ML)], grp.placement_LE, None))
+    alternatives.append((keep_L, [(keep, torch.ones(L, dtype=torch.bool), none_ML)], previous_placement_LE, None))
+    static_L = cheapest_sequence(static, [0])[1]
+    alternatives.append((static_L, [(static, torch.ones(L, dtype=torch.bool), none_ML)], static_LE, None))
+    best, best_price = None, float("inf")
+    for priced_L, parts, p_LE, use_L in alternatives:
+        placement_LE = p_LE if use_L is None else torch.where(use_L.view(L, 1), p_LE, previous_placement_LE)
+        price = (float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
+                 - float(credit_L(placement_LE).sum()))
+        if price < best_price:
+            best, best_price = parts, price
+    placement_LE, se, st = _assemble(best, L, topology)
     return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())

@@ -32,9 +32,11 @@ from __future__ import annotations
 
 import torch
 
+from .choose import native_slots
+from .plan import StepPlan
 from .topology import Topology
 
-__all__ = ["nothing_pays"]
+__all__ = ["assign_gpus", "fast_plan", "nothing_pays"]
 
 
 def _beyond_top(step_LNE: torch.Tensor, k: int) -> torch.Tensor:
@@ -109,3 +111,63 @@ def nothing_pays(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     slots = g * (R // 2 if config.cross_node_replicas else 0)
     tr_best = _beyond_top(step_LNE, per_node + slots).max(-1).values.to(torch.float64)
     return not bool(((tc * (now_max - best_max) + cross_w * (tr_now - tr_best)) > two_moves).any())
+
+
+def fast_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
+              coloc_w: float = 0.0) -> StepPlan | None:
+    """relibra's plan when :func:`nothing_pays` proves it (else ``None``): the previous
+    placement (reordering: in canonical slot order, as :func:`assign_gpus` gives it) with
+    every expert on its owner. With ``choose`` only from static placement's GPUs, where
+    static placement, one of its alternatives, costs the same."""
+    L = loads_MLSE.shape[1]
+    El = topology.experts_per_gpu
+    prev_gpu_LE = previous_placement_LE // El
+    if config.choose and not torch.equal(prev_gpu_LE, topology.static_placement(L) // El):
+        return None
+    if not nothing_pays(loads_MLSE, topology, previous_placement_LE, config, coloc_w):
+        return None
+    native_LGl = torch.empty_like(previous_placement_LE).scatter_(
+        1, previous_placement_LE, torch.arange(topology.num_experts).expand(L, -1)).view(L, topology.num_gpus, -1)
+    canonical = bool((native_LGl[..., 1:] > native_LGl[..., :-1]).all())
+    placement_LE = previous_placement_LE.clone()
+    if config.reorder and not canonical:
+        placement_LE = assign_gpus(prev_gpu_LE // topology.gpus_per_node, torch.zeros_like(prev_gpu_LE),
+                                   prev_gpu_LE, topology)
+    return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE), "relibra",
+                    previous_placement_LE.clone())
+
+
+def assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: torch.Tensor,
+                 topology: Topology) -> torch.Tensor:
+    """GPUs inside each node: experts stay on their previous GPU when it is in their node and
+    has room; the rest go, heaviest first, to the node's GPU with the least step load."""
+    L, E = node_LE.shape
+    g, El = topology.gpus_per_node, topology.experts_per_gpu
+    G = topology.num_gpus
+    node, total, prev = node_LE.tolist(), total_LE.tolist(), prev_gpu_LE.tolist()
+    placement = []
+    for l in range(L):
+        room = [El] * G
+        gpu_load = [0] * G
+        gpu_of = [-1] * E
+        order = sorted(range(E), key=lambda e: (-total[l][e], e))
+        for e in order:
+            p = prev[l][e]
+            if p // g == node[l][e] and room[p] > 0:
+                gpu_of[e] = p
+                room[p] -= 1
+                gpu_load[p] += total[l][e]
+        for e in order:
+            if gpu_of[e] < 0:
+                gpus = range(node[l][e] * g, node[l][e] * g + g)
+                p = min((q for q in gpus if room[q] > 0), key=lambda q: (gpu_load[q], q))
+                gpu_of[e] = p
+                room[p] -= 1
+                gpu_load[p] += total[l][e]
+        next_local = [0] * G
+        place = [0] * E
+        for e in range(E):  # native slots in logical order inside a GPU: deterministic
+            place[e] = gpu_of[e] * El + next_local[gpu_of[e]]
+            next_local[gpu_of[e]] += 1
+        placement.append(place)
+    return torch.tensor(placement, dtype=torch.int64)

@@ -1,40 +1,72 @@
-"""relibra's own price of a plan: the simulator's step cost, as far as a planner can know it.
+"""relibra's own price of a plan: the simulator's step cost, in its units, as far as a
+planner can know it.
 
-The terms follow :mod:`relibra_torch.sim.cost` (which the planner may not import) with the
-weights of :class:`~relibra_torch.planning.relibra.ReLibraConfig` (the simulator builds them
-with ``CostModel.reorder_weights()``, so the per-unit prices are the cost model's):
+The terms are :class:`relibra_torch.sim.cost.CostModel`'s (which the planner may not
+import) with the weights of :class:`~relibra_torch.planning.relibra.ReLibraConfig` (the
+simulator builds them with ``CostModel.reorder_weights()``, so the per-unit prices are the
+cost model's). Per (micro-batch, layer):
 
 * expert compute: ``compute_s_per_token`` x the busiest GPU's tokens (fwd + bwd);
 * all-to-all: ``max_G(cross_node_s_per_token * max(cross_send, cross_recv) +
-  intra_node_s_per_token * max(intra_send, intra_recv))`` (dispatch + combine, fwd + bwd:
-  the cost model's per-GPU rule), with tokens routed by
-  :func:`~relibra_torch.planning.plan.token_split` as the layer routes them. Under
-  hierarchical dispatch the cross-node units are tokens, one per (token, remote node),
-  estimated from counts (:func:`hierarchical_counts`), and NVLink carries the fan-out;
-* replica fills: per residency (a filled slot whose expert differs from the previous
-  micro-batch's, as ``evaluate`` counts them), ``max_G(cross_replica_fill_s_per_expert *
-  max(sent, received) + replica_fill_s_per_expert * max(sent, received))`` over inter-node
-  and NVLink fills (an owner feeding several replicas sends several copies);
-* migration, once per step: the same rule with ``migration_s_per_expert`` (another node)
-  and ``intra_migration_s_per_expert`` (another GPU of the node).
+  intra_node_s_per_token * max(intra_send, intra_recv))`` (dispatch + combine, fwd + bwd),
+  tokens routed by :func:`~relibra_torch.planning.plan.token_split` as the layer routes
+  them. Under hierarchical dispatch the rows are the simulator's count-level estimate
+  (:mod:`relibra_torch.planning.hier_estimate`, the same functions), so on count-only
+  loads the price is the simulator's; with per-token routing the simulator counts exact
+  rows and the price is an estimate;
+* replica fills and gradient returns per residency (:mod:`relibra_torch.planning.residency`,
+  the one definition): the weights (``fill_weight_share`` of a fill's price) in the forward
+  of the residency's first micro-batch with tokens, the fp32 gradient (the rest) in the
+  backward of its last; per GPU ``max(sent, received)`` per link (an owner feeding three
+  replicas sends three copies), the slowest GPU sets the time, forward and backward apart;
+* collective latency: the layer's token exchange and plan check, plus one collective where
+  a residency starts and one where one ends (``inter_node_latency_s`` per collective with
+  several nodes, ``nvlink_latency_s`` on one);
+* migration, once per step: :func:`migration_seconds` (all layers at once, the cost
+  model's rule) or :func:`migration_seconds_L` (each layer as if it moved alone: their sum
+  bounds the joint move from above).
 
-Not priced: attention and dense layers (the same for every plan), the overlap of fills
-with attention (``--overlap-replication``: the planner prices fills fully, which can only
-make it copy less), and run-time planning latency.
+:func:`step_seconds` adds them up: the cost model's step time minus attention and dense
+layers (the same for every plan) and host planning. Not priced: ``--overlap-replication``
+(the planner prices fills fully: it can then only copy less than pays) and
+``--refetch-replicas``.
 
-Legend: M micro-batches, L layers (or stacked candidate x layer rows), S source ranks,
-E experts, N nodes, G GPUs, g GPUs per node, J slots per GPU, El native experts per GPU.
+Legend: M micro-batches, L layers (or stacked rows of layers), S source ranks, E experts,
+N nodes, G GPUs, g GPUs per node, J slots per GPU, El native experts per GPU, K top-k.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .hier_estimate import approx_need, hierarchical_traffic
 from .plan import StepPlan, token_split
+from .residency import residencies, residency_masks
 from .topology import Topology
 
-__all__ = ["a2a_seconds_ML", "compute_seconds_ML", "fill_seconds_ML", "hierarchical_counts",
-           "migration_seconds", "migration_seconds_L", "moe_seconds_ML"]
+__all__ = ["a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
+           "migration_seconds", "migration_seconds_L", "moe_seconds_ML", "replica_seconds_ML",
+           "step_seconds", "transfer_seconds", "window_seconds"]
+
+
+def collective_latency_s(topo: Topology, config) -> float:
+    """Seconds of one collective's fixed latency (0 on one GPU: none is issued)."""
+    if topo.num_gpus == 1:
+        return 0.0
+    return config.inter_node_latency_s if topo.num_nodes > 1 else config.nvlink_latency_s
+
+
+def exchange_latency_s(topo: Topology, config) -> float:
+    """Latency every plan's layer pays per micro-batch: its token exchange's collectives
+    (``sim.transfers.exchange_collectives``: flat 4, hierarchical ``1 + 2 (stages + back)``)
+    and the plan check."""
+    N, g = topo.num_nodes, topo.gpus_per_node
+    if config.dispatch == "hierarchical":
+        stages, back = 2 * int(N > 1) + 2 * int(g > 1), int(N > 1) + int(g > 1)
+        exchange = 1 + 2 * (stages + back)
+    else:
+        exchange = 4
+    return (exchange + 1) * collective_latency_s(topo, config)
 
 
 def compute_seconds_ML(slot_tokens_MLGJ: torch.Tensor, config) -> torch.Tensor:
@@ -42,90 +74,55 @@ def compute_seconds_ML(slot_tokens_MLGJ: torch.Tensor, config) -> torch.Tensor:
     return slot_tokens_MLGJ.sum(-1).max(-1).values.to(torch.float64) * config.compute_s_per_token
 
 
-def hierarchical_counts(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_LS: torch.Tensor,
-                        top_k: int, topo: Topology) -> tuple[torch.Tensor, ...]:
-    """Per-GPU ``(cross_send, cross_recv, intra_send, intra_recv)`` float64 ``[L, G]`` of one
-    micro-batch under hierarchical dispatch, the cross-node ones in tokens.
+def _hierarchical_counts(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_S: torch.Tensor,
+                         top_k: int, topo: Topology) -> tuple[torch.Tensor, ...]:
+    """The simulator's count-level hierarchical rows (``sim.dispatch.approx_cross_tokens``,
+    ``approx_gpu_copies``, ``hierarchical_traffic``) of one micro-batch, ``[L, G]`` each.
 
-    A source's token needs remote node ``n`` with probability ``1 - min(P_indep, P_draws)``
-    clipped to ``[max_e p_e, sum_e p_e]`` (``p_e``: the share of its tokens whose pairs of
-    expert ``e`` go to ``n``): the count-level estimate of :mod:`relibra_torch.sim.dispatch`,
-    restated here because planning may not import the simulator. A token lands on the GPU
-    of the remote node with its source's local index and fans out over NVLink to the GPUs
-    of its pairs.
-    """
+    The node flow keeps only the (node, expert) columns some slot holds (at most ``G * J``
+    of ``N * E``), in the simulator's column order: absent experts add zeros to every sum."""
     L, S, G, J = split_LSGJ.shape
     N, g, E = topo.num_nodes, topo.gpus_per_node, topo.num_experts
     e_LX = slot_expert_LGJ.reshape(L, G * J)
-    node_X = torch.arange(G * J) // (J * g)
-    flow = torch.zeros(L, S, N * E, dtype=torch.float64)
-    flow.scatter_add_(2, (node_X * E + e_LX.clamp(min=0)).unsqueeze(1).expand(L, S, G * J),
-                      (split_LSGJ.reshape(L, S, G * J) * (e_LX >= 0).unsqueeze(1)).to(torch.float64))
-    T = tokens_LS.to(torch.float64).view(L, S, 1)
-    # Only (node, expert) columns with an instance carry flow (at most G * J of N * E): the
-    # per-column work runs on those alone, summed per node by scatter.
-    used_LC = flow.ne(0).any(1)
-    width = max(int(used_LC.sum(1).max()), 1) if L else 1
-    col_LK = (~used_LC).to(torch.int8).argsort(dim=1, stable=True)[:, :width]
-    live_LK = used_LC.gather(1, col_LK)
-    p = (flow.gather(2, col_LK.unsqueeze(1).expand(L, S, width)) / T.clamp(min=1.0)).clamp(0.0, 1.0)
-    p = p * live_LK.unsqueeze(1)
-    node_LSK = (col_LK // E).unsqueeze(1).expand(L, S, width)
-
-    def per_node(x_LSK: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(L, S, N, dtype=torch.float64).scatter_add_(2, node_LSK, x_LSK)
-
-    none_indep = per_node(torch.log1p(-p)).exp()
-    # K successive draws without replacement with draw probabilities p / K (see sim.dispatch)
-    r = p / top_k
-    mass = per_node(r).clamp(max=1.0)
-    sq = per_node(r * r)
-    rho = ((sq.sum(-1, keepdim=True) - sq) / (1.0 - mass).clamp(min=1e-12)).clamp(min=0.0)
-    none_draws = torch.ones_like(mass)
-    for i in range(top_k):
-        none_draws = none_draws * (1.0 - mass / (1.0 - i * rho).clamp(min=1e-12)).clamp(0.0, 1.0)
-    need = 1.0 - torch.minimum(none_indep, none_draws)
-    p_max = torch.zeros(L, S, N, dtype=torch.float64).scatter_reduce_(2, node_LSK, p, "amax")
-    need = torch.minimum(torch.maximum(need, p_max), per_node(p))
-    node_S = torch.arange(S) // g
-    own_SN = torch.nn.functional.one_hot(node_S, N).bool()
-    cross_LSN = (need * T).masked_fill(own_SN.unsqueeze(0), 0.0)
-    split_LSG = split_LSGJ.sum(-1).to(torch.float64)
-    local_S = torch.arange(S) % g
-    cross_send = cross_LSN.sum(-1)
-    land_SN = torch.arange(N).view(1, N) * g + local_S.view(S, 1)
-    cross_recv = torch.zeros(L, G, dtype=torch.float64).scatter_add_(
-        1, land_SN.reshape(1, S * N).expand(L, S * N), cross_LSN.reshape(L, S * N))
-    dst_G = torch.arange(G)
-    same_node = node_S.view(S, 1) == (dst_G // g).view(1, G)
-    local = split_LSG * (same_node & (torch.arange(S).view(S, 1) != dst_G.view(1, G)))
-    land_SG = (dst_G // g).view(1, G) * g + local_S.view(S, 1)
-    fwd = split_LSG * (~same_node & (land_SG != dst_G.view(1, G)))
-    intra_send = local.sum(2).scatter_add_(1, land_SG.reshape(1, S * G).expand(L, S * G), fwd.reshape(L, S * G))
-    intra_recv = local.sum(1) + fwd.sum(1)
-    return cross_send, cross_recv, intra_send, intra_recv
+    col_LX = (torch.arange(G * J) // (J * g)) * E + e_LX.clamp(min=0)
+    flow = torch.zeros(L, S, N * E, dtype=torch.int64)
+    flow.scatter_add_(2, col_LX.unsqueeze(1).expand(L, S, G * J),
+                      split_LSGJ.reshape(L, S, G * J) * (e_LX >= 0).unsqueeze(1))
+    used_C = torch.zeros(N * E, dtype=torch.bool)
+    used_C[col_LX[e_LX >= 0]] = True
+    per_node = used_C.view(N, E)
+    width = max(int(per_node.sum(1).max()), 1)
+    # each node's used experts first, in expert order (stable), then padding columns of zeros
+    keep_NK = (~per_node).to(torch.int8).argsort(dim=1, stable=True)[:, :width]
+    live_NK = per_node.gather(1, keep_NK)
+    flow_LSNK = flow.view(L, S, N, E).gather(3, keep_NK.view(1, 1, N, width).expand(L, S, N, width))
+    flow_LSNK = flow_LSNK * live_NK.view(1, 1, N, width)
+    own = torch.nn.functional.one_hot(torch.arange(G) // g, N).bool()
+    cross = approx_need(flow_LSNK, tokens_S, top_k).masked_fill(own.unsqueeze(0), 0.0)
+    copies = approx_need(split_LSGJ * (slot_expert_LGJ >= 0).unsqueeze(1), tokens_S, top_k)
+    return hierarchical_traffic(copies, cross, topo)
 
 
 def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
     """float64 ``[M, L]``: dispatch + combine, forward + backward, under ``config.dispatch``.
 
-    ``config.top_k`` (0: unknown) gives each source's tokens under hierarchical dispatch;
-    unknown, the cross-node units stay pairs (flat's count, an upper bound on tokens).
-    """
+    Hierarchical dispatch needs ``config.top_k`` (a rank's tokens are its pairs // top_k,
+    as the simulator counts them on loads files); unknown (0), the cross-node units stay
+    pairs (flat's count, an upper bound on tokens)."""
     topo = plan.topology
-    M, L, S, E = loads_MLSE.shape
+    M = loads_MLSE.shape[0]
     G, g = topo.num_gpus, topo.gpus_per_node
     node_G = torch.arange(G) // g
     same_node = node_G.view(G, 1) == node_G.view(1, G)
     same_gpu = torch.eye(G, dtype=torch.bool)
-    hier = config.dispatch == "hierarchical" and config.top_k > 0 and topo.num_nodes > 1
-    out = torch.empty(M, L, dtype=torch.float64)
+    hier = config.dispatch == "hierarchical" and config.top_k > 0
+    out = torch.empty(M, plan.num_layers, dtype=torch.float64)
     for m in range(M):  # one micro-batch at a time keeps the [L, S, G, J] split small
         split_LSGJ = token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0]
         if hier:
-            tokens_LS = loads_MLSE[m].to(torch.int64).sum(-1).to(torch.float64) / config.top_k
-            cs, cr, is_, ir = hierarchical_counts(split_LSGJ, plan.slot_expert_MLGJ[m], tokens_LS,
-                                                  config.top_k, topo)
+            tokens_S = loads_MLSE[m, 0].to(torch.int64).sum(-1) // config.top_k
+            cs, cr, is_, ir = _hierarchical_counts(split_LSGJ, plan.slot_expert_MLGJ[m], tokens_S,
+                                                   config.top_k, topo)
         else:
             split_LSG = split_LSGJ.sum(-1)
             cross, intra = split_LSG * ~same_node, split_LSG * (same_node & ~same_gpu)
@@ -137,64 +134,122 @@ def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Te
 
 
 def moe_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
-    """float64 ``[M, L]``: expert compute + all-to-all (fills and migration apart)."""
-    return compute_seconds_ML(plan.slot_tokens_MLGJ, config) + a2a_seconds_ML(plan, loads_MLSE, config)
+    """float64 ``[M, L]``: expert compute + all-to-all + the exchange's latency (replicas
+    and migration apart: they depend on neighbouring micro-batches and the step)."""
+    return (compute_seconds_ML(plan.slot_tokens_MLGJ, config) + a2a_seconds_ML(plan, loads_MLSE, config)
+            + exchange_latency_s(plan.topology, config))
 
 
-def fill_seconds_ML(slot_expert_MLGJ: torch.Tensor, before_MLGJ: torch.Tensor, owner_gpu_LE: torch.Tensor,
-                    topo: Topology, config) -> torch.Tensor:
-    """float64 ``[M, L]``: replica fills (weights in, gradients back) of the slots whose
-    expert is not owned by their GPU and differs from ``before_MLGJ`` (the slot's content in
-    the micro-batch before; ``-2`` for none, e.g. at the step's first micro-batch)."""
-    M, L, G, J = slot_expert_MLGJ.shape
+def transfer_seconds(mask_XGJ: torch.Tensor, cross_XGJ: torch.Tensor, owner_XGJ: torch.Tensor,
+                     cross_s: float, intra_s: float) -> torch.Tensor:
+    """float64 ``[X]``: one copy per masked slot between the slot's GPU and its expert's
+    owner (``cross_XGJ``: over the inter-node link, ``cross_s`` per copy, else NVLink,
+    ``intra_s``): per GPU ``max(received, sent)`` per link, the slowest GPU's time (the cost
+    model's ``transfer_s``). Any leading shape ``X``."""
+    *X, G, J = mask_XGJ.shape
+    mask = mask_XGJ.reshape(-1, G, J)
+    owner = owner_XGJ.reshape(-1, G * J).clamp(min=0)
+    per_gpu = torch.zeros(mask.shape[0], G, dtype=torch.float64)
+    for link, price in ((cross_XGJ.reshape(-1, G, J), cross_s), (~cross_XGJ.reshape(-1, G, J), intra_s)):
+        here = (mask & link).to(torch.int64)
+        sent = torch.zeros(mask.shape[0], G, dtype=torch.int64).scatter_add_(1, owner, here.reshape(-1, G * J))
+        per_gpu += torch.maximum(here.sum(-1), sent).to(torch.float64) * price
+    return per_gpu.max(-1).values.view(X)
+
+
+def _prices(config) -> tuple[float, float, float, float]:
+    """``(fill cross, fill intra, return cross, return intra)`` seconds per copy."""
+    w = config.fill_weight_share
+    c, i = config.cross_replica_fill_s_per_expert, config.replica_fill_s_per_expert
+    return c * w, i * w, c * (1.0 - w), i * (1.0 - w)
+
+
+def _fill_masks(slot_expert: torch.Tensor, owner_gpu_LE: torch.Tensor, topo: Topology
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fill, cross, owner)`` of slots ``[..., L, G, J]`` under ``owner_gpu_LE`` ``[L, E]``."""
+    *lead, L, G, J = slot_expert.shape
     E = owner_gpu_LE.shape[1]
-    g = topo.gpus_per_node
-    se = slot_expert_MLGJ
-    owner = owner_gpu_LE.view(1, L, 1, E).expand(M, L, G, E).gather(3, se.clamp(min=0))
-    gpu = torch.arange(G).view(1, 1, G, 1)
-    new = (se >= 0) & (owner != gpu) & (se != before_MLGJ)
-    cross = new & (owner // g != gpu // g)
-    intra = new & ~cross
-    out = torch.zeros(M, L, G, dtype=torch.float64)
-    for mask, price in ((cross, config.cross_replica_fill_s_per_expert), (intra, config.replica_fill_s_per_expert)):
-        if price <= 0:
-            continue
-        recv = mask.sum(-1)
-        sent = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
-            2, owner.reshape(M, L, G * J), mask.reshape(M, L, G * J).to(torch.int64))
-        out += torch.maximum(recv, sent).to(torch.float64) * price
-    return out.max(-1).values
+    owner = owner_gpu_LE.view(L, 1, E).expand(*lead, L, G, E).gather(-1, slot_expert.clamp(min=0))
+    gpu = torch.arange(G).view(G, 1)
+    fill = (slot_expert >= 0) & (owner != gpu)
+    cross = fill & (owner // topo.gpus_per_node != gpu // topo.gpus_per_node)
+    return fill, cross, owner
 
 
-def migration_seconds_L(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology,
-                        config) -> torch.Tensor:
-    """float64 ``[L]``: seconds to move each layer's experts whose owner GPU changed, as if
-    that layer moved alone. The cost model moves all layers at once (one maximum over GPUs
-    of the sums), so the sum of these is at least its time: pricing per layer is
-    conservative, and lets each layer decide alone (``Planner.splits_layers``)."""
+def replica_seconds_ML(plan: StepPlan, config) -> torch.Tensor:
+    """float64 ``[M, L]``: the plan's replica fills (forward) + gradient returns (backward)
+    + their collectives' latency, per residency (:func:`~relibra_torch.planning.residency.residencies`)."""
+    res = residencies(plan)
+    fc, fi, rc, ri = _prices(config)
+    lat = collective_latency_s(plan.topology, config)
+    fill = transfer_seconds(res.fill_start_MLGJ, res.cross_node_MLGJ, res.owner_MLGJ, fc, fi)
+    ret = transfer_seconds(res.grad_return_MLGJ, res.cross_node_MLGJ, res.owner_MLGJ, rc, ri)
+    n = res.fill_start_MLGJ.flatten(2).any(-1).to(torch.float64) + res.grad_return_MLGJ.flatten(2).any(-1)
+    return fill + ret + lat * n
+
+
+def window_seconds(se_a: torch.Tensor, st_a: torch.Tensor, se_b: torch.Tensor, st_b: torch.Tensor,
+                   owner_gpu_LE: torch.Tensor, topo: Topology, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica time decided by two consecutive micro-batches ``a, b`` (slots ``[..., L, G, J]``,
+    ``-1`` everywhere for none: before the step's first or after its last): float64
+    ``[..., L]`` ``(fills of b, returns of a)``, latency included.
+
+    Exact per residency when no fill slot is held without tokens (candidates are
+    normalised so: :func:`relibra_torch.planning.choose.candidate_sets`): a residency then
+    starts where a slot's expert differs from the micro-batch before and ends where it
+    differs from the one after, so a step's replica time is the sum of its windows'."""
+    se = torch.stack([se_a, se_b])
+    st = torch.stack([st_a, st_b])
+    fill, cross, owner = _fill_masks(se, owner_gpu_LE, topo)
+    start, ret, _ = residency_masks(se, fill, st)
+    fc, fi, rc, ri = _prices(config)
+    lat = collective_latency_s(topo, config)
+    fill_b = transfer_seconds(start[1], cross[1], owner[1], fc, fi) + lat * start[1].flatten(-2).any(-1).double()
+    ret_a = transfer_seconds(ret[0], cross[0], owner[0], rc, ri) + lat * ret[0].flatten(-2).any(-1).double()
+    return fill_b, ret_a
+
+
+def _moves_per_gpu(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config,
+                   dims: tuple[int, ...]) -> torch.Tensor:
     El, g, G = topo.experts_per_gpu, topo.gpus_per_node, topo.num_gpus
-    L = placement_LE.shape[0]
     old, new = previous_LE // El, placement_LE // El
     moved = old != new
     cross = moved & (old // g != new // g)
+    L = placement_LE.shape[0]
     per_gpu = torch.zeros(L, G, dtype=torch.float64)
     for mask, price in ((cross, config.migration_s_per_expert), (moved & ~cross, config.intra_migration_s_per_expert)):
         sent = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, old, mask.to(torch.int64))
         recv = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, new, mask.to(torch.int64))
-        per_gpu += torch.maximum(sent, recv).to(torch.float64) * price
-    return per_gpu.max(-1).values if G else torch.zeros(L, dtype=torch.float64)
+        if dims:  # all layers at once: sums per GPU first
+            sent, recv = sent.sum(dims, keepdim=True), recv.sum(dims, keepdim=True)
+        per_gpu = per_gpu + torch.maximum(sent, recv).to(torch.float64) * price
+    return per_gpu
+
+
+def migration_seconds_L(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology,
+                        config) -> torch.Tensor:
+    """float64 ``[L]``: each layer's experts whose owner GPU changed, moved as if alone.
+    The cost model moves all layers at once (one maximum over GPUs of the sums), so the sum
+    of these bounds its time from above."""
+    if topo.num_gpus == 0 or placement_LE.shape[0] == 0:
+        return torch.zeros(placement_LE.shape[0], dtype=torch.float64)
+    return _moves_per_gpu(placement_LE, previous_LE, topo, config, ()).max(-1).values
 
 
 def migration_seconds(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config) -> float:
     """Seconds to move every expert whose owner GPU changed, all layers at once (the cost
     model's rule)."""
-    El, g, G = topo.experts_per_gpu, topo.gpus_per_node, topo.num_gpus
-    old, new = previous_LE // El, placement_LE // El
-    moved = old != new
-    cross = moved & (old // g != new // g)
-    per_gpu = torch.zeros(G, dtype=torch.float64)
-    for mask, price in ((cross, config.migration_s_per_expert), (moved & ~cross, config.intra_migration_s_per_expert)):
-        sent = torch.bincount(old[mask], minlength=G)
-        recv = torch.bincount(new[mask], minlength=G)
-        per_gpu += torch.maximum(sent, recv).to(torch.float64) * price
-    return float(per_gpu.max()) if G else 0.0
+    if placement_LE.shape[0] == 0:
+        return 0.0
+    return float(_moves_per_gpu(placement_LE, previous_LE, topo, config, (0,))[0].max())
+
+
+def step_seconds(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> float:
+    """The plan's priced step: expert compute, all-to-all, replicas and collective latency
+    summed over micro-batches and layers, plus the migration from ``plan.previous_placement_LE``
+    (none when ``None``). On count-only loads this is the cost model's ``step_s`` minus
+    attention and dense layers (``tests/test_relibra_choose.py``)."""
+    total = float((moe_seconds_ML(plan, loads_MLSE, config) + replica_seconds_ML(plan, config)).sum())
+    if plan.previous_placement_LE is not None:
+        total += migration_seconds(plan.placement_LE, plan.previous_placement_LE, plan.topology, config)
+    return total

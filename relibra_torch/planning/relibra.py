@@ -52,8 +52,9 @@ from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
-from .choose import chosen_plan, native_slots
-from .fastpath import nothing_pays
+from .choose import chosen_plan
+from .fastpath import assign_gpus as _assign_gpus
+from .fastpath import fast_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -99,18 +100,19 @@ class ReLibraConfig:
             onto less loaded GPUs of its node). ``reorder``, ``traffic_search``,
             ``cross_node_replicas``, ``balance`` and ``choose`` switch relibra's mechanisms one
             by one (``relibra simulate --set relibra.balance=false``) for ablations.
-        choose: price relibra's candidate replica sets per (micro-batch, layer) with these
-            weights (:mod:`relibra_torch.planning.choose`) and keep the cheapest sequence, and
-            keep the previous placement without copies when that prices lower for the step
-            (False, the default: always traffic replicas plus balancing, the reordered
-            placement). Off by default because pricing costs ~10x the planning CPU of the
-            rest (2.3 s against 0.23 s per step on the default trace at 8 micro-batches),
-            which the simulator charges where the forward pass cannot hide it, while the
-            step it saves there is 0.0-0.7% (docs/architecture.md).
+        choose: price the plans relibra's mechanisms can make with these weights (the
+            simulator's step cost, :mod:`relibra_torch.planning.price`) and keep the cheapest:
+            per layer the cheapest sequence of candidate replica sets, and the cheapest
+            whole-step alternative among every subset of mechanisms, the previous placement
+            and static placement (:mod:`relibra_torch.planning.choose`). False: always
+            traffic replicas plus balancing on the reordered placement.
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
             tokens per remote node rather than pairs.
+        fill_weight_share, inter_node_latency_s, nvlink_latency_s: the weights' share of a
+            replica residency's bytes (the rest is its fp32 gradient), and one collective's
+            fixed latency across nodes / inside one (``ReorderWeights``); ``choose`` prices them.
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -130,6 +132,9 @@ class ReLibraConfig:
     choose: bool = False
     intra_node_s_per_token: float = 4.1e-8
     top_k: int = 0
+    fill_weight_share: float = 1.0 / 3.0
+    inter_node_latency_s: float = 25e-6
+    nvlink_latency_s: float = 12e-6
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -174,8 +179,10 @@ class ReLibraConfig:
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
-                     "cross_replica_fill_s_per_expert", "intra_node_s_per_token"):
+                     "cross_replica_fill_s_per_expert", "intra_node_s_per_token", "inter_node_latency_s",
+                     "nvlink_latency_s"):
             check_number(name, getattr(self, name), 0)
+        check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
         check_int("top_k", self.top_k, 0)
         for name in ("cross_node_replicas", "reorder", "traffic_search", "balance", "choose"):
@@ -333,42 +340,6 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
     return node_LE
 
 
-def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: torch.Tensor,
-                 topology: Topology) -> torch.Tensor:
-    """GPUs inside each node: experts stay on their previous GPU when it is in their node and
-    has room; the rest go, heaviest first, to the node's GPU with the least step load."""
-    L, E = node_LE.shape
-    g, El = topology.gpus_per_node, topology.experts_per_gpu
-    G = topology.num_gpus
-    node, total, prev = node_LE.tolist(), total_LE.tolist(), prev_gpu_LE.tolist()
-    placement = []
-    for l in range(L):
-        room = [El] * G
-        gpu_load = [0] * G
-        gpu_of = [-1] * E
-        order = sorted(range(E), key=lambda e: (-total[l][e], e))
-        for e in order:
-            p = prev[l][e]
-            if p // g == node[l][e] and room[p] > 0:
-                gpu_of[e] = p
-                room[p] -= 1
-                gpu_load[p] += total[l][e]
-        for e in order:
-            if gpu_of[e] < 0:
-                gpus = range(node[l][e] * g, node[l][e] * g + g)
-                p = min((q for q in gpus if room[q] > 0), key=lambda q: (gpu_load[q], q))
-                gpu_of[e] = p
-                room[p] -= 1
-                gpu_load[p] += total[l][e]
-        next_local = [0] * G
-        place = [0] * E
-        for e in range(E):  # native slots in logical order inside a GPU: deterministic
-            place[e] = gpu_of[e] * El + next_local[gpu_of[e]]
-            next_local[gpu_of[e]] += 1
-        placement.append(place)
-    return torch.tensor(placement, dtype=torch.int64)
-
-
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
                  config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None) -> StepPlan:
@@ -385,24 +356,20 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     if previous_placement_LE is None:
         previous_placement_LE = topology.static_placement(L)
     coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
-    if nothing_pays(loads_MLSE, topology, previous_placement_LE, config, coloc_w):
-        # the full search would keep every expert's GPU (reordering: in canonical slot order)
-        prev_gpu_LE = previous_placement_LE // topology.experts_per_gpu
-        native_LGl = torch.empty_like(previous_placement_LE).scatter_(
-            1, previous_placement_LE, torch.arange(topology.num_experts).expand(L, -1)).view(L, topology.num_gpus, -1)
-        canonical = bool((native_LGl[..., 1:] > native_LGl[..., :-1]).all())
-        placement_LE = previous_placement_LE.clone()
-        if config.reorder and not canonical:
-            placement_LE = _assign_gpus(prev_gpu_LE // topology.gpus_per_node, torch.zeros_like(prev_gpu_LE),
-                                        prev_gpu_LE, topology)
-        return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE), "relibra",
-                        previous_placement_LE.clone())
+    fast = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w)
+    if fast is not None:  # provably what the full search returns (planning/fastpath.py)
+        return fast
     if config.reorder:
         placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE)
     else:
         placement_LE = previous_placement_LE.clone()
     if config.choose:
-        return chosen_plan(loads_MLSE, topology, placement_LE, previous_placement_LE, config, pairs_LEE, coloc_w)
+        placements = {True: placement_LE, False: placement_LE}
+        if config.reorder and config.traffic_search and config.cross_node_replicas:
+            # relibra without traffic replicas reorders without their slots
+            placements[False] = reorder(loads_MLSE, topology, previous_placement_LE,
+                                        dataclasses.replace(config, cross_node_replicas=False), pairs_LEE)
+        return chosen_plan(loads_MLSE, topology, previous_placement_LE, config, placements, pairs_LEE, coloc_w)
     prefilled = None
     R, g = topology.replica_slots, topology.gpus_per_node
     if config.cross_node_replicas and topology.num_nodes > 1 and R:
@@ -426,9 +393,12 @@ class ReLibraPlanner(Planner):
         super().__init__(topology)
         self.config = config
 
-    # Every stage works per layer (the swap search stops per layer too), so any subset of
-    # layers plans exactly as in the full plan: EP ranks can each plan a share.
-    splits_layers = True
+    @property
+    def splits_layers(self) -> bool:
+        """Every stage works per layer (the swap search stops per layer too), so any subset
+        of layers plans exactly as in the full plan and EP ranks can each plan a share;
+        except with ``choose``, which picks among whole-step alternatives."""
+        return not self.config.choose
 
     @property
     def uses_coactivation(self) -> bool:
