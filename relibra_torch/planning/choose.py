@@ -42,7 +42,8 @@ import torch
 
 from .balance import replicate
 from .plan import StepPlan
-from .price import migration_seconds, migration_seconds_L, moe_seconds_ML, window_seconds
+from .price import (compute_seconds_ML, exchange_latency_s, migration_seconds, migration_seconds_L, moe_parts_ML,
+                    window_seconds)
 from .reorder_traffic import colocated_pairs
 from .topology import Topology
 from .traffic import traffic_replicas
@@ -116,7 +117,8 @@ class Group:
 
     Attributes:
         placement_LE: the placement; slots_O: ``[(slot_expert_MLGJ, slot_tokens_MLGJ)]``.
-        moe_OML: compute + all-to-all + exchange latency of each candidate.
+        moe_OML: compute + all-to-all + exchange latency of each candidate (NaN: not priced).
+        cross_OML: the all-to-all's inter-node part alone (``price.a2a_parts_ML``).
         start_OL: fills at the step's first micro-batch; end_OL: returns at its last.
         window_MOOL: ``[M - 1]``: fills at ``m + 1`` and returns at ``m`` from candidate
             ``o'`` at ``m`` to ``o`` at ``m + 1`` (index ``[m, o', o]``).
@@ -125,40 +127,72 @@ class Group:
     placement_LE: torch.Tensor
     slots_O: list
     moe_OML: torch.Tensor | None = None
+    cross_OML: torch.Tensor | None = None
     start_OL: torch.Tensor | None = None
     end_OL: torch.Tensor | None = None
     window_MOOL: torch.Tensor | None = None
 
+    def __post_init__(self) -> None:
+        if self.moe_OML is None:
+            O, (M, L) = len(self.slots_O), self.slots_O[0][0].shape[:2]
+            self.moe_OML = torch.full((O, M, L), float("nan"), dtype=torch.float64)
+            self.cross_OML = self.moe_OML.clone()
 
-def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topology, config) -> None:
-    """Fill every group's prices. A (micro-batch, layer) row equal to one already priced
+    def lower_ML(self, o: int, twin: int, topology: Topology, config) -> torch.Tensor:
+        """float64 ``[M, L]``: at most candidate ``o``'s price, from a priced ``twin`` with the
+        same inter-node rows (``o`` less balancing copies, which stay in their node): ``o``'s
+        compute and exchange latency exactly, its all-to-all by the twin's inter-node part."""
+        return (compute_seconds_ML(self.slots_O[o][1], config) + exchange_latency_s(topology, config)
+                + self.cross_OML[twin])
+
+
+def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topology, config,
+                 todo: list[list[int]] | None = None) -> None:
+    """Price the candidates ``todo[i]`` of group ``i`` (default: all), and every group's
+    fills and returns. A (micro-batch, layer) row equal to one priced in the same call
     (any group, same slots) takes its price: most rows, where no copy is made."""
-    rows = [(gi, o) for gi, grp in enumerate(groups) for o in range(len(grp.slots_O))]
-    se_RMLGJ = torch.stack([groups[gi].slots_O[o][0] for gi, o in rows])
-    st_RMLGJ = torch.stack([groups[gi].slots_O[o][1] for gi, o in rows])
-    X, M, L, G, J = se_RMLGJ.shape
-    first_XML = torch.arange(X).view(X, 1, 1).expand(X, M, L).clone()
-    for c in range(1, X):
-        for cp in range(c):
-            same = ((se_RMLGJ[c] == se_RMLGJ[cp]) & (st_RMLGJ[c] == st_RMLGJ[cp])).flatten(2).all(-1)
-            first_XML[c] = torch.where(same & (first_XML[c] == c), cp, first_XML[c])
-    c_R, m_R, l_R = (first_XML == torch.arange(X).view(X, 1, 1)).nonzero(as_tuple=True)
-    price_R = torch.empty(c_R.numel(), dtype=torch.float64)
-    # any placement will do for the rows: compute and all-to-all depend on the slots alone
-    place = groups[0].placement_LE
-    for a in range(0, c_R.numel(), _ROWS):  # rows priced as the layers of one micro-batch
-        c_, m_, l_ = c_R[a:a + _ROWS], m_R[a:a + _ROWS], l_R[a:a + _ROWS]
-        part = StepPlan(topology, place[l_], se_RMLGJ[c_, m_, l_].unsqueeze(0), st_RMLGJ[c_, m_, l_].unsqueeze(0),
-                        "relibra")
-        price_R[a:a + _ROWS] = moe_seconds_ML(part, loads_MLSE[m_, l_].unsqueeze(0), config)[0]
-    priced_XML = torch.zeros(X, M, L, dtype=torch.float64)
-    priced_XML[c_R, m_R, l_R] = price_R
-    moe_XML = priced_XML.gather(0, first_XML)
-    at = 0
+    todo = todo if todo is not None else [list(range(len(grp.slots_O))) for grp in groups]
+    rows = [(gi, o) for gi, grp in enumerate(groups) for o in todo[gi]]
+    M, L = loads_MLSE.shape[:2]
+    if rows:
+        se_RMLGJ = torch.stack([groups[gi].slots_O[o][0] for gi, o in rows])
+        st_RMLGJ = torch.stack([groups[gi].slots_O[o][1] for gi, o in rows])
+        X = se_RMLGJ.shape[0]
+        first_XML = torch.arange(X).view(X, 1, 1).expand(X, M, L).clone()
+        for c in range(1, X):
+            for cp in range(c):
+                same = ((se_RMLGJ[c] == se_RMLGJ[cp]) & (st_RMLGJ[c] == st_RMLGJ[cp])).flatten(2).all(-1)
+                first_XML[c] = torch.where(same & (first_XML[c] == c), cp, first_XML[c])
+        own_XML = first_XML == torch.arange(X).view(X, 1, 1)
+        value_2XML = torch.full((2, X, M, L), float("nan"), dtype=torch.float64)
+        for x, (gi, o) in enumerate(rows):  # rows a candidate shares with one priced before
+            grp = groups[gi]
+            for op in range(len(grp.slots_O)):
+                if op == o or bool(grp.moe_OML[op].isnan().any()):
+                    continue
+                same = ((grp.slots_O[op][0] == se_RMLGJ[x]) & (grp.slots_O[op][1] == st_RMLGJ[x])).flatten(2).all(-1)
+                take = same & own_XML[x]
+                value_2XML[0, x] = torch.where(take, grp.moe_OML[op], value_2XML[0, x])
+                value_2XML[1, x] = torch.where(take, grp.cross_OML[op], value_2XML[1, x])
+                own_XML[x] &= ~same
+        c_R, m_R, l_R = own_XML.nonzero(as_tuple=True)
+        price_R = torch.empty(2, c_R.numel(), dtype=torch.float64)
+        # any placement will do for the rows: compute and all-to-all depend on the slots alone
+        place = groups[0].placement_LE
+        for a in range(0, c_R.numel(), _ROWS):  # rows priced as the layers of one micro-batch
+            c_, m_, l_ = c_R[a:a + _ROWS], m_R[a:a + _ROWS], l_R[a:a + _ROWS]
+            part = StepPlan(topology, place[l_], se_RMLGJ[c_, m_, l_].unsqueeze(0),
+                            st_RMLGJ[c_, m_, l_].unsqueeze(0), "relibra")
+            moe, cross = moe_parts_ML(part, loads_MLSE[m_, l_].unsqueeze(0), config)
+            price_R[0, a:a + _ROWS], price_R[1, a:a + _ROWS] = moe[0], cross[0]
+        value_2XML[:, c_R, m_R, l_R] = price_R
+        value_2XML = value_2XML.gather(1, first_XML.unsqueeze(0).expand(2, X, M, L))
+        for x, (gi, o) in enumerate(rows):
+            groups[gi].moe_OML[o], groups[gi].cross_OML[o] = value_2XML[0, x], value_2XML[1, x]
     for grp in groups:
+        if grp.start_OL is not None:
+            continue
         O = len(grp.slots_O)
-        grp.moe_OML = moe_XML[at:at + O]
-        at += O
         se_O = torch.stack([s[0] for s in grp.slots_O])
         st_O = torch.stack([s[1] for s in grp.slots_O])
         owner = grp.placement_LE // topology.experts_per_gpu
@@ -175,11 +209,13 @@ def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topolo
         grp.window_MOOL = win
 
 
-def cheapest_sequence(grp: Group, allowed: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def cheapest_sequence(grp: Group, allowed: list[int], moe_OML: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(choice_ML, priced_L)``: per layer the cheapest sequence of the candidates
-    ``allowed`` (indices into ``grp.slots_O``) and its price (module docstring)."""
+    ``allowed`` (indices into ``grp.slots_O``) and its price (module docstring); with
+    ``moe_OML`` (lower bounds of some candidates' prices), a lower bound of that price."""
     idx = torch.tensor(allowed)
-    moe = grp.moe_OML[idx]
+    moe = (grp.moe_OML if moe_OML is None else moe_OML)[idx]
     M = moe.shape[1]
     value_CL = moe[:, 0] + grp.start_OL[idx]
     back = []
@@ -197,7 +233,7 @@ def cheapest_sequence(grp: Group, allowed: list[int]) -> tuple[torch.Tensor, tor
 
 def _assemble(parts: list[tuple[Group, torch.Tensor, torch.Tensor]], L: int, topology: Topology):
     """``(placement_LE, se, st)`` taking layer ``l`` from the group and choice of ``parts``
-    whose mask ``[L]`` holds it (the first that does)."""
+    whose mask ``[L]`` holds it (the later one where several do)."""
     placement_LE = se = st = None
     for grp, mask_L, choice_ML in parts:
         se_O = torch.stack([s[0] for s in grp.slots_O])
@@ -219,29 +255,51 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
     """The cheapest whole-step alternative (module docstring). ``placements[t]``: relibra's
     reordered placement with (``True``) and without traffic slots; ``coloc_w``: seconds a
     co-located co-activated pair saves (hierarchical dispatch with the step's ``pairs_LEE``),
-    credited to a placement for the crossings the count-level price cannot see."""
+    credited to a placement for the crossings the count-level price cannot see.
+
+    Of the mechanism subsets that share a placement only the largest is priced in full: its
+    cheapest sequences are per layer at most a smaller subset's (a superset of candidates),
+    so its per-layer choice moves every layer the smaller one moves, each for less than it
+    saves at its own migration, which bounds what it adds to the joint move. Two subsets
+    are priced lazily: relibra without balancing (traffic replicas, step-long set; ``both``
+    and ``step`` are their twins with the same inter-node rows) and relibra without traffic
+    replicas (its balancing copies; twin: its ``none``). A lower bound of their alternatives
+    (:meth:`Group.lower_ML` in the cheapest sequence, migration exact) is computed first, and
+    their candidates are priced only when it beats the best plan so far."""
     M, L = loads_MLSE.shape[:2]
     R, N = topology.replica_slots, topology.num_nodes
     traffic_on = bool(config.cross_node_replicas and N > 1 and R)
     balance_on = bool(config.balance and R)
-    subsets = [s for s in SUBSET_NAMES if ("traffic" not in s or traffic_on) and ("balance" not in s or balance_on)]
-    static_LE = topology.static_placement(L)
-    groups: list[Group] = []
-    alias_of: list[dict] = []
-    where: dict[bool, int] = {}
-    for t in sorted({("traffic" in s) for s in subsets}, reverse=True):
-        p = placements[t]
-        if not t and True in where and torch.equal(p, groups[where[True]].placement_LE):
-            where[False] = where[True]
-            continue
-        slots, alias = candidate_sets(loads_MLSE, topology, p, config, traffic=t and traffic_on, balance=balance_on)
-        where[t] = len(groups)
-        groups.append(Group(p, [(se, st) for _, se, st in slots]))
-        alias_of.append(alias)
+    bal = ("balance",) if balance_on else ()
+    # (group, allowed names, lazy names -> twin names), main subsets first
+    plans: list[tuple[Group, list[str], dict[str, str]]] = []
+    groups, aliases = [], []
+    for t in ((True, False) if traffic_on else (False,)):
+        if not t and groups and torch.equal(placements[False], groups[0].placement_LE):
+            break  # the same placement: the subsets with traffic replicas cover those without
+        slots, alias = candidate_sets(loads_MLSE, topology, placements[t], config, traffic=t, balance=balance_on)
+        groups.append(Group(placements[t], [(se, st) for _, se, st in slots]))
+        aliases.append(alias)
+        if t and balance_on:
+            plans.append((len(groups) - 1, ["none", "balance", "both", "step"], {}))
+            plans.append((len(groups) - 1, ["none", "traffic", "step_only"], {"traffic": "both", "step_only": "step"}))
+        elif t or not traffic_on:
+            plans.append((len(groups) - 1, list(SUBSET_NAMES[(("traffic",) if t else ()) + bal]), {}))
+        else:  # relibra without traffic replicas, beside a full subset on another placement
+            plans.append((len(groups) - 1, list(SUBSET_NAMES[bal]), {"balance": "none"} if balance_on else {}))
+    resolved = []
+    for gi, names, lazy in plans:
+        alias = aliases[gi]
+        twins = {alias[n]: alias[tw] for n, tw in lazy.items() if n in alias and tw in alias}
+        allowed = sorted({alias[n] for n in names if n in alias})
+        resolved.append((groups[gi], allowed, {o: tw for o, tw in twins.items() if o != tw}))
     keep = Group(previous_placement_LE, [native_slots(loads_MLSE, topology, previous_placement_LE)])
-    static = Group(static_LE, [native_slots(loads_MLSE, topology, static_LE)])
-    price_groups(groups + [keep, static], loads_MLSE, topology, config)
+    exact = [sorted({o for grp2, allowed, twins in resolved if grp2 is grp for o in allowed if o not in twins}
+                    | {tw for grp2, _, twins in resolved if grp2 is grp for tw in twins.values()})
+             for grp in groups]
+    price_groups(groups + [keep], loads_MLSE, topology, config, exact + [[0]])
     none_ML = torch.zeros(M, L, dtype=torch.int64)
+    every = torch.ones(L, dtype=torch.bool)
 
     def credit_L(p_LE: torch.Tensor) -> torch.Tensor:
         if not coloc_w or pairs_LEE is None:
@@ -251,27 +309,32 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
                   - colocated_pairs(pairs, previous_placement_LE // per_node, N))
         return coloc_w * gained.to(torch.float64)
 
+    def total(priced_L: torch.Tensor, placement_LE: torch.Tensor) -> float:
+        return (float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
+                - float(credit_L(placement_LE).sum()))
+
     keep_L = cheapest_sequence(keep, [0])[1]
-    alternatives = []  # (priced layers [L] before migration, parts)
-    for s in subsets:
-        grp = groups[where["traffic" in s]]
-        alias = alias_of[where["traffic" in s]]
-        allowed = sorted({alias[n] for n in SUBSET_NAMES[s] if n in alias})
-        choice_ML, priced_L = cheapest_sequence(grp, allowed)
+    best, best_price = [(keep, every, none_ML)], total(keep_L, previous_placement_LE)
+    for grp, allowed, twins in sorted(resolved, key=lambda r: bool(r[2])):  # lazy subsets last
         moved_L = migration_seconds_L(grp.placement_LE, previous_placement_LE, topology, config)
-        use_L = priced_L + moved_L - credit_L(grp.placement_LE) < keep_L
-        mixed_L = torch.where(use_L, priced_L, keep_L)
-        alternatives.append((mixed_L, [(grp, use_L, choice_ML), (keep, ~use_L, none_ML)], grp.placement_LE, use_L))
-        alternatives.append((priced_L, [(grp, torch.ones(L, dtype=torch.bool), choice_ML)], grp.placement_LE, None))
-    alternatives.append((keep_L, [(keep, torch.ones(L, dtype=torch.bool), none_ML)], previous_placement_LE, None))
-    static_L = cheapest_sequence(static, [0])[1]
-    alternatives.append((static_L, [(static, torch.ones(L, dtype=torch.bool), none_ML)], static_LE, None))
-    best, best_price = None, float("inf")
-    for priced_L, parts, p_LE, use_L in alternatives:
-        placement_LE = p_LE if use_L is None else torch.where(use_L.view(L, 1), p_LE, previous_placement_LE)
-        price = (float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
-                 - float(credit_L(placement_LE).sum()))
-        if price < best_price:
-            best, best_price = parts, price
+        gain_L = credit_L(grp.placement_LE)
+        pending = [o for o in twins if bool(grp.moe_OML[o].isnan().any())]
+        if pending:
+            lower = grp.moe_OML.clone()
+            for o in pending:
+                lower[o] = grp.lower_ML(o, twins[o], topology, config)
+            low_L = cheapest_sequence(grp, allowed, lower)[1]
+            if (float(torch.minimum(low_L - gain_L, keep_L).sum()) >= best_price
+                    and total(low_L, grp.placement_LE) >= best_price):
+                continue  # neither alternative can beat the best: not priced
+            price_groups([grp], loads_MLSE, topology, config, [pending])
+        choice_ML, priced_L = cheapest_sequence(grp, allowed)
+        use_L = priced_L + moved_L - gain_L < keep_L
+        mixed = torch.where(use_L.view(L, 1), grp.placement_LE, previous_placement_LE)
+        for parts, price in (([(grp, use_L, choice_ML), (keep, ~use_L, none_ML)],
+                              total(torch.where(use_L, priced_L, keep_L), mixed)),
+                             ([(grp, every, choice_ML)], total(priced_L, grp.placement_LE))):
+            if price < best_price:
+                best, best_price = parts, price
     placement_LE, se, st = _assemble(best, L, topology)
     return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())

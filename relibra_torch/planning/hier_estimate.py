@@ -12,23 +12,31 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["approx_need", "hierarchical_traffic"]
+__all__ = ["approx_need", "approx_need_columns", "hierarchical_traffic"]
 
 
 def approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
     """float64 ``[L, S, P]``: expected tokens of ``s`` with a pair in piece ``p``, from the
     pairs of each expert of the piece (last dim; zeros for absent experts), by the rule of
-    :mod:`relibra_torch.sim.dispatch` (the smaller of two no-pair chances, clipped to always-true bounds)."""
-    flow = flow_LSPE.to(torch.float64)
-    T = tokens_S.to(torch.float64).view(1, -1, 1, 1)
-    p = torch.where(T > 0, flow / T.clamp(min=1.0), torch.zeros_like(flow)).clamp(0.0, 1.0)
-    none_indep = torch.log1p(-p).sum(-1).exp()
+    :mod:`relibra_torch.sim.dispatch` (the smaller of two no-pair chances, clipped to
+    always-true bounds). :func:`approx_need_columns` with the experts first."""
+    return approx_need_columns(flow_LSPE.movedim(-1, 0), tokens_S, top_k)
+
+
+def approx_need_columns(flow_KLSP: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """:func:`approx_need` of ``flow_KLSP`` (the experts of each piece first, ``K`` of them):
+    sums over ``K`` contiguous slices rather than a short last dim, a few times faster."""
+    T = tokens_S.to(torch.float64).view(1, -1, 1)
+    # no tokens: no pairs either, so each share is 0 (flow / inf)
+    T_div = torch.where(T > 0, T.clamp(min=1.0), torch.full_like(T, float("inf")))
+    p = (flow_KLSP.to(torch.float64) / T_div).clamp_(0.0, 1.0)
+    none_indep = torch.log1p(-p).sum(0).exp()
     # K successive draws without replacement, draw probabilities r = p / K: the next draw
     # hits piece n with n's mass over the mass left, after i draws elsewhere have each
     # removed rho (the expected mass of an item drawn from the other pieces).
     r = p / top_k
-    mass_SN = r.sum(-1).clamp(max=1.0)
-    sq_SN = (r * r).sum(-1)
+    mass_SN = r.sum(0).clamp(max=1.0)
+    sq_SN = (r * r).sum(0)
     rest = (1.0 - mass_SN).clamp(min=1e-12)
     rho = ((sq_SN.sum(-1, keepdim=True) - sq_SN) / rest).clamp(min=0.0)
     none_draws = torch.ones_like(mass_SN)
@@ -37,8 +45,8 @@ def approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> 
         none_draws = none_draws * (1.0 - mass_SN / left).clamp(0.0, 1.0)
     need = 1.0 - torch.minimum(none_indep, none_draws)
     # always-true bounds: at least the most-chosen piece, at most the expected pairs
-    need = torch.minimum(torch.maximum(need, p.amax(-1)), p.sum(-1))
-    return need * T.view(1, -1, 1)
+    need = torch.minimum(torch.maximum(need, p.amax(0)), p.sum(0))
+    return need * T
 
 
 def hierarchical_traffic(copies_LSG: torch.Tensor, cross_tokens_LSN: torch.Tensor, topo: Topology

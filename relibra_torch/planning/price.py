@@ -39,13 +39,13 @@ from __future__ import annotations
 
 import torch
 
-from .hier_estimate import approx_need, hierarchical_traffic
+from .hier_estimate import approx_need_columns, hierarchical_traffic
 from .plan import StepPlan, token_split
-from .residency import residencies, residency_masks
+from .residency import residencies
 from .topology import Topology
 
-__all__ = ["a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
-           "migration_seconds", "migration_seconds_L", "moe_seconds_ML", "replica_seconds_ML",
+__all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
+           "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML", "replica_seconds_ML",
            "step_seconds", "transfer_seconds", "window_seconds"]
 
 
@@ -79,32 +79,51 @@ def _hierarchical_counts(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor
     """The simulator's count-level hierarchical rows (``sim.dispatch.approx_cross_tokens``,
     ``approx_gpu_copies``, ``hierarchical_traffic``) of one micro-batch, ``[L, G]`` each.
 
-    The node flow keeps only the (node, expert) columns some slot holds (at most ``G * J``
-    of ``N * E``), in the simulator's column order: absent experts add zeros to every sum."""
+    The node flow keeps, per row, only the (node, expert) columns some slot holds (at most
+    ``g J`` per node of ``E``), in the simulator's column order: absent experts add zeros."""
     L, S, G, J = split_LSGJ.shape
     N, g, E = topo.num_nodes, topo.gpus_per_node, topo.num_experts
     e_LX = slot_expert_LGJ.reshape(L, G * J)
-    col_LX = (torch.arange(G * J) // (J * g)) * E + e_LX.clamp(min=0)
-    flow = torch.zeros(L, S, N * E, dtype=torch.int64)
-    flow.scatter_add_(2, col_LX.unsqueeze(1).expand(L, S, G * J),
-                      split_LSGJ.reshape(L, S, G * J) * (e_LX >= 0).unsqueeze(1))
-    used_C = torch.zeros(N * E, dtype=torch.bool)
-    used_C[col_LX[e_LX >= 0]] = True
-    per_node = used_C.view(N, E)
-    width = max(int(per_node.sum(1).max()), 1)
-    # each node's used experts first, in expert order (stable), then padding columns of zeros
-    keep_NK = (~per_node).to(torch.int8).argsort(dim=1, stable=True)[:, :width]
-    live_NK = per_node.gather(1, keep_NK)
-    flow_LSNK = flow.view(L, S, N, E).gather(3, keep_NK.view(1, 1, N, width).expand(L, S, N, width))
-    flow_LSNK = flow_LSNK * live_NK.view(1, 1, N, width)
+    valid_LX = e_LX >= 0
+    node_X = torch.arange(G * J) // (J * g)
+    # column of each slot: its expert's rank among the experts its node holds in that row
+    used_LNE = torch.zeros(L, N * E + 1, dtype=torch.bool)  # the last column takes the empty slots
+    used_LNE.scatter_(1, torch.where(valid_LX, node_X * E + e_LX, N * E), True)
+    rank_LNE = used_LNE[:, :N * E].reshape(L, N, E).cumsum(-1) - 1
+    width = max(int(rank_LNE[..., -1].max()) + 1, 1)
+    col_LX = rank_LNE.view(L, N * E).gather(1, (node_X * E + e_LX.clamp(min=0))).clamp(min=0)  # empty: adds 0
+    # one flat scatter into [K, L, S, N] (the experts first, as approx_need_columns takes them)
+    idx_LSX = (col_LX.view(L, 1, G * J) * (L * S * N) + torch.arange(L).view(L, 1, 1) * (S * N)
+               + torch.arange(S).view(1, S, 1) * N + node_X.view(1, 1, G * J))
+    flow_KLSN = torch.zeros(width * L * S * N, dtype=torch.int64)
+    flow_KLSN.scatter_add_(0, idx_LSX.reshape(-1), (split_LSGJ.reshape(L, S, G * J) * valid_LX.unsqueeze(1)).reshape(-1))
+    flow_KLSN = flow_KLSN.view(width, L, S, N)
     own = torch.nn.functional.one_hot(torch.arange(G) // g, N).bool()
-    cross = approx_need(flow_LSNK, tokens_S, top_k).masked_fill(own.unsqueeze(0), 0.0)
-    copies = approx_need(split_LSGJ * (slot_expert_LGJ >= 0).unsqueeze(1), tokens_S, top_k)
+    cross = approx_need_columns(flow_KLSN, tokens_S, top_k).masked_fill(own.unsqueeze(0), 0.0)
+    split_JLSG = (split_LSGJ * (slot_expert_LGJ >= 0).unsqueeze(1)).movedim(-1, 0).contiguous()
+    copies = approx_need_columns(split_JLSG, tokens_S, top_k)
     return hierarchical_traffic(copies, cross, topo)
 
 
-def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
-    """float64 ``[M, L]``: dispatch + combine, forward + backward, under ``config.dispatch``.
+def _split(plan: StepPlan, m: int, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """int64 ``[L, S, G, J]``: :func:`token_split` of micro-batch ``m``; with every expert on
+    its owner only (no replica slot used) that is each source's count at its one slot."""
+    topo = plan.topology
+    se_LGJ = plan.slot_expert_MLGJ[m]
+    if bool((se_LGJ[..., topo.experts_per_gpu:] < 0).all()):
+        L, G, J = se_LGJ.shape
+        S = loads_MLSE.shape[2]
+        idx = se_LGJ.clamp(min=0).view(L, 1, G * J).expand(L, S, G * J)
+        split = loads_MLSE[m].to(torch.int64).gather(2, idx) * (se_LGJ >= 0).view(L, 1, G * J)
+        return split.view(L, S, G, J)
+    return token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0]
+
+
+def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``[M, L]`` ``(all-to-all, its inter-node part)``: dispatch + combine, forward
+    + backward, under ``config.dispatch``, and the slowest GPU's inter-node term alone (a
+    lower bound of the first for any plan with the same inter-node rows: balancing copies,
+    which stay in their node, leave them unchanged).
 
     Hierarchical dispatch needs ``config.top_k`` (a rank's tokens are its pairs // top_k,
     as the simulator counts them on loads files); unknown (0), the cross-node units stay
@@ -117,8 +136,9 @@ def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Te
     same_gpu = torch.eye(G, dtype=torch.bool)
     hier = config.dispatch == "hierarchical" and config.top_k > 0
     out = torch.empty(M, plan.num_layers, dtype=torch.float64)
+    cross_out = torch.empty(M, plan.num_layers, dtype=torch.float64)
     for m in range(M):  # one micro-batch at a time keeps the [L, S, G, J] split small
-        split_LSGJ = token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0]
+        split_LSGJ = _split(plan, m, loads_MLSE)
         if hier:
             tokens_S = loads_MLSE[m, 0].to(torch.int64).sum(-1) // config.top_k
             cs, cr, is_, ir = _hierarchical_counts(split_LSGJ, plan.slot_expert_MLGJ[m], tokens_S,
@@ -127,17 +147,29 @@ def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Te
             split_LSG = split_LSGJ.sum(-1)
             cross, intra = split_LSG * ~same_node, split_LSG * (same_node & ~same_gpu)
             cs, cr, is_, ir = cross.sum(2), cross.sum(1), intra.sum(2), intra.sum(1)
-        per_gpu = (torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
-                   + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token)
-        out[m] = per_gpu.max(-1).values
-    return out
+        cross_G = torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
+        out[m] = (cross_G + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token).max(-1).values
+        cross_out[m] = cross_G.max(-1).values
+    return out, cross_out
+
+
+def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[M, L]``: the all-to-all of :func:`a2a_parts_ML`."""
+    return a2a_parts_ML(plan, loads_MLSE, config)[0]
+
+
+def moe_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``[M, L]`` ``(moe, inter-node part)``: :func:`moe_seconds_ML` and the
+    all-to-all's inter-node part alone (:func:`a2a_parts_ML`)."""
+    a2a, cross = a2a_parts_ML(plan, loads_MLSE, config)
+    return (compute_seconds_ML(plan.slot_tokens_MLGJ, config) + a2a + exchange_latency_s(plan.topology, config),
+            cross)
 
 
 def moe_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
     """float64 ``[M, L]``: expert compute + all-to-all + the exchange's latency (replicas
     and migration apart: they depend on neighbouring micro-batches and the step)."""
-    return (compute_seconds_ML(plan.slot_tokens_MLGJ, config) + a2a_seconds_ML(plan, loads_MLSE, config)
-            + exchange_latency_s(plan.topology, config))
+    return moe_parts_ML(plan, loads_MLSE, config)[0]
 
 
 def transfer_seconds(mask_XGJ: torch.Tensor, cross_XGJ: torch.Tensor, owner_XGJ: torch.Tensor,
@@ -194,19 +226,20 @@ def window_seconds(se_a: torch.Tensor, st_a: torch.Tensor, se_b: torch.Tensor, s
     ``-1`` everywhere for none: before the step's first or after its last): float64
     ``[..., L]`` ``(fills of b, returns of a)``, latency included.
 
-    Exact per residency when no fill slot is held without tokens (candidates are
-    normalised so: :func:`relibra_torch.planning.choose.candidate_sets`): a residency then
-    starts where a slot's expert differs from the micro-batch before and ends where it
-    differs from the one after, so a step's replica time is the sum of its windows'."""
-    se = torch.stack([se_a, se_b])
-    st = torch.stack([st_a, st_b])
-    fill, cross, owner = _fill_masks(se, owner_gpu_LE, topo)
-    start, ret, _ = residency_masks(se, fill, st)
+    Exact per residency when every fill slot has tokens (candidates are normalised so:
+    :func:`relibra_torch.planning.choose.candidate_sets`): then ``residency_masks`` starts a
+    residency where a fill slot's expert differs from the micro-batch before and ends one
+    where it differs from the one after, so a step's replica time is the sum of its
+    windows' (``tests/test_relibra_choose.py`` checks the sum against :func:`replica_seconds_ML`)."""
+    fill_a, cross_a, owner_a = _fill_masks(se_a, owner_gpu_LE, topo)
+    fill_b, cross_b, owner_b = _fill_masks(se_b, owner_gpu_LE, topo)
+    kept = fill_a & fill_b & (se_a == se_b)
+    start_b, ret_a = (fill_b & (st_b > 0)) & ~kept, (fill_a & (st_a > 0)) & ~kept
     fc, fi, rc, ri = _prices(config)
     lat = collective_latency_s(topo, config)
-    fill_b = transfer_seconds(start[1], cross[1], owner[1], fc, fi) + lat * start[1].flatten(-2).any(-1).double()
-    ret_a = transfer_seconds(ret[0], cross[0], owner[0], rc, ri) + lat * ret[0].flatten(-2).any(-1).double()
-    return fill_b, ret_a
+    fills = transfer_seconds(start_b, cross_b, owner_b, fc, fi) + lat * start_b.flatten(-2).any(-1).double()
+    returns = transfer_seconds(ret_a, cross_a, owner_a, rc, ri) + lat * ret_a.flatten(-2).any(-1).double()
+    return fills, returns
 
 
 def _moves_per_gpu(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config,

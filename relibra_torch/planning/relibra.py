@@ -209,11 +209,14 @@ def _coactivation_weight(config: ReLibraConfig, pairs_LEE: torch.Tensor | None, 
 
 
 def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
-            config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None) -> torch.Tensor:
+            config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None,
+            also_without_traffic: bool = False):
     """Choose the step's placement ``[L, E]`` (int64 physical native slot per expert).
 
     ``pairs_LEE``: optional int ``[L, E, E]`` co-activation counts of the step
     (:func:`relibra_torch.replay.counts.count_pairs`), priced under hierarchical dispatch.
+    ``also_without_traffic``: return ``(placement_LE, the placement with
+    cross_node_replicas=False)``, sharing the load-first search (``choose`` prices both).
     """
     M, L, S, E = loads_MLSE.shape
     N, g, El = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu
@@ -269,12 +272,15 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
         best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
                                     prev_node_LE, config, N, g, full_objective, pairs_LEE, coloc_w)
-        # Then each node's cross-node send and receive, net of its traffic replicas.
-        slots = topology.replica_slots // 2 if config.cross_node_replicas else 0
-        if config.traffic_search:
-            best_node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g, slots,
-                                               pairs_LEE, coloc_w)
-    return _assign_gpus(best_node_LE, total_LE, prev_gpu_LE, topology)
+    # Then each node's cross-node send and receive, net of its traffic replicas.
+    out = []
+    for replicas in (config.cross_node_replicas, False)[:1 + also_without_traffic]:
+        node_LE = best_node_LE
+        if N > 1 and config.traffic_search:
+            node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g,
+                                          topology.replica_slots // 2 if replicas else 0, pairs_LEE, coloc_w)
+        out.append(_assign_gpus(node_LE, total_LE, prev_gpu_LE, topology))
+    return tuple(out) if also_without_traffic else out[0]
 
 
 def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective,
@@ -359,17 +365,15 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     fast = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w)
     if fast is not None:  # provably what the full search returns (planning/fastpath.py)
         return fast
+    if config.choose:  # relibra without traffic replicas reorders without their slots
+        both = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE, also_without_traffic=True)
+                if config.reorder else (previous_placement_LE.clone(),) * 2)
+        return chosen_plan(loads_MLSE, topology, previous_placement_LE, config, dict(zip((True, False), both)),
+                           pairs_LEE, coloc_w)
     if config.reorder:
         placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE)
     else:
         placement_LE = previous_placement_LE.clone()
-    if config.choose:
-        placements = {True: placement_LE, False: placement_LE}
-        if config.reorder and config.traffic_search and config.cross_node_replicas:
-            # relibra without traffic replicas reorders without their slots
-            placements[False] = reorder(loads_MLSE, topology, previous_placement_LE,
-                                        dataclasses.replace(config, cross_node_replicas=False), pairs_LEE)
-        return chosen_plan(loads_MLSE, topology, previous_placement_LE, config, placements, pairs_LEE, coloc_w)
     prefilled = None
     R, g = topology.replica_slots, topology.gpus_per_node
     if config.cross_node_replicas and topology.num_nodes > 1 and R:
