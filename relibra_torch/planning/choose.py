@@ -5,30 +5,31 @@ the cheapest (``ReLibraConfig.choose``).
 **Candidates** under one placement (:func:`candidate_sets`), each a complete, valid set of
 slots per (micro-batch, layer), so any per-(micro-batch, layer) mix of them is a valid plan:
 ``none`` (every expert on its owner only), ``traffic`` (cross-node traffic replicas,
-:mod:`relibra_torch.planning.traffic`), ``step_only`` (the step-long traffic set),
-``balance`` (balancing copies, :mod:`relibra_torch.planning.balance`), ``both`` (traffic,
-then balancing: relibra's plan without ``choose``) and ``step`` (step-long set, then
-balancing). A fill slot without tokens is emptied, so that a residency starts exactly where
-a slot's expert changes (:func:`~relibra_torch.planning.price.window_seconds`).
+:mod:`relibra_torch.planning.traffic`), ``balance`` (balancing copies,
+:mod:`relibra_torch.planning.balance`), ``both`` (traffic, then balancing: relibra's plan
+without ``choose``) and ``step`` (the step-long traffic set, then balancing). A replica
+slot without tokens is emptied, so that a residency starts exactly where a slot's expert
+changes (:func:`~relibra_torch.planning.price.window_seconds`).
 
 **Cheapest sequence** per layer (:func:`cheapest_sequence`): a fill is paid once per
 residency, so what a slot costs at ``m`` depends on the candidate at ``m - 1`` (and its
 gradient return at ``m - 1`` on the one at ``m``); the step's price is a sum of
-per-micro-batch terms and per-window terms, so the cheapest sequence is a shortest path
-over ``M`` stages of ``C`` states (Viterbi), exact for that price: never priced above any
-single candidate's sequence, ``none``'s included. Ties go to the earlier candidate.
+per-micro-batch and per-window terms, so the cheapest sequence is a shortest path over
+``M`` stages of ``C`` states (Viterbi), exact for that price: never priced above any single
+candidate's sequence, ``none``'s included. Ties go to the earlier candidate.
 
-**Whole-step alternatives** (:func:`chosen_plan`). For every subset ``S`` of the mechanisms
-the config enables (traffic replicas, balancing), the plan relibra with only ``S`` would
-make: its placement (reordering with traffic slots iff ``S`` has traffic replicas), the
-cheapest sequence over ``S``'s candidates, and per layer the previous placement without
-copies instead where that prices lower (its migration priced per layer); also ``S``'s
-placement in every layer, the previous placement without copies, and static placement
-without copies. The cheapest, priced exactly (migration of all layers at once), is the
-plan. Each subset's alternatives are computed exactly as relibra configured with only ``S``
-computes them, so relibra's step is priced at most every ablation's (traffic replicas off,
-balancing off, both off), every pure candidate's sequence under its placement, and, from
-static placement, static's: in the simulator's units (``tests/test_relibra_choose.py``).
+**Whole-step alternatives** (:func:`chosen_plan`): for the mechanism subsets the config
+enables (traffic replicas, balancing), the plan relibra with only that subset would make
+(its placement: reordering with traffic slots iff it has traffic replicas; the cheapest
+sequence over its candidates; per layer the previous placement without copies instead
+where that prices lower, migration priced per layer), the same in every layer, and the
+previous placement without copies. The cheapest, priced exactly (migration of all layers
+at once), is the plan. Each alternative is computed exactly as relibra configured with
+only that subset computes it, so relibra's step is priced at most every ablation's
+(traffic replicas off, balancing off, both off), every single candidate's sequence under
+its placement, and keeping the previous placement (from static placement: static's step),
+in the simulator's units (``tests/test_relibra_choose.py``). Static placement is not an
+alternative elsewhere: moving back to it costs static's step plus a migration.
 
 Legend: C candidates, M micro-batches, L layers, S source ranks, E experts, G GPUs,
 J slots per GPU, El native experts per GPU.
@@ -53,8 +54,8 @@ __all__ = ["Group", "candidate_sets", "cheapest_sequence", "chosen_plan", "nativ
 _NEVER = torch.iinfo(torch.int64).max
 _ROWS = 128  # (candidate, micro-batch, layer) rows priced per token split: bounds its memory
 #: candidate names each mechanism subset may use (the ablation relibra with only those)
-SUBSET_NAMES = {("traffic", "balance"): ("none", "traffic", "step_only", "balance", "both", "step"),
-                ("traffic",): ("none", "traffic", "step_only"), ("balance",): ("none", "balance"), (): ("none",)}
+SUBSET_NAMES = {("traffic", "balance"): ("none", "traffic", "balance", "both", "step"),
+                ("traffic",): ("none", "traffic"), ("balance",): ("none", "balance"), (): ("none",)}
 
 
 def native_slots(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor
@@ -92,8 +93,8 @@ def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
                                           config.cross_replica_fill_s_per_expert, also_step=True)
             best = best if bool((best[0] >= 0).any()) else None
             step = step if bool((step[0] >= 0).any()) and (best is None or not torch.equal(step[0], best[0])) else None
-        for name, traffic_set, use_balance in (("traffic", best, False), ("step_only", step, False),
-                                               ("balance", None, True), ("both", best, True), ("step", step, True)):
+        for name, traffic_set, use_balance in (("traffic", best, False), ("balance", None, True),
+                                               ("both", best, True), ("step", step, True)):
             if (use_balance and not balance) or (name != "balance" and traffic_set is None):
                 continue
             out.append((name, *replicate(loads_MLSE, topology, placement_LE, mt if use_balance else _NEVER,
@@ -147,10 +148,11 @@ class Group:
 
 
 def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topology, config,
-                 todo: list[list[int]] | None = None) -> None:
+                 todo: list[list[int]] | None = None, pool: list[Group] = ()) -> None:
     """Price the candidates ``todo[i]`` of group ``i`` (default: all), and every group's
-    fills and returns. A (micro-batch, layer) row equal to one priced in the same call
-    (any group, same slots) takes its price: most rows, where no copy is made."""
+    fills and returns. A (micro-batch, layer) row equal to one priced in the same call, or
+    to a priced candidate of ``groups`` or ``pool``, takes its price (same slots, any group):
+    most rows, where no copy is made."""
     todo = todo if todo is not None else [list(range(len(grp.slots_O))) for grp in groups]
     rows = [(gi, o) for gi, grp in enumerate(groups) for o in todo[gi]]
     M, L = loads_MLSE.shape[:2]
@@ -165,11 +167,10 @@ def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topolo
                 first_XML[c] = torch.where(same & (first_XML[c] == c), cp, first_XML[c])
         own_XML = first_XML == torch.arange(X).view(X, 1, 1)
         value_2XML = torch.full((2, X, M, L), float("nan"), dtype=torch.float64)
-        for x, (gi, o) in enumerate(rows):  # rows a candidate shares with one priced before
-            grp = groups[gi]
-            for op in range(len(grp.slots_O)):
-                if op == o or bool(grp.moe_OML[op].isnan().any()):
-                    continue
+        priced = [(grp, op) for grp in [*groups, *[p for p in pool if all(p is not q for q in groups)]]
+                  for op in range(len(grp.slots_O)) if not bool(grp.moe_OML[op].isnan().any())]
+        for x in range(X):  # rows a candidate shares with one priced before
+            for grp, op in priced:
                 same = ((grp.slots_O[op][0] == se_RMLGJ[x]) & (grp.slots_O[op][1] == st_RMLGJ[x])).flatten(2).all(-1)
                 take = same & own_XML[x]
                 value_2XML[0, x] = torch.where(take, grp.moe_OML[op], value_2XML[0, x])
@@ -282,7 +283,7 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
         aliases.append(alias)
         if t and balance_on:
             plans.append((len(groups) - 1, ["none", "balance", "both", "step"], {}))
-            plans.append((len(groups) - 1, ["none", "traffic", "step_only"], {"traffic": "both", "step_only": "step"}))
+            plans.append((len(groups) - 1, ["none", "traffic"], {"traffic": "both"}))
         elif t or not traffic_on:
             plans.append((len(groups) - 1, list(SUBSET_NAMES[(("traffic",) if t else ()) + bal]), {}))
         else:  # relibra without traffic replicas, beside a full subset on another placement
@@ -327,7 +328,7 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
             if (float(torch.minimum(low_L - gain_L, keep_L).sum()) >= best_price
                     and total(low_L, grp.placement_LE) >= best_price):
                 continue  # neither alternative can beat the best: not priced
-            price_groups([grp], loads_MLSE, topology, config, [pending])
+            price_groups([grp], loads_MLSE, topology, config, [pending], pool=groups + [keep])
         choice_ML, priced_L = cheapest_sequence(grp, allowed)
         use_L = priced_L + moved_L - gain_L < keep_L
         mixed = torch.where(use_L.view(L, 1), grp.placement_LE, previous_placement_LE)

@@ -22,8 +22,10 @@ each on counts summed once ([M, L, N, E] per-node demand):
   node's least loaded GPU lacks to the node's mean; where neither reaches
   ``min_replica_tokens`` in any (micro-batch, layer, node), balancing makes none.
 
-Then relibra's plan is the previous placement (in its canonical slot order) with every
-expert on its owner, exactly what the full search returns (``tests/test_relibra_fastpath.py``).
+Then relibra's plan is the previous placement (in its canonical slot order; with
+``choose``, as it is) with every expert on its owner, exactly what the full search returns
+(``tests/test_relibra_fastpath.py``). With ``choose`` the fast path is taken only on static
+placement's GPUs, where static placement, one of its alternatives, costs the same.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, g GPUs per node.
 """
@@ -116,8 +118,8 @@ def nothing_pays(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
 def fast_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
               coloc_w: float = 0.0) -> StepPlan | None:
     """relibra's plan when :func:`nothing_pays` proves it (else ``None``): the previous
-    placement (reordering: in canonical slot order, as :func:`assign_gpus` gives it) with
-    every expert on its owner. With ``choose`` only from static placement's GPUs, where
+    placement (reordering without ``choose``: in canonical slot order, as :func:`assign_gpus`
+    gives it) with every expert on its owner. With ``choose`` only from static placement's GPUs, where
     static placement, one of its alternatives, costs the same."""
     L = loads_MLSE.shape[1]
     El = topology.experts_per_gpu
@@ -130,7 +132,8 @@ def fast_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_L
         1, previous_placement_LE, torch.arange(topology.num_experts).expand(L, -1)).view(L, topology.num_gpus, -1)
     canonical = bool((native_LGl[..., 1:] > native_LGl[..., :-1]).all())
     placement_LE = previous_placement_LE.clone()
-    if config.reorder and not canonical:
+    # choose keeps the previous placement as it is (every alternative prices the same)
+    if config.reorder and not canonical and not config.choose:
         placement_LE = assign_gpus(prev_gpu_LE // topology.gpus_per_node, torch.zeros_like(prev_gpu_LE),
                                    prev_gpu_LE, topology)
     return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE), "relibra",
