@@ -103,9 +103,11 @@ class ReLibraConfig:
         choose: price the plans relibra's mechanisms can make with these weights (the
             simulator's step cost, :mod:`relibra_torch.planning.price`) and keep the cheapest:
             per layer the cheapest sequence of candidate replica sets, and the cheapest
-            whole-step alternative among every subset of mechanisms, the previous placement
-            and static placement (:mod:`relibra_torch.planning.choose`). False: always
-            traffic replicas plus balancing on the reordered placement.
+            whole-step alternative among every subset of mechanisms and the previous placement
+            (:mod:`relibra_torch.planning.choose`). False: always traffic replicas plus
+            balancing on the reordered placement. Off in a bare config (whose default
+            weights price fills at nothing); the simulator turns it on
+            (``BaselineOptions.relibra_choose``), ``priced_config(..., choose=True)`` for the hook.
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
