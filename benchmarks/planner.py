@@ -43,7 +43,7 @@ def _no_copy_case(args, topo: Topology) -> dict:
 
     loads = standin_loads(args.experts, args.top_k, args.layers, args.micro_batches, topo.num_gpus,
                           args.small_tokens, steps=1, zipf=args.small_zipf, seed=args.seed)[0]
-    # as the simulator runs it: choose on (fast path only from static placement's GPUs)
+    # with choose (the stricter case: its fast path needs static placement's GPUs)
     cfg = priced_config(args.dim, args.ffn, "h200", dispatch="hierarchical", top_k=args.top_k, choose=True)
     planner = make_planner("relibra", topo, config=cfg)
     times = []

@@ -148,11 +148,13 @@ class Group:
 
 
 def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topology, config,
-                 todo: list[list[int]] | None = None, pool: list[Group] = ()) -> None:
+                 todo: list[list[int]] | None = None, pool: list[Group] = (),
+                 common_ML: torch.Tensor | None = None) -> None:
     """Price the candidates ``todo[i]`` of group ``i`` (default: all), and every group's
     fills and returns. A (micro-batch, layer) row equal to one priced in the same call, or
     to a priced candidate of ``groups`` or ``pool``, takes its price (same slots, any group):
-    most rows, where no copy is made."""
+    most rows, where no copy is made. Rows ``common_ML`` (the same slots in every
+    alternative: every choice pays them alike) are priced 0, not computed."""
     todo = todo if todo is not None else [list(range(len(grp.slots_O))) for grp in groups]
     rows = [(gi, o) for gi, grp in enumerate(groups) for o in todo[gi]]
     M, L = loads_MLSE.shape[:2]
@@ -167,6 +169,9 @@ def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topolo
                 first_XML[c] = torch.where(same & (first_XML[c] == c), cp, first_XML[c])
         own_XML = first_XML == torch.arange(X).view(X, 1, 1)
         value_2XML = torch.full((2, X, M, L), float("nan"), dtype=torch.float64)
+        if common_ML is not None:
+            value_2XML.masked_fill_(common_ML, 0.0)
+            own_XML &= ~common_ML
         priced = [(grp, op) for grp in [*groups, *[p for p in pool if all(p is not q for q in groups)]]
                   for op in range(len(grp.slots_O)) if not bool(grp.moe_OML[op].isnan().any())]
         for x in range(X):  # rows a candidate shares with one priced before
@@ -295,10 +300,19 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
         allowed = sorted({alias[n] for n in names if n in alias})
         resolved.append((groups[gi], allowed, {o: tw for o, tw in twins.items() if o != tw}))
     keep = Group(previous_placement_LE, [native_slots(loads_MLSE, topology, previous_placement_LE)])
+    # (micro-batch, layer) rows with the same slots in every candidate and the kept placement
+    common_ML = torch.ones(M, L, dtype=torch.bool)
+    for grp in groups:
+        for se, st in grp.slots_O:
+            common_ML &= ((se == keep.slots_O[0][0]) & (st == keep.slots_O[0][1])).flatten(2).all(-1)
     exact = [sorted({o for grp2, allowed, twins in resolved if grp2 is grp for o in allowed if o not in twins}
                     | {tw for grp2, _, twins in resolved if grp2 is grp for tw in twins.values()})
              for grp in groups]
-    price_groups(groups + [keep], loads_MLSE, topology, config, exact + [[0]])
+    if all(len(grp.slots_O) == 1 for grp in groups) and bool(common_ML.all()):
+        # one plan whatever is chosen (no copy made, nothing moved): nothing to price
+        return StepPlan(topology, previous_placement_LE.clone(), *keep.slots_O[0], "relibra",
+                        previous_placement_LE.clone())
+    price_groups(groups + [keep], loads_MLSE, topology, config, exact + [[0]], common_ML=common_ML)
     none_ML = torch.zeros(M, L, dtype=torch.int64)
     every = torch.ones(L, dtype=torch.bool)
 
@@ -322,13 +336,13 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
         pending = [o for o in twins if bool(grp.moe_OML[o].isnan().any())]
         if pending:
             lower = grp.moe_OML.clone()
-            for o in pending:
-                lower[o] = grp.lower_ML(o, twins[o], topology, config)
+            for o in pending:  # rows common to every alternative are priced 0 in all
+                lower[o] = grp.lower_ML(o, twins[o], topology, config).masked_fill(common_ML, 0.0)
             low_L = cheapest_sequence(grp, allowed, lower)[1]
             if (float(torch.minimum(low_L - gain_L, keep_L).sum()) >= best_price
                     and total(low_L, grp.placement_LE) >= best_price):
                 continue  # neither alternative can beat the best: not priced
-            price_groups([grp], loads_MLSE, topology, config, [pending], pool=groups + [keep])
+            price_groups([grp], loads_MLSE, topology, config, [pending], pool=groups + [keep], common_ML=common_ML)
         choice_ML, priced_L = cheapest_sequence(grp, allowed)
         use_L = priced_L + moved_L - gain_L < keep_L
         mixed = torch.where(use_L.view(L, 1), grp.placement_LE, previous_placement_LE)

@@ -105,9 +105,10 @@ class ReLibraConfig:
             per layer the cheapest sequence of candidate replica sets, and the cheapest
             whole-step alternative among every subset of mechanisms and the previous placement
             (:mod:`relibra_torch.planning.choose`). False: always traffic replicas plus
-            balancing on the reordered placement. Off in a bare config (whose default
-            weights price fills at nothing); the simulator turns it on
-            (``BaselineOptions.relibra_choose``), ``priced_config(..., choose=True)`` for the hook.
+            balancing on the reordered placement. Off by default: pricing costs about 1 ms of
+            CPU per (micro-batch, layer) row and candidate at EP 32, more than the forward
+            pass hides at ~1,000 tokens per GPU (docs/architecture.md); ``--set
+            relibra.choose=true`` in the simulator, ``priced_config(..., choose=True)``.
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in

@@ -51,7 +51,7 @@ class BaselineOptions:
     relibra_reorder: bool = True
     relibra_traffic_search: bool = True
     relibra_balance: bool = True
-    relibra_choose: bool = True
+    relibra_choose: bool = False
     relibra_max_swap_rounds: int = 64
     relibra_swap_candidates: int = 8
 
