@@ -28,3 +28,6 @@ def test_planner_benchmark_reports_every_system_and_the_split_time(tmp_path, cap
     # relibra never balances worse than static placement on the same loads
     assert rows["relibra"]["imbalance_mean"] <= rows["static"]["imbalance_mean"]
     assert out.exists()
+    small = result["relibra_no_copy_case"]
+    assert small["fast_path"] and small["replicas"] == 0 and small["migrated_experts"] == 0
+    assert "relibra where no copy pays" in text

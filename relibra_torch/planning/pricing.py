@@ -132,6 +132,11 @@ class ReorderWeights:
         replica_fill_s_per_expert: one replica residency: weights in, gradients back, NVLink.
         cross_replica_fill_s_per_expert: the same from an owner on another node, over the
             inter-node link.
+        fill_weight_share: the weights' share of a residency's bytes (the rest is its
+            gradient return): a fill moves ``share x`` the fill price in the forward of the
+            residency's first micro-batch, its return the rest in the backward of its last.
+        inter_node_latency_s, nvlink_latency_s: fixed latency of one collective across nodes
+            and inside one node (``HardwareSpec.*_latency_us``).
     """
 
     compute_s_per_token: float
@@ -141,6 +146,9 @@ class ReorderWeights:
     intra_migration_s_per_expert: float
     replica_fill_s_per_expert: float
     cross_replica_fill_s_per_expert: float
+    fill_weight_share: float = 1.0 / 3.0
+    inter_node_latency_s: float = 25e-6
+    nvlink_latency_s: float = 12e-6
 
 
 def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activation_bytes: int = 2,
@@ -190,6 +198,9 @@ def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activa
         intra_migration_s_per_expert=migration_bytes_per_expert / nvlink_bytes_per_s,
         replica_fill_s_per_expert=(expert_weight_bytes + expert_grad_bytes) / nvlink_bytes_per_s,
         cross_replica_fill_s_per_expert=(expert_weight_bytes + expert_grad_bytes) / inter_node_bytes_per_s,
+        fill_weight_share=expert_weight_bytes / (expert_weight_bytes + expert_grad_bytes),
+        inter_node_latency_s=hardware.inter_node_latency_us * 1e-6,
+        nvlink_latency_s=hardware.nvlink_latency_us * 1e-6,
     )
 
 

@@ -52,6 +52,9 @@ from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
+from .choose import chosen_plan
+from .fastpath import assign_gpus as _assign_gpus
+from .fastpath import fast_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -100,8 +103,24 @@ class ReLibraConfig:
             ``False``: priced as a fill from the owner's node.
         balance: balancing replication per micro-batch (copies of the busiest GPU's experts
             onto less loaded GPUs of its node). ``reorder``, ``traffic_search``,
-            ``cross_node_replicas`` and ``balance`` switch relibra's mechanisms one by one
-            (``relibra simulate --set relibra.balance=false``) for ablations.
+            ``cross_node_replicas``, ``balance`` and ``choose`` switch relibra's mechanisms one
+            by one (``relibra simulate --set relibra.balance=false``) for ablations.
+        choose: price the plans relibra's mechanisms can make with these weights (the
+            simulator's step cost, :mod:`relibra_torch.planning.price`) and keep the cheapest:
+            per layer the cheapest sequence of candidate replica sets, and the cheapest
+            whole-step alternative among every subset of mechanisms and the previous placement
+            (:mod:`relibra_torch.planning.choose`). False: always traffic replicas plus
+            balancing on the reordered placement. Off by default: pricing costs about 1 ms of
+            CPU per (micro-batch, layer) row and candidate at EP 32, more than the forward
+            pass hides at ~1,000 tokens per GPU (docs/architecture.md); ``--set
+            relibra.choose=true`` in the simulator, ``priced_config(..., choose=True)``.
+        intra_node_s_per_token: moving one token-expert pair to another GPU of the node
+            (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
+        top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
+            tokens per remote node rather than pairs.
+        fill_weight_share, inter_node_latency_s, nvlink_latency_s: the weights' share of a
+            replica residency's bytes (the rest is its fp32 gradient), and one collective's
+            fixed latency across nodes / inside one (``ReorderWeights``); ``choose`` prices them.
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -119,6 +138,12 @@ class ReLibraConfig:
     reorder: bool = True
     traffic_search: bool = True
     balance: bool = True
+    choose: bool = False
+    intra_node_s_per_token: float = 4.1e-8
+    top_k: int = 0
+    fill_weight_share: float = 1.0 / 3.0
+    inter_node_latency_s: float = 25e-6
+    nvlink_latency_s: float = 12e-6
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -133,8 +158,13 @@ class ReLibraConfig:
 
     @property
     def min_replica_tokens(self) -> int:
-        """Fewest tokens a replica must take for its fill to pay (0 when fills are free)."""
-        per_token = self.compute_s_per_token + self.cross_node_s_per_token
+        """Fewest tokens a replica must take for its fill to pay (0 when fills are free).
+
+        A token moved to another GPU of its node saves its expert compute and, under flat
+        dispatch, its inter-node receive at the busiest GPU; under hierarchical dispatch its
+        crossing lands on the same GPU either way, so only its NVLink fan-out moves."""
+        hier = self.dispatch == "hierarchical" and self.top_k > 0
+        per_token = self.compute_s_per_token + (self.intra_node_s_per_token if hier else self.cross_node_s_per_token)
         if self.replica_fill_s_per_expert <= 0:
             return 0
         if per_token <= 0:
@@ -160,10 +190,13 @@ class ReLibraConfig:
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
-                     "cross_replica_fill_s_per_expert"):
+                     "cross_replica_fill_s_per_expert", "intra_node_s_per_token", "inter_node_latency_s",
+                     "nvlink_latency_s"):
             check_number(name, getattr(self, name), 0)
+        check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
-        for name in ("cross_node_replicas", "two_hop", "reorder", "traffic_search", "balance"):
+        check_int("top_k", self.top_k, 0)
+        for name in ("cross_node_replicas", "two_hop", "reorder", "traffic_search", "balance", "choose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ReLibraConfig.{name} is {getattr(self, name)!r}; allowed: True or False")
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
@@ -187,11 +220,14 @@ def _coactivation_weight(config: ReLibraConfig, pairs_LEE: torch.Tensor | None, 
 
 
 def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
-            config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None) -> torch.Tensor:
+            config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None,
+            also_without_traffic: bool = False):
     """Choose the step's placement ``[L, E]`` (int64 physical native slot per expert).
 
     ``pairs_LEE``: optional int ``[L, E, E]`` co-activation counts of the step
     (:func:`relibra_torch.replay.counts.count_pairs`), priced under hierarchical dispatch.
+    ``also_without_traffic``: return ``(placement_LE, the placement with
+    cross_node_replicas=False)``, sharing the load-first search (``choose`` prices both).
     """
     M, L, S, E = loads_MLSE.shape
     N, g, El = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu
@@ -247,12 +283,15 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
         best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
                                     prev_node_LE, config, N, g, full_objective, pairs_LEE, coloc_w)
-        # Then each node's cross-node send and receive, net of its traffic replicas.
-        slots = topology.replica_slots // 2 if config.cross_node_replicas else 0
-        if config.traffic_search:
-            best_node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g, slots,
-                                               pairs_LEE, coloc_w)
-    return _assign_gpus(best_node_LE, total_LE, prev_gpu_LE, topology)
+    # Then each node's cross-node send and receive, net of its traffic replicas.
+    out = []
+    for replicas in (config.cross_node_replicas, False)[:1 + also_without_traffic]:
+        node_LE = best_node_LE
+        if N > 1 and config.traffic_search:
+            node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g,
+                                          topology.replica_slots // 2 if replicas else 0, pairs_LEE, coloc_w)
+        out.append(_assign_gpus(node_LE, total_LE, prev_gpu_LE, topology))
+    return tuple(out) if also_without_traffic else out[0]
 
 
 def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective,
@@ -318,42 +357,6 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
     return node_LE
 
 
-def _assign_gpus(node_LE: torch.Tensor, total_LE: torch.Tensor, prev_gpu_LE: torch.Tensor,
-                 topology: Topology) -> torch.Tensor:
-    """GPUs inside each node: experts stay on their previous GPU when it is in their node and
-    has room; the rest go, heaviest first, to the node's GPU with the least step load."""
-    L, E = node_LE.shape
-    g, El = topology.gpus_per_node, topology.experts_per_gpu
-    G = topology.num_gpus
-    node, total, prev = node_LE.tolist(), total_LE.tolist(), prev_gpu_LE.tolist()
-    placement = []
-    for l in range(L):
-        room = [El] * G
-        gpu_load = [0] * G
-        gpu_of = [-1] * E
-        order = sorted(range(E), key=lambda e: (-total[l][e], e))
-        for e in order:
-            p = prev[l][e]
-            if p // g == node[l][e] and room[p] > 0:
-                gpu_of[e] = p
-                room[p] -= 1
-                gpu_load[p] += total[l][e]
-        for e in order:
-            if gpu_of[e] < 0:
-                gpus = range(node[l][e] * g, node[l][e] * g + g)
-                p = min((q for q in gpus if room[q] > 0), key=lambda q: (gpu_load[q], q))
-                gpu_of[e] = p
-                room[p] -= 1
-                gpu_load[p] += total[l][e]
-        next_local = [0] * G
-        place = [0] * E
-        for e in range(E):  # native slots in logical order inside a GPU: deterministic
-            place[e] = gpu_of[e] * El + next_local[gpu_of[e]]
-            next_local[gpu_of[e]] += 1
-        placement.append(place)
-    return torch.tensor(placement, dtype=torch.int64)
-
-
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
                  config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None) -> StepPlan:
@@ -369,6 +372,15 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     L = loads_MLSE.shape[1]
     if previous_placement_LE is None:
         previous_placement_LE = topology.static_placement(L)
+    coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
+    fast = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w)
+    if fast is not None:  # provably what the full search returns (planning/fastpath.py)
+        return fast
+    if config.choose:  # relibra without traffic replicas reorders without their slots
+        both = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE, also_without_traffic=True)
+                if config.reorder else (previous_placement_LE.clone(),) * 2)
+        return chosen_plan(loads_MLSE, topology, previous_placement_LE, config, dict(zip((True, False), both)),
+                           pairs_LEE, coloc_w)
     if config.reorder:
         placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE)
     else:
@@ -397,9 +409,12 @@ class ReLibraPlanner(Planner):
         super().__init__(topology)
         self.config = config
 
-    # Every stage works per layer (the swap search stops per layer too), so any subset of
-    # layers plans exactly as in the full plan: EP ranks can each plan a share.
-    splits_layers = True
+    @property
+    def splits_layers(self) -> bool:
+        """Every stage works per layer (the swap search stops per layer too), so any subset
+        of layers plans exactly as in the full plan and EP ranks can each plan a share;
+        except with ``choose``, which picks among whole-step alternatives."""
+        return not self.config.choose
 
     @property
     def uses_coactivation(self) -> bool:

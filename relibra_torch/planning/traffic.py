@@ -36,7 +36,7 @@ __all__ = ["step_replicas", "traffic_replicas"]
 
 
 def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-                     slots_per_gpu: int, token_s: float, fill_s: float) -> tuple[torch.Tensor, torch.Tensor]:
+                     slots_per_gpu: int, token_s: float, fill_s: float, also_step: bool = False):
     """Cross-node replicas per micro-batch under a fixed placement.
 
     Args:
@@ -57,7 +57,8 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     expert_MLGr = torch.full((M, L, G, r), -1, dtype=torch.int64)
     quota_MLGr = torch.zeros(M, L, G, r, dtype=torch.int64)
     if r == 0 or N == 1 or M == 0:
-        return expert_MLGr.contiguous(), quota_MLGr.contiguous()
+        empty = expert_MLGr.contiguous(), quota_MLGr.contiguous()
+        return (empty, empty) if also_step else empty
     B = g * r
     loads_MLSE = loads_MLSE.to(torch.int64)
     demand_MLNE = loads_MLSE.view(M, L, N, g, E).sum(3)
@@ -112,7 +113,8 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     pick = use_static_LG.view(1, L, G, 1)
     expert_MLGr = torch.where(pick, static_e_MLGr, expert_MLGr)
     quota_MLGr = torch.where(pick, static_q_MLGr, quota_MLGr)
-    return expert_MLGr.contiguous(), quota_MLGr.contiguous()
+    best = expert_MLGr.contiguous(), quota_MLGr.contiguous()
+    return (best, (static_e_MLGr, static_q_MLGr)) if also_step else best
 
 
 def _net_value(expert_MLGr: torch.Tensor, quota_MLGr: torch.Tensor, N: int, g: int, token_s: float,

@@ -57,6 +57,8 @@ import torch
 from ..planning.evaluate import PlanMetrics
 from ..planning.pair_slots import DISPATCH_MODES, assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
+from ..planning.hier_estimate import approx_need as _approx_need
+from ..planning.hier_estimate import hierarchical_traffic
 from ..planning.topology import Topology
 
 __all__ = ["DISPATCH_MODES", "TokenRouting", "approx_cross_tokens", "approx_gpu_copies", "exact_copies",
@@ -158,32 +160,6 @@ def _flow_LSPE(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, piece_X:
     return out.view(L, S, pieces, E)
 
 
-def _approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
-    """float64 ``[L, S, P]``: expected tokens of ``s`` with a pair in piece ``p``, from the
-    pairs of each expert of the piece (last dim; zeros for absent experts), by the module
-    docstring's rule (the smaller of two no-pair chances, clipped to always-true bounds)."""
-    flow = flow_LSPE.to(torch.float64)
-    T = tokens_S.to(torch.float64).view(1, -1, 1, 1)
-    p = torch.where(T > 0, flow / T.clamp(min=1.0), torch.zeros_like(flow)).clamp(0.0, 1.0)
-    none_indep = torch.log1p(-p).sum(-1).exp()
-    # K successive draws without replacement, draw probabilities r = p / K: the next draw
-    # hits piece n with n's mass over the mass left, after i draws elsewhere have each
-    # removed rho (the expected mass of an item drawn from the other pieces).
-    r = p / top_k
-    mass_SN = r.sum(-1).clamp(max=1.0)
-    sq_SN = (r * r).sum(-1)
-    rest = (1.0 - mass_SN).clamp(min=1e-12)
-    rho = ((sq_SN.sum(-1, keepdim=True) - sq_SN) / rest).clamp(min=0.0)
-    none_draws = torch.ones_like(mass_SN)
-    for i in range(top_k):
-        left = (1.0 - i * rho).clamp(min=1e-12)
-        none_draws = none_draws * (1.0 - mass_SN / left).clamp(0.0, 1.0)
-    need = 1.0 - torch.minimum(none_indep, none_draws)
-    # always-true bounds: at least the most-chosen piece, at most the expected pairs
-    need = torch.minimum(torch.maximum(need, p.amax(-1)), p.sum(-1))
-    return need * T.view(1, -1, 1)
-
-
 def approx_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_S: torch.Tensor,
                         top_k: int, topo: Topology) -> torch.Tensor:
     """float64 ``[L, S, N]``: expected tokens of source ``s`` that need remote node ``n``
@@ -246,39 +222,6 @@ def exact_cross_tokens(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, 
                        source_T: torch.Tensor, topo: Topology, rows_T: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[L, S, N]``: the first part of :func:`exact_copies`."""
     return exact_copies(split_LSGJ, slot_expert_LGJ, ids_TLK, source_T, topo, rows_T)[0]
-
-
-def hierarchical_traffic(copies_LSG: torch.Tensor, cross_tokens_LSN: torch.Tensor, topo: Topology
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-GPU ``(cross_send, cross_recv, intra_send, intra_recv)`` ``[L, G]`` of one
-    micro-batch under hierarchical dispatch, in rows (the layer's units).
-
-    Args:
-        copies_LSG: tokens of source ``s`` with a pair on GPU ``g`` (one NVLink row per
-            (token, GPU) unless ``g`` is the row's landing GPU or the source itself).
-        cross_tokens_LSN: tokens of source ``s`` that cross to remote node ``n``.
-    Cross-node rows: one per (token, remote node), sent by the source, received by the
-    landing GPU (the source's local index on that node). NVLink rows: one per (token, GPU
-    of the source's node other than the source), sent by the source, and one per (token,
-    GPU of a remote node other than the landing GPU), sent by the landing GPU.
-    """
-    L, S, G = copies_LSG.shape
-    g, N = topo.gpus_per_node, topo.num_nodes
-    node_S, local_S = torch.arange(S) // g, torch.arange(S) % g
-    dtype = cross_tokens_LSN.dtype
-    cross_send = cross_tokens_LSN.sum(-1)
-    land_SN = torch.arange(N).view(1, N) * g + local_S.view(S, 1)  # landing GPU of (source, node)
-    cross_recv = torch.zeros(L, G, dtype=dtype).scatter_add_(
-        1, land_SN.reshape(1, S * N).expand(L, S * N), cross_tokens_LSN.reshape(L, S * N))
-    same_node = node_S.view(S, 1) == node_S.view(1, G)
-    dst_G = torch.arange(G)
-    local = copies_LSG * (same_node & (torch.arange(S).view(S, 1) != dst_G.view(1, G)))
-    land_SG = (dst_G // g).view(1, G) * g + local_S.view(S, 1)
-    fwd = copies_LSG * (~same_node & (land_SG != dst_G.view(1, G)))
-    intra_send = local.sum(2).to(dtype).scatter_add_(
-        1, land_SG.reshape(1, S * G).expand(L, S * G), fwd.reshape(L, S * G).to(dtype))
-    intra_recv = (local.sum(1) + fwd.sum(1)).to(dtype)
-    return cross_send, cross_recv, intra_send, intra_recv
 
 
 def hierarchical_metrics(plan: StepPlan, metrics: PlanMetrics, loads_MLSE: torch.Tensor,

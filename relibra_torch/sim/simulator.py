@@ -83,7 +83,7 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
         # has per-token ids to count pairs from)
         fields = (options or BaselineOptions()).relibra_fields()  # [relibra] ablation switches
         return make_planner(name, topology, config=ReLibraConfig.from_weights(
-            cost.reorder_weights(), dispatch=cost.options.dispatch, **fields))
+            cost.reorder_weights(), dispatch=cost.options.dispatch, top_k=cost.model.top_k, **fields))
     kwargs = (options or BaselineOptions()).planner_kwargs(name)
     if name == "eplb-node-demand":
         # relibra's prices for its step-long traffic replicas (the same rule, the same costs)

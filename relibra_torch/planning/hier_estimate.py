@@ -1,0 +1,82 @@
+"""The count-level estimate of hierarchical dispatch's rows, shared by the simulator
+(:mod:`relibra_torch.sim.dispatch`, whose module docstring states the rule) and relibra's
+own pricing (:mod:`relibra_torch.planning.price`), so that the planner prices a plan's
+hierarchical all-to-all exactly as the simulator charges it on count-only loads.
+
+Legend: L layers, S source ranks, P pieces (nodes or GPUs), E experts, G GPUs, N nodes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .topology import Topology
+
+__all__ = ["approx_need", "approx_need_columns", "hierarchical_traffic"]
+
+
+def approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """float64 ``[L, S, P]``: expected tokens of ``s`` with a pair in piece ``p``, from the
+    pairs of each expert of the piece (last dim; zeros for absent experts), by the rule of
+    :mod:`relibra_torch.sim.dispatch` (the smaller of two no-pair chances, clipped to
+    always-true bounds). :func:`approx_need_columns` with the experts first."""
+    return approx_need_columns(flow_LSPE.movedim(-1, 0), tokens_S, top_k)
+
+
+def approx_need_columns(flow_KLSP: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
+    """:func:`approx_need` of ``flow_KLSP`` (the experts of each piece first, ``K`` of them):
+    sums over ``K`` contiguous slices rather than a short last dim, a few times faster."""
+    T = tokens_S.to(torch.float64).view(1, -1, 1)
+    # no tokens: no pairs either, so each share is 0 (flow / inf)
+    T_div = torch.where(T > 0, T.clamp(min=1.0), torch.full_like(T, float("inf")))
+    p = (flow_KLSP.to(torch.float64) / T_div).clamp_(0.0, 1.0)
+    none_indep = torch.log1p(-p).sum(0).exp()
+    # K successive draws without replacement, draw probabilities r = p / K: the next draw
+    # hits piece n with n's mass over the mass left, after i draws elsewhere have each
+    # removed rho (the expected mass of an item drawn from the other pieces).
+    r = p / top_k
+    mass_SN = r.sum(0).clamp(max=1.0)
+    sq_SN = (r * r).sum(0)
+    rest = (1.0 - mass_SN).clamp(min=1e-12)
+    rho = ((sq_SN.sum(-1, keepdim=True) - sq_SN) / rest).clamp(min=0.0)
+    none_draws = torch.ones_like(mass_SN)
+    for i in range(top_k):
+        left = (1.0 - i * rho).clamp(min=1e-12)
+        none_draws = none_draws * (1.0 - mass_SN / left).clamp(0.0, 1.0)
+    need = 1.0 - torch.minimum(none_indep, none_draws)
+    # always-true bounds: at least the most-chosen piece, at most the expected pairs
+    need = torch.minimum(torch.maximum(need, p.amax(0)), p.sum(0))
+    return need * T
+
+
+def hierarchical_traffic(copies_LSG: torch.Tensor, cross_tokens_LSN: torch.Tensor, topo: Topology
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-GPU ``(cross_send, cross_recv, intra_send, intra_recv)`` ``[L, G]`` of one
+    micro-batch under hierarchical dispatch, in rows (the layer's units).
+
+    Args:
+        copies_LSG: tokens of source ``s`` with a pair on GPU ``g`` (one NVLink row per
+            (token, GPU) unless ``g`` is the row's landing GPU or the source itself).
+        cross_tokens_LSN: tokens of source ``s`` that cross to remote node ``n``.
+    Cross-node rows: one per (token, remote node), sent by the source, received by the
+    landing GPU (the source's local index on that node). NVLink rows: one per (token, GPU
+    of the source's node other than the source), sent by the source, and one per (token,
+    GPU of a remote node other than the landing GPU), sent by the landing GPU.
+    """
+    L, S, G = copies_LSG.shape
+    g, N = topo.gpus_per_node, topo.num_nodes
+    node_S, local_S = torch.arange(S) // g, torch.arange(S) % g
+    dtype = cross_tokens_LSN.dtype
+    cross_send = cross_tokens_LSN.sum(-1)
+    land_SN = torch.arange(N).view(1, N) * g + local_S.view(S, 1)  # landing GPU of (source, node)
+    cross_recv = torch.zeros(L, G, dtype=dtype).scatter_add_(
+        1, land_SN.reshape(1, S * N).expand(L, S * N), cross_tokens_LSN.reshape(L, S * N))
+    same_node = node_S.view(S, 1) == node_S.view(1, G)
+    dst_G = torch.arange(G)
+    local = copies_LSG * (same_node & (torch.arange(S).view(S, 1) != dst_G.view(1, G)))
+    land_SG = (dst_G // g).view(1, G) * g + local_S.view(S, 1)
+    fwd = copies_LSG * (~same_node & (land_SG != dst_G.view(1, G)))
+    intra_send = local.sum(2).to(dtype).scatter_add_(
+        1, land_SG.reshape(1, S * G).expand(L, S * G), fwd.reshape(L, S * G).to(dtype))
+    intra_recv = (local.sum(1) + fwd.sum(1)).to(dtype)
+    return cross_send, cross_recv, intra_send, intra_recv

@@ -1,0 +1,288 @@
+"""relibra's own price of a plan: the simulator's step cost, in its units, as far as a
+planner can know it.
+
+The terms are :class:`relibra_torch.sim.cost.CostModel`'s (which the planner may not
+import) with the weights of :class:`~relibra_torch.planning.relibra.ReLibraConfig` (the
+simulator builds them with ``CostModel.reorder_weights()``, so the per-unit prices are the
+cost model's). Per (micro-batch, layer):
+
+* expert compute: ``compute_s_per_token`` x the busiest GPU's tokens (fwd + bwd);
+* all-to-all: ``max_G(cross_node_s_per_token * max(cross_send, cross_recv) +
+  intra_node_s_per_token * max(intra_send, intra_recv))`` (dispatch + combine, fwd + bwd),
+  tokens routed by :func:`~relibra_torch.planning.plan.token_split` as the layer routes
+  them. Under hierarchical dispatch the rows are the simulator's count-level estimate
+  (:mod:`relibra_torch.planning.hier_estimate`, the same functions), so on count-only
+  loads the price is the simulator's; with per-token routing the simulator counts exact
+  rows and the price is an estimate;
+* replica fills and gradient returns per residency (:mod:`relibra_torch.planning.residency`,
+  the one definition): the weights (``fill_weight_share`` of a fill's price) in the forward
+  of the residency's first micro-batch with tokens, the fp32 gradient (the rest) in the
+  backward of its last; per GPU ``max(sent, received)`` per link (an owner feeding three
+  replicas sends three copies), the slowest GPU sets the time, forward and backward apart;
+* collective latency: the layer's token exchange and plan check, plus one collective where
+  a residency starts and one where one ends (``inter_node_latency_s`` per collective with
+  several nodes, ``nvlink_latency_s`` on one);
+* migration, once per step: :func:`migration_seconds` (all layers at once, the cost
+  model's rule) or :func:`migration_seconds_L` (each layer as if it moved alone: their sum
+  bounds the joint move from above).
+
+:func:`step_seconds` adds them up: the cost model's step time minus attention and dense
+layers (the same for every plan) and host planning. Not priced: ``--overlap-replication``
+(the planner prices fills fully: it can then only copy less than pays) and
+``--refetch-replicas``.
+
+Legend: M micro-batches, L layers (or stacked rows of layers), S source ranks, E experts,
+N nodes, G GPUs, g GPUs per node, J slots per GPU, El native experts per GPU, K top-k.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .hier_estimate import approx_need_columns, hierarchical_traffic
+from .plan import StepPlan, token_split
+from .residency import residencies
+from .topology import Topology
+
+__all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
+           "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML", "replica_seconds_ML",
+           "step_seconds", "transfer_seconds", "window_seconds"]
+
+
+def collective_latency_s(topo: Topology, config) -> float:
+    """Seconds of one collective's fixed latency (0 on one GPU: none is issued)."""
+    if topo.num_gpus == 1:
+        return 0.0
+    return config.inter_node_latency_s if topo.num_nodes > 1 else config.nvlink_latency_s
+
+
+def exchange_latency_s(topo: Topology, config) -> float:
+    """Latency every plan's layer pays per micro-batch: its token exchange's collectives
+    (``sim.transfers.exchange_collectives``: flat 4, hierarchical ``1 + 2 (stages + back)``)
+    and the plan check."""
+    N, g = topo.num_nodes, topo.gpus_per_node
+    if config.dispatch == "hierarchical":
+        stages, back = 2 * int(N > 1) + 2 * int(g > 1), int(N > 1) + int(g > 1)
+        exchange = 1 + 2 * (stages + back)
+    else:
+        exchange = 4
+    return (exchange + 1) * collective_latency_s(topo, config)
+
+
+def compute_seconds_ML(slot_tokens_MLGJ: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[M, L]``: expert compute of the busiest GPU, forward + backward."""
+    return slot_tokens_MLGJ.sum(-1).max(-1).values.to(torch.float64) * config.compute_s_per_token
+
+
+def _hierarchical_counts(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_S: torch.Tensor,
+                         top_k: int, topo: Topology) -> tuple[torch.Tensor, ...]:
+    """The simulator's count-level hierarchical rows (``sim.dispatch.approx_cross_tokens``,
+    ``approx_gpu_copies``, ``hierarchical_traffic``) of one micro-batch, ``[L, G]`` each.
+
+    The node flow keeps, per row, only the (node, expert) columns some slot holds (at most
+    ``g J`` per node of ``E``), in the simulator's column order: absent experts add zeros."""
+    L, S, G, J = split_LSGJ.shape
+    N, g, E = topo.num_nodes, topo.gpus_per_node, topo.num_experts
+    e_LX = slot_expert_LGJ.reshape(L, G * J)
+    valid_LX = e_LX >= 0
+    node_X = torch.arange(G * J) // (J * g)
+    # column of each slot: its expert's rank among the experts its node holds in that row
+    used_LNE = torch.zeros(L, N * E + 1, dtype=torch.bool)  # the last column takes the empty slots
+    used_LNE.scatter_(1, torch.where(valid_LX, node_X * E + e_LX, N * E), True)
+    rank_LNE = used_LNE[:, :N * E].reshape(L, N, E).cumsum(-1) - 1
+    width = max(int(rank_LNE[..., -1].max()) + 1, 1)
+    col_LX = rank_LNE.view(L, N * E).gather(1, (node_X * E + e_LX.clamp(min=0))).clamp(min=0)  # empty: adds 0
+    # one flat scatter into [K, L, S, N] (the experts first, as approx_need_columns takes them)
+    idx_LSX = (col_LX.view(L, 1, G * J) * (L * S * N) + torch.arange(L).view(L, 1, 1) * (S * N)
+               + torch.arange(S).view(1, S, 1) * N + node_X.view(1, 1, G * J))
+    flow_KLSN = torch.zeros(width * L * S * N, dtype=torch.int64)
+    flow_KLSN.scatter_add_(0, idx_LSX.reshape(-1), (split_LSGJ.reshape(L, S, G * J) * valid_LX.unsqueeze(1)).reshape(-1))
+    flow_KLSN = flow_KLSN.view(width, L, S, N)
+    own = torch.nn.functional.one_hot(torch.arange(G) // g, N).bool()
+    cross = approx_need_columns(flow_KLSN, tokens_S, top_k).masked_fill(own.unsqueeze(0), 0.0)
+    split_JLSG = (split_LSGJ * (slot_expert_LGJ >= 0).unsqueeze(1)).movedim(-1, 0).contiguous()
+    copies = approx_need_columns(split_JLSG, tokens_S, top_k)
+    return hierarchical_traffic(copies, cross, topo)
+
+
+def _split(plan: StepPlan, m: int, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """int64 ``[L, S, G, J]``: :func:`token_split` of micro-batch ``m``; with every expert on
+    its owner only (no replica slot used) that is each source's count at its one slot."""
+    topo = plan.topology
+    se_LGJ = plan.slot_expert_MLGJ[m]
+    if bool((se_LGJ[..., topo.experts_per_gpu:] < 0).all()):
+        L, G, J = se_LGJ.shape
+        S = loads_MLSE.shape[2]
+        idx = se_LGJ.clamp(min=0).view(L, 1, G * J).expand(L, S, G * J)
+        split = loads_MLSE[m].to(torch.int64).gather(2, idx) * (se_LGJ >= 0).view(L, 1, G * J)
+        return split.view(L, S, G, J)
+    return token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0]
+
+
+def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``[M, L]`` ``(all-to-all, its inter-node part)``: dispatch + combine, forward
+    + backward, under ``config.dispatch``, and the slowest GPU's inter-node term alone (a
+    lower bound of the first for any plan with the same inter-node rows: balancing copies,
+    which stay in their node, leave them unchanged).
+
+    Hierarchical dispatch needs ``config.top_k`` (a rank's tokens are its pairs // top_k,
+    as the simulator counts them on loads files); unknown (0), the cross-node units stay
+    pairs (flat's count, an upper bound on tokens)."""
+    topo = plan.topology
+    M = loads_MLSE.shape[0]
+    G, g = topo.num_gpus, topo.gpus_per_node
+    node_G = torch.arange(G) // g
+    same_node = node_G.view(G, 1) == node_G.view(1, G)
+    same_gpu = torch.eye(G, dtype=torch.bool)
+    hier = config.dispatch == "hierarchical" and config.top_k > 0
+    out = torch.empty(M, plan.num_layers, dtype=torch.float64)
+    cross_out = torch.empty(M, plan.num_layers, dtype=torch.float64)
+    for m in range(M):  # one micro-batch at a time keeps the [L, S, G, J] split small
+        split_LSGJ = _split(plan, m, loads_MLSE)
+        if hier:
+            tokens_S = loads_MLSE[m, 0].to(torch.int64).sum(-1) // config.top_k
+            cs, cr, is_, ir = _hierarchical_counts(split_LSGJ, plan.slot_expert_MLGJ[m], tokens_S,
+                                                   config.top_k, topo)
+        else:
+            split_LSG = split_LSGJ.sum(-1)
+            cross, intra = split_LSG * ~same_node, split_LSG * (same_node & ~same_gpu)
+            cs, cr, is_, ir = cross.sum(2), cross.sum(1), intra.sum(2), intra.sum(1)
+        cross_G = torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
+        out[m] = (cross_G + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token).max(-1).values
+        cross_out[m] = cross_G.max(-1).values
+    return out, cross_out
+
+
+def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[M, L]``: the all-to-all of :func:`a2a_parts_ML`."""
+    return a2a_parts_ML(plan, loads_MLSE, config)[0]
+
+
+def moe_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``[M, L]`` ``(moe, inter-node part)``: :func:`moe_seconds_ML` and the
+    all-to-all's inter-node part alone (:func:`a2a_parts_ML`)."""
+    a2a, cross = a2a_parts_ML(plan, loads_MLSE, config)
+    return (compute_seconds_ML(plan.slot_tokens_MLGJ, config) + a2a + exchange_latency_s(plan.topology, config),
+            cross)
+
+
+def moe_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[M, L]``: expert compute + all-to-all + the exchange's latency (replicas
+    and migration apart: they depend on neighbouring micro-batches and the step)."""
+    return moe_parts_ML(plan, loads_MLSE, config)[0]
+
+
+def transfer_seconds(mask_XGJ: torch.Tensor, cross_XGJ: torch.Tensor, owner_XGJ: torch.Tensor,
+                     cross_s: float, intra_s: float) -> torch.Tensor:
+    """float64 ``[X]``: one copy per masked slot between the slot's GPU and its expert's
+    owner (``cross_XGJ``: over the inter-node link, ``cross_s`` per copy, else NVLink,
+    ``intra_s``): per GPU ``max(received, sent)`` per link, the slowest GPU's time (the cost
+    model's ``transfer_s``). Any leading shape ``X``."""
+    *X, G, J = mask_XGJ.shape
+    mask = mask_XGJ.reshape(-1, G, J)
+    owner = owner_XGJ.reshape(-1, G * J).clamp(min=0)
+    per_gpu = torch.zeros(mask.shape[0], G, dtype=torch.float64)
+    for link, price in ((cross_XGJ.reshape(-1, G, J), cross_s), (~cross_XGJ.reshape(-1, G, J), intra_s)):
+        here = (mask & link).to(torch.int64)
+        sent = torch.zeros(mask.shape[0], G, dtype=torch.int64).scatter_add_(1, owner, here.reshape(-1, G * J))
+        per_gpu += torch.maximum(here.sum(-1), sent).to(torch.float64) * price
+    return per_gpu.max(-1).values.view(X)
+
+
+def _prices(config) -> tuple[float, float, float, float]:
+    """``(fill cross, fill intra, return cross, return intra)`` seconds per copy."""
+    w = config.fill_weight_share
+    c, i = config.cross_replica_fill_s_per_expert, config.replica_fill_s_per_expert
+    return c * w, i * w, c * (1.0 - w), i * (1.0 - w)
+
+
+def _fill_masks(slot_expert: torch.Tensor, owner_gpu_LE: torch.Tensor, topo: Topology
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(fill, cross, owner)`` of slots ``[..., L, G, J]`` under ``owner_gpu_LE`` ``[L, E]``."""
+    *lead, L, G, J = slot_expert.shape
+    E = owner_gpu_LE.shape[1]
+    owner = owner_gpu_LE.view(L, 1, E).expand(*lead, L, G, E).gather(-1, slot_expert.clamp(min=0))
+    gpu = torch.arange(G).view(G, 1)
+    fill = (slot_expert >= 0) & (owner != gpu)
+    cross = fill & (owner // topo.gpus_per_node != gpu // topo.gpus_per_node)
+    return fill, cross, owner
+
+
+def replica_seconds_ML(plan: StepPlan, config) -> torch.Tensor:
+    """float64 ``[M, L]``: the plan's replica fills (forward) + gradient returns (backward)
+    + their collectives' latency, per residency (:func:`~relibra_torch.planning.residency.residencies`)."""
+    res = residencies(plan)
+    fc, fi, rc, ri = _prices(config)
+    lat = collective_latency_s(plan.topology, config)
+    fill = transfer_seconds(res.fill_start_MLGJ, res.cross_node_MLGJ, res.owner_MLGJ, fc, fi)
+    ret = transfer_seconds(res.grad_return_MLGJ, res.cross_node_MLGJ, res.owner_MLGJ, rc, ri)
+    n = res.fill_start_MLGJ.flatten(2).any(-1).to(torch.float64) + res.grad_return_MLGJ.flatten(2).any(-1)
+    return fill + ret + lat * n
+
+
+def window_seconds(se_a: torch.Tensor, st_a: torch.Tensor, se_b: torch.Tensor, st_b: torch.Tensor,
+                   owner_gpu_LE: torch.Tensor, topo: Topology, config) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica time decided by two consecutive micro-batches ``a, b`` (slots ``[..., L, G, J]``,
+    ``-1`` everywhere for none: before the step's first or after its last): float64
+    ``[..., L]`` ``(fills of b, returns of a)``, latency included.
+
+    Exact per residency when every fill slot has tokens (candidates are normalised so:
+    :func:`relibra_torch.planning.choose.candidate_sets`): then ``residency_masks`` starts a
+    residency where a fill slot's expert differs from the micro-batch before and ends one
+    where it differs from the one after, so a step's replica time is the sum of its
+    windows' (``tests/test_relibra_choose.py`` checks the sum against :func:`replica_seconds_ML`)."""
+    fill_a, cross_a, owner_a = _fill_masks(se_a, owner_gpu_LE, topo)
+    fill_b, cross_b, owner_b = _fill_masks(se_b, owner_gpu_LE, topo)
+    kept = fill_a & fill_b & (se_a == se_b)
+    start_b, ret_a = (fill_b & (st_b > 0)) & ~kept, (fill_a & (st_a > 0)) & ~kept
+    fc, fi, rc, ri = _prices(config)
+    lat = collective_latency_s(topo, config)
+    fills = transfer_seconds(start_b, cross_b, owner_b, fc, fi) + lat * start_b.flatten(-2).any(-1).double()
+    returns = transfer_seconds(ret_a, cross_a, owner_a, rc, ri) + lat * ret_a.flatten(-2).any(-1).double()
+    return fills, returns
+
+
+def _moves_per_gpu(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config,
+                   dims: tuple[int, ...]) -> torch.Tensor:
+    El, g, G = topo.experts_per_gpu, topo.gpus_per_node, topo.num_gpus
+    old, new = previous_LE // El, placement_LE // El
+    moved = old != new
+    cross = moved & (old // g != new // g)
+    L = placement_LE.shape[0]
+    per_gpu = torch.zeros(L, G, dtype=torch.float64)
+    for mask, price in ((cross, config.migration_s_per_expert), (moved & ~cross, config.intra_migration_s_per_expert)):
+        sent = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, old, mask.to(torch.int64))
+        recv = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, new, mask.to(torch.int64))
+        if dims:  # all layers at once: sums per GPU first
+            sent, recv = sent.sum(dims, keepdim=True), recv.sum(dims, keepdim=True)
+        per_gpu = per_gpu + torch.maximum(sent, recv).to(torch.float64) * price
+    return per_gpu
+
+
+def migration_seconds_L(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology,
+                        config) -> torch.Tensor:
+    """float64 ``[L]``: each layer's experts whose owner GPU changed, moved as if alone.
+    The cost model moves all layers at once (one maximum over GPUs of the sums), so the sum
+    of these bounds its time from above."""
+    if topo.num_gpus == 0 or placement_LE.shape[0] == 0:
+        return torch.zeros(placement_LE.shape[0], dtype=torch.float64)
+    return _moves_per_gpu(placement_LE, previous_LE, topo, config, ()).max(-1).values
+
+
+def migration_seconds(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config) -> float:
+    """Seconds to move every expert whose owner GPU changed, all layers at once (the cost
+    model's rule)."""
+    if placement_LE.shape[0] == 0:
+        return 0.0
+    return float(_moves_per_gpu(placement_LE, previous_LE, topo, config, (0,))[0].max())
+
+
+def step_seconds(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> float:
+    """The plan's priced step: expert compute, all-to-all, replicas and collective latency
+    summed over micro-batches and layers, plus the migration from ``plan.previous_placement_LE``
+    (none when ``None``). On count-only loads this is the cost model's ``step_s`` minus
+    attention and dense layers (``tests/test_relibra_choose.py``)."""
+    total = float((moe_seconds_ML(plan, loads_MLSE, config) + replica_seconds_ML(plan, config)).sum())
+    if plan.previous_placement_LE is not None:
+        total += migration_seconds(plan.placement_LE, plan.previous_placement_LE, plan.topology, config)
+    return total
