@@ -44,7 +44,7 @@ import torch
 from .balance import replicate
 from .plan import StepPlan
 from .price import (compute_seconds_ML, exchange_latency_s, migration_seconds, migration_seconds_L, moe_parts_ML,
-                    window_seconds)
+                    replica_seconds_ML, window_seconds)
 from .reorder_traffic import colocated_pairs
 from .topology import Topology
 from .traffic import traffic_replicas
@@ -98,7 +98,8 @@ def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
             if (use_balance and not balance) or (name != "balance" and traffic_set is None):
                 continue
             out.append((name, *replicate(loads_MLSE, topology, placement_LE, mt if use_balance else _NEVER,
-                                         traffic_set, mct if use_balance else _NEVER)))
+                                         traffic_set, mct if use_balance else _NEVER,
+                                         keep_prefilled=int(config.two_hop))))
     unique: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     alias: dict[str, int] = {}
     for name, se, st in out:
@@ -238,21 +239,24 @@ def cheapest_sequence(grp: Group, allowed: list[int], moe_OML: torch.Tensor | No
 
 
 def _assemble(parts: list[tuple[Group, torch.Tensor, torch.Tensor]], L: int, topology: Topology):
-    """``(placement_LE, se, st)`` taking layer ``l`` from the group and choice of ``parts``
-    whose mask ``[L]`` holds it (the later one where several do)."""
-    placement_LE = se = st = None
+    """``(placement_LE, se, st, moe_ML)`` taking layer ``l`` from the group and choice of
+    ``parts`` whose mask ``[L]`` holds it (the later one where several do); ``moe_ML``: the
+    chosen rows' priced compute, all-to-all and exchange latency."""
+    placement_LE = se = st = moe = None
     for grp, mask_L, choice_ML in parts:
         se_O = torch.stack([s[0] for s in grp.slots_O])
         st_O = torch.stack([s[1] for s in grp.slots_O])
         pick = choice_ML.view(1, *choice_ML.shape, 1, 1).expand(1, *choice_ML.shape, *se_O.shape[-2:])
         g_se, g_st = se_O.gather(0, pick)[0], st_O.gather(0, pick)[0]
+        g_moe = grp.moe_OML.gather(0, choice_ML.unsqueeze(0))[0]
         if placement_LE is None:
-            placement_LE, se, st = grp.placement_LE.clone(), g_se, g_st
+            placement_LE, se, st, moe = grp.placement_LE.clone(), g_se, g_st, g_moe
         else:
             m = mask_L.view(1, L, 1, 1)
             placement_LE = torch.where(mask_L.view(L, 1), grp.placement_LE, placement_LE)
             se, st = torch.where(m, g_se, se), torch.where(m, g_st, st)
-    return placement_LE, se, st
+            moe = torch.where(mask_L.view(1, L), g_moe, moe)
+    return placement_LE, se, st, moe
 
 
 def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
@@ -328,8 +332,16 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
         return (float(priced_L.sum()) + migration_seconds(placement_LE, previous_placement_LE, topology, config)
                 - float(credit_L(placement_LE).sum()))
 
+    def exact(parts) -> float:
+        """An alternative's exact price (``price.step_seconds`` less the rows every one pays
+        alike): the windows of the cheapest sequence estimate second hops, these replicas not."""
+        placement_LE, se, st, moe_ML = _assemble(parts, L, topology)
+        replicas = replica_seconds_ML(StepPlan(topology, placement_LE, se, st, "relibra"), config)
+        return total(moe_ML.sum(0) + replicas.sum(0), placement_LE)
+
     keep_L = cheapest_sequence(keep, [0])[1]
-    best, best_price = [(keep, every, none_ML)], total(keep_L, previous_placement_LE)
+    best = [(keep, every, none_ML)]
+    best_price = exact(best)
     for grp, allowed, twins in sorted(resolved, key=lambda r: bool(r[2])):  # lazy subsets last
         moved_L = migration_seconds_L(grp.placement_LE, previous_placement_LE, topology, config)
         gain_L = credit_L(grp.placement_LE)
@@ -345,11 +357,9 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
             price_groups([grp], loads_MLSE, topology, config, [pending], pool=groups + [keep], common_ML=common_ML)
         choice_ML, priced_L = cheapest_sequence(grp, allowed)
         use_L = priced_L + moved_L - gain_L < keep_L
-        mixed = torch.where(use_L.view(L, 1), grp.placement_LE, previous_placement_LE)
-        for parts, price in (([(grp, use_L, choice_ML), (keep, ~use_L, none_ML)],
-                              total(torch.where(use_L, priced_L, keep_L), mixed)),
-                             ([(grp, every, choice_ML)], total(priced_L, grp.placement_LE))):
+        for parts in ([(grp, use_L, choice_ML), (keep, ~use_L, none_ML)], [(grp, every, choice_ML)]):
+            price = exact(parts)
             if price < best_price:
                 best, best_price = parts, price
-    placement_LE, se, st = _assemble(best, L, topology)
+    placement_LE, se, st, _ = _assemble(best, L, topology)
     return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())

@@ -43,6 +43,7 @@ from .hier_estimate import approx_need_columns, hierarchical_traffic
 from .plan import StepPlan, token_split
 from .residency import residencies
 from .topology import Topology
+from .two_hop import hop_routes, two_hop_hubs
 
 __all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
            "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML", "replica_seconds_ML",
@@ -172,21 +173,33 @@ def moe_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Te
     return moe_parts_ML(plan, loads_MLSE, config)[0]
 
 
-def transfer_seconds(mask_XGJ: torch.Tensor, cross_XGJ: torch.Tensor, owner_XGJ: torch.Tensor,
+def transfer_seconds(mask_XGJ: torch.Tensor, cross_XGJ: torch.Tensor, src_XGJ: torch.Tensor,
                      cross_s: float, intra_s: float) -> torch.Tensor:
-    """float64 ``[X]``: one copy per masked slot between the slot's GPU and its expert's
-    owner (``cross_XGJ``: over the inter-node link, ``cross_s`` per copy, else NVLink,
-    ``intra_s``): per GPU ``max(received, sent)`` per link, the slowest GPU's time (the cost
-    model's ``transfer_s``). Any leading shape ``X``."""
+    """float64 ``[X]``: one copy per masked slot between the slot's GPU and ``src_XGJ`` (its
+    expert's owner, or a second hop's hub: ``two_hop.hop_routes``; ``cross_XGJ``: over the
+    inter-node link, ``cross_s`` per copy, else NVLink, ``intra_s``): per GPU
+    ``max(received, sent)`` per link, the slowest GPU's time (the cost model's
+    ``transfer_s``). Any leading shape ``X``."""
     *X, G, J = mask_XGJ.shape
     mask = mask_XGJ.reshape(-1, G, J)
-    owner = owner_XGJ.reshape(-1, G * J).clamp(min=0)
+    src = src_XGJ.reshape(-1, G * J).clamp(min=0)
     per_gpu = torch.zeros(mask.shape[0], G, dtype=torch.float64)
     for link, price in ((cross_XGJ.reshape(-1, G, J), cross_s), (~cross_XGJ.reshape(-1, G, J), intra_s)):
         here = (mask & link).to(torch.int64)
-        sent = torch.zeros(mask.shape[0], G, dtype=torch.int64).scatter_add_(1, owner, here.reshape(-1, G * J))
+        sent = torch.zeros(mask.shape[0], G, dtype=torch.int64).scatter_add_(1, src, here.reshape(-1, G * J))
         per_gpu += torch.maximum(here.sum(-1), sent).to(torch.float64) * price
     return per_gpu.max(-1).values.view(X)
+
+
+def _hop_seconds(event: torch.Tensor, seq: torch.Tensor, src: torch.Tensor, cross_link: torch.Tensor,
+                 cross_s: float, intra_s: float, lat: float) -> torch.Tensor:
+    """float64 ``[...]`` of slots ``[..., G, J]``: the exchange of the ``event`` slots (fills
+    or returns) that ride together, then the second hops ``seq`` that wait for their hubs
+    (NVLink, an exchange of their own: times and latencies add, as ``CostModel.replica_s``)."""
+    first = event & ~seq
+    none = torch.zeros_like(cross_link)
+    return (transfer_seconds(first, cross_link, src, cross_s, intra_s) + transfer_seconds(seq, none, src, cross_s, intra_s)
+            + lat * (first.flatten(-2).any(-1).double() + seq.flatten(-2).any(-1).double()))
 
 
 def _prices(config) -> tuple[float, float, float, float]:
@@ -210,14 +223,15 @@ def _fill_masks(slot_expert: torch.Tensor, owner_gpu_LE: torch.Tensor, topo: Top
 
 def replica_seconds_ML(plan: StepPlan, config) -> torch.Tensor:
     """float64 ``[M, L]``: the plan's replica fills (forward) + gradient returns (backward)
-    + their collectives' latency, per residency (:func:`~relibra_torch.planning.residency.residencies`)."""
+    + their collectives' latency, per residency (:func:`~relibra_torch.planning.residency.residencies`),
+    second hops from and into their hubs (:func:`~relibra_torch.planning.two_hop.hop_routes`)."""
     res = residencies(plan)
     fc, fi, rc, ri = _prices(config)
     lat = collective_latency_s(plan.topology, config)
-    fill = transfer_seconds(res.fill_start_MLGJ, res.cross_node_MLGJ, res.owner_MLGJ, fc, fi)
-    ret = transfer_seconds(res.grad_return_MLGJ, res.cross_node_MLGJ, res.owner_MLGJ, rc, ri)
-    n = res.fill_start_MLGJ.flatten(2).any(-1).to(torch.float64) + res.grad_return_MLGJ.flatten(2).any(-1)
-    return fill + ret + lat * n
+    src, cross_link, seq_fill, seq_ret = hop_routes(res.owner_MLGJ, res.cross_node_MLGJ, res.hubs(), res.held_MLGJ,
+                                                    res.fill_start_MLGJ, res.grad_return_MLGJ)
+    return (_hop_seconds(res.fill_start_MLGJ, seq_fill, src, cross_link, fc, fi, lat)
+            + _hop_seconds(res.grad_return_MLGJ, seq_ret, src, cross_link, rc, ri, lat))
 
 
 def window_seconds(se_a: torch.Tensor, st_a: torch.Tensor, se_b: torch.Tensor, st_b: torch.Tensor,
@@ -226,20 +240,33 @@ def window_seconds(se_a: torch.Tensor, st_a: torch.Tensor, se_b: torch.Tensor, s
     ``-1`` everywhere for none: before the step's first or after its last): float64
     ``[..., L]`` ``(fills of b, returns of a)``, latency included.
 
-    Exact per residency when every fill slot has tokens (candidates are normalised so:
-    :func:`relibra_torch.planning.choose.candidate_sets`): then ``residency_masks`` starts a
+    On candidates normalised so that every fill slot has tokens
+    (:func:`relibra_torch.planning.choose.candidate_sets`) ``residency_masks`` starts a
     residency where a fill slot's expert differs from the micro-batch before and ends one
-    where it differs from the one after, so a step's replica time is the sum of its
-    windows' (``tests/test_relibra_choose.py`` checks the sum against :func:`replica_seconds_ML`)."""
+    where it differs from the one after. Second hops (``planning.two_hop``) are found by the
+    hub rule on the two micro-batches alone, as if every residency held at ``a`` started
+    there and every one held at ``b`` ended there: exact when no second hop's cover depends
+    on micro-batches outside the window (one micro-batch, or no two cross-node copies of an
+    expert on a node), so a step's replica time is then the sum of its windows'
+    (``tests/test_relibra_choose.py``); otherwise an estimate (``chosen_plan`` compares
+    whole-step alternatives at their exact price)."""
     fill_a, cross_a, owner_a = _fill_masks(se_a, owner_gpu_LE, topo)
     fill_b, cross_b, owner_b = _fill_masks(se_b, owner_gpu_LE, topo)
     kept = fill_a & fill_b & (se_a == se_b)
     start_b, ret_a = (fill_b & (st_b > 0)) & ~kept, (fill_a & (st_a > 0)) & ~kept
     fc, fi, rc, ri = _prices(config)
     lat = collective_latency_s(topo, config)
-    fills = transfer_seconds(start_b, cross_b, owner_b, fc, fi) + lat * start_b.flatten(-2).any(-1).double()
-    returns = transfer_seconds(ret_a, cross_a, owner_a, rc, ri) + lat * ret_a.flatten(-2).any(-1).double()
-    return fills, returns
+    *lead, L, G, J = se_a.shape
+    stack = lambda a, b: torch.stack([a, b]).reshape(2, -1, G, J)  # noqa: E731  [2, X L, G, J]
+    cross, owner = stack(cross_a, cross_b), stack(owner_a, owner_b)
+    start = stack((fill_a & (st_a > 0)) | (kept & fill_a), start_b)
+    ret = stack(ret_a, (fill_b & (st_b > 0)) | kept)
+    held = stack(fill_a & (start[0].view_as(fill_a) | ret_a | kept), fill_b & (start_b | kept))
+    hub = two_hop_hubs(stack(se_a, se_b), cross, held, start, ret, topo.gpus_per_node)
+    src, cross_link, seq_fill, seq_ret = hop_routes(owner, cross, hub, held, start, ret)
+    fills = _hop_seconds(start[1], seq_fill[1], src[1], cross_link[1], fc, fi, lat)
+    returns = _hop_seconds(ret[0], seq_ret[0], src[0], cross_link[0], rc, ri, lat)
+    return fills.view(*lead, L), returns.view(*lead, L)
 
 
 def _moves_per_gpu(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["residency_spans", "sequential_hops", "two_hop_hubs"]
+__all__ = ["hop_routes", "residency_spans", "sequential_hops", "two_hop_hubs"]
 
 
 def residency_spans(held_MLGJ: torch.Tensor, fill_start_MLGJ: torch.Tensor,
@@ -122,3 +122,22 @@ def sequential_hops(hub_MLGJ: torch.Tensor, held_MLGJ: torch.Tensor, fill_start_
     hub_a = a.view(M, L, G * J).gather(2, idx).view_as(a)
     hub_b = b.view(M, L, G * J).gather(2, idx).view_as(b)
     return hop2 & fill_start_MLGJ & (hub_a == a), hop2 & grad_return_MLGJ & (hub_b == b)
+
+
+def hop_routes(owner_MLGJ: torch.Tensor, cross_node_MLGJ: torch.Tensor, hub_MLGJ: torch.Tensor,
+               held_MLGJ: torch.Tensor, fill_start_MLGJ: torch.Tensor, grad_return_MLGJ: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where each replica slot's weights come from and its gradient goes, as the layer runs it.
+
+    Returns ``(src_gpu, cross_link, fill_after, return_before)`` ``[M, L, G, J]``: the GPU
+    at the other end of the slot's fill and return (its hub's GPU, ``hub // J``, for a second
+    hop, else its expert's owner; int64, ``-1`` owners stay ``-1``), whether that transfer
+    crosses nodes (first hops of cross-node residencies only: second hops are NVLink), and
+    :func:`sequential_hops` (the second hops that need an exchange of their own). The
+    simulator's counts (``sim.transfers.replica_traffic``) and the planner's prices
+    (``planning.price``) both read this."""
+    J = hub_MLGJ.shape[-1]
+    hop2 = hub_MLGJ >= 0
+    src = torch.where(hop2, hub_MLGJ // J, owner_MLGJ)
+    fill_after, return_before = sequential_hops(hub_MLGJ, held_MLGJ, fill_start_MLGJ, grad_return_MLGJ)
+    return src, cross_node_MLGJ & ~hop2, fill_after, return_before

@@ -18,7 +18,7 @@ from ..checks import check_choice, check_int
 from ..planning.evaluate import PlanMetrics, evaluate
 from ..planning.plan import StepPlan
 from ..planning.residency import Residencies, residencies
-from ..planning.two_hop import sequential_hops
+from ..planning.two_hop import hop_routes, sequential_hops
 from .dispatch import DISPATCH_MODES, hierarchical_rows
 
 __all__ = ["COUNT_KEYS", "hook_step_collectives", "replica_traffic", "transfer_counts"]
@@ -45,23 +45,15 @@ def replica_traffic(res: Residencies, refetch: bool = False) -> dict[str, torch.
     an exchange of their own after the first hops (fills) or before them (returns).
     """
     M, L, G, J = res.fill_MLGJ.shape
-    owner = res.owner_MLGJ.clamp(min=0).reshape(M, L, G * J)
-    hub_MLGJ = res.hubs(refetch)
-    hop2 = hub_MLGJ >= 0
-    hub_gpu = hub_MLGJ.clamp(min=0).reshape(M, L, G * J) // J
-    seq_fill, seq_ret = sequential_hops(hub_MLGJ, res.held_MLGJ, res.fill_start_MLGJ, res.grad_return_MLGJ)
-    direct_intra = res.fill_MLGJ & ~res.cross_node_MLGJ
+    src, cross_link, seq_fill, seq_ret = hop_routes(res.owner_MLGJ, res.cross_node_MLGJ, res.hubs(refetch),
+                                                    res.held_MLGJ, res.fill_start_MLGJ, res.grad_return_MLGJ)
+    src = src.clamp(min=0).reshape(M, L, G * J)
     out = {}
     for what, n_MLGJ, seq in (("fetch", res.fetches(refetch), seq_fill), ("return", res.returns(refetch), seq_ret)):
-        for link, parts in (("cross", ((res.cross_node_MLGJ & ~hop2, owner),)),
-                            ("intra", ((direct_intra, owner), (hop2 & ~seq, hub_gpu))),
-                            ("2", ((seq, hub_gpu),))):
-            replica_side = torch.zeros(M, L, G, dtype=torch.int64)
-            at_src = torch.zeros(M, L, G, dtype=torch.int64)
-            for mask, src in parts:
-                here = n_MLGJ * mask
-                replica_side += here.sum(-1)
-                at_src.scatter_add_(2, src, here.reshape(M, L, G * J))
+        for link, mask in (("cross", cross_link), ("intra", res.fill_MLGJ & ~cross_link & ~seq), ("2", seq)):
+            here = n_MLGJ * mask
+            replica_side = here.sum(-1)
+            at_src = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(2, src, here.reshape(M, L, G * J))
             name = f"{what}2" if link == "2" else what
             suffix = "" if link == "2" else f"_{link}"
             if what == "fetch":
