@@ -16,18 +16,20 @@ residency, so what a slot costs at ``m`` depends on the candidate at ``m - 1`` (
 gradient return at ``m - 1`` on the one at ``m``); the step's price is a sum of
 per-micro-batch and per-window terms, so the cheapest sequence is a shortest path over
 ``M`` stages of ``C`` states (Viterbi), exact for that price: never priced above any single
-candidate's sequence, ``none``'s included. Ties go to the earlier candidate.
+candidate's sequence, ``none``'s included. Ties go to the earlier candidate. The windows
+see second hops (two-hop replicas) on their two micro-batches only, so that price is the
+residencies' exactly with one micro-batch or without second hops, else an estimate.
 
 **Whole-step alternatives** (:func:`chosen_plan`): for the mechanism subsets the config
 enables (traffic replicas, balancing), the plan relibra with only that subset would make
 (its placement: reordering with traffic slots iff it has traffic replicas; the cheapest
 sequence over its candidates; per layer the previous placement without copies instead
 where that prices lower, migration priced per layer), the same in every layer, and the
-previous placement without copies. The cheapest, priced exactly (migration of all layers
-at once), is the plan. Each alternative is computed exactly as relibra configured with
+previous placement without copies. The cheapest, priced exactly (every residency with
+its hub, ``price.replica_seconds_ML``; migration of all layers at once), is the plan. Each alternative is computed exactly as relibra configured with
 only that subset computes it, so relibra's step is priced at most every ablation's
 (traffic replicas off, balancing off, both off), every single candidate's sequence under
-its placement, and keeping the previous placement (from static placement: static's step),
+its placement (where the windows are exact), and keeping the previous placement (from static placement: static's step),
 in the simulator's units (``tests/test_relibra_choose.py``). Static placement is not an
 alternative elsewhere: moving back to it costs static's step plus a migration.
 
@@ -140,12 +142,12 @@ class Group:
             self.moe_OML = torch.full((O, M, L), float("nan"), dtype=torch.float64)
             self.cross_OML = self.moe_OML.clone()
 
-    def lower_ML(self, o: int, twin: int, topology: Topology, config) -> torch.Tensor:
-        """float64 ``[M, L]``: at most candidate ``o``'s price, from a priced ``twin`` with the
-        same inter-node rows (``o`` less balancing copies, which stay in their node): ``o``'s
-        compute and exchange latency exactly, its all-to-all by the twin's inter-node part."""
-        return (compute_seconds_ML(self.slots_O[o][1], config) + exchange_latency_s(topology, config)
-                + self.cross_OML[twin])
+    def lower_ML(self, o: int, topology: Topology, config) -> torch.Tensor:
+        """float64 ``[M, L]``: at most candidate ``o``'s price: its compute and exchange
+        latency exactly, its all-to-all at least 0. (A twin's inter-node part is no bound:
+        balancing copies inside a node change which GPU receives the remote tokens, and the
+        busiest GPU's inter-node rows can grow.)"""
+        return compute_seconds_ML(self.slots_O[o][1], config) + exchange_latency_s(topology, config)
 
 
 def price_groups(groups: list[Group], loads_MLSE: torch.Tensor, topology: Topology, config,
@@ -271,9 +273,9 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
     cheapest sequences are per layer at most a smaller subset's (a superset of candidates),
     so its per-layer choice moves every layer the smaller one moves, each for less than it
     saves at its own migration, which bounds what it adds to the joint move. Two subsets
-    are priced lazily: relibra without balancing (traffic replicas, step-long set; ``both``
-    and ``step`` are their twins with the same inter-node rows) and relibra without traffic
-    replicas (its balancing copies; twin: its ``none``). A lower bound of their alternatives
+    are priced lazily: relibra without balancing (traffic replicas, step-long set; twins
+    ``both`` and ``step``) and relibra without traffic replicas (its balancing copies; twin:
+    its ``none``). A lower bound of their alternatives
     (:meth:`Group.lower_ML` in the cheapest sequence, migration exact) is computed first, and
     their candidates are priced only when it beats the best plan so far."""
     M, L = loads_MLSE.shape[:2]
@@ -302,15 +304,19 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
         alias = aliases[gi]
         twins = {alias[n]: alias[tw] for n, tw in lazy.items() if n in alias and tw in alias}
         allowed = sorted({alias[n] for n in names if n in alias})
-        resolved.append((groups[gi], allowed, {o: tw for o, tw in twins.items() if o != tw}))
+        # the smaller subsets' sequences too: with second hops the windows only estimate, so
+        # a superset's cheapest sequence may price above a subset's exactly
+        subs = {tuple(sorted({alias[n] for n in sub if n in alias})) for sub in SUBSET_NAMES.values()
+                if set(sub) < set(names)} - {tuple(allowed)}
+        resolved.append((groups[gi], allowed, {o: tw for o, tw in twins.items() if o != tw}, sorted(subs)))
     keep = Group(previous_placement_LE, [native_slots(loads_MLSE, topology, previous_placement_LE)])
     # (micro-batch, layer) rows with the same slots in every candidate and the kept placement
     common_ML = torch.ones(M, L, dtype=torch.bool)
     for grp in groups:
         for se, st in grp.slots_O:
             common_ML &= ((se == keep.slots_O[0][0]) & (st == keep.slots_O[0][1])).flatten(2).all(-1)
-    exact = [sorted({o for grp2, allowed, twins in resolved if grp2 is grp for o in allowed if o not in twins}
-                    | {tw for grp2, _, twins in resolved if grp2 is grp for tw in twins.values()})
+    exact = [sorted({o for grp2, allowed, twins, _ in resolved if grp2 is grp for o in allowed if o not in twins}
+                    | {tw for grp2, _, twins, _ in resolved if grp2 is grp for tw in twins.values()})
              for grp in groups]
     if all(len(grp.slots_O) == 1 for grp in groups) and bool(common_ML.all()):
         # one plan whatever is chosen (no copy made, nothing moved): nothing to price
@@ -342,24 +348,25 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
     keep_L = cheapest_sequence(keep, [0])[1]
     best = [(keep, every, none_ML)]
     best_price = exact(best)
-    for grp, allowed, twins in sorted(resolved, key=lambda r: bool(r[2])):  # lazy subsets last
+    for grp, allowed, twins, subs in sorted(resolved, key=lambda r: bool(r[2])):  # lazy subsets last
         moved_L = migration_seconds_L(grp.placement_LE, previous_placement_LE, topology, config)
         gain_L = credit_L(grp.placement_LE)
         pending = [o for o in twins if bool(grp.moe_OML[o].isnan().any())]
         if pending:
             lower = grp.moe_OML.clone()
             for o in pending:  # rows common to every alternative are priced 0 in all
-                lower[o] = grp.lower_ML(o, twins[o], topology, config).masked_fill(common_ML, 0.0)
+                lower[o] = grp.lower_ML(o, topology, config).masked_fill(common_ML, 0.0)
             low_L = cheapest_sequence(grp, allowed, lower)[1]
             if (float(torch.minimum(low_L - gain_L, keep_L).sum()) >= best_price
                     and total(low_L, grp.placement_LE) >= best_price):
                 continue  # neither alternative can beat the best: not priced
             price_groups([grp], loads_MLSE, topology, config, [pending], pool=groups + [keep], common_ML=common_ML)
-        choice_ML, priced_L = cheapest_sequence(grp, allowed)
-        use_L = priced_L + moved_L - gain_L < keep_L
-        for parts in ([(grp, use_L, choice_ML), (keep, ~use_L, none_ML)], [(grp, every, choice_ML)]):
-            price = exact(parts)
-            if price < best_price:
-                best, best_price = parts, price
+        for sub in [allowed, *[list(x) for x in subs if not bool(grp.moe_OML[list(x)].isnan().any())]]:
+            choice_ML, priced_L = cheapest_sequence(grp, sub)
+            use_L = priced_L + moved_L - gain_L < keep_L
+            for parts in ([(grp, use_L, choice_ML), (keep, ~use_L, none_ML)], [(grp, every, choice_ML)]):
+                price = exact(parts)
+                if price < best_price:
+                    best, best_price = parts, price
     placement_LE, se, st, _ = _assemble(best, L, topology)
     return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())

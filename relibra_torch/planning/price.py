@@ -19,8 +19,13 @@ cost model's). Per (micro-batch, layer):
   of the residency's first micro-batch with tokens, the fp32 gradient (the rest) in the
   backward of its last; per GPU ``max(sent, received)`` per link (an owner feeding three
   replicas sends three copies), the slowest GPU sets the time, forward and backward apart;
+  a second hop of a two-hop replica (:func:`~relibra_torch.planning.two_hop.hop_routes`)
+  fills from and returns into its hub's GPU over NVLink, in an exchange of its own after
+  (fills) or before (returns) the first hops where its hub fills or returns in the same
+  micro-batch, else within theirs;
 * collective latency: the layer's token exchange and plan check, plus one collective where
-  a residency starts and one where one ends (``inter_node_latency_s`` per collective with
+  a residency starts and one where one ends, and one per sequential second-hop exchange
+  (``inter_node_latency_s`` per collective with
   several nodes, ``nvlink_latency_s`` on one);
 * migration, once per step: :func:`migration_seconds` (all layers at once, the cost
   model's rule) or :func:`migration_seconds_L` (each layer as if it moved alone: their sum
