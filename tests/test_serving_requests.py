@@ -134,3 +134,31 @@ def test_the_model_and_the_runtime_share_one_decode_rule():
     # the runtime's program count is the same share, rounded up to programs
     assert decode_programs(132, 15, 0, budget_tiles=60.0) == 33  # ceil(132 x 15 / 60)
     assert decode_programs(132, 8, 512) == 3 == math.ceil(132 * decode_share(8, 520, 132))
+
+
+def test_sharegpt_and_loogle_lengths_reproduce_their_published_means_and_filters():
+    from relibra_torch.serving.lengths import LENGTH_MODELS, LOOGLE_MAX_PROMPT
+
+    rng = np.random.default_rng(11)
+    p, o = LENGTH_MODELS["sharegpt"].draw(100_000, rng)
+    # bench_serving's ShareGPT V3 sample: 676,842 / 613,123 tokens over 3,000 prompts
+    assert p.mean() == pytest.approx(676842 / 3000, rel=0.03) and o.mean() == pytest.approx(613123 / 3000, rel=0.03)
+    assert p.min() >= 4 and o.min() >= 4 and p.max() <= 1024 and (p + o).max() <= 2048
+    p, o = LENGTH_MODELS["loogle"].draw(100_000, rng)
+    assert p.mean() == pytest.approx(24000, rel=0.03)  # LooGLE: "over 24k tokens per document"
+    assert p.max() == LOOGLE_MAX_PROMPT and set(np.unique(o).tolist()) == {50, 300, 500}
+
+
+def test_poisson_lengths_are_deterministic_per_seed_and_have_the_rate():
+    from relibra_torch.serving.lengths import poisson_lengths
+
+    a = poisson_lengths("sharegpt", 8.0, 4000, seed=3)
+    b = poisson_lengths("sharegpt", 8.0, 4000, seed=3)
+    c = poisson_lengths("sharegpt", 8.0, 4000, seed=4)
+    assert np.array_equal(a.arrival_N, b.arrival_N) and np.array_equal(a.prompt_N, b.prompt_N)
+    assert np.array_equal(a.output_N, b.output_N) and not np.array_equal(a.prompt_N, c.prompt_N)
+    assert a.rate == pytest.approx(8.0, rel=0.05)
+    fixed = poisson_lengths("loogle", 1.0, 50, seed=3, fixed_output=2048)
+    assert (fixed.output_N == 2048).all() and "every output 2048" in fixed.source
+    with pytest.raises(ValueError, match="--lengths 'wiki'; allowed: trace, sharegpt, loogle"):
+        poisson_lengths("wiki", 1.0, 5)

@@ -89,6 +89,11 @@ class Requests:
         return Requests(a - a[0], self.prompt_N[keep], self.output_N[keep],
                         f"{self.source} [{start_s:g} s, +{length_s:g} s)")
 
+    def with_output(self, tokens: int) -> "Requests":
+        """The same arrivals and prompts, every request generating ``tokens`` tokens."""
+        return Requests(self.arrival_N, self.prompt_N, np.full(len(self), tokens, dtype=np.int64),
+                        f"{self.source}, every output {tokens} tokens")
+
     def scaled(self, factor: float) -> "Requests":
         """The same requests with every inter-arrival time divided by ``factor`` (rate x factor);
         ``math.inf`` makes them one burst at time 0."""
