@@ -185,3 +185,25 @@ def test_deepep_time_scales_with_bytes_per_rank_and_only_decode_pays_it():
     dec = mm.parts(320, 320 * 1000, 320 * 1000, 320, 8, t, 8, (7 / 8, 0.0), decode=True)
     pre = mm.parts(320, 320 * 160, 0, 1, 8, t, 8, (7 / 8, 0.0))  # DeepEP's normal kernels: bytes only
     assert dec.comm_floor_s == pytest.approx(62 * mm.a2a_floor_s(8, 40)) and pre.comm_floor_s == 0.0
+
+
+def test_transfers_are_priced_by_the_slower_of_sender_egress_and_receiver_ingress():
+    from relibra_torch.serving.systems import _ExpertPlex
+
+    cost = ServingCost(TINY, get_hardware("h200"), TIGHT)
+    # one GPU sending over RDMA only: 1 / rdma s per byte; 8 such senders into 2 receivers:
+    # each receiver's NIC takes 4 bytes per byte sent, so the ingress binds (4x slower)
+    assert cost.link_s((0.0, 1.0)) == pytest.approx(1 / cost.rdma)
+    assert cost.link_s((0.0, 1.0), (0.0, 4.0)) == pytest.approx(4 / cost.rdma)
+    assert cost.link_s((0.0, 1.0), (0.5, 0.0)) == pytest.approx(1 / cost.rdma)  # egress binds
+    table = _cluster(8).table(2)
+    one = cost.parts(4096, 4096.0 * 2049, 0, 2, 1, table, 2, (0.0, 1.0))
+    fan_in = cost.parts(4096, 4096.0 * 2049, 0, 2, 1, table, 2, (0.0, 1.0), ingress=(0.0, 4.0))
+    assert fan_in.comm_bytes_s == pytest.approx(4 * one.comm_bytes_s) and fan_in.moe_tiles == one.moe_tiles
+    # ExpertPlex: 2 expert GPUs on node 0, 6 decode GPUs next to them, 16 prefill GPUs on
+    # nodes 1-2: all 16 prefilling at once put 16 / 2 = 8 bytes per byte sent on each
+    # receiving NIC; one alone puts 1/2 (its own egress then binds)
+    px = _ExpertPlex(_cluster(24), 2, 16, 6, 0, prefill_near=False)
+    assert px.ingress(px.prefill_nodes) == pytest.approx((0.0, 8.0))
+    assert px.ingress(px.prefill_nodes[:1]) == pytest.approx((0.0, 0.5))
+    assert px.decode_ingress == pytest.approx((3.0, 0.0))  # 6 same-node decode GPUs into 2

@@ -19,7 +19,9 @@ ones, and ``P = R = context`` for a decode token. Experts of one MoE layer on ``
 GPUs: FLOPs ``= tiles * M_t * 6 D F`` (the slowest GPU's row tiles: tile-granular, not
 token-granular), bytes ``= active experts * 3 D F * wb`` plus the routed activations.
 Dispatch + combine move ``T * c * D * (dispatch_bytes + combine_bytes)`` per layer over
-NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths, and take at
+NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths, limited by the
+sender's egress and the busiest receiver's ingress (many senders into few expert GPUs: the
+receivers' links bind; :meth:`ServingCost.link_s`), and take at
 least (decode iterations: SGLang runs DeepEP's low-latency kernels for decode batches, the
 normal ones for prefill) DeepEP's measured low-latency time for the EP size (``a2a_latency_us``), scaled by the
 bytes per rank against the README's 128-token, 7168-hidden benchmark (its times are
@@ -142,6 +144,19 @@ class ServingCost:
                 return (t0 + w * (t1 - t0)) * k
         return pts[-1][1] * k
 
+    def link_s(self, egress: tuple[float, float], ingress: tuple[float, float] | None = None) -> float:
+        """Seconds per byte a GPU sends: the slower of its own egress and the busiest
+        receiver's ingress, each over its NVLink and NIC in parallel (every link full duplex,
+        so dispatch and combine are each limited per direction by the same two ends).
+
+        ``egress``: (NVLink, RDMA) fractions of this GPU's bytes; ``ingress``: (NVLink, RDMA)
+        bytes the busiest receiver takes per byte this GPU sends (``None``: the symmetric
+        all-to-all, equal to ``egress``)."""
+        out = max(egress[0] / self.nvlink, egress[1] / self.rdma)
+        if ingress is None:
+            return out
+        return max(out, ingress[0] / self.nvlink, ingress[1] / self.rdma)
+
     # --- memory ---------------------------------------------------------------------------
     def expert_bytes_total(self) -> float:
         m = self.model
@@ -173,7 +188,8 @@ class ServingCost:
         return (count * (fp8_flops / self.fp8_rate + bf16_flops / self.bf16_rate), count * nbytes / self.bw)
 
     def parts(self, tokens: float, pairs: float, kv_read: float, lm_rows: float, attn_gpus: int,
-              table: TileTable, expert_gpus: int, fractions: tuple[float, float], decode: bool = False) -> Parts:
+              table: TileTable, expert_gpus: int, fractions: tuple[float, float], decode: bool = False,
+              ingress: tuple[float, float] | None = None) -> Parts:
         """One iteration over all layers.
 
         Args:
@@ -183,7 +199,10 @@ class ServingCost:
             lm_rows: rows through the LM head (one per request that samples a token).
             attn_gpus, expert_gpus: GPUs sharing attention (data parallel) and experts (EP).
             table: the expert group's tile table.
-            fractions: (NVLink, RDMA) fractions of the dispatched tokens.
+            fractions: (NVLink, RDMA) fractions of the dispatched tokens (the sender's egress).
+            ingress: (NVLink, RDMA) bytes arriving at the busiest receiving GPU per byte this
+                GPU sends (the receivers' ingress; :meth:`link_s`); None: a symmetric
+                all-to-all, where every GPU receives what it sends (``fractions``).
             decode: a decode iteration: DeepEP's low-latency kernels, at least their measured
                 time (SGLang's default ``--deepep-mode auto`` runs decode batches on them and
                 prefill / extend batches on the normal kernels, priced by the link term alone).
@@ -209,7 +228,7 @@ class ServingCost:
         wire = t_gpu * copies * m.hidden_size * (c.dispatch_bytes + c.combine_bytes)
         intra, inter = fractions
         alone = intra + inter == 0  # one GPU doing everything: no all-to-all
-        comm = 0.0 if alone else max(wire * intra / self.nvlink, wire * inter / self.rdma)
+        comm = 0.0 if alone else wire * self.link_s(fractions, ingress)
         floor = 0.0 if alone or not decode else self.a2a_floor_s(expert_gpus, t_gpu)
         tiles = table.tiles(tokens)
         routed_bytes = tokens * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes) / expert_gpus
