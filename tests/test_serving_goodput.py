@@ -207,3 +207,25 @@ def test_transfers_are_priced_by_the_slower_of_sender_egress_and_receiver_ingres
     assert px.ingress(px.prefill_nodes) == pytest.approx((0.0, 8.0))
     assert px.ingress(px.prefill_nodes[:1]) == pytest.approx((0.0, 0.5))
     assert px.decode_ingress == pytest.approx((3.0, 0.0))  # 6 same-node decode GPUs into 2
+
+
+def test_two_micro_batches_take_the_max_of_stages_where_that_is_faster():
+    from relibra_torch.serving.cost import pair_s
+    from relibra_torch.serving.systems import _ExpertPlex, _Instance
+
+    # one micro-batch: attention 2, all-to-all 1, experts 1 (half-batch times)
+    assert pair_s(2.0, 1.0, 1.0, same_gpus=True) == 6.0  # the shared GPU computes both: 2 (2 + 1)
+    assert pair_s(2.0, 1.0, 1.0, same_gpus=False) == 4.0  # the attention GPU binds: 2 x 2
+    assert pair_s(0.5, 3.0, 0.5, same_gpus=False) == 6.0  # the links bind
+    assert pair_s(1.0, 1.0, 1.0, same_gpus=False) == 3.0  # one micro-batch's own chain binds
+    off = replace(TIGHT, micro_batch_overlap=0.0)
+    on_cl, off_cl = _cluster(16), _cluster(16, off)
+    # a 2-node EP16 prefill: compute and RDMA traffic are comparable, so overlapping pays
+    pairs = 16 * 2048.0 * 2049 / 2
+    on, seq = _Instance(on_cl, 16).prefill_s(32768, pairs, 0, 16), _Instance(off_cl, 16).prefill_s(32768, pairs, 0, 16)
+    assert on < 0.9 * seq
+    # a small decode batch is bound by weight reads, which two micro-batches would double
+    assert _Instance(on_cl, 16).decode_s(16, 16 * 1000.0) == _Instance(off_cl, 16).decode_s(16, 16 * 1000.0)
+    # ExpertPlex: a prefill GPU's attention overlaps the expert GPUs' work on the other half
+    on_px, off_px = _ExpertPlex(on_cl, 4, 4, 8, 0, True), _ExpertPlex(off_cl, 4, 4, 8, 0, True)
+    assert on_px.prefill_s(8192, 8192.0 * 8193 / 2, 0, 1) < 0.9 * off_px.prefill_s(8192, 8192.0 * 8193 / 2, 0, 1)

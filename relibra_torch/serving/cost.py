@@ -28,8 +28,9 @@ bytes per rank against the README's 128-token, 7168-hidden benchmark (its times 
 transfer times: time x its bandwidth column = its bytes); ``c = g_e (1 -
 (1 - 1/g_e)^K)`` is the expected number of distinct expert GPUs among a token's ``K`` experts
 (DeepEP sends a token once per destination GPU). One
-iteration is the sum over layers (no overlap of attention, communication and experts:
-the engines' defaults run them in sequence), plus the LM head for the rows that sample.
+iteration is the sum over layers of attention, communication and experts in sequence, plus
+the LM head for the rows that sample; or, where faster, two overlapping micro-batches
+(:func:`pair_s`, ``serving.micro_batch_overlap``).
 
 Legend: T tokens of an iteration.
 """
@@ -44,7 +45,7 @@ from ..sim.presets import ModelSpec
 from .constants import A2A_REFERENCE, SM_COUNT, ServingConstants
 from .routing import TileTable
 
-__all__ = ["Parts", "ServingCost", "link_fractions"]
+__all__ = ["Parts", "ServingCost", "link_fractions", "pair_s"]
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,22 @@ class Parts:
     def memory_s(self) -> float:
         """Seconds the iteration keeps HBM busy (its memory-bound time)."""
         return sum(m for _, m in self.attn) + self.moe_memory_s
+
+
+def pair_s(attn: float, comm: float, moe: float, same_gpus: bool) -> float:
+    """One iteration run as two micro-batches that overlap (SGLang's two-batch overlap,
+    ExpertPlex's attention/expert ping-pong), from ONE micro-batch's stage times (each stage
+    priced at half the batch: weights are read once per micro-batch).
+
+    Per layer, every resource serves both micro-batches (the attention GPUs ``2 attn``, the
+    links ``2 comm``, the expert GPUs ``2 moe``; with ``same_gpus`` attention and experts
+    share one GPU, ``2 (attn + moe)``), and one micro-batch's own chain ``attn + comm + moe``
+    must finish before its next layer starts: the iteration takes the largest of those
+    (max of stages, not their sum). No overlap overhead is added (no published figure)."""
+    chain = attn + comm + moe
+    if same_gpus:
+        return max(2.0 * (attn + moe), 2.0 * comm, chain)
+    return max(2.0 * attn, 2.0 * comm, 2.0 * moe, chain)
 
 
 def link_fractions(num_gpus: int, gpus_per_node: int) -> tuple[float, float]:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .constants import ServingConstants
-from .cost import ServingCost, link_fractions
+from .cost import ServingCost, link_fractions, pair_s
 from .engine import Engine, Executor
 from .routing import TileTable, build_tile_table, replicated_placement, static_placement
 from .tiles import decode_sm_share
@@ -186,6 +186,8 @@ class _Instance:
         self.partner: Executor | None = None
         self.util = (0.0, 0.0)  # (HBM, link) busy fractions of this partition's last iteration
         self.sync_s = _dp_sync_s(cl, g)
+        # micro-batches overlap compute with the all-to-all; one GPU has no all-to-all
+        self.overlap = cl.consts.micro_batch_overlap > 0 and sum(self.frac) > 0
 
     def _t(self, tokens, pairs, kv_read, rows, decode: bool = False) -> float:
         p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac, decode)
@@ -196,8 +198,16 @@ class _Instance:
                 u_mem, u_link = self.partner.pricer.util
                 mem, link = mem * (1.0 + u_mem), 1.0 + u_link
         t = p.total_s(self.share, mem, link)
+        busy_mem, busy_link = p.memory_s() * mem, p.comm_bytes_s * link
+        if self.overlap and tokens >= 2:  # two overlapping micro-batches, where faster
+            h = self.cost.parts(tokens / 2, pairs / 2, kv_read / 2, rows / 2, self.g, self.table, self.g,
+                                self.frac, decode)
+            t2 = pair_s(h.attn_s(self.share, mem), max(h.comm_bytes_s * link, h.comm_floor_s),
+                        h.moe_s(self.share, mem), same_gpus=True)
+            if t2 < t:
+                t, busy_mem, busy_link = t2, 2 * h.memory_s() * mem, 2 * h.comm_bytes_s * link
         if t > 0:
-            self.util = (min(1.0, p.memory_s() * mem / t), min(1.0, p.comm_bytes_s * link / t))
+            self.util = (min(1.0, busy_mem / t), min(1.0, busy_link / t))
             t += self.sync_s
         return t
 
@@ -252,6 +262,7 @@ class _ExpertPlex:
         self.decode_x: Executor | None = None
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
         self.decode_sync_s = _dp_sync_s(cl, n_ad)  # the decode attention GPUs step together
+        self.overlap = cl.consts.micro_batch_overlap > 0
 
     def ingress(self, sender_nodes: list[int]) -> tuple[float, float]:
         """(NVLink, RDMA) bytes the busiest expert GPU receives per byte each sender sends,
@@ -270,20 +281,41 @@ class _ExpertPlex:
         expert GPUs' ingress shared with the prefill batches in flight, taken as alike)."""
         senders = [self.prefill_nodes[gpu]] + [self.prefill_nodes[k] for k, x in enumerate(self.prefill_xs)
                                                if x.prefilling and k != gpu]
+        ingress = self.ingress(senders)
         p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_fracs[gpu],
-                            ingress=self.ingress(senders))
+                            ingress=ingress)
         occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
         slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
         sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
-        return p.attn_s() + p.comm_s + slow * p.moe_s(max(1.0 - occ, 1e-3) / sharing)
+        share = max(1.0 - occ, 1e-3) / sharing
+        t = p.attn_s() + p.comm_s + slow * p.moe_s(share)
+        if self.overlap and tokens >= 2:  # ping-pong: attention of one micro-batch, experts of the other
+            h = self.cost.parts(tokens / 2, pairs / 2, kv_read / 2, rows / 2, 1, self.table, self.n_e,
+                                self.prefill_fracs[gpu], ingress=ingress)
+            t = min(t, pair_s(h.attn_s(), h.comm_s, slow * h.moe_s(share), same_gpus=False))
+        return t
 
     mixed_s = prefill_s
 
     def decode_s(self, batch, context):
+        prefilling = any(x.prefilling for x in self.prefill_xs)
+        attn, comm, moe, busy = self._decode_stages(batch, context, prefilling)
+        step = attn + comm + moe
+        if self.overlap and batch >= 2:  # ping-pong of two half batches, where faster
+            a, c, m, b = self._decode_stages(batch / 2, context / 2, prefilling)
+            pair = pair_s(a, c, m, same_gpus=False)
+            if pair < step:
+                step, busy = pair, 2 * b
+        step += self.decode_sync_s  # the experts idle during the sync
+        self.occupancy = busy / step if step > 0 else 0.0
+        return step
+
+    def _decode_stages(self, batch, context, prefilling: bool) -> tuple[float, float, float, float]:
+        """(attention, communication, expert, expert SM-seconds held) of one decode step."""
         p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac, True,
                             ingress=self.decode_ingress)
         L = self.cost.model.num_moe_layers
-        if any(x.prefilling for x in self.prefill_xs):
+        if prefilling:
             # per layer: decode's share from that layer's tile footprint (the runtime's rule)
             tiles_L, active_L = self.table.per_layer(batch)
             compute_L = tiles_L * self.cost.tile_time_s
@@ -296,9 +328,7 @@ class _ExpertPlex:
         else:
             moe = p.moe_s()
             busy = moe
-        step = p.attn_s() + p.comm_s + moe + self.decode_sync_s  # the experts idle during the sync
-        self.occupancy = busy / step if step > 0 else 0.0
-        return step
+        return p.attn_s(), p.comm_s, moe, busy
 
 
 class _PrefillPort:
