@@ -17,7 +17,8 @@ GLM = str(ROOT / "tests" / "fixtures" / "hf_configs" / "GLM-4.5-Air" / "config.j
 
 def test_serve_sim_writes_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    rc = main(["serve-sim", "--model-config", GLM, "--nodes", "1", "--window", "20",
+    # min_trace_s=20: the 20 s window is simulated as it is (not repeated to 60 s): a quick test
+    rc = main(["serve-sim", "--model-config", GLM, "--nodes", "1", "--window", "20", "--set", "serving.min_trace_s=20",
                "--systems", "expertplex,pd-disagg,colocated", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     text = capsys.readouterr().out

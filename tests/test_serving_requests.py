@@ -162,3 +162,14 @@ def test_poisson_lengths_are_deterministic_per_seed_and_have_the_rate():
     assert (fixed.output_N == 2048).all() and "every output 2048" in fixed.source
     with pytest.raises(ValueError, match="--lengths 'wiki'; allowed: trace, sharegpt, loogle"):
         poisson_lengths("wiki", 1.0, 5)
+
+
+def test_a_short_trace_is_repeated_back_to_back_up_to_the_minimum_span_at_the_same_rate():
+    r = Requests(np.array([0.0, 1.0, 3.0, 6.0]), np.array([5, 6, 7, 8]), np.array([2, 3, 4, 5]), "t")
+    s = r.scaled(2.0, min_span_s=10.0)  # spans 3 s: 4 copies, each shifted by 3 s
+    assert len(s) == 16 and s.arrival_N[4:8].tolist() == [3.0, 3.5, 4.5, 6.0]
+    assert s.rate == pytest.approx(r.scaled(2.0).rate) and s.prompt_N.tolist() == [5, 6, 7, 8] * 4
+    assert np.all(np.diff(s.arrival_N) >= 0) and "x4 back to back" in s.source
+    assert len(r.scaled(2.0, min_span_s=2.0)) == 4  # long enough already
+    assert len(r.scaled(2.0, min_span_s=10.0, max_requests=9)) == 8  # the request cap: 2 copies
+    assert len(r.scaled(math.inf, min_span_s=10.0)) == 4  # a burst stays a burst
