@@ -17,7 +17,9 @@ GLM = str(ROOT / "tests" / "fixtures" / "hf_configs" / "GLM-4.5-Air" / "config.j
 
 def test_serve_sim_writes_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "out.json", tmp_path / "out.png"
-    rc = main(["serve-sim", "--model-config", GLM, "--nodes", "1", "--window", "20",
+    # min_trace_s=0: the 20 s window is simulated as it is at every rate, not repeated to
+    # 60 s (40 s of CPU here; the repetition is tested in test_serving_requests)
+    rc = main(["serve-sim", "--model-config", GLM, "--nodes", "1", "--window", "20", "--set", "serving.min_trace_s=0",
                "--systems", "expertplex,pd-disagg,colocated", "--json", str(out), "--plot", str(png)])
     assert rc == 0
     text = capsys.readouterr().out
@@ -32,6 +34,7 @@ def test_serve_sim_writes_table_json_and_plot(tmp_path, capsys):
             assert r["goodput_per_node"] == pytest.approx(r["goodput"])
             assert r["attainment"] >= 0.9 and r["ttft_p90_s"] >= r["ttft_p50_s"]
     assert png.stat().st_size > 1000
+    assert doc["setup"]["serving"]["min_trace_s"] == 0.0 and doc["setup"]["serving"]["micro_batch_overlap"] == 1.0
 
 
 def test_bad_trace_is_a_one_line_error_with_exit_2(tmp_path, capsys):

@@ -115,3 +115,22 @@ def test_identical_inputs_give_identical_outputs():
     a = _run("mixed", arrival, prompt, output)
     b = _run("mixed", arrival, prompt, output)
     assert np.array_equal(a.first, b.first) and np.array_equal(a.finish, b.finish)
+
+
+def test_kv_transfers_queue_on_the_receivers_links_as_well_as_the_senders():
+    # two prefill servers (one link each) finish 100-token prompts at 0.1 s together and send
+    # 0.5 s transfers to one decode server: with one link it takes them one after the other
+    # (its ingress limits), with two links side by side; a single sender with one link
+    # serialises its own transfers to a two-link receiver (its egress limits)
+    def run(dst_links, senders):
+        kw = dict(max_running=10**6, max_prefill_tokens=100, chunk_tokens=8192)
+        xs = [Executor(f"p{i}", "prefill", Fixed(), kv_capacity=0, links=1, **kw) for i in range(senders)]
+        xs.append(Executor("d", "decode", Fixed(), kv_capacity=10**9, links=dst_links, **kw))
+        eng = Engine(np.zeros(2), np.asarray([100, 100]), np.asarray([2, 2]), xs, lambda p, s, d: (0.5, "rdma"))
+        eng.run()
+        return sorted(eng.first.tolist())
+
+    assert run(1, 2) == pytest.approx([0.6, 1.1])
+    assert run(2, 2) == pytest.approx([0.6, 0.61])  # the second joins after the decode step in progress
+    # p0 prefills r0 (0-0.1) and r1 (0.1-0.2): r1's transfer waits for p0's link (0.6, not 0.2)
+    assert run(2, 1) == pytest.approx([0.6, 1.1])

@@ -23,7 +23,9 @@ from relibra_torch.sim.presets import ModelSpec, get_model
 # small enough to simulate fast, big enough that a burst of its requests takes tens of ms
 TINY = ModelSpec("tiny", num_layers=16, num_moe_layers=16, hidden_size=4096, moe_ffn=2048, num_experts=16,
                  top_k=2, num_heads=32, num_kv_heads=8, head_dim=128, vocab_size=32000)
-TIGHT = replace(DEFAULT_CONSTANTS, ttft_slo_s=0.05, tpot_slo_s=0.004)
+# min_trace_s=0: the invariants hold on any trace, and the tiny model's goodputs (thousands of
+# req/s) would repeat these 40 requests into 50,000 per run (the repetition is tested below)
+TIGHT = replace(DEFAULT_CONSTANTS, ttft_slo_s=0.05, tpot_slo_s=0.004, min_trace_s=0.0)
 
 
 @lru_cache(maxsize=None)
@@ -185,3 +187,47 @@ def test_deepep_time_scales_with_bytes_per_rank_and_only_decode_pays_it():
     dec = mm.parts(320, 320 * 1000, 320 * 1000, 320, 8, t, 8, (7 / 8, 0.0), decode=True)
     pre = mm.parts(320, 320 * 160, 0, 1, 8, t, 8, (7 / 8, 0.0))  # DeepEP's normal kernels: bytes only
     assert dec.comm_floor_s == pytest.approx(62 * mm.a2a_floor_s(8, 40)) and pre.comm_floor_s == 0.0
+
+
+def test_transfers_are_priced_by_the_slower_of_sender_egress_and_receiver_ingress():
+    from relibra_torch.serving.systems import _ExpertPlex
+
+    cost = ServingCost(TINY, get_hardware("h200"), TIGHT)
+    # one GPU sending over RDMA only: 1 / rdma s per byte; 8 such senders into 2 receivers:
+    # each receiver's NIC takes 4 bytes per byte sent, so the ingress binds (4x slower)
+    assert cost.link_s((0.0, 1.0)) == pytest.approx(1 / cost.rdma)
+    assert cost.link_s((0.0, 1.0), (0.0, 4.0)) == pytest.approx(4 / cost.rdma)
+    assert cost.link_s((0.0, 1.0), (0.5, 0.0)) == pytest.approx(1 / cost.rdma)  # egress binds
+    table = _cluster(8).table(2)
+    one = cost.parts(4096, 4096.0 * 2049, 0, 2, 1, table, 2, (0.0, 1.0))
+    fan_in = cost.parts(4096, 4096.0 * 2049, 0, 2, 1, table, 2, (0.0, 1.0), ingress=(0.0, 4.0))
+    assert fan_in.comm_bytes_s == pytest.approx(4 * one.comm_bytes_s) and fan_in.moe_tiles == one.moe_tiles
+    # ExpertPlex: 2 expert GPUs on node 0, 6 decode GPUs next to them, 16 prefill GPUs on
+    # nodes 1-2: all 16 prefilling at once put 16 / 2 = 8 bytes per byte sent on each
+    # receiving NIC; one alone puts 1/2 (its own egress then binds)
+    px = _ExpertPlex(_cluster(24), 2, 16, 6, 0, prefill_near=False)
+    assert px.ingress(px.prefill_nodes) == pytest.approx((0.0, 8.0))
+    assert px.ingress(px.prefill_nodes[:1]) == pytest.approx((0.0, 0.5))
+    assert px.decode_ingress == pytest.approx((3.0, 0.0))  # 6 same-node decode GPUs into 2
+
+
+def test_two_micro_batches_take_the_max_of_stages_where_that_is_faster():
+    from relibra_torch.serving.cost import pair_s
+    from relibra_torch.serving.systems import _ExpertPlex, _Instance
+
+    # one micro-batch: attention 2, all-to-all 1, experts 1 (half-batch times)
+    assert pair_s(2.0, 1.0, 1.0, same_gpus=True) == 6.0  # the shared GPU computes both: 2 (2 + 1)
+    assert pair_s(2.0, 1.0, 1.0, same_gpus=False) == 4.0  # the attention GPU binds: 2 x 2
+    assert pair_s(0.5, 3.0, 0.5, same_gpus=False) == 6.0  # the links bind
+    assert pair_s(1.0, 1.0, 1.0, same_gpus=False) == 3.0  # one micro-batch's own chain binds
+    off = replace(TIGHT, micro_batch_overlap=0.0)
+    on_cl, off_cl = _cluster(16), _cluster(16, off)
+    # a 2-node EP16 prefill: compute and RDMA traffic are comparable, so overlapping pays
+    pairs = 16 * 2048.0 * 2049 / 2
+    on, seq = _Instance(on_cl, 16).prefill_s(32768, pairs, 0, 16), _Instance(off_cl, 16).prefill_s(32768, pairs, 0, 16)
+    assert on < 0.9 * seq
+    # a small decode batch is bound by weight reads, which two micro-batches would double
+    assert _Instance(on_cl, 16).decode_s(16, 16 * 1000.0) == _Instance(off_cl, 16).decode_s(16, 16 * 1000.0)
+    # ExpertPlex: a prefill GPU's attention overlaps the expert GPUs' work on the other half
+    on_px, off_px = _ExpertPlex(on_cl, 4, 4, 8, 0, True), _ExpertPlex(off_cl, 4, 4, 8, 0, True)
+    assert on_px.prefill_s(8192, 8192.0 * 8193 / 2, 0, 1) < 0.9 * off_px.prefill_s(8192, 8192.0 * 8193 / 2, 0, 1)

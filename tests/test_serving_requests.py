@@ -134,3 +134,42 @@ def test_the_model_and_the_runtime_share_one_decode_rule():
     # the runtime's program count is the same share, rounded up to programs
     assert decode_programs(132, 15, 0, budget_tiles=60.0) == 33  # ceil(132 x 15 / 60)
     assert decode_programs(132, 8, 512) == 3 == math.ceil(132 * decode_share(8, 520, 132))
+
+
+def test_sharegpt_and_loogle_lengths_reproduce_their_published_means_and_filters():
+    from relibra_torch.serving.lengths import LENGTH_MODELS, LOOGLE_MAX_PROMPT
+
+    rng = np.random.default_rng(11)
+    p, o = LENGTH_MODELS["sharegpt"].draw(100_000, rng)
+    # bench_serving's ShareGPT V3 sample: 676,842 / 613,123 tokens over 3,000 prompts
+    assert p.mean() == pytest.approx(676842 / 3000, rel=0.03) and o.mean() == pytest.approx(613123 / 3000, rel=0.03)
+    assert p.min() >= 4 and o.min() >= 4 and p.max() <= 1024 and (p + o).max() <= 2048
+    p, o = LENGTH_MODELS["loogle"].draw(100_000, rng)
+    assert p.mean() == pytest.approx(24000, rel=0.03)  # LooGLE: "over 24k tokens per document"
+    assert p.max() == LOOGLE_MAX_PROMPT and set(np.unique(o).tolist()) == {50, 300, 500}
+
+
+def test_poisson_lengths_are_deterministic_per_seed_and_have_the_rate():
+    from relibra_torch.serving.lengths import poisson_lengths
+
+    a = poisson_lengths("sharegpt", 8.0, 4000, seed=3)
+    b = poisson_lengths("sharegpt", 8.0, 4000, seed=3)
+    c = poisson_lengths("sharegpt", 8.0, 4000, seed=4)
+    assert np.array_equal(a.arrival_N, b.arrival_N) and np.array_equal(a.prompt_N, b.prompt_N)
+    assert np.array_equal(a.output_N, b.output_N) and not np.array_equal(a.prompt_N, c.prompt_N)
+    assert a.rate == pytest.approx(8.0, rel=0.05)
+    fixed = poisson_lengths("loogle", 1.0, 50, seed=3, fixed_output=2048)
+    assert (fixed.output_N == 2048).all() and "every output 2048" in fixed.source
+    with pytest.raises(ValueError, match="--lengths 'wiki'; allowed: trace, sharegpt, loogle"):
+        poisson_lengths("wiki", 1.0, 5)
+
+
+def test_a_short_trace_is_repeated_back_to_back_up_to_the_minimum_span_at_the_same_rate():
+    r = Requests(np.array([0.0, 1.0, 3.0, 6.0]), np.array([5, 6, 7, 8]), np.array([2, 3, 4, 5]), "t")
+    s = r.scaled(2.0, min_span_s=10.0)  # spans 3 s: 4 copies, each shifted by 3 s
+    assert len(s) == 16 and s.arrival_N[4:8].tolist() == [3.0, 3.5, 4.5, 6.0]
+    assert s.rate == pytest.approx(r.scaled(2.0).rate) and s.prompt_N.tolist() == [5, 6, 7, 8] * 4
+    assert np.all(np.diff(s.arrival_N) >= 0) and "x4 back to back" in s.source
+    assert len(r.scaled(2.0, min_span_s=2.0)) == 4  # long enough already
+    assert len(r.scaled(2.0, min_span_s=10.0, max_requests=9)) == 8  # the request cap: 2 copies
+    assert len(r.scaled(math.inf, min_span_s=10.0)) == 4  # a burst stays a burst

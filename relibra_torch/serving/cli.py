@@ -16,6 +16,7 @@ examples:
   relibra serve-sim --hardware h800 --nodes 3 --json out.json --plot out.png
   relibra serve-sim --trace mooncake.jsonl --systems expertplex,pd-disagg
   relibra serve-sim --rate 20 --num-requests 2000 --model-config GLM-4.5-Air/config.json
+  relibra serve-sim --lengths sharegpt --hardware h800 --nodes 3   (Poisson, ShareGPT-like lengths)
   relibra serve-sim --gpu-check out/gpu-check/gpu_check.json   (measured expertplex.tile_time_us)
 """
 
@@ -44,6 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"trace window length, s (default {DEFAULT_WINDOW_S:g}; 0 = whole trace)")
     p.add_argument("--rate", type=float, help="Poisson arrivals at this rate (req/s), lengths drawn from the trace")
     p.add_argument("--num-requests", type=int, default=1000, help="Poisson requests (default 1000)")
+    p.add_argument("--lengths", default="trace", choices=("trace", "sharegpt", "loogle"),
+                   help="request lengths with --rate: drawn from the trace (default), or ShareGPT- / "
+                        "LooGLE-like fitted distributions (sources in docs/serving.md)")
+    p.add_argument("--output-len", type=int, help="every request generates this many tokens (as "
+                                                  "bench_serving --sharegpt-output-len)")
     p.add_argument("--routing", metavar="FILE", help="routing replay or loads file for expert loads "
                                                      "(default: the synthetic trace model's calibrated heat)")
     p.add_argument("--model", default="minimax-m2", help=f"model preset: {', '.join(MODELS)} (default minimax-m2)")
@@ -81,6 +87,7 @@ def setup_from_args(args):
     """A :class:`~relibra_torch.serving.compare.CompareSetup` from parsed options."""
     from ..sim.data_refs import shared_data_dir
     from .compare import CompareSetup
+    from .lengths import poisson_lengths
     from .requests import load_trace, poisson_requests
     from .routing import popularity_from_file, synthetic_popularity
 
@@ -101,13 +108,21 @@ def setup_from_args(args):
     consts = override_constants(consts, slo)
     nodes = check_int("--nodes", args.nodes)
     gpn = check_int("--gpus-per-node", args.gpus_per_node)
-    path = args.trace or str(shared_data_dir() / DEFAULT_TRACE)
-    reqs = load_trace(path)
-    if args.window:
-        reqs = reqs.window(check_number("--window-start", args.window_start, 0),
-                           check_number("--window", args.window, 0, strict=True))
-    if args.rate is not None:
-        reqs = poisson_requests(args.rate, args.num_requests, reqs, args.seed)
+    if args.lengths != "trace":
+        if args.trace:
+            raise ValueError(f"--lengths {args.lengths} draws its own lengths; drop --trace or use --lengths trace")
+        reqs = poisson_lengths(args.lengths, 10.0 if args.rate is None else args.rate, args.num_requests,
+                               args.seed, args.output_len)
+    else:
+        path = args.trace or str(shared_data_dir() / DEFAULT_TRACE)
+        reqs = load_trace(path)
+        if args.window:
+            reqs = reqs.window(check_number("--window-start", args.window_start, 0),
+                               check_number("--window", args.window, 0, strict=True))
+        if args.rate is not None:
+            reqs = poisson_requests(args.rate, args.num_requests, reqs, args.seed)
+        if args.output_len is not None:
+            reqs = reqs.with_output(check_int("--output-len", args.output_len))
     if args.routing:
         pi = popularity_from_file(args.routing, model.num_moe_layers, model.num_experts, model.top_k)
         routing = f"routing file {os.path.basename(args.routing)}"

@@ -18,7 +18,7 @@ from ..planning.pricing import HardwareSpec
 from ..sim.presets import ModelSpec
 from .constants import ServingConstants
 from .cost import ServingCost
-from .goodput import best_config, run_config
+from .goodput import at_scale, best_config, run_config
 from .requests import Requests
 from .systems import Cluster, enumerate_configs
 
@@ -105,14 +105,14 @@ def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) ->
            "scale": best.scale, "curve": [list(p) for p in best.points]}
     if best.metrics is not None:
         # exact percentiles at the goodput rate (the search's run there may have stopped early)
-        m = best.metrics if not best.metrics.aborted else run_config(best.config, cl, setup.requests.scaled(best.scale))
+        m = best.metrics if not best.metrics.aborted else run_config(best.config, cl, at_scale(setup.requests, best.scale, cl))
         doc.update(m.percentiles())
         doc["attainment"] = m.attainment
         # the curve: the search's complete runs plus complete runs past the goodput (the
         # search stops those early, so their attainment would only be a bound)
         exact = [p for p in best.points if p[2]]
         for f in CURVE_BEYOND:
-            r = run_config(best.config, cl, setup.requests.scaled(best.scale * f))
+            r = run_config(best.config, cl, at_scale(setup.requests, best.scale * f, cl))
             exact.append((r.rate, r.attainment, True))
         doc["curve"] = [list(p) for p in sorted(exact)]
     return doc

@@ -89,6 +89,21 @@ class ServingConstants:
             The rest of the scheduler's CPU work overlaps the GPU (SGLang's overlap scheduler
             is on by default); a single-GPU scheduler (an ExpertPlex prefill attention GPU)
             has no gather.
+        micro_batch_overlap: 1 (default): an iteration with expert communication may run as
+            two overlapping micro-batches (``cost.pair_s``), whichever is faster, in every
+            system that has it: SGLang's two-batch overlap (``--enable-two-batch-overlap``,
+            DP attention + DeepEP: colocated, chunked-prefill, pd-disagg, pd-colocate) and
+            ExpertPlex's ping-pong of attention and expert servers; 0: off (iterations in
+            sequence). No overhead figure was found, so none is charged.
+        min_trace_s: the shortest span a trace is simulated over at any rate: a trace that,
+            sped up to the rate tried, spans less is repeated back to back until it spans
+            this long (``Requests.scaled``), so goodput is a steady-state rate, not how fast a
+            few seconds' burst is absorbed. 60 s: a request lives ~8 s at the SLO (TTFT 1 s +
+            254 mean output tokens x 30 ms on the default trace), and SGLang's
+            ``bench_serving`` default of 1,000 prompts at the paper's ~34 req/s lasts ~30 s.
+            0 turns it off (the first model's behaviour). At most ``max_trace_requests``
+            (50,000) requests are simulated per run: above 50,000 / 60 = 833 req/s the span
+            falls short of 60 s (the JSON's curve keeps each run's rate).
         ttft_slo_s, tpot_slo_s: the paper's SLO for MiniMax-M2.7: TTFT 1 s, TPOT 50 ms.
         attainment: fraction of requests that must meet both SLOs: 0.9 (P90 goodput).
     """
@@ -113,6 +128,9 @@ class ServingConstants:
     a2a_floor: float = 1.0
     partition_bandwidth: float = 0.0
     dp_sync_us: float = 455.0
+    micro_batch_overlap: float = 1.0
+    min_trace_s: float = 60.0
+    max_trace_requests: int = 50000
     ttft_slo_s: float = 1.0
     tpot_slo_s: float = 0.05
     attainment: float = 0.9
@@ -128,7 +146,9 @@ class ServingConstants:
         check_number("serving.a2a_floor", self.a2a_floor, 0)
         check_number("serving.dp_sync_us", self.dp_sync_us, 0)
         check_number("serving.partition_bandwidth", self.partition_bandwidth, 0, maximum=1)
-        for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running"):
+        check_number("serving.micro_batch_overlap", self.micro_batch_overlap, 0, maximum=1)
+        check_number("serving.min_trace_s", self.min_trace_s, 0)
+        for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running", "max_trace_requests"):
             check_int(f"serving.{f}", getattr(self, f))
 
 

@@ -19,15 +19,18 @@ ones, and ``P = R = context`` for a decode token. Experts of one MoE layer on ``
 GPUs: FLOPs ``= tiles * M_t * 6 D F`` (the slowest GPU's row tiles: tile-granular, not
 token-granular), bytes ``= active experts * 3 D F * wb`` plus the routed activations.
 Dispatch + combine move ``T * c * D * (dispatch_bytes + combine_bytes)`` per layer over
-NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths, and take at
+NVLink (same node) or RDMA (other nodes) at the hardware preset's bandwidths, limited by the
+sender's egress and the busiest receiver's ingress (many senders into few expert GPUs: the
+receivers' links bind; :meth:`ServingCost.link_s`), and take at
 least (decode iterations: SGLang runs DeepEP's low-latency kernels for decode batches, the
 normal ones for prefill) DeepEP's measured low-latency time for the EP size (``a2a_latency_us``), scaled by the
 bytes per rank against the README's 128-token, 7168-hidden benchmark (its times are
 transfer times: time x its bandwidth column = its bytes); ``c = g_e (1 -
 (1 - 1/g_e)^K)`` is the expected number of distinct expert GPUs among a token's ``K`` experts
 (DeepEP sends a token once per destination GPU). One
-iteration is the sum over layers (no overlap of attention, communication and experts:
-the engines' defaults run them in sequence), plus the LM head for the rows that sample.
+iteration is the sum over layers of attention, communication and experts in sequence, plus
+the LM head for the rows that sample; or, where faster, two overlapping micro-batches
+(:func:`pair_s`, ``serving.micro_batch_overlap``).
 
 Legend: T tokens of an iteration.
 """
@@ -42,7 +45,7 @@ from ..sim.presets import ModelSpec
 from .constants import A2A_REFERENCE, SM_COUNT, ServingConstants
 from .routing import TileTable
 
-__all__ = ["Parts", "ServingCost", "link_fractions"]
+__all__ = ["Parts", "ServingCost", "link_fractions", "pair_s"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,22 @@ class Parts:
     def memory_s(self) -> float:
         """Seconds the iteration keeps HBM busy (its memory-bound time)."""
         return sum(m for _, m in self.attn) + self.moe_memory_s
+
+
+def pair_s(attn: float, comm: float, moe: float, same_gpus: bool) -> float:
+    """One iteration run as two micro-batches that overlap (SGLang's two-batch overlap,
+    ExpertPlex's attention/expert ping-pong), from ONE micro-batch's stage times (each stage
+    priced at half the batch: weights are read once per micro-batch).
+
+    Per layer, every resource serves both micro-batches (the attention GPUs ``2 attn``, the
+    links ``2 comm``, the expert GPUs ``2 moe``; with ``same_gpus`` attention and experts
+    share one GPU, ``2 (attn + moe)``), and one micro-batch's own chain ``attn + comm + moe``
+    must finish before its next layer starts: the iteration takes the largest of those
+    (max of stages, not their sum). No overlap overhead is added (no published figure)."""
+    chain = attn + comm + moe
+    if same_gpus:
+        return max(2.0 * (attn + moe), 2.0 * comm, chain)
+    return max(2.0 * attn, 2.0 * comm, 2.0 * moe, chain)
 
 
 def link_fractions(num_gpus: int, gpus_per_node: int) -> tuple[float, float]:
@@ -142,6 +161,19 @@ class ServingCost:
                 return (t0 + w * (t1 - t0)) * k
         return pts[-1][1] * k
 
+    def link_s(self, egress: tuple[float, float], ingress: tuple[float, float] | None = None) -> float:
+        """Seconds per byte a GPU sends: the slower of its own egress and the busiest
+        receiver's ingress, each over its NVLink and NIC in parallel (every link full duplex,
+        so dispatch and combine are each limited per direction by the same two ends).
+
+        ``egress``: (NVLink, RDMA) fractions of this GPU's bytes; ``ingress``: (NVLink, RDMA)
+        bytes the busiest receiver takes per byte this GPU sends (``None``: the symmetric
+        all-to-all, equal to ``egress``)."""
+        out = max(egress[0] / self.nvlink, egress[1] / self.rdma)
+        if ingress is None:
+            return out
+        return max(out, ingress[0] / self.nvlink, ingress[1] / self.rdma)
+
     # --- memory ---------------------------------------------------------------------------
     def expert_bytes_total(self) -> float:
         m = self.model
@@ -173,7 +205,8 @@ class ServingCost:
         return (count * (fp8_flops / self.fp8_rate + bf16_flops / self.bf16_rate), count * nbytes / self.bw)
 
     def parts(self, tokens: float, pairs: float, kv_read: float, lm_rows: float, attn_gpus: int,
-              table: TileTable, expert_gpus: int, fractions: tuple[float, float], decode: bool = False) -> Parts:
+              table: TileTable, expert_gpus: int, fractions: tuple[float, float], decode: bool = False,
+              ingress: tuple[float, float] | None = None) -> Parts:
         """One iteration over all layers.
 
         Args:
@@ -183,7 +216,10 @@ class ServingCost:
             lm_rows: rows through the LM head (one per request that samples a token).
             attn_gpus, expert_gpus: GPUs sharing attention (data parallel) and experts (EP).
             table: the expert group's tile table.
-            fractions: (NVLink, RDMA) fractions of the dispatched tokens.
+            fractions: (NVLink, RDMA) fractions of the dispatched tokens (the sender's egress).
+            ingress: (NVLink, RDMA) bytes arriving at the busiest receiving GPU per byte this
+                GPU sends (the receivers' ingress; :meth:`link_s`); None: a symmetric
+                all-to-all, where every GPU receives what it sends (``fractions``).
             decode: a decode iteration: DeepEP's low-latency kernels, at least their measured
                 time (SGLang's default ``--deepep-mode auto`` runs decode batches on them and
                 prefill / extend batches on the normal kernels, priced by the link term alone).
@@ -209,7 +245,7 @@ class ServingCost:
         wire = t_gpu * copies * m.hidden_size * (c.dispatch_bytes + c.combine_bytes)
         intra, inter = fractions
         alone = intra + inter == 0  # one GPU doing everything: no all-to-all
-        comm = 0.0 if alone else max(wire * intra / self.nvlink, wire * inter / self.rdma)
+        comm = 0.0 if alone else wire * self.link_s(fractions, ingress)
         floor = 0.0 if alone or not decode else self.a2a_floor_s(expert_gpus, t_gpu)
         tiles = table.tiles(tokens)
         routed_bytes = tokens * m.top_k * m.hidden_size * (c.dispatch_bytes + c.combine_bytes) / expert_gpus

@@ -57,10 +57,11 @@ class Executor:
     """
 
     def __init__(self, name: str, mode: str, pricer, *, kv_capacity: int, max_running: int,
-                 max_prefill_tokens: int, chunk_tokens: int, node: int = 0):
+                 max_prefill_tokens: int, chunk_tokens: int, node: int = 0, links: int = 1):
         if mode not in ("serial", "mixed", "prefill", "decode"):
             raise ValueError(f"executor mode {mode!r}; allowed: serial, mixed, prefill, decode")
         self.name, self.mode, self.pricer, self.node = name, mode, pricer, node
+        self.links = links  # GPUs whose links carry its KV transfers (one transfer per GPU link at a time)
         self.kv_capacity, self.max_running = kv_capacity, max_running
         self.max_prefill_tokens, self.chunk_tokens = max_prefill_tokens, chunk_tokens
         self.queue: deque[int] = deque()  # waiting for prefill
@@ -265,7 +266,9 @@ class Executor:
 
 
 class Engine:
-    """Runs requests through executors; ``transfer_s(prompt, src, dst)`` prices KV hand-offs."""
+    """Runs requests through executors; ``transfer_s(prompt, src, dst)`` prices KV hand-offs:
+    seconds (no link contention), or ``(seconds, link)``: the transfer then waits for a free
+    link of that kind at both ends (``Executor.links`` each)."""
 
     def __init__(self, arrival_N: np.ndarray, prompt_N: np.ndarray, output_N: np.ndarray,
                  executors: list[Executor], transfer_s=None):
@@ -282,6 +285,7 @@ class Engine:
         for x in executors:
             x.engine = self
         self.transfer_s = transfer_s or (lambda p, src, dst: 0.0)
+        self._lanes: dict = {}  # (executor name, link) -> heap of its links' free times
         self.slo = None  # (ttft_s, tpot_s) when stop_after_misses is used
         self.missed = np.zeros(n, dtype=bool)
         self.misses, self.miss_budget = 0, n
@@ -311,7 +315,28 @@ class Engine:
         if dst is None:  # the least-loaded decode executor (reserved + waiting KV over capacity)
             dst = min(self.decoders, key=lambda x: ((x.reserved + sum(self._fp(q) for q in x.pending))
                                                     / max(x.kv_capacity, 1), x.name))
-        self.push(t + self.transfer_s(int(self.prompt[r]), src, dst), _JOIN, dst, r)
+        d = self.transfer_s(int(self.prompt[r]), src, dst)
+        if isinstance(d, tuple):  # (seconds, link): queue on the sender's and the receiver's links
+            d, link = d
+            end = self._reserve(t, d, (src, link), (dst, link))
+        else:
+            end = t + d
+        self.push(end, _JOIN, dst, r)
+
+    def _reserve(self, t: float, d: float, *ends) -> float:
+        """A transfer of ``d`` seconds that needs one free link of each end (an executor and a
+        link kind; an executor has ``links`` of each kind): it starts when both are free (the
+        sender's egress and the receiver's ingress both limit it) and holds them ``d``."""
+        heaps = []
+        for x, link in ends:
+            h = self._lanes.get((x.name, link))
+            if h is None:
+                h = self._lanes[(x.name, link)] = [0.0] * x.links
+            heaps.append(h)
+        start = max([t] + [h[0] for h in heaps])
+        for h in heaps:
+            heapq.heapreplace(h, start + d)
+        return start + d
 
     def _fp(self, r: int) -> int:
         return int(self.prompt[r] + self.output[r])

@@ -19,7 +19,7 @@ import numpy as np
 from .requests import Requests
 from .systems import Cluster, SystemConfig, build_engine
 
-__all__ = ["RunMetrics", "Goodput", "run_config", "goodput", "best_config"]
+__all__ = ["RunMetrics", "Goodput", "at_scale", "run_config", "goodput", "best_config"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,11 @@ class RunMetrics:
     def percentiles(self, qs=(50, 90, 99)) -> dict:
         return {f"ttft_p{q}_s": float(np.percentile(self.ttft_N, q)) for q in qs} | \
                {f"tpot_p{q}_s": float(np.percentile(self.tpot_N, q)) for q in qs}
+
+
+def at_scale(reqs: Requests, factor: float, cl: Cluster) -> Requests:
+    """``reqs`` sped up by ``factor``, repeated back to back up to ``serving.min_trace_s``."""
+    return reqs.scaled(factor, cl.consts.min_trace_s, cl.consts.max_trace_requests)
 
 
 def run_config(cfg: SystemConfig, cl: Cluster, reqs: Requests, early_stop: bool = False) -> RunMetrics:
@@ -96,7 +101,7 @@ def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, start_k: int = 0, ma
 
     def ok(k: int) -> bool:
         if k not in runs:
-            m = run_config(cfg, cl, reqs.scaled(_scale(k)), early_stop=True)
+            m = run_config(cfg, cl, at_scale(reqs, _scale(k), cl), early_stop=True)
             runs[k] = m
             points.append((m.rate, m.attainment, not m.aborted))
         return runs[k].attainment >= target
@@ -158,7 +163,7 @@ def best_config(configs: list[SystemConfig], cl: Cluster, reqs: Requests) -> Goo
                 best = g
             continue
         probe = best.k + 1
-        m = run_config(cfg, cl, reqs.scaled(_scale(probe)), early_stop=True)
+        m = run_config(cfg, cl, at_scale(reqs, _scale(probe), cl), early_stop=True)
         if m.attainment >= target:
             g = goodput(cfg, cl, reqs, start_k=probe)
             if g.rate > best.rate:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 from dataclasses import dataclass
 from datetime import datetime
@@ -89,13 +90,33 @@ class Requests:
         return Requests(a - a[0], self.prompt_N[keep], self.output_N[keep],
                         f"{self.source} [{start_s:g} s, +{length_s:g} s)")
 
-    def scaled(self, factor: float) -> "Requests":
+    def with_output(self, tokens: int) -> "Requests":
+        """The same arrivals and prompts, every request generating ``tokens`` tokens."""
+        return Requests(self.arrival_N, self.prompt_N, np.full(len(self), tokens, dtype=np.int64),
+                        f"{self.source}, every output {tokens} tokens")
+
+    def scaled(self, factor: float, min_span_s: float = 0.0, max_requests: int = 50_000) -> "Requests":
         """The same requests with every inter-arrival time divided by ``factor`` (rate x factor);
-        ``math.inf`` makes them one burst at time 0."""
+        ``math.inf`` makes them one burst at time 0.
+
+        ``min_span_s``: when the scaled trace spans less, it is repeated back to back (copy
+        ``j`` shifted by ``j`` spans, so the rate ``N / span`` is unchanged) until it spans at
+        least that long: a short window at a high rate would otherwise be one transient burst
+        that no steady state ever reaches (see docs/serving.md, ``serving.min_trace_s``); at
+        most ``max_requests`` requests in all (at least one copy), which bounds a run's cost."""
         if factor == float("inf"):
             return Requests(np.zeros_like(self.arrival_N), self.prompt_N, self.output_N, self.source)
         factor = check_number("scale factor", factor, 0, strict=True)
-        return Requests(self.arrival_N / factor, self.prompt_N, self.output_N, self.source)
+        arrival = self.arrival_N / factor
+        span = float(arrival[-1] - arrival[0])
+        if min_span_s <= 0 or span <= 0 or span >= min_span_s:
+            return Requests(arrival, self.prompt_N, self.output_N, self.source)
+        k = max(1, min(math.ceil(min_span_s / span), max_requests // len(self)))
+        if k == 1:
+            return Requests(arrival, self.prompt_N, self.output_N, self.source)
+        tiled = np.maximum.accumulate(np.concatenate([arrival + j * span for j in range(k)]))  # (rounding)
+        return Requests(tiled, np.tile(self.prompt_N, k),
+                        np.tile(self.output_N, k), f"{self.source} x{k} back to back")
 
 
 def _fail(path: str, where: str, what: str) -> ValueError:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .constants import ServingConstants
-from .cost import ServingCost, link_fractions
+from .cost import ServingCost, link_fractions, pair_s
 from .engine import Engine, Executor
 from .routing import TileTable, build_tile_table, replicated_placement, static_placement
 from .tiles import decode_sm_share
@@ -186,6 +186,8 @@ class _Instance:
         self.partner: Executor | None = None
         self.util = (0.0, 0.0)  # (HBM, link) busy fractions of this partition's last iteration
         self.sync_s = _dp_sync_s(cl, g)
+        # micro-batches overlap compute with the all-to-all; one GPU has no all-to-all
+        self.overlap = cl.consts.micro_batch_overlap > 0 and sum(self.frac) > 0
 
     def _t(self, tokens, pairs, kv_read, rows, decode: bool = False) -> float:
         p = self.cost.parts(tokens, pairs, kv_read, rows, self.g, self.table, self.g, self.frac, decode)
@@ -196,8 +198,16 @@ class _Instance:
                 u_mem, u_link = self.partner.pricer.util
                 mem, link = mem * (1.0 + u_mem), 1.0 + u_link
         t = p.total_s(self.share, mem, link)
+        busy_mem, busy_link = p.memory_s() * mem, p.comm_bytes_s * link
+        if self.overlap and tokens >= 2:  # two overlapping micro-batches, where faster
+            h = self.cost.parts(tokens / 2, pairs / 2, kv_read / 2, rows / 2, self.g, self.table, self.g,
+                                self.frac, decode)
+            t2 = pair_s(h.attn_s(self.share, mem), max(h.comm_bytes_s * link, h.comm_floor_s),
+                        h.moe_s(self.share, mem), same_gpus=True)
+            if t2 < t:
+                t, busy_mem, busy_link = t2, 2 * h.memory_s() * mem, 2 * h.comm_bytes_s * link
         if t > 0:
-            self.util = (min(1.0, p.memory_s() * mem / t), min(1.0, p.comm_bytes_s * link / t))
+            self.util = (min(1.0, busy_mem / t), min(1.0, busy_link / t))
             t += self.sync_s
         return t
 
@@ -243,25 +253,69 @@ class _ExpertPlex:
         self.frac = max((_fractions(range(g, g + 1), experts, gpn) for g in dec), key=link_s)
         self.prefill_nodes = [g // gpn for g in pre]
         self.decode_node = dec[0] // gpn
+        # receivers: expert GPUs per node (their NVLink takes same-node senders, their NIC the rest)
+        self.expert_nodes: dict[int, int] = {}
+        for g in experts:
+            self.expert_nodes[g // gpn] = self.expert_nodes.get(g // gpn, 0) + 1
+        self.decode_ingress = self.ingress([g // gpn for g in dec])
         self.prefill_xs: list[Executor] = []
         self.decode_x: Executor | None = None
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
         self.decode_sync_s = _dp_sync_s(cl, n_ad)  # the decode attention GPUs step together
+        self.overlap = cl.consts.micro_batch_overlap > 0
+
+    def ingress(self, sender_nodes: list[int]) -> tuple[float, float]:
+        """(NVLink, RDMA) bytes the busiest expert GPU receives per byte each sender sends,
+        for senders on ``sender_nodes`` sending alike and spreading over the expert GPUs."""
+        n, best, best_s = len(sender_nodes), (0.0, 0.0), -1.0
+        for node in self.expert_nodes:
+            near = sum(1 for s in sender_nodes if s == node)
+            pair = (near / self.n_e, (n - near) / self.n_e)
+            t = max(pair[0] / self.cost.nvlink, pair[1] / self.cost.rdma)
+            if t > best_s:
+                best, best_s = pair, t
+        return best
 
     def prefill_s(self, tokens, pairs, kv_read, rows, gpu: int = 0):
-        """One batch on prefill attention GPU ``gpu`` (its own links to the expert GPUs)."""
-        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_fracs[gpu])
+        """One batch on prefill attention GPU ``gpu`` (its own links to the expert GPUs; the
+        expert GPUs' ingress shared with the prefill batches in flight, taken as alike)."""
+        senders = [self.prefill_nodes[gpu]] + [self.prefill_nodes[k] for k, x in enumerate(self.prefill_xs)
+                                               if x.prefilling and k != gpu]
+        ingress = self.ingress(senders)
+        p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_fracs[gpu],
+                            ingress=ingress)
         occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
         slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
         sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
-        return p.attn_s() + p.comm_s + slow * p.moe_s(max(1.0 - occ, 1e-3) / sharing)
+        share = max(1.0 - occ, 1e-3) / sharing
+        t = p.attn_s() + p.comm_s + slow * p.moe_s(share)
+        if self.overlap and tokens >= 2:  # ping-pong: attention of one micro-batch, experts of the other
+            h = self.cost.parts(tokens / 2, pairs / 2, kv_read / 2, rows / 2, 1, self.table, self.n_e,
+                                self.prefill_fracs[gpu], ingress=ingress)
+            t = min(t, pair_s(h.attn_s(), h.comm_s, slow * h.moe_s(share), same_gpus=False))
+        return t
 
     mixed_s = prefill_s
 
     def decode_s(self, batch, context):
-        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac, True)
+        prefilling = any(x.prefilling for x in self.prefill_xs)
+        attn, comm, moe, busy = self._decode_stages(batch, context, prefilling)
+        step = attn + comm + moe
+        if self.overlap and batch >= 2:  # ping-pong of two half batches, where faster
+            a, c, m, b = self._decode_stages(batch / 2, context / 2, prefilling)
+            pair = pair_s(a, c, m, same_gpus=False)
+            if pair < step:
+                step, busy = pair, 2 * b
+        step += self.decode_sync_s  # the experts idle during the sync
+        self.occupancy = busy / step if step > 0 else 0.0
+        return step
+
+    def _decode_stages(self, batch, context, prefilling: bool) -> tuple[float, float, float, float]:
+        """(attention, communication, expert, expert SM-seconds held) of one decode step."""
+        p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac, True,
+                            ingress=self.decode_ingress)
         L = self.cost.model.num_moe_layers
-        if any(x.prefilling for x in self.prefill_xs):
+        if prefilling:
             # per layer: decode's share from that layer's tile footprint (the runtime's rule)
             tiles_L, active_L = self.table.per_layer(batch)
             compute_L = tiles_L * self.cost.tile_time_s
@@ -274,9 +328,7 @@ class _ExpertPlex:
         else:
             moe = p.moe_s()
             busy = moe
-        step = p.attn_s() + p.comm_s + moe + self.decode_sync_s  # the experts idle during the sync
-        self.occupancy = busy / step if step > 0 else 0.0
-        return step
+        return p.attn_s(), p.comm_s, moe, busy
 
 
 class _PrefillPort:
@@ -324,20 +376,22 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
         g = int(k["gpus_per_instance"])
         for i in range(int(k["prefill_instances"])):
             xs.append(Executor(f"p{i}", "prefill", _Instance(cl, g), kv_capacity=0, max_running=1,
-                               node=i * g // cl.gpus_per_node, **lim(g)))
+                               node=i * g // cl.gpus_per_node, links=g, **lim(g)))
         n_p = int(k["prefill_instances"])
         for i in range(int(k["decode_instances"])):
             xs.append(Executor(f"d{i}", "decode", _Instance(cl, g), kv_capacity=_instance_kv(cl, g),
-                               max_running=c.max_running * g, node=(n_p + i) * g // cl.gpus_per_node, **lim(g)))
+                               max_running=c.max_running * g, node=(n_p + i) * g // cl.gpus_per_node, links=g,
+                               **lim(g)))
         spans = g > cl.gpus_per_node
 
         def transfer(prompt, src, dst):  # one request's KV lives on one attention-DP GPU
-            return cl.cost.kv_transfer_s(prompt, spans or src.node != dst.node)
+            cross = spans or src.node != dst.node
+            return cl.cost.kv_transfer_s(prompt, cross), "rdma" if cross else "nvlink"
     else:  # expertplex, expertplex-repl
         n_e, n_ap, n_ad = int(k["expert_gpus"]), int(k["prefill_attention_gpus"]), int(k["decode_attention_gpus"])
         px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)), bool(k["prefill_near_experts"]))
         d = Executor("d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
-                     max_running=c.max_running * n_ad, node=px.decode_node, **lim(n_ad))
+                     max_running=c.max_running * n_ad, node=px.decode_node, links=n_ad, **lim(n_ad))
         for i in range(n_ap):
             p = Executor(f"p{i}", "prefill", _PrefillPort(px, i), kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
             p.listeners.append(d)  # decode's step price changes when prefill starts or stops
@@ -346,5 +400,6 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
         px.decode_x = d
         xs.append(d)
         def transfer(prompt, src, dst):  # prefill attention GPU -> decode attention GPU
-            return cl.cost.kv_transfer_s(prompt, src.node != dst.node)
+            cross = src.node != dst.node
+            return cl.cost.kv_transfer_s(prompt, cross), "rdma" if cross else "nvlink"
     return Engine(arrival_N, prompt_N, output_N, xs, transfer)
