@@ -39,6 +39,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # standin_loads, run as a script
 
 import torch  # noqa: E402
+from standin_domains import MODELS as DOMAIN_SHAPES  # noqa: E402
+from standin_domains import domain_loads  # noqa: E402
 from standin_loads import standin_loads  # noqa: E402
 
 from relibra_torch.planning.topology import Topology  # noqa: E402
@@ -119,6 +121,8 @@ SIZES = [(16, 1), (32, 8), (16, 64), (64, 64)]
 
 # routers: Zipf popularity (exponent) and chance of a collapsed first choice
 ROUTERS = {"zipf": (1.0, 0.0), "collapsed": (1.0, 0.95)}
+# "domains": real per-domain expert counts, one domain per (micro-batch, rank), so the hot
+# experts move between micro-batches (standin_domains.py); for the shapes with such data
 
 
 @dataclass(frozen=True)
@@ -152,7 +156,9 @@ def matrix(quick: bool) -> list[Case]:
         shapes = list(SHAPES)
         sizes = SIZES
     out = []
-    for s, r, (t, f) in itertools.product(shapes, ROUTERS, sizes):
+    for s, r, (t, f) in itertools.product(shapes, [*ROUTERS, "domains"], sizes):
+        if r == "domains" and s not in DOMAIN_SHAPES:
+            continue
         for n, g in clusters(SHAPES[s].num_experts):
             out.append(Case(s, r, t, f, n, g))
     return out
@@ -164,11 +170,15 @@ def run_case(case: Case, args, options, tmp: Path) -> dict:
     shape = SHAPES[case.shape]
     model = shape.model(args.layers)
     G = case.nodes * case.gpus_per_node
-    zipf, collapse = ROUTERS[case.router]
+    zipf, collapse = ROUTERS.get(case.router, (0.0, 0.0))
     seed = args.seed + (zlib.crc32(case.name.encode()) & 0xFFFF) if args.vary_seed else args.seed
-    torch.manual_seed(seed)  # standin_loads' per-micro-batch drift draws from torch's global generator
-    loads = standin_loads(shape.num_experts, shape.top_k, args.layers, args.micro_batches, G, case.tokens,
-                          steps=args.steps, zipf=zipf, collapse=collapse, factor=case.factor, seed=seed)
+    if case.router == "domains":
+        loads = domain_loads(case.shape, args.layers, args.micro_batches, G, case.tokens, steps=args.steps,
+                             factor=case.factor, seed=seed)
+    else:
+        torch.manual_seed(seed)  # standin_loads' per-micro-batch drift draws from torch's global generator
+        loads = standin_loads(shape.num_experts, shape.top_k, args.layers, args.micro_batches, G, case.tokens,
+                              steps=args.steps, zipf=zipf, collapse=collapse, factor=case.factor, seed=seed)
     path = tmp / (case.name.replace("/", "_") + ".safetensors")
     save_loads(path, loads, shape.top_k)
     topo = Topology(case.nodes, case.gpus_per_node, shape.num_experts, args.replica_slots)
@@ -190,6 +200,7 @@ def run_case(case: Case, args, options, tmp: Path) -> dict:
         "case": case.name, **dataclasses.asdict(case), "model": model.name, "experts": shape.num_experts,
         "top_k": shape.top_k, "dispatch": dispatch,
         "static_imbalance": static_imbalance(loads[config.warmup_steps:], G),
+        **drift(loads[config.warmup_steps:], G),
         "step_s": step, "charged_s": charged, "model_step_s": model_s,
         "relibra_replica_s": figs[MINE]["replica_transfer_s"],
         "relibra_migration_s": figs[MINE]["migration_s"],
@@ -204,6 +215,36 @@ def run_case(case: Case, args, options, tmp: Path) -> dict:
                     f"{tag}relibra_over_worst": t[MINE] / t[worst],
                     f"{tag}relibra_over_node_demand": t[MINE] / t["eplb-node-demand"]})
     return out
+
+
+def drift(loads_XMLSE: torch.Tensor, num_gpus: int) -> dict:
+    """What only per-micro-batch loads show: static placement's max/mean GPU load per (micro-batch,
+    layer) (``mb_imbalance``), against the same of the step's totals (``step_imbalance``), each
+    averaged over layers and steps. Their ratio is how much skew a planner from step totals
+    cannot see."""
+    X, M, L, S, E = loads_XMLSE.shape
+    gpu_XMLG = loads_XMLSE.sum(3).reshape(X, M, L, num_gpus, E // num_gpus).sum(-1).to(torch.float64)
+    mb = gpu_XMLG.amax(-1) / gpu_XMLG.mean(-1).clamp_min(1e-9)
+    tot_XLG = gpu_XMLG.sum(1)
+    step = tot_XLG.amax(-1) / tot_XLG.mean(-1).clamp_min(1e-9)
+    return {"mb_imbalance": float(mb.mean()), "step_imbalance": float(step.mean())}
+
+
+def replay_summary(rows: list[dict]) -> None:
+    """relibra (per-micro-batch replay loads) against eplb-node-demand (eplb-oracle's placement
+    plus step-long traffic replicas from step totals): the lead per router, size and cluster."""
+    from collections import defaultdict
+
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        groups[(r["router"], f"t{r['tokens']}x{r['factor']}", "1 node" if r["nodes"] == 1 else "2 nodes")].append(r)
+    print("relibra's lead over eplb-node-demand (its step / relibra's; cost model), min / median / max over shapes;"
+          " mb/step imb: static's per-micro-batch max/mean over that of the step's totals")
+    for key in sorted(groups):
+        vals = sorted(r["model_step_s"]["eplb-node-demand"] / r["model_step_s"][MINE] for r in groups[key])
+        gap = sum(r["mb_imbalance"] / r["step_imbalance"] for r in groups[key]) / len(groups[key])
+        print(f"  {' / '.join(key):<28} {vals[0]:.3f}  {vals[len(vals) // 2]:.3f}  {vals[-1]:.3f}   "
+              f"mb/step imb {gap:.2f}")
 
 
 def _options(sets: list[str]):
@@ -281,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['relibra_over_static']:.4f}, / {r['fastest_baseline']} {r['relibra_over_fastest']:.4f}"
                   f"{flag}", file=sys.stderr, flush=True)
     print_table(rows)
+    replay_summary(rows)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({"settings": {k: (str(v) if isinstance(v, Path) else v)
