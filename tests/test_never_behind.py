@@ -10,7 +10,8 @@ its test hold the planning-time bar).
 The cases cover what the benchmark's matrix finds (128 cases; ``python
 benchmarks/never_behind.py``): a collapsed top-1 router on one node, Zipf top-8 and top-2
 routers at 16-64 tokens per GPU and multiplied by 8 and 64, a collapsed top-1 router on two
-nodes under hierarchical dispatch, and one case where every system should do nothing.
+nodes under hierarchical dispatch, real per-domain counts whose hot experts move between
+micro-batches, and one case where every system should do nothing.
 """
 
 import argparse
@@ -32,6 +33,8 @@ CASES = [
     nb.Case("mixtral", "zipf", 16, 64, 1, 8),
     # top-1, 64 experts collapsed, two nodes, hierarchical dispatch, counts x 64
     nb.Case("switch-64", "collapsed", 64, 64, 2, 8),
+    # top-8, 64 experts, one real domain per micro-batch and rank (hot experts move), x 8
+    nb.Case("olmoe", "domains", 32, 8, 1, 8),
     # top-2, 32 experts, 16 real tokens per GPU on two nodes: nothing pays, relibra = static
     nb.Case("top2-32", "zipf", 16, 1, 2, 8),
 ]
