@@ -19,27 +19,29 @@ Legend: X steps, M micro-batches, L layers, S source ranks, E experts, D domains
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "olmoe-domain-expert-counts.json"
-MODELS = {"olmoe": "olmoe", "mixtral": "mistral"}  # our name -> the file's
+MODELS = {"olmoe": ("olmoe", 8), "mixtral": ("mistral", 2)}  # our name -> the file's, and its top-k
 
 
-def domain_popularity(model: str, path: Path = DATA) -> tuple[torch.Tensor, int]:
-    """float64 ``[D, 3, E]`` per-domain, per-layer expert counts (every top-k choice), and K."""
-    doc = json.loads(Path(path).read_text())["models"][MODELS[model]]
-    counts = torch.tensor([doc["all_choices"][d] for d in sorted(doc["all_choices"])], dtype=torch.float64)
-    return counts, int(doc["top_k"])
+def domain_popularity(model: str) -> tuple[torch.Tensor, int]:
+    """float64 ``[D, 3, E]`` per-domain, per-layer expert counts (every top-k choice), and K.
+
+    Read by :func:`relibra_torch.sim.data_refs.olmoe_domain_counts` (``../shared/data``, or
+    ``$RELIBRA_SHARED_DATA``)."""
+    from relibra_torch.sim.data_refs import olmoe_domain_counts
+    name, K = MODELS[model]
+    _, counts = olmoe_domain_counts(name)
+    return torch.stack([counts[d] for d in sorted(counts)]).to(torch.float64), K
 
 
 def domain_loads(model: str, num_layers: int, micro_batches: int, num_ranks: int, tokens_per_rank: int, *,
-                 steps: int = 2, factor: int = 1, seed: int = 0, path: Path = DATA) -> torch.Tensor:
+                 steps: int = 2, factor: int = 1, seed: int = 0) -> torch.Tensor:
     """int64 ``[X, M, L, S, E]`` counts: one domain per (step, micro-batch, rank), x ``factor``."""
     gen = torch.Generator().manual_seed(seed)
-    pop_D3E, K = domain_popularity(model, path)
+    pop_D3E, K = domain_popularity(model)
     D, _, E = pop_D3E.shape
     T = tokens_per_rank
     w_DLE = pop_D3E[:, torch.arange(num_layers) % 3]          # layer l uses real layer l % 3
