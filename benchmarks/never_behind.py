@@ -164,9 +164,9 @@ def matrix(quick: bool) -> list[Case]:
     return out
 
 
-def run_case(case: Case, args, options, tmp: Path) -> dict:
-    """Write the case's loads file, read it back as ``relibra simulate FILE`` does, run every
-    system; the figures per system and relibra's ratios."""
+def case_workload(case: Case, args, options, tmp: Path):
+    """Write the case's loads file and read it back as ``relibra simulate FILE`` does:
+    ``(loads_XMLSE, workload, config)`` with every system of ``SYSTEMS``."""
     shape = SHAPES[case.shape]
     model = shape.model(args.layers)
     G = case.nodes * case.gpus_per_node
@@ -186,6 +186,16 @@ def run_case(case: Case, args, options, tmp: Path) -> dict:
     dispatch = "hierarchical" if case.nodes > 1 else "flat"
     config = SimConfig(model, get_hardware(args.hardware), topo, SYSTEMS, CostOptions(dispatch=dispatch),
                        warmup_steps=1 if args.steps > 1 else 0, baseline_options=options)
+    return loads, workload, config
+
+
+def run_case(case: Case, args, options, tmp: Path) -> dict:
+    """Run every system on the case's loads file; the figures per system and relibra's ratios."""
+    shape = SHAPES[case.shape]
+    G = case.nodes * case.gpus_per_node
+    loads, workload, config = case_workload(case, args, options, tmp)
+    model = config.model
+    dispatch = config.cost_options.dispatch
     t0 = time.perf_counter()
     figs = simulate(workload, config).figures()
     secs = time.perf_counter() - t0
