@@ -57,7 +57,8 @@ def test_stand_in_loads_are_deterministic_and_real_shaped(tmp_path):
     case = nb.Case("switch-8", "zipf", 16, 4, 1, 8)
     a = nb.run_case(case, SETTINGS, nb._options([]), tmp_path)
     b = nb.run_case(case, SETTINGS, nb._options([]), tmp_path)
-    assert a["model_step_s"] == b["model_step_s"]
+    # equal up to float rounding: the host charge (measured CPU) is subtracted from each step
+    assert a["model_step_s"] == pytest.approx(b["model_step_s"], rel=1e-12)
     assert a["static_imbalance"] == b["static_imbalance"] > 1.0
     assert a["experts"] == 8 and a["top_k"] == 1 and a["dispatch"] == "flat"
 
