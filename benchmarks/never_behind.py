@@ -16,8 +16,8 @@ DeepSeek-V3's dims for 256 experts top-8 (its dense layers and MTP left out), ea
 ``--layers`` MoE layers (every layer MoE) so that a case takes about a second; ratios
 between systems are per layer, so the cut changes them little.
 
-    python benchmarks/never_behind.py                 # 144 cases: 12.7 min on this project's 2 cores
-                                                      # shared with other jobs (load ~5); --quick: 36
+    python benchmarks/never_behind.py                 # 144 cases, 2 processes (--jobs)
+    python benchmarks/never_behind.py --quick         # 36 cases
     python benchmarks/never_behind.py --quick         # the smaller matrix
     python benchmarks/never_behind.py --set relibra.traffic_search=false   # ablate a mechanism
 
@@ -258,6 +258,10 @@ def replay_summary(rows: list[dict]) -> None:
               f"mb/step imb {gap:.2f}")
 
 
+def _run_case_star(item) -> dict:
+    return run_case(*item)
+
+
 def _options(sets: list[str]):
     sections: dict[str, dict] = {}
     for text in sets:
@@ -315,6 +319,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--vary-seed", action="store_true", help="a different stand-in seed per case")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="baseline or relibra setting, as relibra simulate --set (e.g. relibra.balance=false)")
+    p.add_argument("--jobs", type=int, default=2,
+                   help="cases run in this many processes (default 2, the project's 2 cores; 1: in this one)")
     p.add_argument("--json", type=Path, help="write every case's figures here")
     args = p.parse_args(argv)
     options = _options(args.set)
@@ -324,14 +330,26 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
-        for i, case in enumerate(cases, 1):
-            r = run_case(case, args, options, Path(tmp))
-            rows.append(r)
-            flag = ("  BEHIND" if r["relibra_over_worst"] > BAR else
-                    "  behind with host charge" if r["charged_relibra_over_worst"] > BAR else "")
-            print(f"[{i}/{len(cases)} {time.perf_counter() - t0:5.0f} s] {case.name}: relibra / static "
-                  f"{r['relibra_over_static']:.4f}, / {r['fastest_baseline']} {r['relibra_over_fastest']:.4f}"
-                  f"{flag}", file=sys.stderr, flush=True)
+        work = [(case, args, options, Path(tmp)) for case in cases]
+        if args.jobs > 1:  # cases are independent; each worker plans on one thread
+            import multiprocessing
+            pool = multiprocessing.get_context("fork").Pool(args.jobs, initializer=torch.set_num_threads,
+                                                             initargs=(1,))
+            results = pool.imap(_run_case_star, work)
+        else:
+            pool, results = None, map(_run_case_star, work)
+        try:
+            for i, r in enumerate(results, 1):
+                rows.append(r)
+                flag = ("  BEHIND" if r["relibra_over_worst"] > BAR else
+                        "  behind with host charge" if r["charged_relibra_over_worst"] > BAR else "")
+                print(f"[{i}/{len(cases)} {time.perf_counter() - t0:5.0f} s] {r['case']}: relibra / static "
+                      f"{r['relibra_over_static']:.4f}, / {r['fastest_baseline']} {r['relibra_over_fastest']:.4f}"
+                      f"{flag}", file=sys.stderr, flush=True)
+        finally:
+            if pool is not None:
+                pool.close()
+                pool.join()
     print_table(rows)
     replay_summary(rows)
     if args.json:

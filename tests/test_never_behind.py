@@ -65,7 +65,7 @@ def test_stand_in_loads_are_deterministic_and_real_shaped(tmp_path):
 
 def test_benchmark_prints_the_table_and_writes_json(tmp_path, capsys):
     out = tmp_path / "nb.json"
-    assert nb.main(["--only", "top2-32/zipf/t16x1/2x8", "--layers", "2", "--micro-batches", "2",
+    assert nb.main(["--only", "top2-32/zipf/t16x1/2x8", "--layers", "2", "--micro-batches", "2", "--jobs", "1",
                     "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "top2-32/zipf/t16x1/2x8" in text and "worst case" in text
