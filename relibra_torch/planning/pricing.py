@@ -132,6 +132,8 @@ class ReorderWeights:
         replica_fill_s_per_expert: one replica residency: weights in, gradients back, NVLink.
         cross_replica_fill_s_per_expert: the same from an owner on another node, over the
             inter-node link.
+        nvlink_latency_s: fixed latency of one collective inside a node (one-node EP).
+        inter_node_latency_s: the same for a collective that spans nodes.
     """
 
     compute_s_per_token: float
@@ -141,6 +143,8 @@ class ReorderWeights:
     intra_migration_s_per_expert: float
     replica_fill_s_per_expert: float
     cross_replica_fill_s_per_expert: float
+    nvlink_latency_s: float = 0.0
+    inter_node_latency_s: float = 0.0
 
 
 def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activation_bytes: int = 2,
@@ -190,6 +194,8 @@ def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activa
         intra_migration_s_per_expert=migration_bytes_per_expert / nvlink_bytes_per_s,
         replica_fill_s_per_expert=(expert_weight_bytes + expert_grad_bytes) / nvlink_bytes_per_s,
         cross_replica_fill_s_per_expert=(expert_weight_bytes + expert_grad_bytes) / inter_node_bytes_per_s,
+        nvlink_latency_s=hardware.nvlink_latency_us * 1e-6,
+        inter_node_latency_s=hardware.inter_node_latency_us * 1e-6,
     )
 
 

@@ -48,7 +48,7 @@ from ..checks import check_choice, check_int, check_number
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
-from .balance import replicate
+from .balance import replicate, replicate_step
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
@@ -105,6 +105,9 @@ class ReLibraConfig:
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
+        nvlink_latency_s: fixed latency of one collective on one node; inter_node_latency_s:
+            of one that spans nodes. The first balancing copy of a layer and micro-batch
+            adds two (the fill, the gradient return), see :meth:`fill_latency_s`. Default 0.
     """
 
     compute_s_per_token: float = 5.7e-8
@@ -121,6 +124,8 @@ class ReLibraConfig:
     balance: bool = True
     max_swap_rounds: int = 64
     swap_candidates: int = 8
+    nvlink_latency_s: float = 0.0
+    inter_node_latency_s: float = 0.0
 
     @classmethod
     def from_weights(cls, weights, **overrides) -> "ReLibraConfig":
@@ -131,15 +136,34 @@ class ReLibraConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{**{k: v for k, v in items.items() if k in names}, **overrides})
 
-    @property
-    def min_replica_tokens(self) -> int:
-        """Fewest tokens a replica must take for its fill to pay (0 when fills are free)."""
-        per_token = self.compute_s_per_token + self.cross_node_s_per_token
+    def saved_s_per_token(self, num_nodes: int) -> float:
+        """What one token moved to a balancing copy inside its node saves: expert compute, and
+        under flat dispatch across nodes its inter-node receive too (derivation:
+        :mod:`relibra_torch.planning.balance`)."""
+        if num_nodes > 1 and self.dispatch == "flat":
+            return self.compute_s_per_token + self.cross_node_s_per_token
+        return self.compute_s_per_token
+
+    def min_replica_tokens_on(self, num_nodes: int) -> int:
+        """Fewest tokens a balancing copy must take for its fill to pay on ``num_nodes``
+        nodes (0 when fills are free)."""
+        per_token = self.saved_s_per_token(num_nodes)
         if self.replica_fill_s_per_expert <= 0:
             return 0
         if per_token <= 0:
             return torch.iinfo(torch.int64).max
         return math.ceil(self.replica_fill_s_per_expert / per_token)
+
+    @property
+    def min_replica_tokens(self) -> int:
+        """:meth:`min_replica_tokens_on` several nodes (flat dispatch: compute + cross-node per
+        token; hierarchical: compute only)."""
+        return self.min_replica_tokens_on(2)
+
+    def fill_latency_s(self, num_nodes: int) -> float:
+        """Latency a layer's first copy in a micro-batch adds: the fill and the gradient
+        return collectives (kept buffers), each spanning the nodes when there are several."""
+        return 2.0 * (self.inter_node_latency_s if num_nodes > 1 else self.nvlink_latency_s)
 
     @property
     def min_cross_replica_tokens(self) -> int:
@@ -160,7 +184,7 @@ class ReLibraConfig:
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
-                     "cross_replica_fill_s_per_expert"):
+                     "cross_replica_fill_s_per_expert", "nvlink_latency_s", "inter_node_latency_s"):
             check_number(name, getattr(self, name), 0)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
         for name in ("cross_node_replicas", "two_hop", "reorder", "traffic_search", "balance"):
@@ -380,10 +404,11 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                                      config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
     # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
     never = torch.iinfo(torch.int64).max
-    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE,
-                                         config.min_replica_tokens if config.balance else never, prefilled,
-                                         config.min_cross_replica_tokens if config.balance else never,
-                                         keep_prefilled=int(config.two_hop))
+    N = topology.num_nodes
+    slot_expert, slot_tokens = replicate_step(
+        loads_MLSE, topology, placement_LE, config.min_replica_tokens_on(N) if config.balance else never, prefilled,
+        config.min_cross_replica_tokens if config.balance else never, int(config.two_hop),
+        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)))
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
 
