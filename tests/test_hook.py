@@ -10,6 +10,7 @@ import torch
 import _hook_fns
 from relibra_torch.hook import count_loads
 from relibra_torch.planning import Topology
+from relibra_torch.planning.pricing import priced_config
 from relibra_torch.testing import RankFailure, RankPool
 
 CFG = _hook_fns.custom_loop.LoopConfig(steps=10, micro_batches=2, samples_per_micro_batch=2,
@@ -51,8 +52,11 @@ def test_reordering_before_every_step_matches_no_reordering(pool, static_run):
 
 
 def test_relibra_matches_one_process_and_balances(pool, static_run):
-    # planner priced for the layers' (tiny) expert size: moving and copying experts is cheap
-    relibra = pool.run(_hook_fns.train, CFG, "relibra")[0]
+    # planner priced for the layers' (tiny) expert size: moving and copying experts is cheap;
+    # collective latency unpriced (priced, 2 x 25 us per layer's first copy, no copy of this
+    # toy's few tokens pays, and the layer would rightly run static's plan)
+    config = priced_config(CFG.dim, CFG.hidden_dim, "h200", nvlink_latency_s=0.0, inter_node_latency_s=0.0)
+    relibra = pool.run(_hook_fns.train, CFG, "relibra", {"config": config})[0]
     reference = _hook_fns.reference_single_process(CFG)
     _assert_same_training(reference["losses"], reference["state"], _losses(relibra), relibra["state"])
     # balance measured from the layers' counters (the loop also asserts, per rank and

@@ -4,6 +4,7 @@ Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots pe
 """
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -378,7 +379,11 @@ def test_replicas_only_where_the_fill_pays():
     tiny = torch.poisson((pop / pop.sum()).expand(2, 1, 4, 8) * 40, generator=gen).long()
     cfg = ReLibraConfig(reorder=False, replica_fill_s_per_expert=4.2e-5)
     threshold = cfg.min_replica_tokens
-    assert threshold == 109  # ceil(4.2e-5 s fill / (5.7e-8 + 3.3e-7) s per token)
+    assert threshold == 109  # ceil(4.2e-5 s fill / (5.7e-8 + 3.3e-7) s per token), flat across nodes
+    # on one node (and under hierarchical dispatch) a moved token saves only its compute
+    assert cfg.min_replica_tokens_on(1) == 737 == math.ceil(4.2e-5 / 5.7e-8)
+    assert dataclasses.replace(cfg, dispatch="hierarchical").min_replica_tokens == 737
+    threshold = cfg.min_replica_tokens_on(topo.num_nodes)
     for loads, expect_replicas in ((big, True), (tiny, False)):
         plan = relibra_plan(loads, topo, config=cfg)
         quotas = plan.slot_tokens_MLGJ[..., topo.experts_per_gpu:]

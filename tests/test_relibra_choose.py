@@ -192,17 +192,18 @@ def test_simulated_step_never_above_static_or_an_ablation(dispatch, tokens, coll
         assert mine <= run(**ablation)["relibra"]["step_time_s"] * (1 + 1e-9), ablation
 
 
-def test_without_choose_relibra_can_be_slower_than_static():
-    """What relibra.choose guards against (why the tests above can fail): 64 tokens per GPU,
-    flat dispatch, a tiny expert: the plain mechanisms copy where the copies' collectives
-    cost more than they save (1.33x static's step)."""
+def test_without_choose_relibra_is_not_slower_than_static_here():
+    """The case that once made plain relibra 1.33x static's step (64 tokens per GPU, flat
+    dispatch, a tiny expert: copies whose fills and collectives cost more than they save).
+    Balancing's threshold now counts what a moved token saves and the fill collectives'
+    latency (planning/balance.py), so relibra without ``choose`` keeps static's plan."""
     topo = Topology(2, 2, 8, 2)
     loads = routed_loads(4, 2, 4, 8, 64, 2, 8, 0.0)
     wl = workload_from_loads(loads.unsqueeze(0), MODEL, topo)
     cfg = SimConfig(MODEL, get_hardware("h200"), topo, ("static", "relibra"),
                     baseline_options=BaselineOptions(planning_overlap_s=1e9, relibra_choose=False))
     figs = simulate(wl, cfg).figures()
-    assert figs["relibra"]["step_time_s"] > figs["static"]["step_time_s"]
+    assert figs["relibra"]["step_time_s"] <= figs["static"]["step_time_s"] * (1 + 1e-12)
 
 
 def test_layers_split_across_ranks_only_without_choose():

@@ -5,6 +5,30 @@ The expert copied is the one that moves the most tokens, counting those from oth
 twice, so that copies also carry inter-node receive away from the giver (on the trace
 families of docs/results.md: 0.5-1.7% shorter steps than copying the largest expert).
 
+What a copy costs and saves, term by term of the cost model (``sim/cost.py``; per layer and
+micro-batch). Copying expert e from the busiest GPU h to u with quota q:
+
+* expert compute: h's load falls by q, so (h being the busiest GPU) the layer's compute
+  falls by ``q * compute_s_per_token`` (forward + backward).
+* all-to-all: the q tokens land on u instead of h. On one node, and under hierarchical
+  dispatch (a token crosses to the node once and fans out over NVLink there), the node's
+  inter-node traffic does not change and the NVLink rows only move between h and u
+  (``+/- intra_node_s_per_token`` each): nothing to count. Under flat dispatch across nodes
+  the copy takes h's remote tokens first (below), so each can also leave h's inter-node
+  receive: up to ``cross_node_s_per_token`` more (``ReLibraConfig.saved_s_per_token``).
+* fill: h sends the ``3 D F`` bf16 weights forward and u returns their fp32 gradients
+  backward, over NVLink: ``replica_fill_s_per_expert`` per copy; a GPU's copies add on its
+  link (a giver feeding three copies sends three), copies on different GPUs overlap.
+* latency: the layer's first copy in a micro-batch adds the fill and the gradient return
+  collectives (``ReLibraConfig.fill_latency_s``); further copies ride in them.
+
+So each copy must take ``q >= replica_fill_s_per_expert / saved_s_per_token`` tokens
+(``ReLibraConfig.min_replica_tokens_on``), and a layer's copies are then judged together
+(``set_prices``): they stay only on nodes whose busiest GPU was above the layer's new
+busiest (elsewhere they shorten nothing), and only if the drop of the layer's busiest GPU
+load, times ``saved_s_per_token``, covers the busiest link's fills plus the latency (none
+when a traffic replica of the micro-batch already issues those collectives).
+
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs, g GPUs per
 node, El native experts per GPU, R replica slots per GPU, J = El + R, B batched problems
 (M * L * N).
@@ -14,14 +38,16 @@ from __future__ import annotations
 
 import torch
 
+from .residency import residency_masks
 from .topology import Topology
 
-__all__ = ["replicate"]
+__all__ = ["align_slots", "replicate", "replicate_step"]
 
 
 def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
               min_tokens: int = 0, prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
-              min_cross_tokens: int = 0, keep_prefilled: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+              min_cross_tokens: int = 0, keep_prefilled: int = 0,
+              set_prices: tuple[float, float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-micro-batch intra-node replication under a fixed placement.
 
     ``min_tokens``: a replica is made only if it takes at least this many tokens (see
@@ -33,7 +59,9 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     (a second copy, filled from the owner's node: at least ``min_cross_tokens`` tokens).
     ``keep_prefilled``: tokens a prefilled replica with tokens keeps (two-hop replicas,
     ``planning.two_hop``: a copy fills from the node's first copy over NVLink only while
-    that copy's residency, which needs tokens, covers it).
+    that copy's residency, which needs tokens, covers it). ``set_prices``: ``(saved seconds
+    per token moved, fill seconds per copy, latency seconds of a layer's first fill)``: judge
+    each layer's copies together (module docstring); ``None`` or free fills: keep them all.
 
     Returns:
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
@@ -79,6 +107,8 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     give_remote = torch.cat([remote_MLGl.reshape(B, g, El), torch.zeros_like(rep_quota[..., :r0])], -1)
     give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
     need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
+    start = (rep_expert.clone(), rep_quota.clone(), giveable.clone(), load.clone(), used.clone())
+    sent = torch.zeros(B, g, dtype=torch.int64)                              # copies each GPU fills
     for _ in range(g * R):
         h = load.argmax(-1)                       # busiest GPU (first on ties)
         excess = load[rows, h] - target
@@ -115,12 +145,130 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         rep_expert[r, uu, slot] = give_expert[r, hh, ii]
         rep_quota[r, uu, slot] = amt
         used[r, uu] += 1
+        sent[r, hh] += 1
         giveable[r, hh, ii] -= amt
         give_remote[r, hh, ii] = (give_remote[r, hh, ii] - amt).clamp(min=0)   # copies take remote first
         load[r, hh] -= amt
         load[r, uu] += amt
+    if set_prices is not None and (set_prices[1] > 0 or set_prices[2] > 0):
+        keep_B = _sets_that_pay(start[3], load, torch.maximum(sent, used - start[4]),
+                                None if not r0 else (pre_q > 0).flatten(2).any(-1), (M, L, N, g), *set_prices)
+        drop = ~keep_B.view(B, 1, 1)
+        rep_expert = torch.where(drop, start[0], rep_expert)
+        rep_quota = torch.where(drop, start[1], rep_quota)
+        giveable = torch.where(drop, start[2], giveable)
     rem = giveable[..., :El]
     rep_quota[..., :r0] = giveable[..., El:] + kept
     slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
     slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
     return slot_expert.contiguous(), slot_tokens.contiguous()
+
+
+def _sets_that_pay(before_Bg, after_Bg, copies_Bg, pre_ML, shape, saved_s, fill_s, latency_s) -> torch.Tensor:
+    """bool ``[B]``: the (micro-batch, layer, node) rows whose balancing copies stay (module
+    docstring): their node's busiest GPU was above the layer's new busiest, and the layer's
+    drop of its busiest GPU's load pays for the busiest link's fills plus the latency.
+    ``copies_Bg``: copies each GPU sends or receives; ``pre_ML``: bool, a prefilled replica has
+    tokens in that micro-batch and layer (its collectives are issued anyway), or ``None``."""
+    M, L, N, g = shape
+    before_MLN = before_Bg.view(M, L, N, g).amax(-1)
+    after_ML = after_Bg.view(M, L, N * g).amax(-1)
+    lowers_MLN = before_MLN > after_ML.unsqueeze(-1)
+    fills_ML = (copies_Bg.view(M, L, N, g) * lowers_MLN.unsqueeze(-1)).flatten(2).amax(-1)
+    latency_ML = torch.full((M, L), float(latency_s), dtype=torch.float64)
+    if pre_ML is not None:
+        latency_ML = latency_ML.masked_fill(pre_ML, 0.0)
+    saved_ML = (before_MLN.amax(-1) - after_ML).to(torch.float64) * saved_s
+    pays_ML = saved_ML >= fills_ML.to(torch.float64) * fill_s + latency_ML
+    return (lowers_MLN & pays_ML.unsqueeze(-1)).reshape(-1)
+
+
+def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
+                first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan with each GPU's slots ``first..J-1`` permuted per micro-batch so that a copy
+    the GPU also held in the previous micro-batch sits in the same slot: its residency then
+    continues (one fill for the run, ``planning.residency``) instead of ending. Loads and
+    token counts per (GPU, expert) are unchanged. Returns new ``[M, L, G, J]`` tensors."""
+    se, st = slot_expert_MLGJ.clone(), slot_tokens_MLGJ.clone()
+    for m in range(1, se.shape[0] if first < se.shape[-1] else 0):
+        prev, cur, tok = se[m - 1, ..., first:], se[m, ..., first:], st[m, ..., first:]
+        match = (prev.unsqueeze(-1) == cur.unsqueeze(-2)) & (prev >= 0).unsqueeze(-1)   # [L, G, k, j]
+        matched_j = match.any(-2)
+        taken_k = match.any(-1)
+        # a matched copy keeps its previous slot k; the others take the free slots in order
+        own_k = match.to(torch.int64).argmax(-2)
+        free_k = torch.sort(taken_k.to(torch.int64), dim=-1, stable=True).indices
+        rank_j = (~matched_j).to(torch.int64).cumsum(-1) - 1
+        dest = torch.where(matched_j, own_k, free_k.gather(-1, rank_j.clamp(min=0)))
+        se[m, ..., first:] = torch.empty_like(cur).scatter_(-1, dest, cur)
+        st[m, ..., first:] = torch.empty_like(tok).scatter_(-1, dest, tok)
+    return se, st
+
+
+def _step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s, latency_s) -> torch.Tensor:
+    """float64 ``[L]``: the step's busiest-GPU load (``saved_s`` per token) plus its replica
+    residencies, each charged ``fill_s`` on the busier of its owner's and its GPU's link in
+    the micro-batch it starts, plus ``latency_s`` in every micro-batch where one starts."""
+    M, L, G, J = slot_expert_MLGJ.shape
+    owner = owner_LE.view(1, L, 1, -1).expand(M, L, G, -1).gather(3, slot_expert_MLGJ.clamp(min=0))
+    fill = (slot_expert_MLGJ >= 0) & (owner != torch.arange(G).view(1, 1, G, 1))
+    start = residency_masks(slot_expert_MLGJ, fill, slot_tokens_MLGJ)[0].to(torch.int64)
+    recv = start.sum(-1)
+    sent = torch.zeros_like(recv).scatter_add_(2, owner.reshape(M, L, -1), start.reshape(M, L, -1))
+    busiest = slot_tokens_MLGJ.sum(-1).amax(-1).to(torch.float64)
+    return (busiest * saved_s + torch.maximum(sent, recv).amax(-1).to(torch.float64) * fill_s
+            + start.flatten(2).any(-1).to(torch.float64) * latency_s).sum(0)
+
+
+def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                   min_tokens: int, prefilled, min_cross_tokens: int, keep_prefilled: int,
+                   set_prices: tuple[float, float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`replicate` aware of residencies, per layer the cheaper of two plans.
+
+    Per micro-batch, copies must pay their own fill (``min_tokens``, ``set_prices``). But a
+    copy that the next micro-batches repeat on the same GPU is filled once for the run
+    (``planning.residency``), as EPLB's step-long copies are: so a second plan lets copies
+    take ``min_tokens / M`` tokens (their fill shared by the step's M micro-batches), both
+    plans' copies keep their slots across micro-batches (:func:`align_slots`), and each layer
+    keeps the plan whose step price (:func:`_step_price_L`: busiest GPU load, residency fills
+    on the busiest link, latency) is lower. Arguments as :func:`replicate`."""
+    M = loads_MLSE.shape[0]
+    first = topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
+    a = align_slots(*replicate(loads_MLSE, topology, placement_LE, min_tokens, prefilled, min_cross_tokens,
+                               keep_prefilled, set_prices), first)
+    saved_s, fill_s, latency_s = set_prices
+    if M < 2 or (fill_s <= 0 and latency_s <= 0) or min_tokens <= 0 or min_tokens == torch.iinfo(torch.int64).max:
+        return a
+    if int(loads_MLSE.sum((0, 2)).max()) < min_tokens:  # no expert has a fill's worth in the whole step
+        return a
+    b = align_slots(*replicate(loads_MLSE, topology, placement_LE, -(-min_tokens // M), prefilled,
+                               min_cross_tokens, keep_prefilled), first)
+    plans = [a, b]
+    if prefilled is None:  # a step-long set: balanced on the step's totals, same copies all step
+        c = replicate(loads_MLSE.sum(0, keepdim=True), topology, placement_LE, min_tokens, None, min_cross_tokens)
+        plans.append(_spread(c[0].expand(M, *c[0].shape[1:]), c[1][0], loads_MLSE.sum(2), topology.experts_per_gpu))
+    owner_LE = placement_LE // topology.experts_per_gpu
+    price_PL = torch.stack([_step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
+    pick = price_PL.argmin(0).view(1, -1, 1, 1)   # first (per micro-batch) on ties
+    out = [plans[0][i].clone() for i in (0, 1)]
+    for k in range(1, len(plans)):
+        for i in (0, 1):
+            out[i] = torch.where(pick == k, plans[k][i], out[i])
+    return out[0].contiguous(), out[1].contiguous()
+
+
+def _spread(slot_expert_MLGJ: torch.Tensor, quota_LGJ: torch.Tensor, load_MLE: torch.Tensor, El: int) -> tuple:
+    """Per micro-batch quotas for a step-long set of slots planned with step quotas
+    ``quota_LGJ``: each instance takes its share of the expert's micro-batch load (integer
+    floor), the native slot the rest."""
+    M, L, G, J = slot_expert_MLGJ.shape
+    E = load_MLE.shape[-1]
+    se = slot_expert_MLGJ.reshape(M, L, G * J)
+    idx = se.clamp(min=0)
+    q = torch.where(se >= 0, quota_LGJ.reshape(1, L, G * J).expand(M, L, G * J), 0)
+    total = torch.zeros(M, L, E, dtype=torch.int64).scatter_add_(2, idx, q).gather(2, idx)
+    share = torch.where(q > 0, load_MLE.gather(2, idx) * q // total.clamp(min=1), 0)
+    native = torch.arange(G * J).view(1, 1, G * J) % J < El                 # slots 0..El-1: natives
+    rest = load_MLE - torch.zeros_like(load_MLE).scatter_add_(2, idx, torch.where(native, 0, share))
+    tokens = torch.where(native & (se >= 0), rest.gather(2, idx), torch.where(native, 0, share))
+    return slot_expert_MLGJ.contiguous(), tokens.view(M, L, G, J)

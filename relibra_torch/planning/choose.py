@@ -46,7 +46,7 @@ import torch
 from .balance import replicate
 from .plan import StepPlan
 from .price import (compute_seconds_ML, exchange_latency_s, migration_seconds, migration_seconds_L, moe_parts_ML,
-                    replica_seconds_ML, window_seconds)
+                    replica_seconds_ML, step_seconds, window_seconds)
 from .reorder_traffic import colocated_pairs
 from .topology import Topology
 from .traffic import traffic_replicas
@@ -88,7 +88,7 @@ def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     R, g, N, El = topology.replica_slots, topology.gpus_per_node, topology.num_nodes, topology.experts_per_gpu
     out = [("none", *native_slots(loads_MLSE, topology, placement_LE))]
     if R:
-        mt, mct = config.min_replica_tokens, config.min_cross_replica_tokens
+        mt, mct = config.min_replica_tokens_on(N), config.min_cross_replica_tokens
         best = step = None
         if traffic and N > 1:
             best, step = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
@@ -370,3 +370,11 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
                     best, best_price = parts, price
     placement_LE, se, st, _ = _assemble(best, L, topology)
     return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())
+
+
+def cheaper_plan(chosen: StepPlan, plain: StepPlan, loads_MLSE: torch.Tensor, config) -> StepPlan:
+    """The cheaper of ``choose``'s plan and relibra's plain plan at the exact step price
+    (:func:`relibra_torch.planning.price.step_seconds`); ties keep ``chosen``. So ``choose``
+    is never priced above relibra without it (the plain plan's residency-aware balancing is
+    not among the candidates)."""
+    return plain if step_seconds(plain, loads_MLSE, config) < step_seconds(chosen, loads_MLSE, config) else chosen

@@ -48,11 +48,11 @@ from ..checks import check_choice, check_int, check_number
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
-from .balance import replicate
+from .balance import replicate, replicate_step
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
-from .choose import chosen_plan
+from .choose import cheaper_plan, chosen_plan
 from .fastpath import assign_gpus as _assign_gpus
 from .fastpath import fast_plan
 
@@ -105,22 +105,20 @@ class ReLibraConfig:
             onto less loaded GPUs of its node). ``reorder``, ``traffic_search``,
             ``cross_node_replicas``, ``balance`` and ``choose`` switch relibra's mechanisms one
             by one (``relibra simulate --set relibra.balance=false``) for ablations.
-        choose: price the plans relibra's mechanisms can make with these weights (the
-            simulator's step cost, :mod:`relibra_torch.planning.price`) and keep the cheapest:
-            per layer the cheapest sequence of candidate replica sets, and the cheapest
-            whole-step alternative among every subset of mechanisms and the previous placement
-            (:mod:`relibra_torch.planning.choose`). False: always traffic replicas plus
-            balancing on the reordered placement. Off by default: pricing costs about 1 ms of
-            CPU per (micro-batch, layer) row and candidate at EP 32, more than the forward
-            pass hides at ~1,000 tokens per GPU (docs/architecture.md); ``--set
-            relibra.choose=true`` in the simulator, ``priced_config(..., choose=True)``.
+        choose: price the plans relibra's mechanisms can make (the simulator's step cost,
+            :mod:`relibra_torch.planning.price`) and keep the cheapest per layer and per step
+            (:mod:`relibra_torch.planning.choose`, which also prices the plain plan). Off by
+            default: ~1 ms of CPU per (micro-batch, layer) row and candidate at EP 32, more
+            than the forward pass hides at ~1,000 tokens per GPU (docs/architecture.md).
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
             tokens per remote node rather than pairs.
         fill_weight_share, inter_node_latency_s, nvlink_latency_s: the weights' share of a
             replica residency's bytes (the rest is its fp32 gradient), and one collective's
-            fixed latency across nodes / inside one (``ReorderWeights``); ``choose`` prices them.
+            fixed latency across nodes / inside one (``ReorderWeights``); ``choose`` prices them,
+            and the first balancing copy of a layer and micro-batch adds two latencies (the
+            fill, the gradient return; :meth:`fill_latency_s`).
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -142,8 +140,8 @@ class ReLibraConfig:
     intra_node_s_per_token: float = 4.1e-8
     top_k: int = 0
     fill_weight_share: float = 1.0 / 3.0
-    inter_node_latency_s: float = 25e-6
-    nvlink_latency_s: float = 12e-6
+    inter_node_latency_s: float = 0.0
+    nvlink_latency_s: float = 0.0
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -156,20 +154,34 @@ class ReLibraConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{**{k: v for k, v in items.items() if k in names}, **overrides})
 
-    @property
-    def min_replica_tokens(self) -> int:
-        """Fewest tokens a replica must take for its fill to pay (0 when fills are free).
+    def saved_s_per_token(self, num_nodes: int) -> float:
+        """What one token moved to a balancing copy inside its node saves: expert compute, and
+        under flat dispatch across nodes its inter-node receive too (derivation:
+        :mod:`relibra_torch.planning.balance`)."""
+        if num_nodes > 1 and self.dispatch == "flat":
+            return self.compute_s_per_token + self.cross_node_s_per_token
+        return self.compute_s_per_token
 
-        A token moved to another GPU of its node saves its expert compute and, under flat
-        dispatch, its inter-node receive at the busiest GPU; under hierarchical dispatch its
-        crossing lands on the same GPU either way, so only its NVLink fan-out moves."""
-        hier = self.dispatch == "hierarchical" and self.top_k > 0
-        per_token = self.compute_s_per_token + (self.intra_node_s_per_token if hier else self.cross_node_s_per_token)
+    def min_replica_tokens_on(self, num_nodes: int) -> int:
+        """Fewest tokens a balancing copy must take for its fill to pay on ``num_nodes``
+        nodes (0 when fills are free)."""
+        per_token = self.saved_s_per_token(num_nodes)
         if self.replica_fill_s_per_expert <= 0:
             return 0
         if per_token <= 0:
             return torch.iinfo(torch.int64).max
         return math.ceil(self.replica_fill_s_per_expert / per_token)
+
+    @property
+    def min_replica_tokens(self) -> int:
+        """:meth:`min_replica_tokens_on` several nodes (flat dispatch: compute + cross-node per
+        token; hierarchical: compute only)."""
+        return self.min_replica_tokens_on(2)
+
+    def fill_latency_s(self, num_nodes: int) -> float:
+        """Latency a layer's first copy in a micro-batch adds: the fill and the gradient
+        return collectives (kept buffers), each spanning the nodes when there are several."""
+        return 2.0 * (self.inter_node_latency_s if num_nodes > 1 else self.nvlink_latency_s)
 
     @property
     def min_cross_replica_tokens(self) -> int:
@@ -379,23 +391,29 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     if config.choose:  # relibra without traffic replicas reorders without their slots
         both = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE, also_without_traffic=True)
                 if config.reorder else (previous_placement_LE.clone(),) * 2)
-        return chosen_plan(loads_MLSE, topology, previous_placement_LE, config, dict(zip((True, False), both)),
-                           pairs_LEE, coloc_w)
-    if config.reorder:
-        placement_LE = reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE)
-    else:
-        placement_LE = previous_placement_LE.clone()
+        chosen = chosen_plan(loads_MLSE, topology, previous_placement_LE, config, dict(zip((True, False), both)),
+                             pairs_LEE, coloc_w)
+        # the plain plan too: balancing's residency-aware choice (replicate_step) is no candidate
+        return cheaper_plan(chosen, _plain_plan(loads_MLSE, topology, previous_placement_LE, both[0], config),
+                            loads_MLSE, config)
+    placement_LE = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE) if config.reorder
+                    else previous_placement_LE.clone())
+    return _plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE, config)
+
+
+def _plain_plan(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, config) -> StepPlan:
+    """Traffic replicas, then balancing copies, on the reordered ``placement_LE``."""
     prefilled = None
-    R, g = topology.replica_slots, topology.gpus_per_node
-    if config.cross_node_replicas and topology.num_nodes > 1 and R:
+    R, g, N = topology.replica_slots, topology.gpus_per_node, topology.num_nodes
+    if config.cross_node_replicas and N > 1 and R:
         prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2,
                                      config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
     # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
     never = torch.iinfo(torch.int64).max
-    slot_expert, slot_tokens = replicate(loads_MLSE, topology, placement_LE,
-                                         config.min_replica_tokens if config.balance else never, prefilled,
-                                         config.min_cross_replica_tokens if config.balance else never,
-                                         keep_prefilled=int(config.two_hop))
+    slot_expert, slot_tokens = replicate_step(
+        loads_MLSE, topology, placement_LE, config.min_replica_tokens_on(N) if config.balance else never, prefilled,
+        config.min_cross_replica_tokens if config.balance else never, int(config.two_hop),
+        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)))
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
                     previous_placement_LE.clone())
 
