@@ -48,51 +48,52 @@ def _beyond_top(step_LNE: torch.Tensor, k: int) -> torch.Tensor:
     return step_LNE.sum(-1) - step_LNE.topk(k, dim=-1).values.sum(-1) if k else step_LNE.sum(-1)
 
 
-def _gpu_loads(load_MLE: torch.Tensor, placement_LE: torch.Tensor, topology: Topology) -> torch.Tensor:
-    """int64 ``[M, L, N, g]``: each GPU's load with every expert at its native slot."""
+def _node_loads(load_MLE: torch.Tensor, placement_LE: torch.Tensor, topology: Topology
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(gpu_MLNg, biggest_MLN)`` int64: each GPU's load with every expert at its native
+    slot, and each node's largest expert load (``load_MLE`` may be step totals, ``M = 1``)."""
     M, L, E = load_MLE.shape
     G, g, N = topology.num_gpus, topology.gpus_per_node, topology.num_nodes
-    gpu_LE = placement_LE // topology.experts_per_gpu
-    return torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
-        2, gpu_LE.unsqueeze(0).expand(M, L, E), load_MLE).view(M, L, N, g)
-
-
-def _copy_possible_ML(load_MLE: torch.Tensor, placement_LE: torch.Tensor, topology: Topology,
-                      min_tokens: int) -> torch.Tensor:
-    """bool ``[M, L]``: balancing (:func:`relibra_torch.planning.balance.replicate`, no
-    traffic replicas) may make a copy there. It provably makes none where, in every node,
-    either no GPU is above ``target = ceil(node load / g)`` or every copy would take fewer
-    than ``min_tokens``: a copy takes at most its expert's load, and at most the receiver's
-    deficit, which is at most ``target`` minus the node's least GPU load (that only rises)."""
-    M, L, E = load_MLE.shape
-    g, N = topology.gpus_per_node, topology.num_nodes
-    gpu_MLNg = _gpu_loads(load_MLE, placement_LE, topology)
-    target = (gpu_MLNg.sum(-1) + g - 1) // g
-    biggest = torch.zeros(M, L, N, dtype=torch.int64).scatter_reduce_(
+    gpu_MLNg = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
+        2, (placement_LE // topology.experts_per_gpu).unsqueeze(0).expand(M, L, E), load_MLE).view(M, L, N, g)
+    biggest_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_reduce_(
         2, (placement_LE // topology.experts_per_node).unsqueeze(0).expand(M, L, E), load_MLE, "amax")
-    most = torch.minimum(target - gpu_MLNg.min(-1).values, biggest)
+    return gpu_MLNg, biggest_MLN
+
+
+def _copy_possible_ML(gpu_MLNg: torch.Tensor, biggest_MLN: torch.Tensor, min_tokens: int) -> torch.Tensor:
+    """bool ``[M, L]``: balancing (:func:`relibra_torch.planning.balance.replicate`, no
+    traffic replicas) may make a copy there (arguments from :func:`_node_loads`). It provably
+    makes none where, in every node, either no GPU is above ``target = ceil(node load / g)``
+    or every copy would take fewer than ``min_tokens``: a copy takes at most its expert's
+    load, and at most the receiver's deficit, which is at most ``target`` minus the node's
+    least GPU load (that only rises)."""
+    target = (gpu_MLNg.sum(-1) + gpu_MLNg.shape[-1] - 1) // gpu_MLNg.shape[-1]
+    most = torch.minimum(target - gpu_MLNg.min(-1).values, biggest_MLN)
     return ~((gpu_MLNg.max(-1).values <= target) | (most < min_tokens)).all(-1)
 
 
 def _no_residency_copy(load_MLE: torch.Tensor, placement_LE: torch.Tensor, topology: Topology, config,
-                       min_tokens: int) -> bool:
+                       min_tokens: int, node_loads: tuple[torch.Tensor, torch.Tensor]) -> bool:
     """Whether :func:`relibra_torch.planning.balance.replicate_step`'s residency-priced plans
     provably lose to the plan without copies (ties keep it). The step-long set makes no copy
-    when relibra plans traffic replicas (it is then not planned) or its step totals allow none; copies sharing one fill (``min_tokens / M`` each) occur
-    only where a copy of that size is possible, and there they lower a micro-batch's busiest
-    GPU at most to ``max over nodes of ceil(node load / g)`` (copies stay inside a node),
-    while a plan with a copy pays at least one fill and one latency."""
+    when relibra plans traffic replicas (it is then not planned) or its step totals allow
+    none; copies sharing one fill (``min_tokens / M`` each) occur only where a copy of that
+    size is possible, and there they lower a micro-batch's busiest GPU at most to
+    ``max over nodes of ceil(node load / g)`` (copies stay inside a node), while a plan with
+    a copy pays at least one fill and one latency. ``node_loads``: :func:`_node_loads` of
+    ``load_MLE``."""
     M = load_MLE.shape[0]
     g, N = topology.gpus_per_node, topology.num_nodes
-    gpu_MLNg = _gpu_loads(load_MLE, placement_LE, topology)
+    gpu_MLNg, biggest_MLN = node_loads
     floor_ML = ((gpu_MLNg.sum(-1) + g - 1) // g).amax(-1)
     drop_ML = gpu_MLNg.flatten(2).amax(-1) - floor_ML
     # the step-long set is planned only without traffic replicas (relibra passes them as
     # ``prefilled`` on several nodes)
     step_set = not (config.cross_node_replicas and N > 1 and topology.replica_slots)
-    if not (step_set and bool(_copy_possible_ML(load_MLE.sum(0, keepdim=True), placement_LE, topology,
-                                                 min_tokens).any())):
-        drop_ML = drop_ML * _copy_possible_ML(load_MLE, placement_LE, topology, -(-min_tokens // M))
+    if not (step_set and bool(_copy_possible_ML(*_node_loads(load_MLE.sum(0, keepdim=True), placement_LE,
+                                                             topology), min_tokens).any())):
+        drop_ML = drop_ML * _copy_possible_ML(gpu_MLNg, biggest_MLN, -(-min_tokens // M))
     gain_L = drop_ML.sum(0).to(torch.float64) * config.saved_s_per_token(N)
     return bool((gain_L < config.replica_fill_s_per_expert + config.fill_latency_s(N)).all())
 
@@ -107,11 +108,12 @@ def nothing_pays(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     mt = config.min_replica_tokens_on(N)
     # balance.replicate_step: the per-micro-batch plan makes no copy, and its residency-priced
     # plans are skipped (no expert has mt tokens in the whole step) or provably lose
-    if config.balance and R and (
-            bool(_copy_possible_ML(load_MLE, previous_placement_LE, topology, mt).any())
-            or (int(load_MLE.sum(0).max()) >= mt
-                and not _no_residency_copy(load_MLE, previous_placement_LE, topology, config, mt))):
-        return False
+    if config.balance and R:
+        node_loads = _node_loads(load_MLE, previous_placement_LE, topology)
+        if bool(_copy_possible_ML(*node_loads, mt).any()) or (
+                int(load_MLE.sum(0).max()) >= mt
+                and not _no_residency_copy(load_MLE, previous_placement_LE, topology, config, mt, node_loads)):
+            return False
     node_LE = previous_placement_LE // topology.experts_per_node
     step_LNE = own_MLNE.sum(0)
     mine_LNE = node_LE.unsqueeze(1) == torch.arange(N).view(1, N, 1)
