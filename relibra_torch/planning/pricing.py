@@ -146,9 +146,9 @@ class ReorderWeights:
     intra_migration_s_per_expert: float
     replica_fill_s_per_expert: float
     cross_replica_fill_s_per_expert: float
-    fill_weight_share: float = 1.0 / 3.0
-    inter_node_latency_s: float = 25e-6
-    nvlink_latency_s: float = 12e-6
+    fill_weight_share: float
+    inter_node_latency_s: float
+    nvlink_latency_s: float
 
 
 def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activation_bytes: int = 2,
