@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from .residency import residency_masks
+from .step_set import step_long_set
 from .topology import Topology
 
 __all__ = ["align_slots", "replicate", "replicate_step"]
@@ -242,11 +243,13 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     if int(loads_MLSE.sum((0, 2)).max()) < min_tokens:  # no expert has a fill's worth in the whole step
         return a
     b = align_slots(*replicate(loads_MLSE, topology, placement_LE, -(-min_tokens // M), prefilled,
-                               min_cross_tokens, keep_prefilled), first)
+                               -(-min_cross_tokens // M), keep_prefilled), first)
     plans = [a, b]
     if prefilled is None:  # a step-long set: balanced on the step's totals, same copies all step
         c = replicate(loads_MLSE.sum(0, keepdim=True), topology, placement_LE, min_tokens, None, min_cross_tokens)
         plans.append(_spread(c[0].expand(M, *c[0].shape[1:]), c[1][0], loads_MLSE.sum(2), topology.experts_per_gpu))
+    # every free slot of a node, all step, quotas per micro-batch (planning.step_set)
+    plans.append(step_long_set(loads_MLSE, topology, placement_LE, min_tokens, prefilled))
     owner_LE = placement_LE // topology.experts_per_gpu
     price_PL = torch.stack([_step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
     pick = price_PL.argmin(0).view(1, -1, 1, 1)   # first (per micro-batch) on ties
