@@ -249,7 +249,7 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
         c = replicate(loads_MLSE.sum(0, keepdim=True), topology, placement_LE, min_tokens, None, min_cross_tokens)
         plans.append(_spread(c[0].expand(M, *c[0].shape[1:]), c[1][0], loads_MLSE.sum(2), topology.experts_per_gpu))
     # every free slot of a node, all step, quotas per micro-batch (planning.step_set)
-    plans.append(step_long_set(loads_MLSE, topology, placement_LE, min_tokens, prefilled))
+    plans.append(step_long_set(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled))
     owner_LE = placement_LE // topology.experts_per_gpu
     price_PL = torch.stack([_step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
     pick = price_PL.argmin(0).view(1, -1, 1, 1)   # first (per micro-batch) on ties

@@ -37,19 +37,22 @@ __all__ = ["step_long_set"]
 _BIG = torch.iinfo(torch.int64).max
 
 
-def _copies(w_BK: torch.Tensor, pre_Bg: torch.Tensor, g: int, El: int, free: int, min_tokens: int) -> torch.Tensor:
-    """int64 ``[B, g, free]`` local expert (``0..K-1``, ``-1`` none) of each free slot."""
-    B, K = w_BK.shape
+def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, free: int,
+            min_tokens: int) -> torch.Tensor:
+    """int64 ``[B, g, free]`` item (``0..K-1``, ``-1`` none) copied into each free slot.
+    ``w_BK``: each item's step tokens; ``own_BgK``: the GPUs that hold its expert already;
+    ``fixed_Bg``: step tokens of what no copy can share."""
+    B, g, K = own_BgK.shape
     rows = torch.arange(B)
-    own_BgK = (torch.arange(K) // El == torch.arange(g).view(g, 1)).expand(B, g, K).clone()
-    n_BK = torch.ones(B, K, dtype=torch.int64)
+    own_BgK = own_BgK.clone()
+    n_BK = own_BgK.sum(1).clamp(min=1)
     out = torch.full((B, g, max(free, 0)), -1, dtype=torch.int64)
     used = torch.zeros(B, g, dtype=torch.int64)
     wf = w_BK.to(torch.float64)
     for _ in range(g * free):
-        load_Bg = (own_BgK * (wf / n_BK).unsqueeze(1)).sum(-1) + pre_Bg.to(torch.float64)
+        load_Bg = (own_BgK * (wf / n_BK).unsqueeze(1)).sum(-1) + fixed_Bg.to(torch.float64)
         room_Bg = used < free
-        # an expert can gain an instance where a GPU with room lacks it, and its share pays
+        # an item can gain an instance where a GPU with room lacks it, and its share pays
         addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (w_BK >= min_tokens * (n_BK + 1))
         if not addable_BK.any():
             break
@@ -65,37 +68,41 @@ def _copies(w_BK: torch.Tensor, pre_Bg: torch.Tensor, g: int, El: int, free: int
     return out
 
 
-def _rebalance(se_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, movable_BgJ: torch.Tensor, rounds: int) -> torch.Tensor:
+def _rebalance(se_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, movable_BgJ: torch.Tensor, keep_BgJ: torch.Tensor,
+               rounds: int) -> torch.Tensor:
     """Quotas ``tok_BgJ`` with tokens moved between instances of one expert (same id in
-    ``se_BgJ``, ``movable``) from the busiest GPU toward the least loaded (module docstring)."""
+    ``se_BgJ``, ``movable``) from the busiest GPU toward the least loaded (module docstring);
+    a slot keeps at least ``keep_BgJ`` of its tokens."""
     B, g, J = se_BgJ.shape
     rows = torch.arange(B)
     tok = tok_BgJ.clone()
+    # once: for each slot, the slot of the same expert on every other GPU (-1: none there)
+    same_BgJhK = (se_BgJ.view(B, g, J, 1, 1) == se_BgJ.view(B, 1, 1, g, J)) & movable_BgJ.view(B, 1, 1, g, J)
+    same_BgJhK &= movable_BgJ.view(B, g, J, 1, 1) & (torch.arange(g).view(g, 1, 1, 1) != torch.arange(g).view(1, 1, g, 1))
+    peer_BgJh = torch.where(same_BgJhK.any(-1), same_BgJhK.to(torch.int64).argmax(-1), -1)
     for _ in range(rounds):
         load = tok.sum(-1)
         h = load.argmax(-1)
-        se_h, mv_h = se_BgJ[rows, h], movable_BgJ[rows, h]                      # [B, J]
-        # GPUs holding each of h's experts (another instance): [B, J(h's slot), g]
-        holds = ((se_BgJ.unsqueeze(1) == se_h.view(B, J, 1, 1)) & movable_BgJ.unsqueeze(1)).any(-1)
-        holds &= (torch.arange(g).view(1, 1, g) != h.view(B, 1, 1)) & mv_h.unsqueeze(-1)
-        cand = load.unsqueeze(1).expand(B, J, g).masked_fill(~holds, _BIG)
+        peer_BJh = peer_BgJh[rows, h]                                            # [B, J, g]
+        cand = load.unsqueeze(1).expand(B, J, g).masked_fill(peer_BJh < 0, _BIG)
         u_BJ = cand.argmin(-1)
         gap = load[rows, h].unsqueeze(1) - cand.gather(-1, u_BJ.unsqueeze(-1)).squeeze(-1)
-        amount_BJ = torch.minimum(tok[rows, h], (gap // 2).clamp(min=0)).masked_fill(~holds.any(-1), 0)
+        amount_BJ = torch.minimum(tok[rows, h] - keep_BgJ[rows, h], (gap // 2).clamp(min=0))
+        amount_BJ = amount_BJ.masked_fill((peer_BJh < 0).all(-1), 0)
         j = amount_BJ.argmax(-1)
         amt = amount_BJ[rows, j]
         if not (amt > 0).any():
             break
         u = u_BJ[rows, j]
-        e = se_h[rows, j]
-        ju = ((se_BgJ[rows, u] == e.unsqueeze(-1)) & movable_BgJ[rows, u]).to(torch.int64).argmax(-1)
+        ju = peer_BJh[rows, j, u].clamp(min=0)
         tok[rows, h, j] -= amt
         tok[rows, u, ju] += amt
     return tok
 
 
 def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
-                  prefilled: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  keep_prefilled: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The step-long candidate of the module docstring.
 
     Args:
@@ -103,6 +110,9 @@ def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
         min_tokens: fewest step tokens a copy's share must reach (its one fill's worth).
         prefilled: ``(expert_MLGr, quota_MLGr)`` traffic replicas in the first ``r0`` replica
             slots, as :func:`relibra_torch.planning.balance.replicate` takes them.
+        keep_prefilled: tokens a traffic replica keeps when it shares its quota with copies
+            (``ReLibraConfig.two_hop``: 1, so that its residency, the copies' hub, spans
+            theirs); 0: traffic replicas are not shared (a copy would fill across nodes).
     Returns:
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``; the copies keep
         their slots in every micro-batch.
@@ -111,7 +121,7 @@ def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
     N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
     G, J, K = topology.num_gpus, topology.slots_per_gpu, topology.gpus_per_node * topology.experts_per_gpu
     r0 = 0 if prefilled is None else prefilled[0].shape[-1]
-    free = R - r0
+    free, P = R - r0, g * r0
     inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
     native_LNK = inverse_LE.view(L, N, K)
     load_MLE = loads_MLSE.to(torch.int64).sum(2)
@@ -122,23 +132,41 @@ def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
         load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
             2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
     native_MLNK = load_MLE.gather(2, native_LNK.view(1, L, N * K).expand(M, L, N * K)).view(M, L, N, K)
-    # the copies, from the step's totals (traffic replicas' step tokens sit on their GPUs)
-    local_LNgf = _copies(native_MLNK.sum(0).view(L * N, K), pre_q.sum((0, 3)).view(L * N, g), g, El, free,
-                         min_tokens).view(L, N, g, free)
-    copy_e_LNgf = torch.where(local_LNgf >= 0, native_LNK.gather(2, local_LNgf.clamp(min=0).view(L, N, -1))
+    # Items that copies can share: the node's natives, and (two-hop) each traffic replica
+    # slot that holds one expert all step; the other traffic slots' tokens stay where they are.
+    pe_MLNP, pq_MLNP = pre_e.view(M, L, N, P), pre_q.view(M, L, N, P)
+    steady_LNP = (pe_MLNP == pe_MLNP[:1]).all(0) & (pe_MLNP[0] >= 0) & (keep_prefilled > 0)
+    item_e_LNI = torch.cat([native_LNK, torch.where(steady_LNP, pe_MLNP[0], -1)], -1)      # I = K + P
+    item_MLNI = torch.cat([native_MLNK, pq_MLNP * steady_LNP], -1)
+    fixed_LNg = (pq_MLNP * ~steady_LNP).sum(0).view(L, N, g, r0).sum(-1)
+    home_I = torch.cat([torch.arange(K) // El, torch.arange(P) // r0])
+    # GPUs holding an item's expert: its own, and any GPU with it in a traffic slot in some micro-batch
+    seen_LNgP = pre_e.view(M, L, N, g, 1, r0) == item_e_LNI.view(1, L, N, 1, -1, 1)
+    own_LNgI = (home_I == torch.arange(g).view(g, 1)).expand(L, N, g, K + P) | seen_LNgP.any(-1).any(0)
+    own_LNgI &= (item_e_LNI >= 0).unsqueeze(2) | (torch.arange(K + P) < K)
+    local_LNgf = _copies(item_MLNI.sum(0).view(L * N, -1), own_LNgI.view(L * N, g, -1), fixed_LNg.view(L * N, g),
+                         free, min_tokens).view(L, N, g, free)
+    copy_e_LNgf = torch.where(local_LNgf >= 0, item_e_LNI.gather(2, local_LNgf.clamp(min=0).view(L, N, -1))
                               .view(L, N, g, free), -1)
-    # per micro-batch: each expert's tokens split evenly over its instances, then rebalanced
-    n_LNK = 1 + torch.zeros(L, N, K, dtype=torch.int64).scatter_add_(
+    # per micro-batch: each item's tokens split evenly over its instances (the first, the
+    # native or the traffic replica, takes the rest), then rebalanced
+    n_LNI = 1 + torch.zeros(L, N, K + P, dtype=torch.int64).scatter_add_(
         2, local_LNgf.clamp(min=0).view(L, N, -1), (local_LNgf >= 0).to(torch.int64).view(L, N, -1))
-    share_MLNK = native_MLNK // n_LNK
-    native_tok = native_MLNK - share_MLNK * (n_LNK - 1)                      # the native takes the rest
-    copy_tok = torch.where(local_LNgf >= 0, share_MLNK.gather(3, local_LNgf.clamp(min=0).view(1, L, N, -1)
+    share_MLNI = item_MLNI // n_LNI
+    first_MLNI = item_MLNI - share_MLNI * (n_LNI - 1)
+    pre_tok = torch.where(steady_LNP, first_MLNI[..., K:], pq_MLNP)
+    copy_tok = torch.where(local_LNgf >= 0, share_MLNI.gather(3, local_LNgf.clamp(min=0).view(1, L, N, -1)
                                                                .expand(M, L, N, g * free)).view(M, L, N, g, free), 0)
     B = M * L * N
-    se = torch.cat([native_LNK.view(1, L, N, g, El).expand(M, L, N, g, El), pre_e.view(M, L, N, g, r0),
+    se = torch.cat([native_LNK.view(1, L, N, g, El).expand(M, L, N, g, El), pe_MLNP.view(M, L, N, g, r0),
                     copy_e_LNgf.expand(M, L, N, g, free)], -1).reshape(B, g, J)
-    tok = torch.cat([native_tok.view(M, L, N, g, El), pre_q.view(M, L, N, g, r0), copy_tok], -1).reshape(B, g, J)
-    movable = (torch.arange(J) < El) | (torch.arange(J) >= El + r0)
-    movable = movable.view(1, 1, J) & (se >= 0)
-    tok = _rebalance(se, tok, movable, 2 * g * J)
+    tok = torch.cat([first_MLNI[..., :K].reshape(M, L, N, g, El), pre_tok.view(M, L, N, g, r0), copy_tok],
+                    -1).reshape(B, g, J)
+    steady_J = torch.cat([torch.ones(El, dtype=torch.bool).expand(L, N, g, El), steady_LNP.view(L, N, g, r0),
+                          torch.ones(free, dtype=torch.bool).expand(L, N, g, free)], -1)
+    movable = steady_J.unsqueeze(0).expand(M, L, N, g, J).reshape(B, g, J) & (se >= 0)
+    hub = torch.zeros(J, dtype=torch.bool)
+    hub[El:El + r0] = True
+    keep = (hub & movable & (tok > 0)).to(torch.int64) * int(keep_prefilled)
+    tok = _rebalance(se, tok, movable, keep, 2 * g * J)
     return se.view(M, L, G, J).contiguous(), tok.view(M, L, G, J).contiguous()
