@@ -68,18 +68,21 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
     return out
 
 
-def _rebalance(se_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, movable_BgJ: torch.Tensor, keep_BgJ: torch.Tensor,
+def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Tensor, items: int,
                rounds: int) -> torch.Tensor:
-    """Quotas ``tok_BgJ`` with tokens moved between instances of one expert (same id in
-    ``se_BgJ``, ``movable``) from the busiest GPU toward the least loaded (module docstring);
-    a slot keeps at least ``keep_BgJ`` of its tokens."""
-    B, g, J = se_BgJ.shape
+    """Quotas ``tok_BgJ`` with tokens moved between instances of one item (same index
+    ``0..items-1`` in ``item_BgJ``; ``-1``: a slot whose tokens stay) from the busiest GPU
+    toward the least loaded (module docstring); a slot keeps at least ``keep_BgJ`` tokens."""
+    B, g, J = item_BgJ.shape
     rows = torch.arange(B)
     tok = tok_BgJ.clone()
-    # once: for each slot, the slot of the same expert on every other GPU (-1: none there)
-    same_BgJhK = (se_BgJ.view(B, g, J, 1, 1) == se_BgJ.view(B, 1, 1, g, J)) & movable_BgJ.view(B, 1, 1, g, J)
-    same_BgJhK &= movable_BgJ.view(B, g, J, 1, 1) & (torch.arange(g).view(g, 1, 1, 1) != torch.arange(g).view(1, 1, g, 1))
-    peer_BgJh = torch.where(same_BgJhK.any(-1), same_BgJhK.to(torch.int64).argmax(-1), -1)
+    # once: each item's slot on every GPU (-1: none), then each slot's peers on the other GPUs
+    valid = item_BgJ >= 0
+    flat = torch.where(valid, item_BgJ * g + torch.arange(g).view(1, g, 1), items * g)
+    inst_BIg = torch.full((B, items * g + 1), -1, dtype=torch.int64).scatter_(
+        1, flat.view(B, -1), torch.arange(J).expand(B, g, J).reshape(B, -1))[:, :-1].view(B, items, g)
+    peer_BgJh = inst_BIg.gather(1, item_BgJ.clamp(min=0).view(B, g * J, 1).expand(B, g * J, g)).view(B, g, J, g)
+    peer_BgJh = peer_BgJh.masked_fill(~valid.unsqueeze(-1) | torch.eye(g, dtype=torch.bool).view(1, g, 1, g), -1)
     for _ in range(rounds):
         load = tok.sum(-1)
         h = load.argmax(-1)
@@ -162,11 +165,12 @@ def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
                     copy_e_LNgf.expand(M, L, N, g, free)], -1).reshape(B, g, J)
     tok = torch.cat([first_MLNI[..., :K].reshape(M, L, N, g, El), pre_tok.view(M, L, N, g, r0), copy_tok],
                     -1).reshape(B, g, J)
-    steady_J = torch.cat([torch.ones(El, dtype=torch.bool).expand(L, N, g, El), steady_LNP.view(L, N, g, r0),
-                          torch.ones(free, dtype=torch.bool).expand(L, N, g, free)], -1)
-    movable = steady_J.unsqueeze(0).expand(M, L, N, g, J).reshape(B, g, J) & (se >= 0)
+    # each slot's item: natives and steady traffic slots in order, copies by what they copy
+    item_LNgJ = torch.cat([torch.arange(K).view(g, El).expand(L, N, g, El),
+                           torch.where(steady_LNP, K + torch.arange(P), -1).view(L, N, g, r0), local_LNgf], -1)
     hub = torch.zeros(J, dtype=torch.bool)
     hub[El:El + r0] = True
-    keep = (hub & movable & (tok > 0)).to(torch.int64) * int(keep_prefilled)
-    tok = _rebalance(se, tok, movable, keep, 2 * g * J)
+    item = item_LNgJ.unsqueeze(0).expand(M, L, N, g, J).reshape(B, g, J)
+    keep = (hub & (item >= 0) & (tok > 0)).to(torch.int64) * int(keep_prefilled)
+    tok = _rebalance(item, tok, keep, K + P, 2 * g * J)
     return se.view(M, L, G, J).contiguous(), tok.view(M, L, G, J).contiguous()
