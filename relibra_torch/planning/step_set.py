@@ -14,7 +14,8 @@ which keeps per layer the cheapest of its plans at their step price). Per (layer
   step-long placement from step totals does not. Start from an even split of the
   micro-batch's tokens over the expert's instances, then repeatedly move tokens from the
   node's busiest GPU to the least loaded GPU holding another instance of one of its
-  experts, half the gap at most, the expert that moves the most first. Every instance
+  experts, half the gap at most, the expert that moves the most first, until no move
+  reaches 1/256 of the busiest GPU's load. Every instance
   keeps its slot whatever its quota, so quotas change nothing in the fills.
 
 Traffic replicas (``prefilled``, their slots first) keep their quotas; their experts are
@@ -94,6 +95,8 @@ def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Te
         amount_BJ = amount_BJ.masked_fill((peer_BJh < 0).all(-1), 0)
         j = amount_BJ.argmax(-1)
         amt = amount_BJ[rows, j]
+        # moves under 1/256 of the busiest GPU's load (< 0.4% of its compute) are not worth a round
+        amt = amt * (amt > load[rows, h] // 256)
         if not (amt > 0).any():
             break
         u = u_BJ[rows, j]
