@@ -224,7 +224,7 @@ def _step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s,
 def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
                    min_tokens: int, prefilled, min_cross_tokens: int, keep_prefilled: int,
                    set_prices: tuple[float, float, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`replicate` aware of residencies, per layer the cheaper of two plans.
+    """:func:`replicate` aware of residencies, per layer the cheapest of its plans.
 
     Per micro-batch, copies must pay their own fill (``min_tokens``, ``set_prices``). But a
     copy that the next micro-batches repeat on the same GPU is filled once for the run
@@ -232,7 +232,12 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     take ``min_tokens / M`` tokens (their fill shared by the step's M micro-batches), both
     plans' copies keep their slots across micro-batches (:func:`align_slots`), and each layer
     keeps the plan whose step price (:func:`_step_price_L`: busiest GPU load, residency fills
-    on the busiest link, latency) is lower. Arguments as :func:`replicate`."""
+    on the busiest link, latency) is lowest. In the second plan a second copy of a traffic
+    replica shares its fill too (``min_cross_tokens / M``: with ``two_hop`` it fills from the
+    node's first copy over NVLink, once per residency). Two more plans are step-long: one
+    balanced on the step's totals (without traffic replicas), and one over every free slot of
+    each node with quotas per micro-batch (:mod:`relibra_torch.planning.step_set`).
+    Arguments as :func:`replicate`."""
     M = loads_MLSE.shape[0]
     first = topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
     a = align_slots(*replicate(loads_MLSE, topology, placement_LE, min_tokens, prefilled, min_cross_tokens,

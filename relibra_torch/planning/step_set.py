@@ -18,13 +18,19 @@ which keeps per layer the cheapest of its plans at their step price). Per (layer
   reaches 1/256 of the busiest GPU's load. Every instance
   keeps its slot whatever its quota, so quotas change nothing in the fills.
 
-Traffic replicas (``prefilled``, their slots first) keep their quotas; their experts are
-other nodes' and never among a node's natives, so the two never mix. Integer arithmetic
+Traffic replicas (``prefilled``, their slots first): one that holds the same expert in
+every micro-batch is shared like a native when ``keep_prefilled`` (two-hop replicas): its
+copies on the node fill from it over NVLink (``planning.two_hop``), so the hot remote
+expert spreads over the node for one inter-node fill, and it keeps a token wherever it has
+some, so that its residency spans theirs. The others keep their quotas. A traffic
+replica's expert is another node's, never among a node's natives. Integer arithmetic
 on counts, plus one float64 ratio per round: the same loads give the same plan everywhere.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs, g GPUs per
 node, El native experts per GPU, R replica slots per GPU, J = El + R, r0 prefilled slots
-per GPU, K = g * El native experts of a node, B rows (L * N, or M * L * N).
+per GPU, f = R - r0 free slots per GPU, K = g * El native experts of a node, P = g * r0
+traffic slots of a node, I = K + P items a copy can share, B rows (L * N, or M * L * N),
+h a GPU of the node (the other end of a move).
 """
 
 from __future__ import annotations
