@@ -7,11 +7,12 @@ model's, without host work charged beyond the overlap window: that charge is one
 measured CPU time, which depends on the machine and its load (benchmarks/planner.py and
 its test hold the planning-time bar).
 
-The cases cover what the benchmark's matrix finds (128 cases; ``python
+The cases cover what the benchmark's matrix finds (144 cases; ``python
 benchmarks/never_behind.py``): a collapsed top-1 router on one node, Zipf top-8 and top-2
 routers at 16-64 tokens per GPU and multiplied by 8 and 64, a collapsed top-1 router on two
 nodes under hierarchical dispatch, real per-domain counts whose hot experts move between
-micro-batches, and one case where every system should do nothing.
+micro-batches, and one case where every system should do nothing; and three that the
+step-long candidates of ``planning.step_set`` and the shared two-hop fills fixed.
 """
 
 import argparse
@@ -37,6 +38,15 @@ CASES = [
     nb.Case("olmoe", "domains", 32, 8, 1, 8),
     # top-2, 32 experts, 16 real tokens per GPU on two nodes: nothing pays, relibra = static
     nb.Case("top2-32", "zipf", 16, 1, 2, 8),
+    # top-1, 8 experts collapsed on two nodes, x 64: the hot expert's copies pay only all step
+    # (their fills shared by the micro-batches; was 1.21x online-global-planned)
+    nb.Case("switch-8", "collapsed", 16, 64, 2, 4),
+    # top-8 collapsed on two nodes: the hot expert's traffic replica shared over its node by
+    # two-hop copies (was 1.035x online-node)
+    nb.Case("qwen3", "collapsed", 16, 64, 2, 8),
+    # top-2, 8 experts, real domains, x 64, one node: copies over every free slot all step,
+    # quotas per micro-batch (was 1.075x eplb-oracle)
+    nb.Case("mixtral", "domains", 64, 64, 1, 8),
 ]
 
 SETTINGS = argparse.Namespace(layers=4, micro_batches=8, steps=2, replica_slots=2, hardware="h200", seed=0,

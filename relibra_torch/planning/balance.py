@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 
 from .residency import residency_masks
+from .step_set import step_long_set
 from .topology import Topology
 
 __all__ = ["align_slots", "replicate", "replicate_step"]
@@ -223,7 +224,7 @@ def _step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s,
 def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
                    min_tokens: int, prefilled, min_cross_tokens: int, keep_prefilled: int,
                    set_prices: tuple[float, float, float]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`replicate` aware of residencies, per layer the cheaper of two plans.
+    """:func:`replicate` aware of residencies, per layer the cheapest of its plans.
 
     Per micro-batch, copies must pay their own fill (``min_tokens``, ``set_prices``). But a
     copy that the next micro-batches repeat on the same GPU is filled once for the run
@@ -231,7 +232,12 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     take ``min_tokens / M`` tokens (their fill shared by the step's M micro-batches), both
     plans' copies keep their slots across micro-batches (:func:`align_slots`), and each layer
     keeps the plan whose step price (:func:`_step_price_L`: busiest GPU load, residency fills
-    on the busiest link, latency) is lower. Arguments as :func:`replicate`."""
+    on the busiest link, latency) is lowest. In the second plan a second copy of a traffic
+    replica shares its fill too (``min_cross_tokens / M``: with ``two_hop`` it fills from the
+    node's first copy over NVLink, once per residency). Two more plans are step-long: one
+    balanced on the step's totals (without traffic replicas), and one over every free slot of
+    each node with quotas per micro-batch (:mod:`relibra_torch.planning.step_set`).
+    Arguments as :func:`replicate`."""
     M = loads_MLSE.shape[0]
     first = topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
     a = align_slots(*replicate(loads_MLSE, topology, placement_LE, min_tokens, prefilled, min_cross_tokens,
@@ -242,11 +248,13 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     if int(loads_MLSE.sum((0, 2)).max()) < min_tokens:  # no expert has a fill's worth in the whole step
         return a
     b = align_slots(*replicate(loads_MLSE, topology, placement_LE, -(-min_tokens // M), prefilled,
-                               min_cross_tokens, keep_prefilled), first)
+                               -(-min_cross_tokens // M), keep_prefilled), first)
     plans = [a, b]
     if prefilled is None:  # a step-long set: balanced on the step's totals, same copies all step
         c = replicate(loads_MLSE.sum(0, keepdim=True), topology, placement_LE, min_tokens, None, min_cross_tokens)
         plans.append(_spread(c[0].expand(M, *c[0].shape[1:]), c[1][0], loads_MLSE.sum(2), topology.experts_per_gpu))
+    # every free slot of a node, all step, quotas per micro-batch (planning.step_set)
+    plans.append(step_long_set(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled))
     owner_LE = placement_LE // topology.experts_per_gpu
     price_PL = torch.stack([_step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
     pick = price_PL.argmin(0).view(1, -1, 1, 1)   # first (per micro-batch) on ties

@@ -78,7 +78,8 @@ def _no_residency_copy(load_MLE: torch.Tensor, placement_LE: torch.Tensor, topol
     """Whether :func:`relibra_torch.planning.balance.replicate_step`'s residency-priced plans
     provably lose to the plan without copies (ties keep it). The step-long set makes no copy
     when relibra plans traffic replicas (it is then not planned) or its step totals allow
-    none; copies sharing one fill (``min_tokens / M`` each) occur only where a copy of that
+    none, and the set over every free slot copies only an expert with ``2 * min_tokens`` step
+    tokens; copies sharing one fill (``min_tokens / M`` each) occur only where a copy of that
     size is possible, and there they lower a micro-batch's busiest GPU at most to
     ``max over nodes of ceil(node load / g)`` (copies stay inside a node), while a plan with
     a copy pays at least one fill and one latency. ``node_loads``: :func:`_node_loads` of
@@ -89,10 +90,12 @@ def _no_residency_copy(load_MLE: torch.Tensor, placement_LE: torch.Tensor, topol
     floor_ML = ((gpu_MLNg.sum(-1) + g - 1) // g).amax(-1)
     drop_ML = gpu_MLNg.flatten(2).amax(-1) - floor_ML
     # the step-long set is planned only without traffic replicas (relibra passes them as
-    # ``prefilled`` on several nodes)
+    # ``prefilled`` on several nodes); the set over every free slot (planning.step_set) copies
+    # only an expert whose step load gives each of two instances ``min_tokens``
     step_set = not (config.cross_node_replicas and N > 1 and topology.replica_slots)
-    if not (step_set and bool(_copy_possible_ML(*_node_loads(load_MLE.sum(0, keepdim=True), placement_LE,
-                                                             topology), min_tokens).any())):
+    every_slot = int(load_MLE.sum(0).max()) >= 2 * min_tokens
+    if not every_slot and not (step_set and bool(_copy_possible_ML(
+            *_node_loads(load_MLE.sum(0, keepdim=True), placement_LE, topology), min_tokens).any())):
         drop_ML = drop_ML * _copy_possible_ML(gpu_MLNg, biggest_MLN, -(-min_tokens // M))
     gain_L = drop_ML.sum(0).to(torch.float64) * config.saved_s_per_token(N)
     return bool((gain_L < config.replica_fill_s_per_expert + config.fill_latency_s(N)).all())

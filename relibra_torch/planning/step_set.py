@@ -1,0 +1,185 @@
+"""relibra's step-long replica set over every free slot of a node, with per-micro-batch quotas.
+
+A candidate of balancing's residency-aware choice (:func:`relibra_torch.planning.balance.replicate_step`,
+which keeps per layer the cheapest of its plans at their step price). Per (layer, node):
+
+* **which copies, all step**: while a GPU of the node has a free replica slot, the node's
+  native expert with the most step tokens per instance gets one more instance, on the GPU
+  with the least projected step load (each expert's step tokens shared evenly by its
+  instances) that has a free slot and does not hold it, as long as the new instance's
+  share of the step's tokens, ``w / (n + 1)``, is at least ``min_tokens`` (a fill's worth of
+  tokens: each copy keeps its slot all step, so it is filled once and its gradient goes home
+  once, ``planning.residency``).
+* **how many tokens each instance takes, per micro-batch**: what replay knows and a
+  step-long placement from step totals does not. Start from an even split of the
+  micro-batch's tokens over the expert's instances, then repeatedly move tokens from the
+  node's busiest GPU to the least loaded GPU holding another instance of one of its
+  experts, half the gap at most, the expert that moves the most first, until no move
+  reaches 1/256 of the busiest GPU's load. Every instance
+  keeps its slot whatever its quota, so quotas change nothing in the fills.
+
+Traffic replicas (``prefilled``, their slots first): one that holds the same expert in
+every micro-batch is shared like a native when ``keep_prefilled`` (two-hop replicas): its
+copies on the node fill from it over NVLink (``planning.two_hop``), so the hot remote
+expert spreads over the node for one inter-node fill, and it keeps a token wherever it has
+some, so that its residency spans theirs. The others keep their quotas. A traffic
+replica's expert is another node's, never among a node's natives. Integer arithmetic
+on counts, plus one float64 ratio per round: the same loads give the same plan everywhere.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs, g GPUs per
+node, El native experts per GPU, R replica slots per GPU, J = El + R, r0 prefilled slots
+per GPU, f = R - r0 free slots per GPU, K = g * El native experts of a node, P = g * r0
+traffic slots of a node, I = K + P items a copy can share, B rows (L * N, or M * L * N),
+h a GPU of the node (the other end of a move).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .topology import Topology
+
+__all__ = ["step_long_set"]
+
+_BIG = torch.iinfo(torch.int64).max
+
+
+def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, free: int,
+            min_tokens: int) -> torch.Tensor:
+    """int64 ``[B, g, free]`` item (``0..K-1``, ``-1`` none) copied into each free slot.
+    ``w_BK``: each item's step tokens; ``own_BgK``: the GPUs that hold its expert already;
+    ``fixed_Bg``: step tokens of what no copy can share."""
+    B, g, K = own_BgK.shape
+    rows = torch.arange(B)
+    own_BgK = own_BgK.clone()
+    n_BK = own_BgK.sum(1).clamp(min=1)
+    out = torch.full((B, g, max(free, 0)), -1, dtype=torch.int64)
+    used = torch.zeros(B, g, dtype=torch.int64)
+    wf = w_BK.to(torch.float64)
+    for _ in range(g * free):
+        load_Bg = (own_BgK * (wf / n_BK).unsqueeze(1)).sum(-1) + fixed_Bg.to(torch.float64)
+        room_Bg = used < free
+        # an item can gain an instance where a GPU with room lacks it, and its share pays
+        addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (w_BK >= min_tokens * (n_BK + 1))
+        if not addable_BK.any():
+            break
+        k = (wf / n_BK).masked_fill(~addable_BK, -1.0).argmax(-1)
+        active = addable_BK[rows, k]
+        can_Bg = room_Bg & ~own_BgK[rows, :, k]
+        u = load_Bg.masked_fill(~can_Bg, float("inf")).argmin(-1)
+        r, uu, kk = rows[active], u[active], k[active]
+        out[r, uu, used[r, uu]] = kk
+        own_BgK[r, uu, kk] = True
+        n_BK[r, kk] += 1
+        used[r, uu] += 1
+    return out
+
+
+def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Tensor, items: int,
+               rounds: int) -> torch.Tensor:
+    """Quotas ``tok_BgJ`` with tokens moved between instances of one item (same index
+    ``0..items-1`` in ``item_BgJ``; ``-1``: a slot whose tokens stay) from the busiest GPU
+    toward the least loaded (module docstring); a slot keeps at least ``keep_BgJ`` tokens."""
+    B, g, J = item_BgJ.shape
+    rows = torch.arange(B)
+    tok = tok_BgJ.clone()
+    # once: each item's slot on every GPU (-1: none), then each slot's peers on the other GPUs
+    valid = item_BgJ >= 0
+    flat = torch.where(valid, item_BgJ * g + torch.arange(g).view(1, g, 1), items * g)
+    inst_BIg = torch.full((B, items * g + 1), -1, dtype=torch.int64).scatter_(
+        1, flat.view(B, -1), torch.arange(J).expand(B, g, J).reshape(B, -1))[:, :-1].view(B, items, g)
+    peer_BgJh = inst_BIg.gather(1, item_BgJ.clamp(min=0).view(B, g * J, 1).expand(B, g * J, g)).view(B, g, J, g)
+    peer_BgJh = peer_BgJh.masked_fill(~valid.unsqueeze(-1) | torch.eye(g, dtype=torch.bool).view(1, g, 1, g), -1)
+    for _ in range(rounds):
+        load = tok.sum(-1)
+        h = load.argmax(-1)
+        peer_BJh = peer_BgJh[rows, h]                                            # [B, J, g]
+        cand = load.unsqueeze(1).expand(B, J, g).masked_fill(peer_BJh < 0, _BIG)
+        u_BJ = cand.argmin(-1)
+        gap = load[rows, h].unsqueeze(1) - cand.gather(-1, u_BJ.unsqueeze(-1)).squeeze(-1)
+        amount_BJ = torch.minimum(tok[rows, h] - keep_BgJ[rows, h], (gap // 2).clamp(min=0))
+        amount_BJ = amount_BJ.masked_fill((peer_BJh < 0).all(-1), 0)
+        j = amount_BJ.argmax(-1)
+        amt = amount_BJ[rows, j]
+        # moves under 1/256 of the busiest GPU's load (< 0.4% of its compute) are not worth a round
+        amt = amt * (amt > load[rows, h] // 256)
+        if not (amt > 0).any():
+            break
+        u = u_BJ[rows, j]
+        ju = peer_BJh[rows, j, u].clamp(min=0)
+        tok[rows, h, j] -= amt
+        tok[rows, u, ju] += amt
+    return tok
+
+
+def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
+                  prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
+                  keep_prefilled: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step-long candidate of the module docstring.
+
+    Args:
+        loads_MLSE: int ``[M, L, S, E]``; placement_LE: int64 ``[L, E]`` native slot per expert.
+        min_tokens: fewest step tokens a copy's share must reach (its one fill's worth).
+        prefilled: ``(expert_MLGr, quota_MLGr)`` traffic replicas in the first ``r0`` replica
+            slots, as :func:`relibra_torch.planning.balance.replicate` takes them.
+        keep_prefilled: tokens a traffic replica keeps when it shares its quota with copies
+            (``ReLibraConfig.two_hop``: 1, so that its residency, the copies' hub, spans
+            theirs); 0: traffic replicas are not shared (a copy would fill across nodes).
+    Returns:
+        ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``; the copies keep
+        their slots in every micro-batch.
+    """
+    M, L, S, E = loads_MLSE.shape
+    N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
+    G, J, K = topology.num_gpus, topology.slots_per_gpu, topology.gpus_per_node * topology.experts_per_gpu
+    r0 = 0 if prefilled is None else prefilled[0].shape[-1]
+    free, P = R - r0, g * r0
+    inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
+    native_LNK = inverse_LE.view(L, N, K)
+    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    pre_e = torch.full((M, L, G, r0), -1, dtype=torch.int64)
+    pre_q = torch.zeros(M, L, G, r0, dtype=torch.int64)
+    if r0:
+        pre_e, pre_q = prefilled
+        load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
+            2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
+    native_MLNK = load_MLE.gather(2, native_LNK.view(1, L, N * K).expand(M, L, N * K)).view(M, L, N, K)
+    # Items that copies can share: the node's natives, and (two-hop) each traffic replica
+    # slot that holds one expert all step; the other traffic slots' tokens stay where they are.
+    pe_MLNP, pq_MLNP = pre_e.view(M, L, N, P), pre_q.view(M, L, N, P)
+    steady_LNP = (pe_MLNP == pe_MLNP[:1]).all(0) & (pe_MLNP[0] >= 0) & (keep_prefilled > 0)
+    item_e_LNI = torch.cat([native_LNK, torch.where(steady_LNP, pe_MLNP[0], -1)], -1)      # I = K + P
+    item_MLNI = torch.cat([native_MLNK, pq_MLNP * steady_LNP], -1)
+    fixed_LNg = (pq_MLNP * ~steady_LNP).sum(0).view(L, N, g, r0).sum(-1)
+    home_I = torch.cat([torch.arange(K) // El, torch.arange(P) // r0])
+    # GPUs holding an item's expert: its own, and any GPU with it in a traffic slot in some micro-batch
+    seen_LNgP = pre_e.view(M, L, N, g, 1, r0) == item_e_LNI.view(1, L, N, 1, -1, 1)
+    own_LNgI = (home_I == torch.arange(g).view(g, 1)).expand(L, N, g, K + P) | seen_LNgP.any(-1).any(0)
+    own_LNgI &= (item_e_LNI >= 0).unsqueeze(2) | (torch.arange(K + P) < K)
+    local_LNgf = _copies(item_MLNI.sum(0).view(L * N, -1), own_LNgI.view(L * N, g, -1), fixed_LNg.view(L * N, g),
+                         free, min_tokens).view(L, N, g, free)
+    copy_e_LNgf = torch.where(local_LNgf >= 0, item_e_LNI.gather(2, local_LNgf.clamp(min=0).view(L, N, -1))
+                              .view(L, N, g, free), -1)
+    # per micro-batch: each item's tokens split evenly over its instances (the first, the
+    # native or the traffic replica, takes the rest), then rebalanced
+    n_LNI = 1 + torch.zeros(L, N, K + P, dtype=torch.int64).scatter_add_(
+        2, local_LNgf.clamp(min=0).view(L, N, -1), (local_LNgf >= 0).to(torch.int64).view(L, N, -1))
+    share_MLNI = item_MLNI // n_LNI
+    first_MLNI = item_MLNI - share_MLNI * (n_LNI - 1)
+    pre_tok = torch.where(steady_LNP, first_MLNI[..., K:], pq_MLNP)
+    copy_tok = torch.where(local_LNgf >= 0, share_MLNI.gather(3, local_LNgf.clamp(min=0).view(1, L, N, -1)
+                                                               .expand(M, L, N, g * free)).view(M, L, N, g, free), 0)
+    B = M * L * N
+    se = torch.cat([native_LNK.view(1, L, N, g, El).expand(M, L, N, g, El), pe_MLNP.view(M, L, N, g, r0),
+                    copy_e_LNgf.expand(M, L, N, g, free)], -1).reshape(B, g, J)
+    tok = torch.cat([first_MLNI[..., :K].reshape(M, L, N, g, El), pre_tok.view(M, L, N, g, r0), copy_tok],
+                    -1).reshape(B, g, J)
+    # each slot's item: natives and steady traffic slots in order, copies by what they copy
+    item_LNgJ = torch.cat([torch.arange(K).view(g, El).expand(L, N, g, El),
+                           torch.where(steady_LNP, K + torch.arange(P), -1).view(L, N, g, r0), local_LNgf], -1)
+    hub = torch.zeros(J, dtype=torch.bool)
+    hub[El:El + r0] = True
+    item = item_LNgJ.unsqueeze(0).expand(M, L, N, g, J).reshape(B, g, J)
+    keep = (hub & (item >= 0) & (tok > 0)).to(torch.int64) * int(keep_prefilled)
+    tok = _rebalance(item, tok, keep, K + P, 2 * g * J)
+    return se.view(M, L, G, J).contiguous(), tok.view(M, L, G, J).contiguous()
