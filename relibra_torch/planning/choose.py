@@ -92,9 +92,7 @@ def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
         best = step = None
         if traffic and N > 1:
             best, step = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
-                                          config.cross_replica_fill_s_per_expert, also_step=True,
-                                          top_k=config.row_traffic_top_k,
-                                          compute_s=config.compute_s_per_token)
+                                          config.cross_replica_fill_s_per_expert, also_step=True)
             best = best if bool((best[0] >= 0).any()) else None
             step = step if bool((step[0] >= 0).any()) and (best is None or not torch.equal(step[0], best[0])) else None
         for name, traffic_set, use_balance in (("traffic", best, False), ("balance", None, True),

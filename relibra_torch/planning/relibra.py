@@ -110,10 +110,6 @@ class ReLibraConfig:
             (:mod:`relibra_torch.planning.choose`, which also prices the plain plan). Off by
             default: ~1 ms of CPU per (micro-batch, layer) row and candidate at EP 32, more
             than the forward pass hides at ~1,000 tokens per GPU (docs/architecture.md).
-        row_traffic: under hierarchical dispatch (with ``top_k``), value traffic replicas by
-            the ``(token, remote node)`` rows they save, with the simulator's count estimate
-            (:mod:`relibra_torch.planning.hier_traffic`), picked one at a time per node;
-            ``False``: by their pairs, as under flat dispatch.
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
@@ -141,7 +137,6 @@ class ReLibraConfig:
     traffic_search: bool = True
     balance: bool = True
     choose: bool = False
-    row_traffic: bool = True
     intra_node_s_per_token: float = 4.1e-8
     top_k: int = 0
     fill_weight_share: float = 1.0 / 3.0
@@ -183,12 +178,6 @@ class ReLibraConfig:
         token; hierarchical: compute only)."""
         return self.min_replica_tokens_on(2)
 
-    @property
-    def row_traffic_top_k(self) -> int:
-        """``top_k`` where traffic replicas are valued in hierarchical rows
-        (:attr:`row_traffic`), else 0 (valued in pairs)."""
-        return self.top_k if self.row_traffic and self.dispatch == "hierarchical" else 0
-
     def fill_latency_s(self, num_nodes: int) -> float:
         """Latency a layer's first copy in a micro-batch adds: the fill and the gradient
         return collectives (kept buffers), each spanning the nodes when there are several."""
@@ -219,8 +208,7 @@ class ReLibraConfig:
         check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
         check_int("top_k", self.top_k, 0)
-        for name in ("cross_node_replicas", "two_hop", "reorder", "traffic_search", "balance", "choose",
-                     "row_traffic"):
+        for name in ("cross_node_replicas", "two_hop", "reorder", "traffic_search", "balance", "choose"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ReLibraConfig.{name} is {getattr(self, name)!r}; allowed: True or False")
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
@@ -419,8 +407,7 @@ def _plain_plan(loads_MLSE, topology: Topology, previous_placement_LE, placement
     R, g, N = topology.replica_slots, topology.gpus_per_node, topology.num_nodes
     if config.cross_node_replicas and N > 1 and R:
         prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2,
-                                     config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert,
-                                     top_k=config.row_traffic_top_k, compute_s=config.compute_s_per_token)
+                                     config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
     # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
     never = torch.iinfo(torch.int64).max
     slot_expert, slot_tokens = replicate_step(

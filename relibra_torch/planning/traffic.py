@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import torch
 
-from .hier_traffic import greedy_nic_replicas, link_objective
 from .residency import residency_masks
 from .topology import Topology
 
@@ -37,8 +36,7 @@ __all__ = ["step_replicas", "traffic_replicas"]
 
 
 def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-                     slots_per_gpu: int, token_s: float, fill_s: float, also_step: bool = False,
-                     top_k: int = 0, compute_s: float = 0.0):
+                     slots_per_gpu: int, token_s: float, fill_s: float, also_step: bool = False):
     """Cross-node replicas per micro-batch under a fixed placement.
 
     Args:
@@ -48,14 +46,6 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
         token_s: seconds one token-expert pair kept off the inter-node link saves, per GPU
             of the sending node (``cross_node_s_per_token / g``).
         fill_s: seconds of one inter-node replica residency (0: fills are free).
-        top_k: experts per token under hierarchical dispatch (0: flat). With ``top_k`` each
-            micro-batch's replicas are picked one at a time for the busiest links
-            (:func:`~relibra_torch.planning.hier_traffic.greedy_nic_replicas`: estimated
-            ``(token, remote node)`` rows per GPU, send and landing receive, with the
-            simulator's count estimate, plus the busiest node's pairs at ``compute_s``),
-            instead of by each node's pairs; the step-long set is compared per layer by
-            the same objective.
-        compute_s: expert compute of one pair (fwd + bwd) on one GPU; used with ``top_k``.
 
     Returns:
         ``(expert_MLGr, quota_MLGr)`` int64 ``[M, L, G, r]``: the expert in each traffic
@@ -78,20 +68,14 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     native_MLG = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
         2, (placement_LE // El).unsqueeze(0).expand(M, L, E), loads_MLSE.sum(2))
 
-    tokens_MS = loads_MLSE[:, 0].sum(-1) // top_k if top_k else None
     held_LNE = torch.zeros(L, N, E, dtype=torch.bool)        # replicas resident after m - 1
     slot_LNB = [[[-1] * B for _ in range(N)] for _ in range(L)]
     for m in range(M):
-        if top_k:   # hierarchical: picked for the busiest links, given the earlier picks
-            chosen_LNB = greedy_nic_replicas(loads_MLSE[m:m + 1], tokens_MS[m:m + 1], placement_LE // El,
-                                             native_MLG[m:m + 1].view(1, L, N, g).sum(-1), B, g, top_k,
-                                             token_s * g, compute_s, fill_s, held_LNE)
-        else:
-            value_LNE = remote_MLNE[m].to(torch.float64) * token_s - torch.where(held_LNE, 0.0, fill_s)
-            value_LNE = value_LNE.masked_fill(remote_MLNE[m] <= 0, -1.0)
-            # The B best candidates per (layer, node); stable sort: ties go to the lower id.
-            order_LNE = (-value_LNE).argsort(dim=2, stable=True)[..., :B]
-            chosen_LNB = order_LNE.masked_fill(value_LNE.gather(2, order_LNE) <= 0, -1)
+        value_LNE = remote_MLNE[m].to(torch.float64) * token_s - torch.where(held_LNE, 0.0, fill_s)
+        value_LNE = value_LNE.masked_fill(remote_MLNE[m] <= 0, -1.0)
+        # The B best candidates per (layer, node); stable sort: ties go to the lower id.
+        order_LNE = (-value_LNE).argsort(dim=2, stable=True)[..., :B]
+        chosen_LNB = order_LNE.masked_fill(value_LNE.gather(2, order_LNE) <= 0, -1)
         chosen, native = chosen_LNB.tolist(), native_MLG[m].tolist()
         for l in range(L):
             for n in range(N):
@@ -123,24 +107,9 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     # demand and filled once (EPLB's economics, with each node's exact demand). Per (layer,
     # node) the option that saves more seconds net of fills wins.
     static_e_MLGr, static_q_MLGr = step_replicas(remote_MLNE, native_MLG.sum(0), topology, r, token_s, fill_s)
-    if top_k:   # the step-long set too is picked for the busiest links, over the whole step
-        step_LNB = greedy_nic_replicas(loads_MLSE, tokens_MS, placement_LE // El, native_MLG.view(M, L, N, g).sum(-1),
-                                       B, g, top_k, token_s * g, compute_s, fill_s,
-                                       torch.zeros(L, N, E, dtype=torch.bool))
-        static_e_MLGr, static_q_MLGr = _step_slots(step_LNB, remote_MLNE, native_MLG.sum(0), topology, r)
-    if top_k:   # per layer, by the greedy's own objective over the step, fills included
-        def step_cost(e_MLGr: torch.Tensor, q_MLGr: torch.Tensor) -> torch.Tensor:
-            start = residency_masks(e_MLGr, e_MLGr >= 0, q_MLGr)[0].sum(-1)                  # [M, L, G]
-            fills = start.max(-1).values.sum(0).to(torch.float64)     # receivers fill in parallel
-            return fills * fill_s + sum(link_objective(loads_MLSE[m], tokens_MS[m], owner_node_LE, e_MLGr[m],
-                                                       native_MLG[m].view(L, N, g).sum(-1), g, top_k, token_s * g,
-                                                       compute_s) for m in range(M))
-        use_static_L = step_cost(static_e_MLGr, static_q_MLGr) < step_cost(expert_MLGr, quota_MLGr)
-        use_static_LG = use_static_L.view(L, 1).expand(L, G)
-    else:
-        dyn_value_LN = _net_value(expert_MLGr, quota_MLGr, N, g, token_s, fill_s)
-        static_value_LN = _net_value(static_e_MLGr, static_q_MLGr, N, g, token_s, fill_s)
-        use_static_LG = (static_value_LN > dyn_value_LN).repeat_interleave(g, dim=1)      # [L, G]
+    dyn_value_LN = _net_value(expert_MLGr, quota_MLGr, N, g, token_s, fill_s)
+    static_value_LN = _net_value(static_e_MLGr, static_q_MLGr, N, g, token_s, fill_s)
+    use_static_LG = (static_value_LN > dyn_value_LN).repeat_interleave(g, dim=1)          # [L, G]
     pick = use_static_LG.view(1, L, G, 1)
     expert_MLGr = torch.where(pick, static_e_MLGr, expert_MLGr)
     quota_MLGr = torch.where(pick, static_q_MLGr, quota_MLGr)
@@ -173,31 +142,6 @@ def step_replicas(remote_MLNE: torch.Tensor, native_LG: torch.Tensor, topology: 
     order_LNE = (-value_LNE).argsort(dim=2, stable=True)[..., :B]
     chosen = order_LNE.masked_fill(value_LNE.gather(2, order_LNE) <= 0, -1).tolist()
     step, native = step_LNE.tolist(), native_LG.tolist()
-    slot_LNB = [[[-1] * B for _ in range(N)] for _ in range(L)]
-    for l in range(L):
-        for n in range(N):
-            gpu_load = native[l][n * g:(n + 1) * g]
-            for e in chosen[l][n]:
-                if e < 0:
-                    continue
-                free = [b for b in range(B) if slot_LNB[l][n][b] < 0]
-                b = min(free, key=lambda q: (gpu_load[q // r], q))
-                slot_LNB[l][n][b] = e
-                gpu_load[b // r] += step[l][n][e]
-    slot_t = torch.tensor(slot_LNB, dtype=torch.int64)                                # [L, N, B]
-    expert_MLGr = slot_t.view(1, L, G, r).expand(M, L, G, r)
-    quota = remote_MLNE.gather(3, slot_t.clamp(min=0).unsqueeze(0).expand(M, L, N, B)) * (slot_t >= 0)
-    return expert_MLGr.contiguous(), quota.view(M, L, G, r)
-
-
-def _step_slots(chosen_LNB: torch.Tensor, remote_MLNE: torch.Tensor, native_LG: torch.Tensor, topology: Topology,
-                r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`step_replicas`' slots for a given step-long set ``chosen_LNB`` (``-1``: none):
-    in that order to the node's GPU with the least step load, quotas the node's demand."""
-    M, L, N, E = remote_MLNE.shape
-    g, G = topology.gpus_per_node, topology.num_gpus
-    B = g * r
-    step, native, chosen = remote_MLNE.sum(0).tolist(), native_LG.tolist(), chosen_LNB.tolist()
     slot_LNB = [[[-1] * B for _ in range(N)] for _ in range(L)]
     for l in range(L):
         for n in range(N):
