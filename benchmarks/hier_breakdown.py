@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     model, topo = s["model_spec"], s["topology"]
     N, g = topo.num_nodes, topo.gpus_per_node
     workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"], s["steps"],
-                                  s["seed"], s["sample_tokens"], s["trace"])
+                                  s["seed"], s["sample_tokens"], s["trace"], s["skew"])
     cost = CostModel(model, s["hardware_spec"], s["cost_options"])
     rows = {}
     from relibra_torch.sim.simulator import REFERENCES
