@@ -67,8 +67,8 @@ def test_relibra_section_switches_each_mechanism():
     opts = baseline_options({"relibra": {"balance": "false", "traffic_search": "off", "cross_node_replicas": "no",
                                          "choose": "false"}})
     assert opts.relibra_fields() == {"cross_node_replicas": False, "reorder": True, "traffic_search": False,
-                                     "balance": False, "two_hop": True, "choose": False, "max_swap_rounds": 64,
-                                     "swap_candidates": 8}
+                                     "balance": False, "two_hop": True, "choose": False, "spread_fills": True,
+                                     "max_swap_rounds": 64, "swap_candidates": 8}
     with pytest.raises(ValueError, match="relibra.balance = 'maybe'; allowed: true or false"):
         baseline_options({"relibra": {"balance": "maybe"}})
     loads_MLSE = _loads()[0]

@@ -50,6 +50,7 @@ from .price import (compute_seconds_ML, exchange_latency_s, migration_seconds, m
 from .reorder_traffic import colocated_pairs
 from .topology import Topology
 from .traffic import traffic_replicas
+from .fill_spread import spread_args
 
 __all__ = ["Group", "candidate_sets", "cheapest_sequence", "chosen_plan", "native_slots", "price_groups"]
 
@@ -92,7 +93,8 @@ def candidate_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
         best = step = None
         if traffic and N > 1:
             best, step = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
-                                          config.cross_replica_fill_s_per_expert, also_step=True)
+                                          config.cross_replica_fill_s_per_expert, also_step=True,
+                                          spread=spread_args(config))
             best = best if bool((best[0] >= 0).any()) else None
             step = step if bool((step[0] >= 0).any()) and (best is None or not torch.equal(step[0], best[0])) else None
         for name, traffic_set, use_balance in (("traffic", best, False), ("balance", None, True),

@@ -12,7 +12,7 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["approx_need", "approx_need_columns", "hierarchical_traffic"]
+__all__ = ["approx_need", "approx_need_columns", "approx_need_pieces", "hierarchical_traffic"]
 
 
 def approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -80,3 +80,34 @@ def hierarchical_traffic(copies_LSG: torch.Tensor, cross_tokens_LSN: torch.Tenso
         1, land_SG.reshape(1, S * G).expand(L, S * G), fwd.reshape(L, S * G).to(dtype))
     intra_recv = (local.sum(1) + fwd.sum(1)).to(dtype)
     return cross_send, cross_recv, intra_send, intra_recv
+
+
+def approx_need_pieces(loads_LSE: torch.Tensor, piece_LSE: torch.Tensor, pieces: int, tokens_S: torch.Tensor,
+                       top_k: int) -> torch.Tensor:
+    """:func:`approx_need` where every (source, expert)'s pairs go to one piece: float64
+    ``[L, S, P]`` from ``loads_LSE`` and the piece each goes to, ``piece_LSE`` (int64, in
+    ``[0, pieces)``), without the ``[L, S, P, E]`` flow: per-piece sums by scatter. The same
+    rule, the same values up to float rounding (``tests/test_fill_spread.py``)."""
+    L, S, E = loads_LSE.shape
+    T = tokens_S.to(torch.float64).view(1, -1, 1)
+    T_div = torch.where(T > 0, T.clamp(min=1.0), torch.full_like(T, float("inf")))
+    p = (loads_LSE.to(torch.float64) / T_div).clamp_(0.0, 1.0)
+
+    def per_piece(x: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
+        out = torch.zeros(L, S, pieces, dtype=torch.float64)
+        return out.scatter_add_(2, piece_LSE, x) if reduce == "sum" else out.scatter_reduce_(2, piece_LSE, x, reduce)
+
+    log_none = per_piece(torch.log1p(-p))        # -inf where some p == 1: exp gives 0, as the product
+    none_indep = log_none.exp()
+    r = p / top_k
+    mass = per_piece(r).clamp(max=1.0)
+    sq = per_piece(r * r)
+    rest = (1.0 - mass).clamp(min=1e-12)
+    rho = ((sq.sum(-1, keepdim=True) - sq) / rest).clamp(min=0.0)
+    none_draws = torch.ones_like(mass)
+    for i in range(top_k):
+        left = (1.0 - i * rho).clamp(min=1e-12)
+        none_draws = none_draws * (1.0 - mass / left).clamp(0.0, 1.0)
+    need = 1.0 - torch.minimum(none_indep, none_draws)
+    need = torch.minimum(torch.maximum(need, per_piece(p, "amax")), per_piece(p))
+    return need * T

@@ -17,19 +17,18 @@ replicas it will get, busiest node first, so that experts sit near their heavies
 where no replica keeps those tokens home (on the six trace x dispatch tables of
 docs/results.md it cuts relibra's step by 0.4-2.0%).
 
-Replication, per micro-batch: first, cross-node *traffic replicas* (``R // 2``
-slots per GPU, :mod:`relibra_torch.planning.traffic`) copy each node's most-requested remote
-experts onto it with exactly the node's tokens for them, when the saved inter-node traffic
-pays for the fill (``cross_node_replicas``). Then, per layer and node, balancing moves load
-from the busiest GPU to the least
-busy GPU that still has a free replica slot, by copying there the busiest GPU's native
-expert that moves the most tokens (those from other nodes counted twice: they leave its
-inter-node receive too) with a quota of exactly what both sides can take, until every GPU is at
-``ceil(node_load / g)`` or the slots run out. Vectorised over every (micro-batch, layer,
-node) at once; at most ``g * R`` rounds.
+Replication, per micro-batch: first, cross-node *traffic replicas* (``R // 2`` slots per GPU,
+:mod:`relibra_torch.planning.traffic`) copy each node's most-requested remote experts onto it
+with exactly the node's tokens for them, when the saved inter-node traffic pays for the fill
+(``cross_node_replicas``; step-long sets capped per owner GPU where cheaper, ``fill_spread``).
+Then, per layer and node, balancing moves load from the busiest GPU to the least busy GPU that
+still has a free replica slot, by copying there the busiest GPU's native expert that moves the
+most tokens (those from other nodes counted twice: they leave its inter-node receive too) with
+a quota of exactly what both sides can take, until every GPU is at ``ceil(node_load / g)`` or
+the slots run out. Vectorised over every (micro-batch, layer, node); at most ``g * R`` rounds.
 
-Every quantity is an integer until the final weighted objective (float64, elementwise), so
-the same loads give bit-identical plans on any machine.
+Integer counts up to float64 objectives, so the same loads give the same plan on every rank
+(``fill_spread`` and ``choose`` price with the hierarchical estimate's exp/log1p: one build).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs,
 g GPUs per node, El native experts per GPU, R replica slots per GPU, J = El + R,
@@ -52,9 +51,9 @@ from .balance import replicate, replicate_step
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .traffic import traffic_replicas
+from .fill_spread import spread_args
 from .choose import cheaper_plan, chosen_plan
-from .fastpath import assign_gpus as _assign_gpus
-from .fastpath import fast_plan
+from .fastpath import assign_gpus as _assign_gpus, fast_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -110,6 +109,7 @@ class ReLibraConfig:
             (:mod:`relibra_torch.planning.choose`, which also prices the plain plan). Off by
             default: ~1 ms of CPU per (micro-batch, layer) row and candidate at EP 32, more
             than the forward pass hides at ~1,000 tokens per GPU (docs/architecture.md).
+        spread_fills: hierarchical: step-long traffic sets capped per owner GPU if cheaper (``fill_spread``).
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
@@ -137,6 +137,7 @@ class ReLibraConfig:
     traffic_search: bool = True
     balance: bool = True
     choose: bool = False
+    spread_fills: bool = True
     intra_node_s_per_token: float = 4.1e-8
     top_k: int = 0
     fill_weight_share: float = 1.0 / 3.0
@@ -208,7 +209,7 @@ class ReLibraConfig:
         check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
         check_int("top_k", self.top_k, 0)
-        for name in ("cross_node_replicas", "two_hop", "reorder", "traffic_search", "balance", "choose"):
+        for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # the switches
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ReLibraConfig.{name} is {getattr(self, name)!r}; allowed: True or False")
         check_int("max_swap_rounds", self.max_swap_rounds, 0)
@@ -236,19 +237,18 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
             also_without_traffic: bool = False):
     """Choose the step's placement ``[L, E]`` (int64 physical native slot per expert).
 
-    ``pairs_LEE``: optional int ``[L, E, E]`` co-activation counts of the step
-    (:func:`relibra_torch.replay.counts.count_pairs`), priced under hierarchical dispatch.
-    ``also_without_traffic``: return ``(placement_LE, the placement with
-    cross_node_replicas=False)``, sharing the load-first search (``choose`` prices both).
+    ``pairs_LEE``: optional int ``[L, E, E]`` co-activation counts of the step (``count_pairs``
+    of ``replay.counts``), priced under hierarchical dispatch. ``also_without_traffic``: return
+    ``(placement_LE, the placement with cross_node_replicas=False)``, sharing the load-first
+    search (``choose`` prices both).
     """
     M, L, S, E = loads_MLSE.shape
     N, g, El = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu
     per_node = E // N
     loads_MLSE = loads_MLSE.to(torch.int64)
     load_LME = loads_MLSE.sum(2).transpose(0, 1).contiguous()            # [L, M, E]
-    # tokens for e from the sources of node n, per micro-batch and summed over the step
     own_LMNE = loads_MLSE.view(M, L, N, g, E).sum(3).permute(1, 0, 2, 3).contiguous()
-    src_node_LNE = own_LMNE.sum(1)                                        # [L, N, E]
+    src_node_LNE = own_LMNE.sum(1)       # [L, N, E] tokens for e from node n's sources (own: per m)
     total_LE = load_LME.sum(1)
     prev_gpu_LE = previous_placement_LE // El
     prev_node_LE = prev_gpu_LE // g
@@ -406,8 +406,8 @@ def _plain_plan(loads_MLSE, topology: Topology, previous_placement_LE, placement
     prefilled = None
     R, g, N = topology.replica_slots, topology.gpus_per_node, topology.num_nodes
     if config.cross_node_replicas and N > 1 and R:
-        prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2,
-                                     config.cross_node_s_per_token / g, config.cross_replica_fill_s_per_expert)
+        prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
+                                     config.cross_replica_fill_s_per_expert, spread=spread_args(config))
     # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
     never = torch.iinfo(torch.int64).max
     slot_expert, slot_tokens = replicate_step(

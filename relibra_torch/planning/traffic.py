@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import torch
 
+from .fill_spread import spread_step_fills
 from .residency import residency_masks
 from .topology import Topology
 
-__all__ = ["step_replicas", "traffic_replicas"]
+__all__ = ["step_replicas", "step_slots", "traffic_replicas"]
 
 
 def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-                     slots_per_gpu: int, token_s: float, fill_s: float, also_step: bool = False):
+                     slots_per_gpu: int, token_s: float, fill_s: float, also_step: bool = False,
+                     spread: tuple[int, float, float] | None = None):
     """Cross-node replicas per micro-batch under a fixed placement.
 
     Args:
@@ -46,6 +48,11 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
         token_s: seconds one token-expert pair kept off the inter-node link saves, per GPU
             of the sending node (``cross_node_s_per_token / g``).
         fill_s: seconds of one inter-node replica residency (0: fills are free).
+        spread: ``(top_k, row_s, pair_s)`` under hierarchical dispatch: per layer, keep the
+            cheapest of this choice and step-long sets capped at a few copies per owner
+            GPU (:func:`~relibra_torch.planning.fill_spread.spread_step_fills`; ``row_s``:
+            one ``(token, remote node)`` row at the busiest GPU, ``pair_s``: one pair's
+            expert compute). ``None``: no cap.
 
     Returns:
         ``(expert_MLGr, quota_MLGr)`` int64 ``[M, L, G, r]``: the expert in each traffic
@@ -114,6 +121,11 @@ def traffic_replicas(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     expert_MLGr = torch.where(pick, static_e_MLGr, expert_MLGr)
     quota_MLGr = torch.where(pick, static_q_MLGr, quota_MLGr)
     best = expert_MLGr.contiguous(), quota_MLGr.contiguous()
+    if spread is not None and fill_s > 0:
+        top_k, row_s, pair_s = spread
+        best = spread_step_fills(best, remote_MLNE.sum(0), placement_LE // El, loads_MLSE, g, B, top_k,
+                                 (token_s, row_s, pair_s, fill_s),
+                                 lambda chosen_LNB: step_slots(chosen_LNB, remote_MLNE, native_MLG.sum(0), topology, r))
     return (best, (static_e_MLGr, static_q_MLGr)) if also_step else best
 
 
@@ -135,12 +147,24 @@ def step_replicas(remote_MLNE: torch.Tensor, native_LG: torch.Tensor, topology: 
     the most step demand whose saving beats one fill, heaviest first to the node's GPU with
     the least step load; quotas per micro-batch are the node's demand then."""
     M, L, N, E = remote_MLNE.shape
-    g, G = topology.gpus_per_node, topology.num_gpus
-    B = g * r
+    B = topology.gpus_per_node * r
     step_LNE = remote_MLNE.sum(0)
     value_LNE = step_LNE.to(torch.float64) * token_s - fill_s
     order_LNE = (-value_LNE).argsort(dim=2, stable=True)[..., :B]
-    chosen = order_LNE.masked_fill(value_LNE.gather(2, order_LNE) <= 0, -1).tolist()
+    chosen_LNB = order_LNE.masked_fill(value_LNE.gather(2, order_LNE) <= 0, -1)
+    return step_slots(chosen_LNB, remote_MLNE, native_LG, topology, r)
+
+
+def step_slots(chosen_LNB: torch.Tensor, remote_MLNE: torch.Tensor, native_LG: torch.Tensor, topology: Topology,
+               r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(expert_MLGr, quota_MLGr)`` of a step-long set ``chosen_LNB`` (``[L, N, B]``, ``-1``:
+    none): each node's experts in that order to its GPU with the least step load so far,
+    quotas per micro-batch the node's demand."""
+    M, L, N, E = remote_MLNE.shape
+    g, G = topology.gpus_per_node, topology.num_gpus
+    B = g * r
+    step_LNE = remote_MLNE.sum(0)
+    chosen = chosen_LNB.tolist()
     step, native = step_LNE.tolist(), native_LG.tolist()
     slot_LNB = [[[-1] * B for _ in range(N)] for _ in range(L)]
     for l in range(L):

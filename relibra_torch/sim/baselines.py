@@ -53,6 +53,7 @@ class BaselineOptions:
     relibra_balance: bool = True
     relibra_two_hop: bool = True
     relibra_choose: bool = False
+    relibra_spread_fills: bool = True
     relibra_max_swap_rounds: int = 64
     relibra_swap_candidates: int = 8
 
@@ -64,7 +65,8 @@ class BaselineOptions:
         check_int("online.min_replica_tokens", self.online_min_replica_tokens, 0)
         if self.planning_overlap_s is not None:
             check_number("planning.overlap_s", self.planning_overlap_s, 0.0)
-        for name in ("cross_node_replicas", "reorder", "traffic_search", "balance", "two_hop", "choose"):
+        for name in ("cross_node_replicas", "reorder", "traffic_search", "balance", "two_hop", "choose",
+                     "spread_fills"):
             if not isinstance(getattr(self, f"relibra_{name}"), bool):
                 raise TypeError(f"relibra.{name} is {getattr(self, f'relibra_{name}')!r}; allowed: true or false")
         check_int("relibra.max_swap_rounds", self.relibra_max_swap_rounds, 0)
@@ -100,7 +102,7 @@ SECTIONS = {
     "online": {"plan_latency_us": float, "min_replica_tokens": int},
     "planning": {"overlap_s": float},
     "relibra": {"cross_node_replicas": bool, "reorder": bool, "traffic_search": bool, "balance": bool,
-                "two_hop": bool, "choose": bool, "max_swap_rounds": int, "swap_candidates": int},
+                "two_hop": bool, "choose": bool, "spread_fills": bool, "max_swap_rounds": int, "swap_candidates": int},
 }
 """Sections and fields accepted in ``--config`` files and ``--set SECTION.FIELD=VALUE``."""
 
