@@ -38,9 +38,16 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["Executor", "Engine", "MAX_MACRO"]
+__all__ = ["Executor", "Engine", "MAX_MACRO", "SLO_TOL"]
 
 MAX_MACRO = 32  # decode steps merged at most (bounds the context-midpoint approximation)
+SLO_TOL = 1e-12  # a TTFT / TPOT within this of its SLO meets it (the same test everywhere)
+# A cut decode macro-step ends at a step boundary that may lie up to 1e-9 steps before the
+# event that cut it (``cut``'s ceil tolerance): the only event ever scheduled in the past.
+# ``push`` enforces that no event lands more than SWEEP_SLACK s before the latest event
+# handled, so a request without its first token at (that time - SWEEP_SLACK) never gets one
+# earlier: its TTFT is known to miss then (the early-stop deadline sweep, ``_run``).
+SWEEP_SLACK = 1e-6
 _ARRIVE, _DONE, _JOIN = 0, 1, 2
 
 
@@ -66,6 +73,7 @@ class Executor:
         self.max_prefill_tokens, self.chunk_tokens = max_prefill_tokens, chunk_tokens
         self.queue: deque[int] = deque()  # waiting for prefill
         self.pending: deque[int] = deque()  # prefilled, waiting for a decode slot
+        self.pending_kv = 0  # KV footprint of ``pending`` (hand-off balancing reads it per hand-off)
         self.batch = np.zeros(0, dtype=np.int64)  # running (decoding) requests
         self.queued_tokens = 0
         self.reserved = 0
@@ -96,6 +104,7 @@ class Executor:
 
     def join(self, t: float, r: int) -> None:
         self.pending.append(r)
+        self.pending_kv += self._footprint(r)
         self._wake(t)
 
     def _wake(self, t: float) -> None:
@@ -177,7 +186,9 @@ class Executor:
         added = []
         while self.pending and self._fits(self.pending[0], len(added)):
             r = self.pending.popleft()
-            self.reserved += self._footprint(r)
+            fp = self._footprint(r)
+            self.pending_kv -= fp
+            self.reserved += fp
             added.append(r)
         if added:
             first = self.engine.first
@@ -293,10 +304,21 @@ class Engine:
         self._heap: list = []
         self._seq = 0
         self.events = 0
+        self._floor = -math.inf  # no event may be scheduled before this (see SWEEP_SLACK)
 
     def push(self, t: float, kind: int, target, payload: int) -> None:
+        if t < self._floor:
+            raise RuntimeError(f"serving engine: an event scheduled at {t!r} s, more than SWEEP_SLACK before "
+                               f"the latest event handled ({self._floor + SWEEP_SLACK!r} s); the early-stop "
+                               f"deadline sweep would be unsound (engine bug)")
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, target, payload))
+
+    def _miss(self, r: int) -> None:
+        self.missed[r] = True
+        self.misses += 1
+        if self.misses > self.miss_budget:
+            raise _Aborted
 
     def finish_request(self, t: float, r: int) -> None:
         self.finish[r] = t
@@ -304,17 +326,15 @@ class Engine:
         if self.slo is not None and not self.missed[r]:
             out = self.output[r]
             tpot = (t - self.first[r]) / (out - 1) if out > 1 else 0.0
-            if self.first[r] - self.arrival[r] > self.slo[0] or tpot > self.slo[1]:
-                self.missed[r] = True
-                self.misses += 1
-                if self.misses > self.miss_budget:
-                    raise _Aborted
+            if self.first[r] - self.arrival[r] > self.slo[0] + SLO_TOL or tpot > self.slo[1] + SLO_TOL:
+                self._miss(r)
 
     def hand_off(self, t: float, src: Executor, r: int) -> None:
         dst = src.partner
         if dst is None:  # the least-loaded decode executor (reserved + waiting KV over capacity)
-            dst = min(self.decoders, key=lambda x: ((x.reserved + sum(self._fp(q) for q in x.pending))
-                                                    / max(x.kv_capacity, 1), x.name))
+            ds = self.decoders
+            dst = ds[0] if len(ds) == 1 else min(
+                ds, key=lambda x: ((x.reserved + x.pending_kv) / max(x.kv_capacity, 1), x.name))
         d = self.transfer_s(int(self.prompt[r]), src, dst)
         if isinstance(d, tuple):  # (seconds, link): queue on the sender's and the receiver's links
             d, link = d
@@ -338,12 +358,14 @@ class Engine:
             heapq.heapreplace(h, start + d)
         return start + d
 
-    def _fp(self, r: int) -> int:
-        return int(self.prompt[r] + self.output[r])
-
     def stop_after_misses(self, ttft_s: float, tpot_s: float, budget: int) -> None:
         """Stop the run once more than ``budget`` requests have missed the SLO (then the
-        attainment is known to be below ``1 - budget / N``; ``aborted`` is set)."""
+        attainment is known to be below ``1 - budget / N``; ``aborted`` is set).
+
+        A miss counts as soon as it is certain: a finished request's TTFT or TPOT over its
+        SLO (``> slo + SLO_TOL``, the scoring test of ``goodput.run_config``), or a request
+        still without its first token more than the TTFT SLO after its arrival (the deadline
+        sweep in ``_run``); so an aborted run's requests would have missed in the full run too."""
         self.slo, self.miss_budget = (ttft_s, tpot_s), budget
 
     def run(self, max_events: int = 50_000_000) -> None:
@@ -353,12 +375,26 @@ class Engine:
             self.aborted = True
 
     def _run(self, max_events: int) -> None:
-        for r, t in enumerate(self.arrival.tolist()):
+        arrival = self.arrival.tolist()
+        for r, t in enumerate(arrival):
             self.push(t, _ARRIVE, None, r)
         heap = self._heap
+        # deadline sweep (early stop only): requests in arrival order whose TTFT deadline has
+        # passed by ``latest - SWEEP_SLACK``; any first token still to come is at least then
+        sweep = self.slo is not None
+        if sweep:
+            first, missed, lim = self.first, self.missed, self.slo[0] + SLO_TOL
+        latest, nxt, n = -math.inf, 0, len(arrival)
         while heap:
             t, _, kind, target, payload = heapq.heappop(heap)
             self.events += 1
+            if sweep and t > latest:
+                latest = t
+                self._floor = low = latest - SWEEP_SLACK
+                while nxt < n and low - arrival[nxt] > lim:
+                    if not missed[nxt] and not (first[nxt] - arrival[nxt] <= lim):
+                        self._miss(nxt)  # no first token yet (NaN), or a late one
+                    nxt += 1
             if self.events > max_events:
                 raise RuntimeError(f"serving engine exceeded {max_events} events; the configuration "
                                    f"cannot keep up (an unstable queue)")
