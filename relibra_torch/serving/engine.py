@@ -75,6 +75,10 @@ class Executor:
         self.pending: deque[int] = deque()  # prefilled, waiting for a decode slot
         self.pending_kv = 0  # KV footprint of ``pending`` (hand-off balancing reads it per hand-off)
         self.batch = np.zeros(0, dtype=np.int64)  # running (decoding) requests
+        # kept with the batch, so an iteration does not gather them again: the tokens each
+        # running request still owes, and the batch's context (prompt + generated tokens)
+        self.remaining = np.zeros(0, dtype=np.int64)
+        self.context = 0
         self.queued_tokens = 0
         self.reserved = 0
         self.listeners: list[Executor] = []
@@ -165,22 +169,32 @@ class Executor:
         elif self.mode == "prefill":
             e.hand_off(t, self, r)
         else:
-            self.batch = np.append(self.batch, r)
+            self._join_batch(np.asarray([r], dtype=np.int64))
+
+    def _join_batch(self, ids: np.ndarray) -> None:
+        e = self.engine
+        self.batch = np.concatenate([self.batch, ids])
+        self.remaining = np.concatenate([self.remaining, e.output[ids] - e.generated[ids]])
+        self.context += int((e.prompt[ids] + e.generated[ids]).sum())
 
     def _advance(self, t: float, n: int) -> None:
         e = self.engine
         ids = self.batch
         if not len(ids):
             return
-        gen = e.generated[ids] + n
-        e.generated[ids] = gen
-        left = gen < e.output[ids]
+        e.generated[ids] += n
+        self.context += n * len(ids)
+        rem = self.remaining - n
+        self.remaining = rem
+        left = rem > 0
         if not left.all():
             gone = ids[~left]
             for r in gone.tolist():
                 e.finish_request(t, r)
-            self.reserved -= int((e.prompt[gone] + e.output[gone]).sum())
-            self.batch = ids[left]
+            fp = int((e.prompt[gone] + e.output[gone]).sum())  # finished: generated == output
+            self.reserved -= fp
+            self.context -= fp
+            self.batch, self.remaining = ids[left], rem[left]
 
     def _admit(self, t: float) -> None:
         added = []
@@ -195,7 +209,7 @@ class Executor:
             for r in added:
                 if first[r] != first[r]:  # NaN: its first token is streamed from here, now
                     first[r] = t
-            self.batch = np.concatenate([self.batch, np.asarray(added, dtype=np.int64)])
+            self._join_batch(np.asarray(added, dtype=np.int64))
 
     def _pick_prefill(self) -> list[int]:
         e, picked, tokens = self.engine, [], 0
@@ -217,7 +231,7 @@ class Executor:
         e = self.engine
         budget = self.chunk_tokens - len(self.batch)
         chunks, started = [], 0
-        for r in list(self.queue):
+        for r in self.queue:  # (not changed in the loop)
             if budget <= 0:
                 break
             if e.prefilled[r] == 0:
@@ -231,7 +245,10 @@ class Executor:
         for r, c in chunks:
             self.queued_tokens -= c
             if e.prefilled[r] + c == e.prompt[r]:
-                self.queue.remove(r)
+                if self.queue[0] == r:  # chunks come from the front, in order
+                    self.queue.popleft()
+                else:
+                    self.queue.remove(r)
         return chunks
 
     def _start(self, t: float) -> None:
@@ -251,17 +268,16 @@ class Executor:
             if chunks:
                 done = np.asarray([e.prefilled[r] for r, _ in chunks], dtype=np.float64)
                 c = np.asarray([c for _, c in chunks], dtype=np.float64)
-                ctx = float((e.prompt[self.batch] + e.generated[self.batch]).sum())
+                ctx = float(self.context)
                 last = sum(1 for (r, k) in chunks if e.prefilled[r] + k == e.prompt[r])
                 dt = self.pricer.mixed_s(int(c.sum()) + len(self.batch),
                                          float((c * done + c * (c + 1) / 2).sum()) + ctx,
                                          float(done.sum()) + ctx, last + len(self.batch))
                 self.work = ("mixed", chunks)
         if self.work is None and len(self.batch):
-            rem = e.output[self.batch] - e.generated[self.batch]
-            n = int(min(int(rem.min()), MAX_MACRO))
+            n = int(min(int(self.remaining.min()), MAX_MACRO))
             B = len(self.batch)
-            ctx = float((e.prompt[self.batch] + e.generated[self.batch]).sum()) + B * (n - 1) / 2
+            ctx = float(self.context) + B * (n - 1) / 2
             dt = self.pricer.decode_s(B, ctx)
             self.work = ("decode", t, dt, n)
             self.version += 1
@@ -378,7 +394,7 @@ class Engine:
         arrival = self.arrival.tolist()
         for r, t in enumerate(arrival):
             self.push(t, _ARRIVE, None, r)
-        heap = self._heap
+        heap, entry = self._heap, self.entry
         # deadline sweep (early stop only): requests in arrival order whose TTFT deadline has
         # passed by ``latest - SWEEP_SLACK``; any first token still to come is at least then
         sweep = self.slo is not None
@@ -399,8 +415,9 @@ class Engine:
                 raise RuntimeError(f"serving engine exceeded {max_events} events; the configuration "
                                    f"cannot keep up (an unstable queue)")
             if kind == _ARRIVE:
-                x = min(self.entry, key=lambda x: (x.queued_tokens + (x.max_prefill_tokens if x.prefilling else 0),
-                                                   x.reserved, x.name))
+                x = entry[0] if len(entry) == 1 else min(
+                    entry, key=lambda x: (x.queued_tokens + (x.max_prefill_tokens if x.prefilling else 0),
+                                          x.reserved, x.name))
                 x.enqueue(t, payload)
             elif kind == _DONE:
                 if payload == target.version:
