@@ -392,24 +392,42 @@ class Engine:
 
     def _run(self, max_events: int) -> None:
         arrival = self.arrival.tolist()
-        for r, t in enumerate(arrival):
-            self.push(t, _ARRIVE, None, r)
+        n = len(arrival)
+        # arrivals are merged in from their sorted order instead of being pushed up front (an
+        # early-stopped run would push them all for nothing); an arrival goes before any other
+        # event at the same time, arrivals at one time in index order, as if pushed first
+        if n < 2 or bool((np.diff(self.arrival) >= 0).all()):
+            order = range(n)
+        else:
+            order = np.argsort(self.arrival, kind="stable").tolist()
         heap, entry = self._heap, self.entry
+        nxt_a = 0  # the next arrival (position in ``order``)
+        t_a = arrival[order[0]] if n else math.inf
         # deadline sweep (early stop only): requests in arrival order whose TTFT deadline has
         # passed by ``latest - SWEEP_SLACK``; any first token still to come is at least then
         sweep = self.slo is not None
         if sweep:
             first, missed, lim = self.first, self.missed, self.slo[0] + SLO_TOL
-        latest, nxt, n = -math.inf, 0, len(arrival)
-        while heap:
-            t, _, kind, target, payload = heapq.heappop(heap)
+        latest, nxt = -math.inf, 0
+        while True:
+            if t_a <= (heap[0][0] if heap else math.inf) and nxt_a < n:
+                t, kind, target, payload = t_a, _ARRIVE, None, order[nxt_a]
+                nxt_a += 1
+                t_a = arrival[order[nxt_a]] if nxt_a < n else math.inf
+            elif heap:
+                t, _, kind, target, payload = heapq.heappop(heap)
+            else:
+                break
             self.events += 1
             if sweep and t > latest:
                 latest = t
                 self._floor = low = latest - SWEEP_SLACK
-                while nxt < n and low - arrival[nxt] > lim:
-                    if not missed[nxt] and not (first[nxt] - arrival[nxt] <= lim):
-                        self._miss(nxt)  # no first token yet (NaN), or a late one
+                while nxt < n:
+                    r = order[nxt]
+                    if not low - arrival[r] > lim:
+                        break
+                    if not missed[r] and not (first[r] - arrival[r] <= lim):
+                        self._miss(r)  # no first token yet (NaN), or a late one
                     nxt += 1
             if self.events > max_events:
                 raise RuntimeError(f"serving engine exceeded {max_events} events; the configuration "
