@@ -31,7 +31,7 @@ PAPER_RATIOS = {"expertplex/pd-disagg": 2.01, "expertplex/pd-colocate": 1.41}
 CURVE_BEYOND = (1.1, 1.25, 1.5, 2.0)  # rates past the goodput (x goodput) drawn in the plot
 # with several worker processes, systems start in this order (the default's CPU time, most
 # first, so the two workers end close together); the results keep the requested order
-SEARCH_ORDER = ("expertplex", "expertplex-repl", "pd-colocate", "chunked-prefill", "pd-disagg", "colocated")
+SEARCH_ORDER = ("expertplex", "expertplex-repl", "pd-colocate", "chunked-prefill", "colocated", "pd-disagg")
 
 
 @dataclass

@@ -42,11 +42,9 @@ __all__ = ["Executor", "Engine", "MAX_MACRO", "SLO_TOL"]
 
 MAX_MACRO = 32  # decode steps merged at most (bounds the context-midpoint approximation)
 SLO_TOL = 1e-12  # a TTFT / TPOT within this of its SLO meets it (the same test everywhere)
-# A cut decode macro-step ends at a step boundary that may lie up to 1e-9 steps before the
-# event that cut it (``cut``'s ceil tolerance): the only event ever scheduled in the past.
-# ``push`` enforces that no event lands more than SWEEP_SLACK s before the latest event
-# handled, so a request without its first token at (that time - SWEEP_SLACK) never gets one
-# earlier: its TTFT is known to miss then (the early-stop deadline sweep, ``_run``).
+# Only a cut decode macro-step is ever scheduled in the past (up to 1e-9 steps: ``cut``'s ceil
+# tolerance); ``push`` refuses more than SWEEP_SLACK s before the latest event, so a request
+# without a first token at (latest - SWEEP_SLACK) surely misses its TTFT (``_run``'s sweep).
 SWEEP_SLACK = 1e-6
 _ARRIVE, _DONE, _JOIN = 0, 1, 2
 
@@ -323,10 +321,8 @@ class Engine:
         self._floor = -math.inf  # no event may be scheduled before this (see SWEEP_SLACK)
 
     def push(self, t: float, kind: int, target, payload: int) -> None:
-        if t < self._floor:
-            raise RuntimeError(f"serving engine: an event scheduled at {t!r} s, more than SWEEP_SLACK before "
-                               f"the latest event handled ({self._floor + SWEEP_SLACK!r} s); the early-stop "
-                               f"deadline sweep would be unsound (engine bug)")
+        if t < self._floor:  # (an engine bug: the early stop's deadline sweep would be unsound)
+            raise RuntimeError(f"serving engine: an event at {t!r} s, over SWEEP_SLACK before the latest one")
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, target, payload))
 
@@ -344,6 +340,17 @@ class Engine:
             tpot = (t - self.first[r]) / (out - 1) if out > 1 else 0.0
             if self.first[r] - self.arrival[r] > self.slo[0] + SLO_TOL or tpot > self.slo[1] + SLO_TOL:
                 self._miss(r)
+
+    def _least_loaded_entry(self) -> Executor:
+        """Least queued prefill tokens (a running batch counts full), reserved KV, name."""
+        best = None
+        for x in self.entry:
+            w = x.work
+            key = (x.queued_tokens + (x.max_prefill_tokens if w is not None and w[0] != "decode" else 0),
+                   x.reserved, x.name)
+            if best is None or key < best_key:
+                best, best_key = x, key
+        return best
 
     def hand_off(self, t: float, src: Executor, r: int) -> None:
         dst = src.partner
@@ -393,9 +400,8 @@ class Engine:
     def _run(self, max_events: int) -> None:
         arrival = self.arrival.tolist()
         n = len(arrival)
-        # arrivals are merged in from their sorted order instead of being pushed up front (an
-        # early-stopped run would push them all for nothing); an arrival goes before any other
-        # event at the same time, arrivals at one time in index order, as if pushed first
+        # arrivals merged in sorted order, not pushed up front (an early-stopped run would push
+        # them all for nothing); before other events at one time, in index order, as if pushed first
         if n < 2 or bool((np.diff(self.arrival) >= 0).all()):
             order = range(n)
         else:
@@ -433,9 +439,7 @@ class Engine:
                 raise RuntimeError(f"serving engine exceeded {max_events} events; the configuration "
                                    f"cannot keep up (an unstable queue)")
             if kind == _ARRIVE:
-                x = entry[0] if len(entry) == 1 else min(
-                    entry, key=lambda x: (x.queued_tokens + (x.max_prefill_tokens if x.prefilling else 0),
-                                          x.reserved, x.name))
+                x = entry[0] if len(entry) == 1 else self._least_loaded_entry()
                 x.enqueue(t, payload)
             elif kind == _DONE:
                 if payload == target.version:

@@ -260,6 +260,7 @@ class _ExpertPlex:
         for g in experts:
             self.expert_nodes[g // gpn] = self.expert_nodes.get(g // gpn, 0) + 1
         self.decode_ingress = self.ingress([g // gpn for g in dec])
+        self._ingress: dict = {}  # prefill ingress by the sender nodes in flight
         self.prefill_xs: list[Executor] = []
         self.decode_x: Executor | None = None
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
@@ -283,12 +284,15 @@ class _ExpertPlex:
         expert GPUs' ingress shared with the prefill batches in flight, taken as alike)."""
         senders = [self.prefill_nodes[gpu]] + [self.prefill_nodes[k] for k, x in enumerate(self.prefill_xs)
                                                if x.prefilling and k != gpu]
-        ingress = self.ingress(senders)
+        key = tuple(senders)  # (a pure function of the sender nodes)
+        ingress = self._ingress.get(key)
+        if ingress is None:
+            ingress = self._ingress[key] = self.ingress(senders)
         p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_fracs[gpu],
                             ingress=ingress)
         occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
         slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
-        sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
+        sharing = len(senders)  # this batch and those in flight (this GPU's own is not yet running)
         share = max(1.0 - occ, 1e-3) / sharing
         t = p.attn_s() + p.comm_s + slow * p.moe_s(share)
         if self.overlap and tokens >= 2:  # ping-pong: attention of one micro-batch, experts of the other
