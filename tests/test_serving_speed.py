@@ -199,3 +199,10 @@ def test_worker_processes_give_the_same_document():
     one, two = compare(setup), compare(setup, workers=2)
     one.pop("seconds"), two.pop("seconds")
     assert one == two and list(two["systems"]) == ["expertplex", "pd-disagg", "colocated"]
+
+
+def test_jobs_must_be_a_positive_count(capsys):
+    from relibra_torch.cli import main
+
+    assert main(["serve-sim", "--jobs", "0", "--systems", "colocated"]) == 2
+    assert "--jobs = 0; allowed: an int >= 1" in capsys.readouterr().err
