@@ -67,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field: serving.*, hardware.*, model.* (repeatable)")
     p.add_argument("--seed", type=int, default=0, help="seed for routing draws and Poisson arrivals")
+    p.add_argument("--jobs", type=int, default=2, help="systems searched at once, one process each "
+                                                       "(default 2; the results do not depend on it)")
     p.add_argument("--json", metavar="OUT.json", help="write the results as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write SLO attainment against rate per system")
 
@@ -151,11 +153,13 @@ def run(args) -> int:
     from .report import print_report, write_json, write_plot
 
     setup = setup_from_args(args)
+    jobs = check_int("--jobs", args.jobs)
     console = Console()
     if not console.is_terminal:  # a file or pipe: wide enough for the table's columns
         console = Console(width=180)
     with console.status("searching configurations...") as status:
-        doc = compare(setup, progress=lambda s, i, n: status.update(f"{s} done ({i}/{n})"))
+        doc = compare(setup, progress=lambda s, i, n: status.update(f"{s} done ({i}/{n})"),
+                      workers=jobs)
     print_report(doc, console)
     if args.json:
         write_json(doc, args.json)

@@ -47,6 +47,8 @@ from .routing import TileTable
 
 __all__ = ["Parts", "ServingCost", "link_fractions", "pair_s"]
 
+MEMO_ENTRIES = 200_000  # per-batch-size parts kept by ServingCost.parts (cleared when full)
+
 
 @dataclass(frozen=True)
 class Parts:
@@ -145,6 +147,8 @@ class ServingCost:
         self.shared_params = 3 * D * m.shared_ffn * m.num_shared_experts
         self.dense_params = 3 * D * m.dense_ffn
         self.lm_params = D * m.vocab_size
+        self._memo: dict = {}  # parts' batch-size-only terms, by (table, tokens, rows, group, links)
+        self._tables: dict = {}  # id -> table for every table in the memo (keeps the ids unique)
 
     def a2a_floor_s(self, ep: int, tokens_per_rank: float) -> float:
         """DeepEP low-latency dispatch + combine of one layer at EP size ``ep`` (see constants):
@@ -224,15 +228,32 @@ class ServingCost:
                 time (SGLang's default ``--deepep-mode auto`` runs decode batches on them and
                 prefill / extend batches on the normal kernels, priced by the link term alone).
         """
-        m, c = self.model, self.c
         if tokens <= 0:
             return Parts((), 0.0, 0.0, 0.0, 0.0, 0.0)
+        # everything but the attention core's pairs and KV reads is a function of the batch
+        # size on this group: computed once per key for every configuration and rate
+        key = (id(table), tokens, lm_rows, attn_gpus, expert_gpus, fractions, decode, ingress)
+        rest = self._memo.get(key)
+        if rest is None:
+            if len(self._memo) >= MEMO_ENTRIES:  # bound the memory (prefill batch sizes vary widely)
+                self._memo.clear()
+            self._tables[id(table)] = table  # keeps the table alive, so its id is never reused
+            rest = self._memo[key] = self._token_parts(tokens, lm_rows, attn_gpus, table, expert_gpus,
+                                                       fractions, decode, ingress)
+        others, comm, floor, moe_c, moe_m, tiles = rest
+        m = self.model
+        attn = self._kernel(2 * self.proj * (tokens / attn_gpus), self.attn_pair_flops * pairs / attn_gpus,
+                            self.proj * self.c.weight_bytes
+                            + (kv_read + tokens) * self.kv_per_token_layer / attn_gpus, m.num_layers)
+        return Parts((attn,) + others, comm, floor, moe_c, moe_m, tiles)
+
+    def _token_parts(self, tokens, lm_rows, attn_gpus, table, expert_gpus, fractions, decode, ingress):
+        """:meth:`parts` less the attention core: (other attention-side kernels, comm, floor,
+        expert compute, expert memory, tiles)."""
+        m, c = self.model, self.c
         t_gpu = tokens / attn_gpus
         wb = c.weight_bytes
-        kernels = [self._kernel(2 * self.proj * t_gpu, self.attn_pair_flops * pairs / attn_gpus,
-                                self.proj * wb + (kv_read + tokens) * self.kv_per_token_layer / attn_gpus,
-                                m.num_layers),
-                   self._kernel(2 * self.lm_params * lm_rows / attn_gpus, 0.0, self.lm_params * wb, 1)]
+        kernels = [self._kernel(2 * self.lm_params * lm_rows / attn_gpus, 0.0, self.lm_params * wb, 1)]
         if self.shared_params:
             kernels.append(self._kernel(2 * self.shared_params * t_gpu, 0.0, self.shared_params * wb,
                                         m.num_moe_layers))
@@ -252,7 +273,7 @@ class ServingCost:
         moe_c = tiles * self.tile_time_s
         moe_m = (table.active(tokens) * self.expert_params * wb + routed_bytes) / self.bw
         L = m.num_moe_layers
-        return Parts(tuple(kernels), L * comm, L * floor, L * moe_c, L * moe_m, tiles)
+        return tuple(kernels), L * comm, L * floor, L * moe_c, L * moe_m, tiles
 
 
 def prefill_pairs(prompt: int, done: int, chunk: int) -> float:

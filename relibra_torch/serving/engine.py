@@ -38,9 +38,14 @@ from collections import deque
 
 import numpy as np
 
-__all__ = ["Executor", "Engine", "MAX_MACRO"]
+__all__ = ["Executor", "Engine", "MAX_MACRO", "SLO_TOL"]
 
 MAX_MACRO = 32  # decode steps merged at most (bounds the context-midpoint approximation)
+SLO_TOL = 1e-12  # a TTFT / TPOT within this of its SLO meets it (the same test everywhere)
+# Only a cut decode macro-step is ever scheduled in the past (up to 1e-9 steps: ``cut``'s ceil
+# tolerance); ``push`` refuses more than SWEEP_SLACK s before the latest event, so a request
+# without a first token at (latest - SWEEP_SLACK) surely misses its TTFT (``_run``'s sweep).
+SWEEP_SLACK = 1e-6
 _ARRIVE, _DONE, _JOIN = 0, 1, 2
 
 
@@ -66,7 +71,12 @@ class Executor:
         self.max_prefill_tokens, self.chunk_tokens = max_prefill_tokens, chunk_tokens
         self.queue: deque[int] = deque()  # waiting for prefill
         self.pending: deque[int] = deque()  # prefilled, waiting for a decode slot
+        self.pending_kv = 0  # KV footprint of ``pending`` (hand-off balancing reads it per hand-off)
         self.batch = np.zeros(0, dtype=np.int64)  # running (decoding) requests
+        # kept with the batch, so an iteration does not gather them again: the tokens each
+        # running request still owes, and the batch's context (prompt + generated tokens)
+        self.remaining = np.zeros(0, dtype=np.int64)
+        self.context = 0
         self.queued_tokens = 0
         self.reserved = 0
         self.listeners: list[Executor] = []
@@ -96,6 +106,7 @@ class Executor:
 
     def join(self, t: float, r: int) -> None:
         self.pending.append(r)
+        self.pending_kv += self._footprint(r)
         self._wake(t)
 
     def _wake(self, t: float) -> None:
@@ -156,35 +167,47 @@ class Executor:
         elif self.mode == "prefill":
             e.hand_off(t, self, r)
         else:
-            self.batch = np.append(self.batch, r)
+            self._join_batch(np.asarray([r], dtype=np.int64))
+
+    def _join_batch(self, ids: np.ndarray) -> None:
+        e = self.engine
+        self.batch = np.concatenate([self.batch, ids])
+        self.remaining = np.concatenate([self.remaining, e.output[ids] - e.generated[ids]])
+        self.context += int((e.prompt[ids] + e.generated[ids]).sum())
 
     def _advance(self, t: float, n: int) -> None:
         e = self.engine
         ids = self.batch
         if not len(ids):
             return
-        gen = e.generated[ids] + n
-        e.generated[ids] = gen
-        left = gen < e.output[ids]
+        e.generated[ids] += n
+        self.context += n * len(ids)
+        rem = self.remaining - n
+        self.remaining = rem
+        left = rem > 0
         if not left.all():
             gone = ids[~left]
             for r in gone.tolist():
                 e.finish_request(t, r)
-            self.reserved -= int((e.prompt[gone] + e.output[gone]).sum())
-            self.batch = ids[left]
+            fp = int((e.prompt[gone] + e.output[gone]).sum())  # finished: generated == output
+            self.reserved -= fp
+            self.context -= fp
+            self.batch, self.remaining = ids[left], rem[left]
 
     def _admit(self, t: float) -> None:
         added = []
         while self.pending and self._fits(self.pending[0], len(added)):
             r = self.pending.popleft()
-            self.reserved += self._footprint(r)
+            fp = self._footprint(r)
+            self.pending_kv -= fp
+            self.reserved += fp
             added.append(r)
         if added:
             first = self.engine.first
             for r in added:
                 if first[r] != first[r]:  # NaN: its first token is streamed from here, now
                     first[r] = t
-            self.batch = np.concatenate([self.batch, np.asarray(added, dtype=np.int64)])
+            self._join_batch(np.asarray(added, dtype=np.int64))
 
     def _pick_prefill(self) -> list[int]:
         e, picked, tokens = self.engine, [], 0
@@ -206,7 +229,7 @@ class Executor:
         e = self.engine
         budget = self.chunk_tokens - len(self.batch)
         chunks, started = [], 0
-        for r in list(self.queue):
+        for r in self.queue:  # (not changed in the loop)
             if budget <= 0:
                 break
             if e.prefilled[r] == 0:
@@ -220,7 +243,10 @@ class Executor:
         for r, c in chunks:
             self.queued_tokens -= c
             if e.prefilled[r] + c == e.prompt[r]:
-                self.queue.remove(r)
+                if self.queue[0] == r:  # chunks come from the front, in order
+                    self.queue.popleft()
+                else:
+                    self.queue.remove(r)
         return chunks
 
     def _start(self, t: float) -> None:
@@ -240,17 +266,16 @@ class Executor:
             if chunks:
                 done = np.asarray([e.prefilled[r] for r, _ in chunks], dtype=np.float64)
                 c = np.asarray([c for _, c in chunks], dtype=np.float64)
-                ctx = float((e.prompt[self.batch] + e.generated[self.batch]).sum())
+                ctx = float(self.context)
                 last = sum(1 for (r, k) in chunks if e.prefilled[r] + k == e.prompt[r])
                 dt = self.pricer.mixed_s(int(c.sum()) + len(self.batch),
                                          float((c * done + c * (c + 1) / 2).sum()) + ctx,
                                          float(done.sum()) + ctx, last + len(self.batch))
                 self.work = ("mixed", chunks)
         if self.work is None and len(self.batch):
-            rem = e.output[self.batch] - e.generated[self.batch]
-            n = int(min(int(rem.min()), MAX_MACRO))
+            n = int(min(int(self.remaining.min()), MAX_MACRO))
             B = len(self.batch)
-            ctx = float((e.prompt[self.batch] + e.generated[self.batch]).sum()) + B * (n - 1) / 2
+            ctx = float(self.context) + B * (n - 1) / 2
             dt = self.pricer.decode_s(B, ctx)
             self.work = ("decode", t, dt, n)
             self.version += 1
@@ -293,10 +318,19 @@ class Engine:
         self._heap: list = []
         self._seq = 0
         self.events = 0
+        self._floor = -math.inf  # no event may be scheduled before this (see SWEEP_SLACK)
 
     def push(self, t: float, kind: int, target, payload: int) -> None:
+        if t < self._floor:  # (an engine bug: the early stop's deadline sweep would be unsound)
+            raise RuntimeError(f"serving engine: an event at {t!r} s, over SWEEP_SLACK before the latest one")
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, kind, target, payload))
+
+    def _miss(self, r: int) -> None:
+        self.missed[r] = True
+        self.misses += 1
+        if self.misses > self.miss_budget:
+            raise _Aborted
 
     def finish_request(self, t: float, r: int) -> None:
         self.finish[r] = t
@@ -304,17 +338,26 @@ class Engine:
         if self.slo is not None and not self.missed[r]:
             out = self.output[r]
             tpot = (t - self.first[r]) / (out - 1) if out > 1 else 0.0
-            if self.first[r] - self.arrival[r] > self.slo[0] or tpot > self.slo[1]:
-                self.missed[r] = True
-                self.misses += 1
-                if self.misses > self.miss_budget:
-                    raise _Aborted
+            if self.first[r] - self.arrival[r] > self.slo[0] + SLO_TOL or tpot > self.slo[1] + SLO_TOL:
+                self._miss(r)
+
+    def _least_loaded_entry(self) -> Executor:
+        """Least queued prefill tokens (a running batch counts full), reserved KV, name."""
+        best = None
+        for x in self.entry:
+            w = x.work
+            key = (x.queued_tokens + (x.max_prefill_tokens if w is not None and w[0] != "decode" else 0),
+                   x.reserved, x.name)
+            if best is None or key < best_key:
+                best, best_key = x, key
+        return best
 
     def hand_off(self, t: float, src: Executor, r: int) -> None:
         dst = src.partner
         if dst is None:  # the least-loaded decode executor (reserved + waiting KV over capacity)
-            dst = min(self.decoders, key=lambda x: ((x.reserved + sum(self._fp(q) for q in x.pending))
-                                                    / max(x.kv_capacity, 1), x.name))
+            ds = self.decoders
+            dst = ds[0] if len(ds) == 1 else min(
+                ds, key=lambda x: ((x.reserved + x.pending_kv) / max(x.kv_capacity, 1), x.name))
         d = self.transfer_s(int(self.prompt[r]), src, dst)
         if isinstance(d, tuple):  # (seconds, link): queue on the sender's and the receiver's links
             d, link = d
@@ -338,12 +381,14 @@ class Engine:
             heapq.heapreplace(h, start + d)
         return start + d
 
-    def _fp(self, r: int) -> int:
-        return int(self.prompt[r] + self.output[r])
-
     def stop_after_misses(self, ttft_s: float, tpot_s: float, budget: int) -> None:
         """Stop the run once more than ``budget`` requests have missed the SLO (then the
-        attainment is known to be below ``1 - budget / N``; ``aborted`` is set)."""
+        attainment is known to be below ``1 - budget / N``; ``aborted`` is set).
+
+        A miss counts as soon as it is certain: a finished request's TTFT or TPOT over its
+        SLO (``> slo + SLO_TOL``, the scoring test of ``goodput.run_config``), or a request
+        still without its first token more than the TTFT SLO after its arrival (the deadline
+        sweep in ``_run``); so an aborted run's requests would have missed in the full run too."""
         self.slo, self.miss_budget = (ttft_s, tpot_s), budget
 
     def run(self, max_events: int = 50_000_000) -> None:
@@ -353,18 +398,48 @@ class Engine:
             self.aborted = True
 
     def _run(self, max_events: int) -> None:
-        for r, t in enumerate(self.arrival.tolist()):
-            self.push(t, _ARRIVE, None, r)
-        heap = self._heap
-        while heap:
-            t, _, kind, target, payload = heapq.heappop(heap)
+        arrival = self.arrival.tolist()
+        n = len(arrival)
+        # arrivals merged in sorted order, not pushed up front (an early-stopped run would push
+        # them all for nothing); before other events at one time, in index order, as if pushed first
+        if n < 2 or bool((np.diff(self.arrival) >= 0).all()):
+            order = range(n)
+        else:
+            order = np.argsort(self.arrival, kind="stable").tolist()
+        heap, entry = self._heap, self.entry
+        nxt_a = 0  # the next arrival (position in ``order``)
+        t_a = arrival[order[0]] if n else math.inf
+        # deadline sweep (early stop only): requests in arrival order whose TTFT deadline has
+        # passed by ``latest - SWEEP_SLACK``; any first token still to come is at least then
+        sweep = self.slo is not None
+        if sweep:
+            first, missed, lim = self.first, self.missed, self.slo[0] + SLO_TOL
+        latest, nxt = -math.inf, 0
+        while True:
+            if t_a <= (heap[0][0] if heap else math.inf) and nxt_a < n:
+                t, kind, target, payload = t_a, _ARRIVE, None, order[nxt_a]
+                nxt_a += 1
+                t_a = arrival[order[nxt_a]] if nxt_a < n else math.inf
+            elif heap:
+                t, _, kind, target, payload = heapq.heappop(heap)
+            else:
+                break
             self.events += 1
+            if sweep and t > latest:
+                latest = t
+                self._floor = low = latest - SWEEP_SLACK
+                while nxt < n:
+                    r = order[nxt]
+                    if not low - arrival[r] > lim:
+                        break
+                    if not missed[r] and not (first[r] - arrival[r] <= lim):
+                        self._miss(r)  # no first token yet (NaN), or a late one
+                    nxt += 1
             if self.events > max_events:
                 raise RuntimeError(f"serving engine exceeded {max_events} events; the configuration "
                                    f"cannot keep up (an unstable queue)")
             if kind == _ARRIVE:
-                x = min(self.entry, key=lambda x: (x.queued_tokens + (x.max_prefill_tokens if x.prefilling else 0),
-                                                   x.reserved, x.name))
+                x = entry[0] if len(entry) == 1 else self._least_loaded_entry()
                 x.enqueue(t, payload)
             elif kind == _DONE:
                 if payload == target.version:

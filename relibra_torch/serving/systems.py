@@ -64,6 +64,7 @@ class Cluster:
     recent_LE: torch.Tensor  # a recent routing window (replication is planned on it)
     seed: int = 0
     _tables: dict = field(default_factory=dict)
+    memo: dict = field(default_factory=dict)  # pure per-batch costs shared by configurations and runs
 
     @property
     def consts(self) -> ServingConstants:
@@ -239,6 +240,7 @@ class _ExpertPlex:
         self.cost, self.c = cl.cost, cl.consts
         self.n_e, self.n_ap, self.n_ad = n_e, n_ap, n_ad
         self.table = cl.table(n_e, replicas)
+        self.table_key, self.memo = (n_e, replicas), cl.memo
         # GPUs are numbered node by node: expert GPUs first, then the phase placed near them
         gpn = cl.gpus_per_node
         experts = range(n_e)
@@ -258,6 +260,7 @@ class _ExpertPlex:
         for g in experts:
             self.expert_nodes[g // gpn] = self.expert_nodes.get(g // gpn, 0) + 1
         self.decode_ingress = self.ingress([g // gpn for g in dec])
+        self._ingress: dict = {}  # prefill ingress by the sender nodes in flight
         self.prefill_xs: list[Executor] = []
         self.decode_x: Executor | None = None
         self.occupancy = 0.0  # fraction of expert SM time the running decode step takes
@@ -281,12 +284,15 @@ class _ExpertPlex:
         expert GPUs' ingress shared with the prefill batches in flight, taken as alike)."""
         senders = [self.prefill_nodes[gpu]] + [self.prefill_nodes[k] for k, x in enumerate(self.prefill_xs)
                                                if x.prefilling and k != gpu]
-        ingress = self.ingress(senders)
+        key = tuple(senders)  # (a pure function of the sender nodes)
+        ingress = self._ingress.get(key)
+        if ingress is None:
+            ingress = self._ingress[key] = self.ingress(senders)
         p = self.cost.parts(tokens, pairs, kv_read, rows, 1, self.table, self.n_e, self.prefill_fracs[gpu],
                             ingress=ingress)
         occ = self.occupancy if self.decode_x is not None and self.decode_x.decoding else 0.0
         slow = self.c.apk_prefill_slowdown if occ > 0 else 1.0
-        sharing = 1 + sum(1 for x in self.prefill_xs if x.prefilling)  # this batch and those in flight
+        sharing = len(senders)  # this batch and those in flight (this GPU's own is not yet running)
         share = max(1.0 - occ, 1e-3) / sharing
         t = p.attn_s() + p.comm_s + slow * p.moe_s(share)
         if self.overlap and tokens >= 2:  # ping-pong: attention of one micro-batch, experts of the other
@@ -314,21 +320,30 @@ class _ExpertPlex:
         """(attention, communication, expert, expert SM-seconds held) of one decode step."""
         p = self.cost.parts(batch, context, context, batch, self.n_ad, self.table, self.n_e, self.frac, True,
                             ingress=self.decode_ingress)
-        L = self.cost.model.num_moe_layers
         if prefilling:
-            # per layer: decode's share from that layer's tile footprint (the runtime's rule)
-            tiles_L, active_L = self.table.per_layer(batch)
-            compute_L = tiles_L * self.cost.tile_time_s
-            memory_L = np.full(L, p.moe_memory_s / L) * (active_L / max(active_L.mean(), 1e-12))
-            share_L = decode_sm_share(tiles_L, self.cost.tile_time_s, memory_L, self.cost.num_sms)
-            time_L = self.c.apk_decode_slowdown * np.maximum(compute_L / np.maximum(share_L, 1e-12), memory_L) \
-                + self.cost.sm_tile_s + self.c.preempt_check_us * 1e-6  # + the preemption bound
-            moe = float(time_L.sum())
-            busy = float((share_L * time_L).sum())  # expert SM-seconds decode holds
+            # a pure function of the batch size on this expert group (not of the context):
+            # computed once per (group, batch) for every configuration and rate
+            key = ("decode_moe", self.table_key, batch)
+            hit = self.memo.get(key)
+            if hit is None:
+                hit = self.memo[key] = self._decode_moe_shared(batch, p.moe_memory_s)
+            moe, busy = hit
         else:
             moe = p.moe_s()
             busy = moe
         return p.attn_s(), p.comm_s, moe, busy
+
+    def _decode_moe_shared(self, batch, moe_memory_s: float) -> tuple[float, float]:
+        """(expert seconds, expert SM-seconds held) of a decode step while prefill runs."""
+        L = self.cost.model.num_moe_layers
+        # per layer: decode's share from that layer's tile footprint (the runtime's rule)
+        tiles_L, active_L = self.table.per_layer(batch)
+        compute_L = tiles_L * self.cost.tile_time_s
+        memory_L = np.full(L, moe_memory_s / L) * (active_L / max(active_L.mean(), 1e-12))
+        share_L = decode_sm_share(tiles_L, self.cost.tile_time_s, memory_L, self.cost.num_sms)
+        time_L = self.c.apk_decode_slowdown * np.maximum(compute_L / np.maximum(share_L, 1e-12), memory_L) \
+            + self.cost.sm_tile_s + self.c.preempt_check_us * 1e-6  # + the preemption bound
+        return float(time_L.sum()), float((share_L * time_L).sum())  # (time, expert SM-seconds decode holds)
 
 
 class _PrefillPort:
