@@ -81,10 +81,10 @@ def _copy_possible_ML(gpu_MLNg: torch.Tensor, biggest_MLN: torch.Tensor, min_tok
 
 
 def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, placement_LE: torch.Tensor,
-                           natives_LGl: torch.Tensor, topology: Topology, config) -> bool:
+                           topology: Topology, config) -> bool:
     """Whether :func:`relibra_torch.planning.balance.replicate_step` provably makes no copy
-    on ``placement_LE`` (native experts ``natives_LGl`` in slot order) after traffic replicas
-    that made none. Its plans: ``a`` per micro-batch (copies of at least ``mt =
+    on the placement the full search keeps (``placement_LE``'s GPUs, :func:`_search_natives`)
+    after traffic replicas that made none. Its plans: ``a`` per micro-batch (copies of at least ``mt =
     min_replica_tokens_on(N)`` tokens), ``b`` the same with ``mt / M`` (a fill shared by the
     step's micro-batches) and, without traffic replicas, ``c`` one step-long set; per layer
     the cheapest at its step price (ties keep ``a``).
@@ -123,7 +123,8 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
     if not bool(open_L.any()):
         return True
     lay = open_L.nonzero().squeeze(1)
-    return bool(_b_loses_L(own_MLNE[:, lay], load_MLE[:, lay], natives_LGl[lay], gpu_MLNg[:, lay],
+    natives_LGl = _search_natives(placement_LE[lay], topology, config)
+    return bool(_b_loses_L(own_MLNE[:, lay], load_MLE[:, lay], natives_LGl, gpu_MLNg[:, lay],
                            possible_MLN[:, lay], 0 if step_set else R // 2, topology, config).all())
 
 
@@ -206,9 +207,8 @@ def _nothing_pays(own_MLNE: torch.Tensor, topology: Topology, previous_placement
     if config.reorder and N > 1 and not _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g, R, coloc_w):
         return False
     # balance.replicate_step on the placement the search keeps, after traffic replicas that made none
-    return not (config.balance and R) or _balancing_copies_none(
-        own_MLNE, load_MLE, previous_placement_LE, _search_natives(previous_placement_LE, topology, config),
-        topology, config)
+    return not (config.balance and R) or _balancing_copies_none(own_MLNE, load_MLE, previous_placement_LE,
+                                                                 topology, config)
 
 
 def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g: int, R: int, coloc_w: float) -> bool:
@@ -217,8 +217,8 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g: int, R:
     if coloc_w:
         return False
     two_moves = 2.0 * config.migration_s_per_expert
-    onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
-    nl_MLN = torch.einsum("mle,len->mln", load_MLE, onehot_LEN)
+    node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
+    nl_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, load_MLE)
     total_ML = load_MLE.sum(-1)
     best_max = ((total_ML + N - 1) // N).sum(0).to(torch.float64)             # [L]
     now_max = nl_MLN.max(-1).values.sum(0).to(torch.float64)
@@ -230,10 +230,12 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g: int, R:
     cross_best = _beyond_top(step_LNE, per_node).sum(-1).to(torch.float64)
     first = bool(((node_w * (now_max - best_max) + cross_w * (cross_now - cross_best)) <= two_moves).all())
     tc = config.compute_s_per_token / g
-    crosses = ~mine_LNE
-    send_MLN = (own_MLNE * crosses.unsqueeze(0)).sum(-1)
-    inflow_MLE = (own_MLNE * crosses.unsqueeze(0)).sum(2)
-    recv_MLN = torch.einsum("mle,len->mln", inflow_MLE, onehot_LEN)
+    # each expert's demand from its own node's sources: the rest crosses (the sums on [M, L, E]
+    # and [M, L, N], not on [M, L, N, E])
+    home_MLE = own_MLNE.gather(2, node_LE.view(1, L, 1, E).expand(M, L, 1, E)).squeeze(2)
+    send_MLN = own_MLNE.sum(-1) - torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, home_MLE)
+    inflow_MLE = load_MLE - home_MLE
+    recv_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, inflow_MLE)
     second = True
     if config.traffic_search:
         # traffic objective (reorder_traffic.traffic_objective), previous assignment without replicas
@@ -265,9 +267,8 @@ def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, s
     node_w = (config.compute_s_per_token + config.cross_node_s_per_token) / g
     cross_w = config.cross_node_s_per_token / g
     mig = config.migration_s_per_expert
-    members_LNp = node_LE.argsort(dim=1, stable=True).view(L, N, per_node)       # every node holds E / N
-    load_MLNp = load_MLE.gather(2, members_LNp.view(1, L, E).expand(M, L, E)).view(M, L, N, per_node)
-    cum_MLNk = load_MLNp.sort(-1, descending=True).values.cumsum(-1)
+    node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
+    biggest_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_reduce_(2, node_MLE, load_MLE, "amax")
     ceil_ML = (load_MLE.sum(-1) + N - 1) // N
     i_P, j_P = torch.triu_indices(N, N, 1)
     others_PN = torch.ones(i_P.numel(), N, dtype=torch.bool)
@@ -279,7 +280,7 @@ def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, s
         rest = now_MLN.unsqueeze(2).masked_fill(~others_PN, torch.iinfo(torch.int64).min).amax(-1)
         return torch.maximum(rest, torch.maximum(less_MLN[..., i_P], less_MLN[..., j_P]))
 
-    nl_floor_LP = torch.maximum(swap_floor(nl_MLN, nl_MLN - cum_MLNk[..., 0]), ceil_ML.unsqueeze(-1)).sum(0)
+    nl_floor_LP = torch.maximum(swap_floor(nl_MLN, nl_MLN - biggest_MLN), ceil_ML.unsqueeze(-1)).sum(0)
     now_L = nl_MLN.amax(-1).sum(0)
     scale_L = node_w * now_L.to(torch.float64) + 2 * mig                     # margin against float rounding
     if not first:
@@ -291,18 +292,27 @@ def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, s
             best_LNN[:, i_P, j_P] + best_LNN[:, j_P, i_P]).to(torch.float64)
         if bool((swap_LP <= 1e-9 * scale_L.unsqueeze(1)).any()):
             return False
-        # k >= 3 moves (the greedy start)
-        low_MLk = torch.maximum((nl_MLN.unsqueeze(-1) - cum_MLNk).amax(2), ceil_ML.unsqueeze(-1))
-        low_Lk = low_MLk.sum(0)
-        low_Lk = torch.cat([low_Lk, low_Lk[:, -1:].expand(L, max(E - per_node, 0))], 1)     # k = 1..E
+        # k >= 3 moves (the greedy start): the busiest node at least ceil(total / N) first,
+        # then (only if that falls short) at least each node's load less its k largest experts
         best_gain_Lk = gain_LNE.masked_fill(mine_LNE, torch.iinfo(torch.int64).min).amax(1).sort(
             -1, descending=True).values.cumsum(-1)
         cross_now = (step_LNE.sum(-1).sum(-1) - home_LE.sum(-1)).unsqueeze(1)
         cross_low_Lk = torch.maximum(cross_now - best_gain_Lk, _beyond_top(step_LNE, per_node).sum(-1, keepdim=True))
         k = torch.arange(1, E + 1)
-        many_Lk = (k * mig + node_w * (low_Lk - now_L.unsqueeze(1)).to(torch.float64)
-                   + cross_w * (cross_low_Lk - cross_now).to(torch.float64))[:, 2:]
-        if bool((many_Lk <= 1e-9 * scale_L.unsqueeze(1)).any()):
+        for exact in (False, True):
+            if exact:
+                members_LNp = node_LE.argsort(dim=1, stable=True).view(L, N, per_node)   # every node holds E / N
+                load_MLNp = load_MLE.gather(2, members_LNp.view(1, L, E).expand(M, L, E)).view(M, L, N, per_node)
+                cum_MLNk = load_MLNp.sort(-1, descending=True).values.cumsum(-1)
+                low_Lk = torch.maximum((nl_MLN.unsqueeze(-1) - cum_MLNk).amax(2), ceil_ML.unsqueeze(-1)).sum(0)
+                low_Lk = torch.cat([low_Lk, low_Lk[:, -1:].expand(L, max(E - per_node, 0))], 1)     # k = 1..E
+            else:
+                low_Lk = ceil_ML.sum(0, keepdim=True).T
+            many_Lk = (k * mig + node_w * (low_Lk - now_L.unsqueeze(1)).to(torch.float64)
+                       + cross_w * (cross_low_Lk - cross_now).to(torch.float64))[:, 2:]
+            if bool((many_Lk > 1e-9 * scale_L.unsqueeze(1)).all()):
+                break
+        else:
             return False
     if not second:
         slots = g * (R // 2 if config.cross_node_replicas else 0)
