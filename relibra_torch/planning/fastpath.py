@@ -122,14 +122,20 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
     open_L = (drop_ML * possible_MLN.any(-1)).sum(0).to(torch.float64) * saved >= fill + latency
     if not bool(open_L.any()):
         return True
-    lay = open_L.nonzero().squeeze(1)
-    natives_LGl = _search_natives(placement_LE[lay], topology, config)
-    return bool(_b_loses_L(own_MLNE[:, lay], load_MLE[:, lay], natives_LGl, gpu_MLNg[:, lay],
-                           possible_MLN[:, lay], 0 if step_set else R // 2, topology, config).all())
+    # a quarter of the micro-batches first (usually enough), then all of them where it is not
+    for K in sorted({min(M, max(2, M // 4)), M}):
+        lay = open_L.nonzero().squeeze(1)
+        natives_LGl = _search_natives(placement_LE[lay], topology, config)
+        open_L[lay] = ~_b_loses_L(own_MLNE, lay, load_MLE[:, lay], natives_LGl, gpu_MLNg[:, lay],
+                                  possible_MLN[:, lay], 0 if step_set else R // 2, K, topology, config)
+        if not bool(open_L.any()):
+            return True
+    return False
 
 
-def _b_loses_L(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, natives_LGl: torch.Tensor, gpu_MLNg: torch.Tensor,
-               possible_MLN: torch.Tensor, r0: int, topology: Topology, config) -> torch.Tensor:
+def _b_loses_L(own_MLNE: torch.Tensor, layers_L: torch.Tensor, load_MLE: torch.Tensor, natives_LGl: torch.Tensor,
+               gpu_MLNg: torch.Tensor, possible_MLN: torch.Tensor, r0: int, K: int, topology: Topology,
+               config) -> torch.Tensor:
     """bool ``[L]``: ``replicate_step``'s plan ``b`` (see :func:`_balancing_copies_none`)
     provably prices above the plan without copies in that layer. Its rows of one node per
     layer (where the layer's busiest GPU sits most, weighted by the drop) are planned
@@ -138,7 +144,10 @@ def _b_loses_L(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, natives_LGl: torc
     a residency (the plan keeps a held copy in its slot, ``balance.align_slots``), so the
     node's fills and latencies are exact and the rest at least 0; the busiest GPU is at
     least the node's planned load and every other node's ``ceil(node load / g)`` where a
-    copy is possible there, its busiest GPU elsewhere."""
+    copy is possible there, its busiest GPU elsewhere. Only the first ``K`` micro-batches are
+    planned (a prefix is planned as in the whole step, and its fills are a part of the
+    step's); the others count as copies that lower the busiest GPU as far as a node allows,
+    for free."""
     M, L, N, g = gpu_MLNg.shape
     R, El, E = topology.replica_slots, topology.experts_per_gpu, topology.num_experts
     saved, fill, latency = config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)
@@ -149,22 +158,22 @@ def _b_loses_L(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, natives_LGl: torc
     node_L = torch.zeros(L, N, dtype=torch.int64).scatter_add_(1, hot_ML.T, drop_ML.T).argmax(1)
     rows = torch.arange(L)
     natives_Lgl = natives_LGl.view(L, N, g, El)[rows, node_L]
-    home_MLE = own_MLNE[:, rows, node_L]
-    rep_MLgR, load_MLg = replicate_node_rows(load_MLE, home_MLE, natives_Lgl, R, r0, -(-config.min_replica_tokens_on(N) // M),
-                                             config.min_cross_replica_tokens)
-    before_MLgR = torch.cat([torch.full_like(rep_MLgR[:1], -1), rep_MLgR[:-1]])
-    new_MLgR = (rep_MLgR >= 0) & ~(rep_MLgR.unsqueeze(-1) == before_MLgR.unsqueeze(-2)).any(-1)
+    home_MLE = own_MLNE[:K, layers_L, node_L]           # own_MLNE: every layer; the others: layers_L only
+    rep_KLgR, load_KLg = replicate_node_rows(load_MLE[:K], home_MLE, natives_Lgl, R, r0,
+                                             -(-config.min_replica_tokens_on(N) // M), config.min_cross_replica_tokens)
+    before_KLgR = torch.cat([torch.full_like(rep_KLgR[:1], -1), rep_KLgR[:-1]])
+    new_KLgR = (rep_KLgR >= 0) & ~(rep_KLgR.unsqueeze(-1) == before_KLgR.unsqueeze(-2)).any(-1)
     local_LE = torch.zeros(L, E, dtype=torch.int64).scatter_(
         1, natives_Lgl.flatten(1), torch.arange(g).repeat_interleave(El).expand(L, -1))   # owner GPU in the node
-    owner_MLgR = local_LE.view(1, L, 1, E).expand(M, L, g, E).gather(3, rep_MLgR.clamp(min=0))
-    sent_MLg = torch.zeros(M, L, g, dtype=torch.int64).scatter_add_(2, owner_MLgR.flatten(2),
-                                                                    new_MLgR.flatten(2).to(torch.int64))
-    link_ML = torch.maximum(sent_MLg, new_MLgR.sum(-1)).amax(-1)
+    owner_KLgR = local_LE.view(1, L, 1, E).expand(K, L, g, E).gather(3, rep_KLgR.clamp(min=0))
+    sent_KLg = torch.zeros(K, L, g, dtype=torch.int64).scatter_add_(2, owner_KLgR.flatten(2),
+                                                                    new_KLgR.flatten(2).to(torch.int64))
+    link_KL = torch.maximum(sent_KLg, new_KLgR.sum(-1)).amax(-1)
     floor_MLN = torch.where(possible_MLN, ceil_MLN, gpu_MLNg.amax(-1))
-    floor_MLN[:, rows, node_L] = load_MLg.amax(-1)
+    floor_MLN[:K, rows, node_L] = load_KLg.amax(-1)
     price_a_L = (busiest_ML.to(torch.float64) * saved).sum(0)
-    low_b_L = (floor_MLN.amax(-1).to(torch.float64) * saved + link_ML.to(torch.float64) * fill
-               + new_MLgR.flatten(2).any(-1).to(torch.float64) * latency).sum(0)
+    low_b_L = ((floor_MLN.amax(-1).to(torch.float64) * saved).sum(0)
+               + (link_KL.to(torch.float64) * fill + new_KLgR.flatten(2).any(-1).to(torch.float64) * latency).sum(0))
     # a margin far above float64 rounding of these sums, far below one token's price
     return low_b_L - price_a_L > 1e-9 * (price_a_L + fill + latency)
 
