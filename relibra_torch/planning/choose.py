@@ -378,5 +378,11 @@ def cheaper_plan(chosen: StepPlan, plain: StepPlan, loads_MLSE: torch.Tensor, co
     """The cheaper of ``choose``'s plan and relibra's plain plan at the exact step price
     (:func:`relibra_torch.planning.price.step_seconds`); ties keep ``chosen``. So ``choose``
     is never priced above relibra without it (the plain plan's residency-aware balancing is
-    not among the candidates)."""
+    not among the candidates). Two equal plans price the same: not priced."""
+    if (torch.equal(plain.placement_LE, chosen.placement_LE) and torch.equal(plain.slot_expert_MLGJ, chosen.slot_expert_MLGJ)
+            and torch.equal(plain.slot_tokens_MLGJ, chosen.slot_tokens_MLGJ)
+            and (plain.previous_placement_LE is None) == (chosen.previous_placement_LE is None)
+            and (plain.previous_placement_LE is None
+                 or torch.equal(plain.previous_placement_LE, chosen.previous_placement_LE))):
+        return chosen
     return plain if step_seconds(plain, loads_MLSE, config) < step_seconds(chosen, loads_MLSE, config) else chosen
