@@ -21,7 +21,15 @@ each on counts summed once ([M, L, N, E] per-node demand):
 * **no balancing copy**: a copy takes at most its expert's load and at most what the
   node's least loaded GPU lacks to the node's mean; where neither reaches
   ``min_replica_tokens_on(N)`` in any (micro-batch, layer, node), balancing makes none
-  (and ``balance.replicate_step``'s residency-priced plans provably lose).
+  (and ``balance.replicate_step``'s residency-priced plans provably lose:
+  :func:`_balancing_copies_none`).
+
+Where the whole-step bounds fall short (skewed or collapsed routers, 64 tokens per GPU),
+tighter ones count what a move changes: a swap of two experts between two nodes, the first
+thing either search tries from the previous assignment, and ``k >= 3`` moves for the
+greedy start (:func:`_no_move_per_swap`); and the residency plan that shares a fill over
+the step is planned exactly on one node per layer, a lower bound of its price
+(:func:`_b_loses_L`).
 
 Then relibra's plan is the previous placement (in its canonical slot order; with
 ``choose``, as it is) with every expert on its owner, exactly what the full search returns
