@@ -30,4 +30,6 @@ def test_planner_benchmark_reports_every_system_and_the_split_time(tmp_path, cap
     assert out.exists()
     small = result["relibra_no_copy_case"]
     assert small["fast_path"] and small["replicas"] == 0 and small["migrated_experts"] == 0
-    assert "relibra where no copy pays" in text
+    assert "relibra on small micro-batches" in text
+    assert len(result["relibra_no_copy_cases"]) == len(planner.NO_COPY_CASES)
+    assert all(r["plan_s"] > 0 for r in result["relibra_no_copy_cases"])

@@ -64,3 +64,71 @@ def test_fast_path_is_not_taken_where_copies_pay():
     loads = standin_loads(128, 2, 2, 4, 32, 64, steps=1, collapse=0.95, factor=16, seed=2)[0]
     cfg = priced_config(2048, 768, "h200", dispatch="hierarchical", top_k=2)
     assert not nothing_pays(loads, topo, topo.static_placement(2), cfg)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(1, 4, 16), (2, 2, 16), (2, 4, 32), (4, 2, 32)]),
+       R=st.sampled_from([1, 2, 3]), M=st.sampled_from([2, 4, 8]), tokens=st.sampled_from([4, 16, 64, 256]),
+       k=st.sampled_from([1, 2, 8]), zipf=st.sampled_from([0.3, 1.0, 1.5]), collapse=st.sampled_from([0.0, 0.95]),
+       factor=st.sampled_from([1, 8]), dispatch=st.sampled_from(["flat", "hierarchical"]),
+       model=st.sampled_from([(2048, 768), (768, 3072), (4096, 14336)]), shuffled=st.booleans(), choose=st.booleans())
+def test_fast_path_equals_the_full_search_on_skewed_and_collapsed_loads(monkeypatch, seed, shape, R, M, tokens, k, zipf,
+                                                                        collapse, factor, dispatch, model, shuffled,
+                                                                        choose):
+    """The per-swap reordering bounds and the exactly planned balancing rows (fastpath.py)
+    on Zipf 1.0-1.5 and collapsed routers, top-1/2/8, 1 to 4 nodes: taken or not, the plan is
+    the full search's."""
+    N, g, E = shape
+    topo = Topology(N, g, E, R)
+    loads = standin_loads(E, k, 2, M, N * g, tokens, steps=1, zipf=zipf, collapse=collapse, factor=factor,
+                          seed=seed)[0]
+    cfg = priced_config(*model, "h200", dispatch=dispatch, top_k=k, choose=choose)
+    gen = torch.Generator().manual_seed(seed)
+    prev = torch.stack([torch.randperm(E, generator=gen) for _ in range(2)]) if shuffled else None
+    fast = relibra_plan(loads, topo, prev, cfg)
+    full = full_search(monkeypatch, loads, topo, prev, cfg)
+    assert same_plan(fast, full)
+
+
+@pytest.mark.parametrize("tokens,zipf,collapse", [(64, 0.3, 0.0), (16, 1.0, 0.0), (16, 0.3, 0.95)])
+def test_fast_path_is_taken_on_skewed_small_micro_batches(monkeypatch, tokens, zipf, collapse):
+    """Where the whole-step bounds fall short (a swap's and the residency plans' are needed,
+    as at 48 layers x 32 micro-batches in benchmarks/planner.py): the plan is the full
+    search's, with and without choose, and the fast path is taken exactly where that plan
+    has no copy and no move (on 64 tokens at Zipf 0.3 and on the collapsed router the
+    step-long set over every free slot, planning.step_set, pays)."""
+    topo = Topology(4, 8, 128, 2)
+    loads = standin_loads(128, 8, 4, 32, 32, tokens, steps=1, zipf=zipf, collapse=collapse, seed=0)[0]
+    El = topo.experts_per_gpu
+    for choose in (False, True):
+        cfg = priced_config(2048, 768, "h200", dispatch="hierarchical", top_k=8, choose=choose)
+        full = full_search(monkeypatch, loads, topo, None, cfg)
+        idle = not bool((full.slot_expert_MLGJ[..., El:] >= 0).any()) and torch.equal(
+            full.placement_LE, topo.static_placement(4))
+        assert nothing_pays(loads, topo, topo.static_placement(4), cfg) == idle
+        assert same_plan(relibra_plan(loads, topo, None, cfg), full)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(1, 4, 16), (2, 2, 16), (4, 2, 32)]),
+       R=st.sampled_from([1, 2, 3]), r0=st.sampled_from([0, 1]), need=st.sampled_from([1, 5, 20]))
+def test_replicate_node_rows_are_those_of_replicate(seed, shape, R, r0, need):
+    from relibra_torch.planning.balance import replicate, replicate_node_rows
+    N, g, E = shape
+    topo, M, L = Topology(N, g, E, R), 4, 3
+    r0 = min(r0, R)
+    loads = standin_loads(E, 2, L, M, N * g, 32, steps=1, zipf=1.0, seed=seed)[0]
+    gen = torch.Generator().manual_seed(seed)
+    place = torch.stack([torch.randperm(E, generator=gen) for _ in range(L)])
+    pre = None if not r0 else (torch.full((M, L, N * g, r0), -1), torch.zeros(M, L, N * g, r0, dtype=torch.int64))
+    se, st_ = replicate(loads, topo, place, need, pre, need + 3)
+    El = topo.experts_per_gpu
+    natives = torch.empty_like(place).scatter_(1, place, torch.arange(E).expand(L, E)).view(L, N, g, El)
+    node_L = torch.randint(0, N, (L,), generator=gen)
+    rows = torch.arange(L)
+    home = loads.view(M, L, N, g, E).sum(3)[:, rows, node_L]
+    rep, load = replicate_node_rows(loads.sum(2), home, natives[rows, node_L], R, r0, need, need + 3)
+    se_n = se.view(M, L, N, g, -1)[:, rows, node_L]
+    assert torch.equal(rep, se_n[..., El:])
+    assert torch.equal(load, st_.view(M, L, N, g, -1)[:, rows, node_L].sum(-1))

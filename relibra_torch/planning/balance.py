@@ -42,7 +42,7 @@ from .residency import residency_masks
 from .step_set import step_long_set
 from .topology import Topology
 
-__all__ = ["align_slots", "replicate", "replicate_step"]
+__all__ = ["align_slots", "replicate", "replicate_node_rows", "replicate_step"]
 
 
 def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
@@ -99,7 +99,6 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         used += r0
         load = load + rep_quota[..., :r0].sum(-1)
     target = (load.sum(-1) + g - 1) // g
-    rows = torch.arange(B)
     # What a GPU can give away: its native experts' remaining load, then its prefilled
     # replicas' quotas (a copy of those is filled from another node).
     kept = rep_quota[..., :r0].clamp(max=int(keep_prefilled))             # stays on the first copy
@@ -109,7 +108,33 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
     need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
     start = (rep_expert.clone(), rep_quota.clone(), giveable.clone(), load.clone(), used.clone())
-    sent = torch.zeros(B, g, dtype=torch.int64)                              # copies each GPU fills
+    sent = _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, rep_quota, need_K,
+                   El, R, min_tokens, min_cross_tokens)
+    if set_prices is not None and (set_prices[1] > 0 or set_prices[2] > 0):
+        keep_B = _sets_that_pay(start[3], load, torch.maximum(sent, used - start[4]),
+                                None if not r0 else (pre_q > 0).flatten(2).any(-1), (M, L, N, g), *set_prices)
+        drop = ~keep_B.view(B, 1, 1)
+        rep_expert = torch.where(drop, start[0], rep_expert)
+        rep_quota = torch.where(drop, start[1], rep_quota)
+        giveable = torch.where(drop, start[2], giveable)
+    rem = giveable[..., :El]
+    rep_quota[..., :r0] = giveable[..., El:] + kept
+    slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
+    slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
+    return slot_expert.contiguous(), slot_tokens.contiguous()
+
+
+def _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, rep_quota, need_K, El: int, R: int,
+            min_tokens: int, min_cross_tokens: int) -> torch.Tensor:
+    """:func:`replicate`'s greedy rounds on ``B`` independent (micro-batch, layer, node) rows,
+    in place (module docstring): ``load [B, g]``, ``target [B]``, ``used [B, g]``, what each
+    GPU can give ``giveable / give_remote / give_expert [B, g, K]`` (its natives, then its
+    prefilled replicas), ``rep_expert / rep_quota [B, g, max(R, 1)]``, ``need_K``. Rows do not
+    interact, so any subset of rows plans as in the whole batch. Returns ``sent [B, g]``:
+    copies each GPU fills."""
+    B, g = load.shape
+    rows = torch.arange(B)
+    sent = torch.zeros(B, g, dtype=torch.int64)
     for _ in range(g * R):
         h = load.argmax(-1)                       # busiest GPU (first on ties)
         excess = load[rows, h] - target
@@ -151,18 +176,35 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         give_remote[r, hh, ii] = (give_remote[r, hh, ii] - amt).clamp(min=0)   # copies take remote first
         load[r, hh] -= amt
         load[r, uu] += amt
-    if set_prices is not None and (set_prices[1] > 0 or set_prices[2] > 0):
-        keep_B = _sets_that_pay(start[3], load, torch.maximum(sent, used - start[4]),
-                                None if not r0 else (pre_q > 0).flatten(2).any(-1), (M, L, N, g), *set_prices)
-        drop = ~keep_B.view(B, 1, 1)
-        rep_expert = torch.where(drop, start[0], rep_expert)
-        rep_quota = torch.where(drop, start[1], rep_quota)
-        giveable = torch.where(drop, start[2], giveable)
-    rem = giveable[..., :El]
-    rep_quota[..., :r0] = giveable[..., El:] + kept
-    slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
-    slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
-    return slot_expert.contiguous(), slot_tokens.contiguous()
+    return sent
+
+
+def replicate_node_rows(load_MLE: torch.Tensor, home_MLE: torch.Tensor, natives_Lgl: torch.Tensor, R: int, r0: int,
+                        min_tokens: int, min_cross_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`replicate`'s rows of one node per layer, with ``r0`` empty prefilled slots
+    (traffic replicas that found nothing worth a fill), without ``set_prices``: the node's
+    ``g`` GPUs hold ``natives_Lgl`` (int64 ``[L', g, El]``, in slot order), ``load_MLE`` and
+    ``home_MLE`` (int64 ``[M, L', E]``) are each expert's load and the node's own demand for
+    it. Exactly those rows of :func:`replicate`'s plan (rows do not interact), for a fraction
+    of its cost. Returns ``(rep_expert_MLgR, load_MLg)``: each GPU's replica slots (``-1``
+    empty) and its load after balancing."""
+    M, Lx, E = load_MLE.shape
+    _, g, El = natives_Lgl.shape
+    B = M * Lx
+    idx = natives_Lgl.reshape(1, Lx, g * El).expand(M, Lx, g * El)
+    rem = load_MLE.gather(2, idx).view(B, g, El)
+    remote = (load_MLE - home_MLE).clamp(min=0).gather(2, idx).view(B, g, El)
+    empty = torch.zeros(B, g, r0, dtype=torch.int64)
+    rep_expert = torch.full((B, g, max(R, 1)), -1, dtype=torch.int64)
+    rep_quota = torch.zeros(B, g, max(R, 1), dtype=torch.int64)
+    used = torch.full((B, g), r0, dtype=torch.int64)
+    load = rem.sum(-1)
+    target = (load.sum(-1) + g - 1) // g
+    give_expert = torch.cat([natives_Lgl.unsqueeze(0).expand(M, Lx, g, El).reshape(B, g, El), empty - 1], -1)
+    need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
+    _rounds(load, target, used, torch.cat([rem, empty], -1), torch.cat([remote, empty], -1), give_expert, rep_expert,
+            rep_quota, need_K, El, R, min_tokens, min_cross_tokens)
+    return rep_expert[..., :R].view(M, Lx, g, R), load.view(M, Lx, g)
 
 
 def _sets_that_pay(before_Bg, after_Bg, copies_Bg, pre_ML, shape, saved_s, fill_s, latency_s) -> torch.Tensor:
@@ -206,7 +248,7 @@ def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
     return se, st
 
 
-def _step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s, latency_s) -> torch.Tensor:
+def step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s, latency_s) -> torch.Tensor:
     """float64 ``[L]``: the step's busiest-GPU load (``saved_s`` per token) plus its replica
     residencies, each charged ``fill_s`` on the busier of its owner's and its GPU's link in
     the micro-batch it starts, plus ``latency_s`` in every micro-batch where one starts."""
@@ -231,7 +273,7 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     (``planning.residency``), as EPLB's step-long copies are: so a second plan lets copies
     take ``min_tokens / M`` tokens (their fill shared by the step's M micro-batches), both
     plans' copies keep their slots across micro-batches (:func:`align_slots`), and each layer
-    keeps the plan whose step price (:func:`_step_price_L`: busiest GPU load, residency fills
+    keeps the plan whose step price (:func:`step_price_L`: busiest GPU load, residency fills
     on the busiest link, latency) is lowest. In the second plan a second copy of a traffic
     replica shares its fill too (``min_cross_tokens / M``: with ``two_hop`` it fills from the
     node's first copy over NVLink, once per residency). Two more plans are step-long: one
@@ -256,7 +298,7 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     # every free slot of a node, all step, quotas per micro-batch (planning.step_set)
     plans.append(step_long_set(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled))
     owner_LE = placement_LE // topology.experts_per_gpu
-    price_PL = torch.stack([_step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
+    price_PL = torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
     pick = price_PL.argmin(0).view(1, -1, 1, 1)   # first (per micro-batch) on ties
     out = [plans[0][i].clone() for i in (0, 1)]
     for k in range(1, len(plans)):

@@ -28,7 +28,7 @@ def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
                          f"{topology.num_gpus} GPUs (counts gathered over the EP group)")
     if E != topology.num_experts:
         raise ValueError(f"loads_MLSE has E={E} experts; allowed: E = the topology's {topology.num_experts}")
-    if (loads_MLSE < 0).any():
+    if loads_MLSE.numel() and int(loads_MLSE.min()) < 0:  # one reduction: no [M, L, S, E] mask
         first = tuple(int(i) for i in (loads_MLSE < 0).nonzero()[0])
         raise ValueError(f"loads_MLSE{list(first)} = {int(loads_MLSE[first])} is negative; allowed: counts >= 0")
 

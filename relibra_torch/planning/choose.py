@@ -61,14 +61,16 @@ SUBSET_NAMES = {("traffic", "balance"): ("none", "traffic", "balance", "both", "
                 ("traffic",): ("none", "traffic"), ("balance",): ("none", "balance"), (): ("none",)}
 
 
-def native_slots(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(slot_expert_MLGJ, slot_tokens_MLGJ)`` with every expert on its owner only."""
+def native_slots(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                 load_MLE: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_expert_MLGJ, slot_tokens_MLGJ)`` with every expert on its owner only
+    (``load_MLE``: ``loads_MLSE`` summed over sources, when the caller has it)."""
     M, L, _, E = loads_MLSE.shape
     G, El, R = topology.num_gpus, topology.experts_per_gpu, topology.replica_slots
     inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
     native_MLGl = inverse_LE.view(1, L, G, El).expand(M, L, G, El)
-    tokens_MLGl = loads_MLSE.to(torch.int64).sum(2).gather(2, native_MLGl.reshape(M, L, G * El)).view(M, L, G, El)
+    load_MLE = loads_MLSE.to(torch.int64).sum(2) if load_MLE is None else load_MLE
+    tokens_MLGl = load_MLE.gather(2, native_MLGl.reshape(M, L, G * El)).view(M, L, G, El)
     se = torch.cat([native_MLGl, torch.full((M, L, G, R), -1, dtype=torch.int64)], -1)
     st = torch.cat([tokens_MLGl, torch.zeros(M, L, G, R, dtype=torch.int64)], -1)
     return se.contiguous(), st.contiguous()
@@ -378,5 +380,11 @@ def cheaper_plan(chosen: StepPlan, plain: StepPlan, loads_MLSE: torch.Tensor, co
     """The cheaper of ``choose``'s plan and relibra's plain plan at the exact step price
     (:func:`relibra_torch.planning.price.step_seconds`); ties keep ``chosen``. So ``choose``
     is never priced above relibra without it (the plain plan's residency-aware balancing is
-    not among the candidates)."""
+    not among the candidates). Two equal plans price the same: not priced."""
+    if (torch.equal(plain.placement_LE, chosen.placement_LE) and torch.equal(plain.slot_expert_MLGJ, chosen.slot_expert_MLGJ)
+            and torch.equal(plain.slot_tokens_MLGJ, chosen.slot_tokens_MLGJ)
+            and (plain.previous_placement_LE is None) == (chosen.previous_placement_LE is None)
+            and (plain.previous_placement_LE is None
+                 or torch.equal(plain.previous_placement_LE, chosen.previous_placement_LE))):
+        return chosen
     return plain if step_seconds(plain, loads_MLSE, config) < step_seconds(chosen, loads_MLSE, config) else chosen

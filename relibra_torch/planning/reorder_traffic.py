@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["SwapPairs", "swap_pairs", "swap_candidates", "max_without_pair", "coactivation_gain",
-           "colocated_pairs", "traffic_objective", "traffic_swap_search"]
+           "colocated_pairs", "replica_min_tokens", "traffic_objective", "traffic_swap_search"]
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def traffic_objective(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: t
     """float64 ``[L]``: the objective of the module docstring for the node assignment
     ``node_LE`` (arguments as in :func:`traffic_swap_search`)."""
     N = own_LMNE.shape[2]
-    replicated, _ = _replica_sets(node_LE, own_LMNE.sum(1), g * traffic_slots, _min_tokens(config, g))
+    replicated, _ = _replica_sets(node_LE, own_LMNE.sum(1), g * traffic_slots, replica_min_tokens(config, g))
     nl, send, recv, _ = _residual(node_LE, load_LME, own_LMNE, replicated)
     obj = (config.compute_s_per_token / g * nl.max(-1).values.sum(1).to(torch.float64)
            + config.cross_node_s_per_token / g * torch.maximum(send, recv).max(-1).values.sum(1).to(torch.float64)
@@ -180,7 +180,7 @@ def _below(x: torch.Tensor) -> torch.Tensor:
     return x - 1e-12 * x.abs()
 
 
-def _min_tokens(config, g: int) -> int:
+def replica_min_tokens(config, g: int) -> int:
     """Fewest step tokens a node's traffic replica must keep home to pay for its inter-node fill."""
     token_s = config.cross_node_s_per_token / g
     if token_s <= 0:
@@ -210,7 +210,7 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
     if N < 2 or L == 0:
         return node_LE
     B = g * traffic_slots
-    min_tokens = _min_tokens(config, g)
+    min_tokens = replica_min_tokens(config, g)
     tc, tx = config.compute_s_per_token / g, config.cross_node_s_per_token / g
     own_step_LNE = own_LMNE.sum(1)
     total_LE = load_LME.sum(1)
