@@ -47,12 +47,11 @@ from ..checks import check_choice, check_int, check_number
 from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
-from .balance import replicate, replicate_step
+from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
-from .traffic import traffic_replicas
-from .fill_spread import spread_args
 from .choose import cheaper_plan, chosen_plan
+from .plain import plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
@@ -399,23 +398,6 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     placement_LE = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE) if config.reorder
                     else previous_placement_LE.clone())
     return _plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE, config)
-
-
-def _plain_plan(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, config) -> StepPlan:
-    """Traffic replicas, then balancing copies, on the reordered ``placement_LE``."""
-    prefilled = None
-    R, g, N = topology.replica_slots, topology.gpus_per_node, topology.num_nodes
-    if config.cross_node_replicas and N > 1 and R:
-        prefilled = traffic_replicas(loads_MLSE, topology, placement_LE, R // 2, config.cross_node_s_per_token / g,
-                                     config.cross_replica_fill_s_per_expert, spread=spread_args(config))
-    # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
-    never = torch.iinfo(torch.int64).max
-    slot_expert, slot_tokens = replicate_step(
-        loads_MLSE, topology, placement_LE, config.min_replica_tokens_on(N) if config.balance else never, prefilled,
-        config.min_cross_replica_tokens if config.balance else never, int(config.two_hop),
-        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)))
-    return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra",
-                    previous_placement_LE.clone())
 
 
 class ReLibraPlanner(Planner):

@@ -1,0 +1,100 @@
+"""relibra's plain plan: traffic replicas, then balancing copies, on a fixed placement, with
+the number of traffic slots chosen per layer at the exact step price.
+
+Traffic replicas (:func:`relibra_torch.planning.traffic.traffic_replicas`) take the first
+``R // 2`` replica slots of every GPU and balancing (:func:`relibra_torch.planning.balance.replicate_step`)
+the rest. Each is priced by its own rule (a remote expert's demand against one inter-node
+fill; a copy's saved compute against its fills), neither by the whole step: traffic replicas
+can cost more than they save where the all-to-all they cut is not the busiest link, or where
+the slots they hold would balance better; and with ``R = 1`` they get no slot at all, so a
+collapsed router's hot expert stays on one node however much of every token crosses to it.
+So per layer three plans are priced and the cheapest kept, ties to the first:
+
+* ``R // 2`` traffic slots (the default; with ``R = 1`` none);
+* no traffic replica, balancing on every slot (only where the first planned one);
+* with ``R = 1``, the one slot for traffic replicas (only where they plan one).
+
+The price is :mod:`relibra_torch.planning.price`'s per layer: expert compute, all-to-all,
+replica fills and returns with their latency, summed over micro-batches; that is the cost
+model's step minus attention and dense layers (``tests/test_relibra_choose.py``), and every
+candidate has the same placement, so the migration is the same. A plan with no traffic
+replica is built only from a traffic plan that made some, so where the fast path
+(:mod:`relibra_torch.planning.fastpath`) proves that none pays, the plain plan is the one
+plan it was before.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU,
+P candidate plans.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .balance import replicate_step
+from .fill_spread import spread_args
+from .plan import StepPlan
+from .price import moe_seconds_ML, replica_seconds_ML
+from .topology import Topology
+from .traffic import traffic_replicas
+
+__all__ = ["plain_plan"]
+
+
+def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
+               placement_LE: torch.Tensor, config) -> StepPlan:
+    """Traffic replicas, then balancing copies, on ``placement_LE`` (int64 ``[L, E]``), with
+    the cheapest number of traffic slots per layer (module docstring). ``loads_MLSE``: int
+    ``[M, L, S, E]``; ``config``: a ``ReLibraConfig``."""
+    R, N = topology.replica_slots, topology.num_nodes
+    traffic = config.cross_node_replicas and N > 1 and R
+
+    def balanced(prefilled) -> StepPlan:
+        return _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, prefilled, config)
+
+    if traffic and R // 2:
+        prefilled = _traffic(loads_MLSE, topology, placement_LE, R // 2, config)
+        plans = [balanced(prefilled)]
+        if bool((prefilled[0] >= 0).any()):
+            plans.append(balanced(None))
+    else:
+        plans = [balanced(None)]
+        if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
+            prefilled = _traffic(loads_MLSE, topology, placement_LE, 1, config)
+            if bool((prefilled[0] >= 0).any()):
+                plans.append(balanced(prefilled))
+    return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config)
+
+
+def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
+    g = topology.gpus_per_node
+    return traffic_replicas(loads_MLSE, topology, placement_LE, r0, config.cross_node_s_per_token / g,
+                            config.cross_replica_fill_s_per_expert, spread=spread_args(config))
+
+
+def _balanced(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, prefilled, config) -> StepPlan:
+    # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
+    N, never = topology.num_nodes, torch.iinfo(torch.int64).max
+    slot_expert, slot_tokens = replicate_step(
+        loads_MLSE, topology, placement_LE, config.min_replica_tokens_on(N) if config.balance else never, prefilled,
+        config.min_cross_replica_tokens if config.balance else never, int(config.two_hop),
+        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)))
+    return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra", previous_placement_LE.clone())
+
+
+def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config) -> StepPlan:
+    """Per layer the plan of ``plans`` (same placement) with the lowest price, ties to the
+    first. Layers are priced apart: residencies, second hops and the all-to-all are per
+    layer."""
+    first = plans[0]
+    distinct = [first] + [p for p in plans[1:] if not (torch.equal(p.slot_expert_MLGJ, first.slot_expert_MLGJ)
+                                                        and torch.equal(p.slot_tokens_MLGJ, first.slot_tokens_MLGJ))]
+    if len(distinct) == 1:
+        return first
+    price_PL = torch.stack([(moe_seconds_ML(p, loads_MLSE, config) + replica_seconds_ML(p, config)).sum(0)
+                            for p in distinct])
+    pick_L = price_PL.argmin(0).view(1, -1, 1, 1)   # first on ties
+    se = torch.stack([p.slot_expert_MLGJ for p in distinct]).gather(0, pick_L.unsqueeze(0).expand(
+        1, *first.slot_expert_MLGJ.shape)).squeeze(0)
+    st = torch.stack([p.slot_tokens_MLGJ for p in distinct]).gather(0, pick_L.unsqueeze(0).expand(
+        1, *first.slot_tokens_MLGJ.shape)).squeeze(0)
+    return StepPlan(first.topology, first.placement_LE, se, st, first.planner, first.previous_placement_LE)
