@@ -1,0 +1,54 @@
+"""relibra's plain plan keeps, per layer, the cheapest number of traffic slots at the exact
+step price (planning/plain.py): never priced above the plan with traffic replicas in
+``R // 2`` slots, nor above the plan without any, whatever the loads."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from benchmarks.standin_loads import standin_loads
+from relibra_torch.planning import Topology
+from relibra_torch.planning.plain import _balanced, _traffic, plain_plan
+from relibra_torch.planning.price import step_seconds
+from relibra_torch.planning.pricing import priced_config
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), R=st.sampled_from([1, 2, 3]), k=st.sampled_from([1, 2, 8]),
+       zipf=st.sampled_from([0.3, 1.0]), collapse=st.sampled_from([0.0, 0.95]), factor=st.sampled_from([1, 8, 64]))
+def test_plain_plan_is_priced_at_most_each_traffic_choice(seed, R, k, zipf, collapse, factor):
+    E = 16
+    topo = Topology(2, 4, E, R)
+    loads = standin_loads(E, k, 3, 4, 8, 16, steps=1, zipf=zipf, collapse=collapse, factor=factor, seed=seed)[0]
+    cfg = priced_config(768, 3072, "h200", dispatch="hierarchical", top_k=k)
+    place = topo.static_placement(3)
+    plan = plain_plan(loads, topo, place, place, cfg)
+    # every slot's tokens add up to the loads (nothing lost, nothing invented)
+    assert torch.equal(plan.slot_tokens_MLGJ.sum((2, 3)), loads.sum((2, 3)))
+    price = step_seconds(plan, loads, cfg)
+    without = _balanced(loads, topo, place, place, None, cfg)
+    assert price <= step_seconds(without, loads, cfg) * (1 + 1e-12)
+    if R // 2:
+        default = _balanced(loads, topo, place, place, _traffic(loads, topo, place, R // 2, cfg), cfg)
+        assert price <= step_seconds(default, loads, cfg) * (1 + 1e-12)
+
+
+def test_traffic_replicas_that_cost_more_than_they_save_are_dropped():
+    """Two nodes of 4 GPUs, 8 experts top-1, Zipf loads at 64 tokens per GPU x 64: the
+    traffic replicas alone price above the plan without them; the plain plan must not keep
+    them where they lose."""
+    topo = Topology(2, 4, 8, 2)
+    loads = standin_loads(8, 1, 4, 8, 8, 64, steps=1, zipf=1.0, factor=64, seed=7)[0]
+    cfg = priced_config(768, 3072, "h200", dispatch="hierarchical", top_k=1)
+    place = topo.static_placement(4)
+    with_traffic = _balanced(loads, topo, place, place, _traffic(loads, topo, place, 1, cfg), cfg)
+    without = _balanced(loads, topo, place, place, None, cfg)
+    plan = plain_plan(loads, topo, place, place, cfg)
+    assert step_seconds(plan, loads, cfg) <= min(step_seconds(with_traffic, loads, cfg),
+                                                 step_seconds(without, loads, cfg)) * (1 + 1e-12)
+    off = dataclasses.replace(cfg, cross_node_replicas=False)
+    assert step_seconds(plan, loads, cfg) <= step_seconds(plain_plan(loads, topo, place, place, off), loads, cfg) * (1 + 1e-12)
