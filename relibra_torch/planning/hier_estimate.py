@@ -35,18 +35,23 @@ def approx_need_columns(flow_KLSP: torch.Tensor, tokens_S: torch.Tensor, top_k: 
     # hits piece n with n's mass over the mass left, after i draws elsewhere have each
     # removed rho (the expected mass of an item drawn from the other pieces).
     r = p / top_k
-    mass_SN = r.sum(0).clamp(max=1.0)
-    sq_SN = (r * r).sum(0)
-    rest = (1.0 - mass_SN).clamp(min=1e-12)
-    rho = ((sq_SN.sum(-1, keepdim=True) - sq_SN) / rest).clamp(min=0.0)
-    none_draws = torch.ones_like(mass_SN)
+    return _need(none_indep, r.sum(0).clamp(max=1.0), (r * r).sum(0), top_k, p.amax(0), p.sum(0)) * T
+
+
+def _need(none_indep: torch.Tensor, mass: torch.Tensor, sq: torch.Tensor, top_k: int, p_max: torch.Tensor,
+          p_sum: torch.Tensor) -> torch.Tensor:
+    """P(a token needs a piece): the larger of the independent and the without-replacement
+    estimates (their chances of needing none, ``none_indep`` and the draws' from each
+    piece's draw ``mass`` and sum of squares ``sq``), kept within the always-true bounds: at
+    least the most-chosen expert's share ``p_max``, at most the expected pairs ``p_sum``."""
+    rest = (1.0 - mass).clamp(min=1e-12)
+    rho = ((sq.sum(-1, keepdim=True) - sq) / rest).clamp(min=0.0)
+    none_draws = torch.ones_like(mass)
     for i in range(top_k):
         left = (1.0 - i * rho).clamp(min=1e-12)
-        none_draws = none_draws * (1.0 - mass_SN / left).clamp(0.0, 1.0)
+        none_draws = none_draws * (1.0 - mass / left).clamp(0.0, 1.0)
     need = 1.0 - torch.minimum(none_indep, none_draws)
-    # always-true bounds: at least the most-chosen piece, at most the expected pairs
-    need = torch.minimum(torch.maximum(need, p.amax(0)), p.sum(0))
-    return need * T
+    return torch.minimum(torch.maximum(need, p_max), p_sum)
 
 
 def hierarchical_traffic(copies_LSG: torch.Tensor, cross_tokens_LSN: torch.Tensor, topo: Topology
@@ -100,14 +105,5 @@ def approx_need_pieces(loads_LSE: torch.Tensor, piece_LSE: torch.Tensor, pieces:
     log_none = per_piece(torch.log1p(-p))        # -inf where some p == 1: exp gives 0, as the product
     none_indep = log_none.exp()
     r = p / top_k
-    mass = per_piece(r).clamp(max=1.0)
-    sq = per_piece(r * r)
-    rest = (1.0 - mass).clamp(min=1e-12)
-    rho = ((sq.sum(-1, keepdim=True) - sq) / rest).clamp(min=0.0)
-    none_draws = torch.ones_like(mass)
-    for i in range(top_k):
-        left = (1.0 - i * rho).clamp(min=1e-12)
-        none_draws = none_draws * (1.0 - mass / left).clamp(0.0, 1.0)
-    need = 1.0 - torch.minimum(none_indep, none_draws)
-    need = torch.minimum(torch.maximum(need, per_piece(p, "amax")), per_piece(p))
-    return need * T
+    return _need(none_indep, per_piece(r).clamp(max=1.0), per_piece(r * r), top_k, per_piece(p, "amax"),
+                 per_piece(p)) * T
