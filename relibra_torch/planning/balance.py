@@ -42,7 +42,7 @@ from .residency import residency_masks
 from .step_set import step_long_set
 from .topology import Topology
 
-__all__ = ["align_slots", "replicate", "replicate_node_rows", "replicate_step"]
+__all__ = ["align_slots", "cheapest_per_layer", "replicate", "replicate_node_rows", "replicate_step"]
 
 
 def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
@@ -298,8 +298,16 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     # every free slot of a node, all step, quotas per micro-batch (planning.step_set)
     plans.append(step_long_set(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled))
     owner_LE = placement_LE // topology.experts_per_gpu
-    price_PL = torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
-    pick = price_PL.argmin(0).view(1, -1, 1, 1)   # first (per micro-batch) on ties
+    return cheapest_per_layer(plans, torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s)
+                                                  for p in plans]))
+
+
+def cheapest_per_layer(plans: list[tuple[torch.Tensor, torch.Tensor]], price_PL: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(slot_expert_MLGJ, slot_tokens_MLGJ)`` taking each layer from the plan of ``plans``
+    (``P`` pairs of int64 ``[M, L, G, J]``) with the lowest ``price_PL`` (float64 ``[P, L]``),
+    the first on ties."""
+    pick = price_PL.argmin(0).view(1, -1, 1, 1)
     out = [plans[0][i].clone() for i in (0, 1)]
     for k in range(1, len(plans)):
         for i in (0, 1):

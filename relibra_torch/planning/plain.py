@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from .balance import replicate_step
+from .balance import cheapest_per_layer, replicate_step
 from .fill_spread import spread_args
 from .plan import StepPlan
 from .price import moe_seconds_ML, replica_seconds_ML
@@ -92,9 +92,5 @@ def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config)
         return first
     price_PL = torch.stack([(moe_seconds_ML(p, loads_MLSE, config) + replica_seconds_ML(p, config)).sum(0)
                             for p in distinct])
-    pick_L = price_PL.argmin(0).view(1, -1, 1, 1)   # first on ties
-    se = torch.stack([p.slot_expert_MLGJ for p in distinct]).gather(0, pick_L.unsqueeze(0).expand(
-        1, *first.slot_expert_MLGJ.shape)).squeeze(0)
-    st = torch.stack([p.slot_tokens_MLGJ for p in distinct]).gather(0, pick_L.unsqueeze(0).expand(
-        1, *first.slot_tokens_MLGJ.shape)).squeeze(0)
+    se, st = cheapest_per_layer([(p.slot_expert_MLGJ, p.slot_tokens_MLGJ) for p in distinct], price_PL)
     return StepPlan(first.topology, first.placement_LE, se, st, first.planner, first.previous_placement_LE)
