@@ -90,6 +90,7 @@ class Shape:
     label: str
     num_experts: int
     top_k: int
+    real_layers: int  # the MoE layers of the model around the shape (``--layers real``)
 
     def model(self, L: int) -> ModelSpec:
         E, K = self.num_experts, self.top_k
@@ -106,16 +107,24 @@ class Shape:
         return dataclasses.replace(_olmoe(L), name=f"olmoe-shape-{E}e-top{K}", num_experts=E, top_k=K)
 
 
+# real MoE layer counts: Switch-base's 12 sparse blocks (every other of 12 encoder + 12
+# decoder blocks), Mixtral-8x7B 32, OLMoE-1B-7B 16, Qwen3-30B-A3B 48, DeepSeek-V3 58 (61
+# layers, 3 dense); the 32-expert top-2 shape takes OLMoE's 16
 SHAPES = {
-    "switch-8": Shape("top-1 8e", 8, 1),
-    "switch-64": Shape("top-1 64e", 64, 1),
-    "switch-256": Shape("top-1 256e", 256, 1),
-    "mixtral": Shape("top-2 8e", 8, 2),
-    "top2-32": Shape("top-2 32e", 32, 2),
-    "olmoe": Shape("top-8 64e", 64, 8),
-    "qwen3": Shape("top-8 128e", 128, 8),
-    "deepseek": Shape("top-8 256e", 256, 8),
+    "switch-8": Shape("top-1 8e", 8, 1, 12),
+    "switch-64": Shape("top-1 64e", 64, 1, 12),
+    "switch-256": Shape("top-1 256e", 256, 1, 12),
+    "mixtral": Shape("top-2 8e", 8, 2, 32),
+    "top2-32": Shape("top-2 32e", 32, 2, 16),
+    "olmoe": Shape("top-8 64e", 64, 8, 16),
+    "qwen3": Shape("top-8 128e", 128, 8, 48),
+    "deepseek": Shape("top-8 256e", 256, 8, 58),
 }
+
+
+def case_layers(shape: Shape, layers) -> int:
+    """MoE layers of a case: ``--layers`` (an int), or the model's own count for ``real``."""
+    return shape.real_layers if layers == "real" else int(layers)
 
 # (tokens per GPU per micro-batch, factor): the real sizes, and the same counts multiplied
 SIZES = [(16, 1), (32, 8), (16, 64), (64, 64)]
@@ -169,16 +178,17 @@ def case_workload(case: Case, args, options, tmp: Path):
     """Write the case's loads file and read it back as ``relibra simulate FILE`` does:
     ``(loads_XMLSE, workload, config)`` with every system of ``SYSTEMS``."""
     shape = SHAPES[case.shape]
-    model = shape.model(args.layers)
+    L = case_layers(shape, args.layers)
+    model = shape.model(L)
     G = case.nodes * case.gpus_per_node
     zipf, collapse = ROUTERS.get(case.router, (0.0, 0.0))
     seed = args.seed + (zlib.crc32(case.name.encode()) & 0xFFFF) if args.vary_seed else args.seed
     if case.router == "domains":
-        loads = domain_loads(case.shape, args.layers, args.micro_batches, G, case.tokens, steps=args.steps,
+        loads = domain_loads(case.shape, L, args.micro_batches, G, case.tokens, steps=args.steps,
                              factor=case.factor, seed=seed)
     else:
         torch.manual_seed(seed)  # standin_loads' per-micro-batch drift draws from torch's global generator
-        loads = standin_loads(shape.num_experts, shape.top_k, args.layers, args.micro_batches, G, case.tokens,
+        loads = standin_loads(shape.num_experts, shape.top_k, L, args.micro_batches, G, case.tokens,
                               steps=args.steps, zipf=zipf, collapse=collapse, factor=case.factor, seed=seed)
     path = tmp / (case.name.replace("/", "_") + ".safetensors")
     save_loads(path, loads, shape.top_k)
@@ -305,12 +315,26 @@ def print_table(rows: list[dict]) -> None:
                       highlight=False, soft_wrap=True)
 
 
+def _layers_arg(text: str):
+    if text == "real":
+        return text
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--layers {text!r}; allowed: a positive int or 'real'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--layers {value}; allowed: a positive int or 'real'")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="the smaller matrix (4 shapes, 16 tokens x 1 and 64 x 64)")
     p.add_argument("--only", action="append", default=[], metavar="TEXT",
                    help="cases whose name contains TEXT (repeatable: any of them)")
-    p.add_argument("--layers", type=int, default=4, help="MoE layers per case (default 4)")
+    p.add_argument("--layers", type=_layers_arg, default=4,
+                   help="MoE layers per case (default 4), or 'real': each model's own count (12-58); "
+                        "split planning's share per EP rank then has the layer count it has in training")
     p.add_argument("--micro-batches", type=int, default=8, help="micro-batches per step (default 8)")
     p.add_argument("--steps", type=int, default=2, help="steps, the first a warm-up (default 2)")
     p.add_argument("--replica-slots", type=int, default=2, help="R (default 2)")

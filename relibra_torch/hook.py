@@ -39,6 +39,7 @@ import torch.distributed as dist
 from .compat import all_gather_single
 from .moe.schedule import layer_plans
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
+from .planning.base import layer_share
 from .planning.evaluate import imbalance
 from .planning.pricing import relibra_config_for
 from .replay.counts import count_micro_batches, count_pairs
@@ -213,7 +214,7 @@ class ReplayBalancer:
     def _plan_share(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None
                     ) -> tuple[StepPlan | None, int]:
         """This rank's share of the layers (every G-th from its rank), or ``None`` on failure."""
-        mine = list(range(self.ep.rank, self.num_layers, self.ep.size))
+        mine = layer_share(self.ep.rank, self.ep.size, self.num_layers)
         if not mine:
             return None, 0
         try:

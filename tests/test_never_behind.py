@@ -84,3 +84,25 @@ def test_benchmark_prints_the_table_and_writes_json(tmp_path, capsys):
     (row,) = doc["cases"]
     assert row["dispatch"] == "hierarchical" and row["nodes"] == 2
     assert set(row["step_s"]) >= {"static", "relibra", "eplb-oracle", "eplb-node-demand", "bound"}
+
+
+def test_each_layer_plans_alone_as_in_the_whole_step(tmp_path):
+    """Split planning (the training hook's default, and the simulator's) assembles the EP
+    ranks' layer shares. On this case traffic replicas pay in layer 0 only, and the plain
+    plan once weighed its no-traffic alternative in every layer when any layer made one: layer
+    2 then planned differently alone than in the whole step."""
+    import torch
+
+    from relibra_torch.sim.cost import CostModel
+    from relibra_torch.sim.simulator import default_planner_factory
+
+    loads, workload, config = nb.case_workload(nb.Case("mixtral", "collapsed", 64, 64, 2, 4), SETTINGS,
+                                               nb._options([]), tmp_path)
+    planner = default_planner_factory("relibra", config.topology,
+                                      CostModel(config.model, config.hardware, config.cost_options))
+    loads_MLSE = workload.loads_XMLSE[0]
+    full = planner.plan(loads_MLSE)
+    for layer in range(loads_MLSE.shape[1]):
+        part = planner.plan_layers(loads_MLSE, [layer])
+        assert torch.equal(part.slot_expert_MLGJ, full.slot_expert_MLGJ[:, [layer]]), layer
+        assert torch.equal(part.slot_tokens_MLGJ, full.slot_tokens_MLGJ[:, [layer]]), layer

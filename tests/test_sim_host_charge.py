@@ -11,6 +11,8 @@ import json
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from relibra_torch.cli import main
 from relibra_torch.planning import ReLibraConfig, Topology, relibra_plan
@@ -112,3 +114,61 @@ def test_each_collective_pays_its_fixed_latency():
         n_ML = layer_collectives_ML(metrics.residency, TOPO, dispatch)
         assert int(n_ML.min()) >= per_exchange + 1  # the exchange and the plan check, at least
         assert a.step_s - b.step_s == pytest.approx(float(n_ML.sum()) * 40e-6, rel=1e-9)
+
+
+def test_split_planning_charges_the_slowest_ranks_share(monkeypatch):
+    """With ``planning.split`` (the training hook's default) every EP rank plans its share of
+    the layers: the plan is the same, the host work is the slowest share plus three
+    collectives (inputs agreement, the plan's all-gather, the failure flag)."""
+    import relibra_torch.sim.simulator as sim
+
+    def layers_as_seconds(fn):  # a deterministic clock: one second per layer planned
+        out = fn()
+        return out, float(out.num_layers) if hasattr(out, "num_layers") else 0.0
+
+    monkeypatch.setattr(sim, "one_thread_cpu", layers_as_seconds)
+    window = BaselineOptions(planning_overlap_s=0.0)
+    split = _run(window, systems=("static", "relibra"))
+    whole = _run(dataclasses.replace(window, planning_split=False), systems=("static", "relibra"))
+    for name in ("static", "relibra"):
+        a, b = split.systems[name], whole.systems[name]
+        assert b.planner_s == [2.0]  # one thread, both layers
+        gather_s = a.planner_s[0] - 1.0  # 4 ranks, 2 layers: one layer per busy rank
+        assert 3 * HW.inter_node_latency_us * 1e-6 <= gather_s < 1e-3
+        assert torch.equal(a.imbalance_XML, b.imbalance_XML)
+        assert a.costs[0].moe_s == pytest.approx(b.costs[0].moe_s, rel=1e-12)
+    with pytest.raises(TypeError, match="planning.split"):
+        BaselineOptions(planning_split="yes")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(2, 2, 8), (1, 4, 8), (2, 4, 16), (2, 2, 4)]),
+       R=st.integers(1, 3), M=st.integers(1, 3), tokens=st.sampled_from([4, 64, 900]),
+       hot=st.sampled_from([0.0, 0.5, 0.9]), hot_L=st.lists(st.booleans(), min_size=4, max_size=4),
+       dispatch=st.sampled_from(["flat", "hierarchical"]),
+       layers=st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True))
+def test_relibra_plans_any_layer_share_as_the_whole_step(seed, shape, R, M, tokens, hot, hot_L, dispatch, layers):
+    """Split planning assembles the ranks' shares into the step plan, so a layer's plan must
+    depend on that layer alone: any subset of layers plans as the whole step restricted to it."""
+    from relibra_torch.planning import ReLibraPlanner
+    from relibra_torch.sim import CostModel, CostOptions
+
+    N, g, E = shape
+    topo = Topology(N, g, E, R)
+    model = dataclasses.replace(MODEL, num_experts=E)
+    cfg = ReLibraConfig.from_weights(CostModel(model, HW, CostOptions(dispatch=dispatch)).reorder_weights(),
+                                     dispatch=dispatch, top_k=2)
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.rand(M, 4, 1, E, generator=gen) ** 4 + 0.01
+    if hot:  # a collapsed router in some layers only: layers that differ in what pays
+        w[:, torch.tensor(hot_L), :, 0] = (hot * w.sum(-1) / (1 - hot))[:, torch.tensor(hot_L)]
+    picks = torch.multinomial(w.expand(M, 4, N * g, E).reshape(-1, E), tokens, replacement=True, generator=gen)
+    loads = torch.zeros(M * 4 * N * g, E, dtype=torch.int64).scatter_add_(1, picks, torch.ones_like(picks))
+    loads = loads.view(M, 4, N * g, E)
+    planner = ReLibraPlanner(topo, cfg)
+    planner.placement_LE = torch.stack([torch.randperm(E, generator=gen) for _ in range(4)])
+    full = planner.plan(loads)
+    part = planner.plan_layers(loads, layers)
+    assert torch.equal(part.placement_LE, full.placement_LE[layers])
+    assert torch.equal(part.slot_expert_MLGJ, full.slot_expert_MLGJ[:, layers])
+    assert torch.equal(part.slot_tokens_MLGJ, full.slot_tokens_MLGJ[:, layers])

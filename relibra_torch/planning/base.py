@@ -14,7 +14,7 @@ from ..checks import check_tensor
 from .plan import StepPlan
 from .topology import Topology
 
-__all__ = ["Planner", "StaticPlanner", "check_loads", "native_plan", "static_plan"]
+__all__ = ["Planner", "StaticPlanner", "check_loads", "join_layer_shares", "layer_share", "native_plan", "static_plan"]
 
 
 def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
@@ -62,6 +62,34 @@ def static_plan(loads_MLSE: torch.Tensor, topology: Topology) -> StepPlan:
     L = loads_MLSE.shape[1]
     placement_LE = topology.static_placement(L)
     return native_plan(loads_MLSE, topology, placement_LE, "static", placement_LE)
+
+
+def layer_share(rank: int, ranks: int, num_layers: int) -> list[int]:
+    """The layers EP rank ``rank`` of ``ranks`` plans under split planning: every
+    ``ranks``-th layer from its own rank (the training hook and the simulator both use this)."""
+    return list(range(rank, num_layers, ranks))
+
+
+def join_layer_shares(parts: list[StepPlan], ranks: int, previous_placement_LE: torch.Tensor,
+                      planner: str) -> StepPlan:
+    """The step plan assembled from the ranks' shares (rank ``r`` planned
+    ``layer_share(r, ranks, L)`` into ``parts[r]``; ranks without a layer are left out).
+
+    Args:
+        parts: one :class:`StepPlan` per rank that has layers, in rank order.
+        previous_placement_LE: int64 ``[L, E]`` the placement before the step (gives ``L``).
+    Returns:
+        :class:`StepPlan` with ``L`` layers in layer order.
+    """
+    L = previous_placement_LE.shape[0]
+    order_L = torch.tensor([l for r in range(len(parts)) for l in layer_share(r, ranks, L)], dtype=torch.int64)
+    if order_L.numel() != L:
+        raise ValueError(f"{len(parts)} shares of {ranks} ranks cover {order_L.numel()} of {L} layers")
+    back_L = torch.empty_like(order_L)
+    back_L[order_L] = torch.arange(L)
+    cat = (lambda name, dim: torch.cat([getattr(p, name) for p in parts], dim).index_select(dim, back_L))
+    return StepPlan(parts[0].topology, cat("placement_LE", 0), cat("slot_expert_MLGJ", 1),
+                    cat("slot_tokens_MLGJ", 1), planner, previous_placement_LE.clone())
 
 
 class Planner(ABC):

@@ -51,18 +51,22 @@ def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
     def balanced(prefilled) -> StepPlan:
         return _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, prefilled, config)
 
+    # the second plan is weighed only in the layers where traffic replicas plan one: a
+    # layer's plan then depends on that layer alone, so EP ranks can plan layer shares
     if traffic and R // 2:
         prefilled = _traffic(loads_MLSE, topology, placement_LE, R // 2, config)
         plans = [balanced(prefilled)]
-        if bool((prefilled[0] >= 0).any()):
+        made_L = (prefilled[0] >= 0).flatten(2).any(2).any(0)
+        if bool(made_L.any()):
             plans.append(balanced(None))
     else:
         plans = [balanced(None)]
         if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
             prefilled = _traffic(loads_MLSE, topology, placement_LE, 1, config)
-            if bool((prefilled[0] >= 0).any()):
+            made_L = (prefilled[0] >= 0).flatten(2).any(2).any(0)
+            if bool(made_L.any()):
                 plans.append(balanced(prefilled))
-    return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config)
+    return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config, made_L)
 
 
 def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
@@ -81,10 +85,11 @@ def _balanced(loads_MLSE, topology: Topology, previous_placement_LE, placement_L
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra", previous_placement_LE.clone())
 
 
-def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config) -> StepPlan:
+def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config, weighed_L: torch.Tensor
+                        ) -> StepPlan:
     """Per layer the plan of ``plans`` (same placement) with the lowest price, ties to the
-    first. Layers are priced apart: residencies, second hops and the all-to-all are per
-    layer."""
+    first; the others only in the layers where ``weighed_L`` (bool ``[L]``) is set. Layers are
+    priced apart: residencies, second hops and the all-to-all are per layer."""
     first = plans[0]
     distinct = [first] + [p for p in plans[1:] if not (torch.equal(p.slot_expert_MLGJ, first.slot_expert_MLGJ)
                                                         and torch.equal(p.slot_tokens_MLGJ, first.slot_tokens_MLGJ))]
@@ -92,5 +97,6 @@ def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config)
         return first
     price_PL = torch.stack([(moe_seconds_ML(p, loads_MLSE, config) + replica_seconds_ML(p, config)).sum(0)
                             for p in distinct])
+    price_PL[1:, ~weighed_L] = float("inf")
     se, st = cheapest_per_layer([(p.slot_expert_MLGJ, p.slot_tokens_MLGJ) for p in distinct], price_PL)
     return StepPlan(first.topology, first.placement_LE, se, st, first.planner, first.previous_placement_LE)

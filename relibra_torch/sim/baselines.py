@@ -38,6 +38,11 @@ class BaselineOptions:
             without delaying it; the excess is charged. ``None``: the cost model's forward
             pass over the step's tokens under the system's plan (RL pipelines compute old
             log-probs with the same replay before the update; planning runs meanwhile).
+        planning_split: a planner that plans layers independently (``Planner.splits_layers``)
+            plans on every EP rank at once, each rank its share of the layers, and the ranks
+            all-gather the parts (the training hook's default, ``split_planning=True``): the
+            slowest rank's share plus the gathers is the host work. ``False``: one thread
+            plans the whole step (the hook's ``split_planning=False``).
         relibra_*: relibra's mechanisms (``ReLibraConfig`` fields), for ablations.
     """
 
@@ -47,6 +52,7 @@ class BaselineOptions:
     online_plan_latency_us: float = 67.0
     online_min_replica_tokens: int = 1024
     planning_overlap_s: float | None = None
+    planning_split: bool = True
     relibra_cross_node_replicas: bool = True
     relibra_reorder: bool = True
     relibra_traffic_search: bool = True
@@ -65,6 +71,8 @@ class BaselineOptions:
         check_int("online.min_replica_tokens", self.online_min_replica_tokens, 0)
         if self.planning_overlap_s is not None:
             check_number("planning.overlap_s", self.planning_overlap_s, 0.0)
+        if not isinstance(self.planning_split, bool):
+            raise TypeError(f"planning.split is {self.planning_split!r}; allowed: true or false")
         for name in ("cross_node_replicas", "reorder", "traffic_search", "balance", "two_hop", "choose",
                      "spread_fills"):
             if not isinstance(getattr(self, f"relibra_{name}"), bool):
@@ -100,7 +108,7 @@ class BaselineOptions:
 SECTIONS = {
     "eplb": {"interval": int, "window": int, "num_groups": int},
     "online": {"plan_latency_us": float, "min_replica_tokens": int},
-    "planning": {"overlap_s": float},
+    "planning": {"overlap_s": float, "split": bool},
     "relibra": {"cross_node_replicas": bool, "reorder": bool, "traffic_search": bool, "balance": bool,
                 "two_hop": bool, "choose": bool, "spread_fills": bool, "max_swap_rounds": int, "swap_candidates": int},
 }

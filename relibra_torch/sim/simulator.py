@@ -34,9 +34,9 @@ from typing import Callable
 import torch
 
 from ..checks import check_int
-from ..planning.base import Planner, StaticPlanner
+from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share
 from ..planning.evaluate import evaluate
-from ..planning.plan import token_split, validate_plan
+from ..planning.plan import StepPlan, token_split, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
@@ -283,12 +283,11 @@ def simulate(workload: Workload, config: SimConfig,
                     imb.append(torch.ones(loads_MLSE.shape[:2], dtype=torch.float64))
                     memory.append(ideal_memory(config.model, config.memory, loads_MLSE, tokens_MS, config.memory_world))
             else:
+                pairs_LEE = None
                 if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
                     r = workload.routing  # the step's exact pair counts, as replay gives them
                     pairs_LEE = count_pairs(r.routed_experts_TLK[r.token_index[x]], topo.num_experts)
-                    plan, secs = one_thread_cpu(lambda: planner.plan(loads_MLSE, pairs_LEE))
-                else:
-                    plan, secs = one_thread_cpu(lambda: planner.plan(loads_MLSE))
+                plan, secs = plan_as_run(planner, loads_MLSE, pairs_LEE, config)
                 if config.validate:
                     validate_plan(plan, loads_MLSE)
                 if measured:  # a warm-up step only advances the planner's state
@@ -312,6 +311,43 @@ def simulate(workload: Workload, config: SimConfig,
         results[name] = SystemResult(name, torch.stack(imb), costs, planner_s, balanced_s=balanced,
                                      active_XM=active_XM, memory=memory, **host)
     return SimResult(config, workload, results)
+
+
+def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None,
+                config: SimConfig) -> tuple[StepPlan, float]:
+    """The step's plan and its host seconds, as the training hook runs the planner.
+
+    With split planning (``planning.split``, the hook's default) and a planner that plans
+    layers independently, each of the ``G`` EP ranks plans its share of the layers
+    (:func:`~relibra_torch.planning.base.layer_share`) on its own CPU, and the ranks agree on
+    the inputs, then all-gather the parts and whether any failed: three collectives. The
+    host work is the slowest rank's share (one thread's CPU time) plus those collectives
+    (latency, and the gathered plan's int64 bytes over the slowest link). Otherwise one
+    thread plans the whole step.
+    """
+    def run(layers=None):
+        args = (loads_MLSE,) if layers is None else (loads_MLSE, layers)
+        args += () if pairs_LEE is None else (pairs_LEE,)
+        return planner.plan(*args) if layers is None else planner.plan_layers(*args)
+
+    topo, L = config.topology, loads_MLSE.shape[1]
+    ranks = topo.num_gpus
+    if not (config.baseline_options.planning_split and getattr(planner, "splits_layers", False)
+            and ranks > 1 and L > 1):
+        return one_thread_cpu(run)
+    parts, secs = [], []
+    for r in range(min(ranks, L)):
+        part, s = one_thread_cpu(lambda: run(layer_share(r, ranks, L)))
+        parts.append(part)
+        secs.append(s)
+    plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
+    hw = config.hardware
+    per_rank_layers = -(-L // ranks)  # the hook pads every rank's part to this many layers
+    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * loads_MLSE.shape[0] * ranks * topo.slots_per_gpu)
+    latency_us, gbps = ((hw.inter_node_latency_us, hw.inter_node_gbps) if topo.num_nodes > 1
+                        else (hw.nvlink_latency_us, hw.nvlink_gbps))
+    gather_s = 3 * latency_us * 1e-6 + gathered * (ranks - 1) / ranks / (gbps * 1e9)
+    return plan, max(secs) + gather_s
 
 
 def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
