@@ -140,3 +140,24 @@ def test_move_expert_rows_one_process_is_a_permutation():
     assert torch.equal(local_new, logical[native_experts(new, E, 0)])
     # The identity placement is the logical order.
     assert torch.equal(move_expert_rows(local_old, old, torch.arange(E), 0, None), logical)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(1, 2, 4, 1), (2, 2, 8, 2), (2, 4, 8, 0), (3, 2, 12, 3)]),
+       M=st.integers(1, 3), L=st.integers(1, 3), tokens=st.integers(0, 50))
+def test_a_plan_without_replicas_splits_as_the_general_rule(seed, shape, M, L, tokens):
+    """``token_split``'s shortcut for plans without replicas (static steps, and relibra's
+    steps where no copy pays) gives what the general rule gives; a plan with a replica takes
+    the general rule."""
+    from relibra_torch.planning.plan import _general_split, _native_split
+
+    N, g, E, R = shape
+    topo = Topology(N, g, E, R)
+    gen = torch.Generator().manual_seed(seed)
+    loads = torch.randint(0, tokens + 1, (M, L, N * g, E), generator=gen)
+    placement = torch.stack([torch.randperm(E, generator=gen) for _ in range(L)])
+    plan = native_plan(loads, topo, placement, "native")
+    assert torch.equal(token_split(plan, loads), _general_split(plan, loads))
+    if R and tokens:  # one replica of the first GPU's first expert, on the last GPU
+        plan.slot_expert_MLGJ[..., -1, -1] = plan.slot_expert_MLGJ[..., 0, 0]
+        assert _native_split(plan, loads) is None

@@ -47,7 +47,10 @@ def test_host_work_is_charged_beyond_the_window_only():
     figs = charged.figures()
     for name in ("static", "eplb-oracle", "relibra"):
         r = charged.systems[name]
-        assert r.host_s[0] >= r.planner_s[0] > 0.0  # planner + the token splits
+        if name == "relibra":  # planner + the token splits its layer runs on the host
+            assert r.host_s[0] > r.planner_s[0] > 0.0
+        else:  # the baselines' engines split per token on the GPU: the planner only
+            assert r.host_s[0] == r.planner_s[0] > 0.0
         assert r.charged_s == r.host_s  # window 0: everything is charged
         # the step is the same plan's step plus the charge
         assert figs[name]["step_time_s"] == pytest.approx(free[name]["step_time_s"] + r.charged_s[0], rel=1e-9)

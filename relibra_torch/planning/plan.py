@@ -128,6 +128,31 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     Returns:
         int64 ``[M, L, S, G, J]``: tokens source ``s`` sends to slot ``(g, j)``.
     """
+    native = _native_split(plan, loads_MLSE)
+    return native if native is not None else _general_split(plan, loads_MLSE)
+
+
+def _native_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor | None:
+    """:func:`token_split` of a plan without replicas, or ``None`` for any other plan: every
+    expert has one instance (its native slot, a permutation), which takes all its tokens, so
+    each source sends its whole count there; what the general rule gives too, in a few ops
+    (a static step, or one where relibra's planner kept every copy out)."""
+    topo = plan.topology
+    M, L, S, E = loads_MLSE.shape
+    G, J, El = topo.num_gpus, topo.slots_per_gpu, topo.experts_per_gpu
+    if bool((plan.slot_expert_MLGJ[..., El:] >= 0).any()):
+        return None
+    loads_MLSE = loads_MLSE.to(torch.int64)
+    e_MLX = plan.slot_expert_MLGJ[..., :El].reshape(M, L, G * El)
+    if not torch.equal(plan.slot_tokens_MLGJ[..., :El].reshape(M, L, G * El), loads_MLSE.sum(2).gather(2, e_MLX)):
+        return None  # quotas that are not the experts' loads: the general rule says what happens
+    out = torch.zeros(M, L, S, G, J, dtype=torch.int64)
+    out[..., :El] = loads_MLSE.gather(3, e_MLX.unsqueeze(2).expand(M, L, S, G * El)).view(M, L, S, G, El)
+    return out
+
+
+def _general_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """:func:`token_split` for any plan (its docstring's four steps)."""
     topo = plan.topology
     M, L, S, E = loads_MLSE.shape
     G, J, g = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node

@@ -404,6 +404,7 @@ class ReLibraPlanner(Planner):
     """Stateful wrapper: plans each step from the previous step's placement."""
 
     name = "relibra"
+    host_token_splits = True  # its layer derives each micro-batch's exchange sizes on the host
 
     def __init__(self, topology: Topology, config: ReLibraConfig = ReLibraConfig()):
         super().__init__(topology)

@@ -9,9 +9,12 @@ For each system the simulator walks the steps in order: ``plan = planner.plan(lo
 step's migration is counted from the placement actually in force. The first
 ``warmup_steps`` steps are run but left out of the figures (EPLB has no history yet).
 
-Host work ahead of the step (the planner and the layer's per-micro-batch token splits) is
-measured as one thread's CPU time (torch limited to one thread: the planner's target is
-one core, and CPU time does not grow on a loaded machine) and charged where it exceeds the
+Host work ahead of the step (the planner, and for relibra, whose layer derives every
+exchange size on the host, the per-micro-batch token splits; baselines' engines pick
+replicas per token on the GPU) is measured as one thread's CPU time (torch limited to one
+thread: CPU time does not grow on a loaded machine). A planner that plans layers apart runs
+as the training hook runs it (``planning.split``): every EP rank plans its share of the
+layers, and the slowest share plus three small collectives counts. It is charged where it exceeds the
 overlap window (``planning.overlap_s``; default: the system's forward pass over the step,
 during which RL pipelines compute old log-probs with the same replay). Systems that plan at
 run time (a ``plan_latency_s`` attribute) are charged that latency per layer and
@@ -304,7 +307,8 @@ def simulate(workload: Workload, config: SimConfig,
                                               config.memory_world))
                     _check_memory(config, name, x, memory[-1])
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], config.baseline_options,
-                                      run_time=hasattr(planner, "plan_latency_s"))
+                                      run_time=hasattr(planner, "plan_latency_s"),
+                                      splits=getattr(planner, "host_token_splits", False))
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
@@ -384,12 +388,16 @@ def forward_s(c: StepCost) -> float:
 
 
 def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
-                      c: StepCost, options: BaselineOptions, run_time: bool) -> None:
+                      c: StepCost, options: BaselineOptions, run_time: bool, splits: bool) -> None:
     """Add the host work that does not fit the overlap window to the step (see the module
-    docstring); record host CPU, window and charge in ``host``."""
+    docstring); record host CPU, window and charge in ``host``. ``splits``: the system's
+    layer derives every exchange size on the host (``token_split`` per micro-batch, relibra's
+    layer); the baselines' engines pick a replica per token on the GPU, static has none."""
     window = forward_s(c) if options.planning_overlap_s is None else options.planning_overlap_s
     if run_time:  # planned on the critical path, per layer: the cost model charged its latency
         work = 0.0
+    elif not splits:
+        work = planner_s
     else:
         def splits():
             for m in range(loads_MLSE.shape[0]):  # the layer splits once per micro-batch
