@@ -261,10 +261,10 @@ def _tables(draw):
 
 @settings(max_examples=150, deadline=None)
 @given(_tables(), st.randoms(use_true_random=False), st.integers(1, 380))
-def test_search_on_any_attainment_table_is_the_maximum_of_the_definition(monkeypatch_tables, rnd, t):
+def test_search_on_any_attainment_table_is_the_maximum_of_the_definition(drawn, rnd, t):
     import relibra_torch.serving.goodput as gp
 
-    tables = dict(monkeypatch_tables)
+    tables = dict(drawn)
 
     def met(cfg, k):
         thr, flips, _ = tables[cfg]
@@ -282,7 +282,7 @@ def test_search_on_any_attainment_table_is_the_maximum_of_the_definition(monkeyp
     saved = gp.run_config, gp.at_scale
     gp.run_config, gp.at_scale = fake_run, lambda reqs, f, cl: f
     try:
-        configs = [c for c, _ in monkeypatch_tables]
+        configs = [c for c, _ in drawn]
         each = {c: gp.goodput(c, cl, reqs) for c in configs}
         for c in configs:
             assert each[c].k == _definition(lambda k: met(c, k), tables[c][2])

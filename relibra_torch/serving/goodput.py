@@ -6,9 +6,9 @@ on that grid by a scan that depends on its attainment at grid points alone
 (:func:`goodput`: doublings from 1, then every 4th point, then every point, each upwards
 until the target is missed), so it does not depend on which rates were tried before, even
 where attainment is not monotone in the rate. Each system's best configuration is the
-maximum of that over its configurations, found by a branch and bound whose pruning is
-exact for that definition, so the result does not depend on the order of the list
-(:func:`best_config`).
+maximum of that over its configurations, found by a race whose ruling-out is exact for
+that definition (branch and bound where the race does not decide), so the result does not
+depend on the order of the list (:func:`best_config`).
 
 Legend: N requests.
 """
@@ -118,10 +118,13 @@ def goodput(cfg: SystemConfig, cl: Cluster, reqs: Requests, max_doublings: int =
     misses; otherwise ``k = -32, -64, ...`` down to the first that meets it (none down to
     ``-32 max_doublings``: goodput 0). Then from the last point met, every 4th grid point
     upwards until one misses (or the known miss), then every point: the goodput is the last
-    point met. It is a function of the configuration's attainment at grid points alone
-    (not of any rate tried before), and equals the first miss of a plain increasing scan,
-    less one, wherever attainment falls with rate. Past ``max_doublings`` doublings met, a
-    burst of the whole trace that meets the target makes it unbounded.
+    point met. Equivalently: the highest k >= -32 max_doublings whose chain met the target,
+    the chain of k being the doublings from 0 (below 0: k's own doubling) up to k, every
+    4th point from k's doubling up to k and every point from k's 4th point up to k. It is a
+    function of the configuration's attainment at grid points alone (not of any rate tried
+    before), and equals the first miss of a plain increasing scan, less one, wherever
+    attainment falls with rate. Past ``max_doublings`` doublings met, a burst of the whole
+    trace that meets the target makes it unbounded.
     """
     r = _runs or _Runs(cfg, cl, reqs)
     path: list[int] = []
@@ -189,9 +192,9 @@ def _may_reach(r: _Runs, t: int) -> bool:
     lo_{i-1} < t. Hence (a) u_i = s_i ceil(t / s_i) was met (it lies in that range), and (b)
     e_j = s_j floor(t / s_j) was met for every j <= i: e_j is a point of that range or of
     an earlier level's (lo_j >= e_j, else lo_i < lo_j + s_j <= e_j <= t). So goodput >= t
-    needs, for some i, u_i met and e_j met for all j <= i; this refutes every i. In the
-    usual case two early-stopped runs do it: e_1 (at most 3 grid steps below t) and u_0
-    (the next doubling)."""
+    needs, for some i, u_i met and e_j met for all j <= i; this refutes every i. For a
+    configuration far below t one early-stopped run does it (e_0, the doubling at or below
+    t, missed); for one close below, e_0 met, e_1 (at most 3 steps below t) and u_0 missed."""
     n = len(LEVELS)
     e = [s * (t // s) for s in LEVELS]
     u = [s * -(-t // s) for s in LEVELS]
