@@ -243,16 +243,20 @@ def _definition(met, burst: bool) -> int:
 
 @st.composite
 def _tables(draw):
-    """Configurations with pass/miss tables: a threshold with flips around it (attainment
-    not monotone in the rate), some sharing a table (ties), some unbounded."""
+    """Configurations with pass/miss tables: a threshold with flips around it and at a few
+    doublings (attainment not monotone in the rate), some sharing a table (ties), some
+    unbounded."""
     n = draw(st.integers(1, 6))
     out = []
     for i in range(n):
         if out and draw(st.booleans()) and draw(st.booleans()):
             table = out[draw(st.integers(0, len(out) - 1))][1]
         else:
-            t = draw(st.integers(-400, 420))
-            flips = frozenset(draw(st.lists(st.integers(t - 40, t + 40), max_size=12)))
+            t = draw(st.integers(-120, 420))
+            # flips near the threshold, and up to two doublings flipped anywhere (a low hole
+            # that a configuration racing ahead from R only shows when scanned in full)
+            flips = frozenset(draw(st.lists(st.integers(t - 40, t + 40), max_size=12))
+                              + [32 * j for j in draw(st.lists(st.integers(-12, 13), max_size=2))])
             table = (t, flips, draw(st.integers(0, 9)) == 0)
         cfg = SystemConfig("x", (("a", draw(st.integers(0, 3))), ("i", i)), draw(st.integers(1, 2)))
         out.append((cfg, table))
