@@ -1,10 +1,13 @@
 """The serve-sim speed-ups change no result: the early stop's misses are real misses, the
 memoised cost terms equal fresh ones, arrivals merged in order equal arrivals pushed first,
-the search with early-stopped runs equals the one with full runs, worker processes change nothing."""
+the search with early-stopped runs equals the one with full runs, worker processes change nothing;
+and the search returns the maximum over configurations of their goodput, in any order."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,8 +19,9 @@ from relibra_torch.serving import cost as cost_mod
 from relibra_torch.serving.compare import CompareSetup, compare
 from relibra_torch.serving.cost import ServingCost
 from relibra_torch.serving.engine import SLO_TOL, Engine, Executor
-from relibra_torch.serving.goodput import _scale, at_scale, best_config, run_config
-from relibra_torch.serving.systems import Cluster, build_engine, enumerate_configs
+from relibra_torch.serving.goodput import (K_NONE, K_UNBOUNDED, RunMetrics, _scale, at_scale, best_config, goodput,
+                                           run_config, tie_key)
+from relibra_torch.serving.systems import Cluster, SystemConfig, build_engine, enumerate_configs
 
 from test_serving_goodput import TIGHT, TINY, _pi, _requests
 
@@ -163,33 +167,142 @@ class _Lin:
         return 0.005 + 1e-4 * batch
 
 
-@settings(max_examples=3, deadline=None)
-@given(st.sampled_from(SYSTEMS), st.integers(0, 5))
-def test_early_stopped_search_equals_the_search_with_full_runs(system, seed):
-    """best_config with early-stopped runs (the deadline sweep) visits the same grid points
-    with the same verdicts, so it returns the same configuration, rate and grid index as the
-    same search with every run simulated to the end.
+def _exhaustive(configs, cl, reqs):
+    """Every configuration's goodput, scanned on its own, and the best by the stated rule:
+    the highest grid index, then the smallest tie_key."""
+    return min((goodput(c, cl, reqs) for c in configs), key=lambda g: (-g.k, tie_key(g.config)))
 
-    (Not compared with a per-configuration search from rate 1: on this tiny model attainment
-    is not monotone in the rate, and branch and bound's probe at the best rate so far can
-    find a configuration a higher passing point than a search from the bottom does: 681.7
-    against 598.7 req/s for expertplex, seed 0, with or without these speed-ups.)"""
+
+@settings(max_examples=4, deadline=None)
+@given(st.sampled_from(SYSTEMS), st.integers(0, 5), st.randoms(use_true_random=False))
+def test_search_is_the_per_configuration_maximum_in_any_order_with_or_without_early_stops(system, seed, rnd):
+    """best_config returns the maximum over configurations of goodput() (each scanned on its
+    own from rate 1), ties to the smallest tie_key, for any order of the list; and the same
+    (configuration, rate, grid index, visited points) with every run simulated to the end.
+
+    This replaces a weaker check that documented the old branch and bound's order
+    dependence (it compared the search only with itself on full runs): on this tiny model
+    attainment is not monotone in the rate (next test), so a search whose result depends
+    on the rates it tried first could return a different rate or configuration per order."""
     import relibra_torch.serving.goodput as gp
 
     cl = _cluster()
     reqs = _requests(40, seed)
     need = int((reqs.prompt_N + reqs.output_N).max())
     configs = enumerate_configs(system, cl, need)[:8]
-    fast = best_config(configs, cl, reqs)
+    shuffled = list(configs)
+    rnd.shuffle(shuffled)
+    want = _exhaustive(configs, cl, reqs)
+    for order in (configs, shuffled, configs[::-1]):
+        got = best_config(order, cl, reqs)
+        assert (got.config, got.rate, got.k, got.points) == (want.config, want.rate, want.k, want.points)
     real = gp.run_config
     gp.run_config = lambda cfg, cl, reqs, early_stop=False: real(cfg, cl, reqs, False)
     try:
-        full = best_config(configs, cl, reqs)
+        full = best_config(shuffled, cl, reqs)
     finally:
         gp.run_config = real
-    assert (fast.config, fast.rate, fast.k) == (full.config, full.rate, full.k)
     target = cl.consts.attainment
-    assert [(r, a >= target) for r, a, _ in fast.points] == [(r, a >= target) for r, a, _ in full.points]
+    assert (full.config, full.rate, full.k) == (want.config, want.rate, want.k)
+    assert [(r, a >= target) for r, a, _ in full.points] == [(r, a >= target) for r, a, _ in want.points]
+
+
+def test_the_tiny_model_is_not_monotone_in_the_rate():
+    """The case the invariant above is about: an expertplex configuration of the tiny model
+    that meets the target at grid index 100, misses it at 101 and meets it at 102. Its
+    goodput is 100 (the scan's first miss is 101); the old bisection from rate 1 gave 103,
+    and the old branch and bound's upward search from a probe at 102 gave 103 as well."""
+    cl = _cluster()
+    reqs = _requests(40, 0)
+    cfg = enumerate_configs("expertplex", cl, int((reqs.prompt_N + reqs.output_N).max()))[4]
+    met = [run_config(cfg, cl, at_scale(reqs, _scale(k), cl)).attainment >= cl.consts.attainment
+           for k in (100, 101, 102)]
+    assert met == [True, False, True]
+    assert goodput(cfg, cl, reqs).k == 100
+
+
+# --- the search on synthetic attainment tables: any pass/miss pattern over the grid ---
+
+def _chain(k: int) -> list[int]:
+    """The points a scan ending at k met, by the definition: the doublings from 0 (or, below
+    rate 1, k's own doubling) up to k, every 4th point from k's doubling, every point from
+    k's 4th point."""
+    d, q = 32 * (k // 32), 4 * (k // 4)
+    return list(range(min(0, d), k + 1, 32)) + list(range(d, k + 1, 4)) + list(range(q, k + 1))
+
+
+def _definition(met, burst: bool) -> int:
+    """A configuration's goodput index from its attainment table, by the definition (not by
+    the scan): unbounded if every doubling up to 2^12 and the burst meet the target, else
+    the highest k >= -384 whose chain was met, K_NONE if none."""
+    if burst and all(met(32 * j) for j in range(13)):
+        return K_UNBOUNDED
+    ks = [k for k in range(-384, 32 * 12 * 5) if met(k) and all(met(p) for p in _chain(k))]
+    return max(ks, default=K_NONE)
+
+
+@st.composite
+def _tables(draw):
+    """Configurations with pass/miss tables: a threshold with flips around it and at a few
+    doublings (attainment not monotone in the rate), some sharing a table (ties), some
+    unbounded."""
+    n = draw(st.integers(1, 6))
+    out = []
+    for i in range(n):
+        if out and draw(st.booleans()) and draw(st.booleans()):
+            table = out[draw(st.integers(0, len(out) - 1))][1]
+        else:
+            t = draw(st.integers(-120, 420))
+            # flips near the threshold, and up to two doublings flipped anywhere (a low hole
+            # that a configuration racing ahead from R only shows when scanned in full)
+            flips = frozenset(draw(st.lists(st.integers(t - 40, t + 40), max_size=12))
+                              + [32 * j for j in draw(st.lists(st.integers(-12, 13), max_size=2))])
+            table = (t, flips, draw(st.integers(0, 9)) == 0)
+        cfg = SystemConfig("x", (("a", draw(st.integers(0, 3))), ("i", i)), draw(st.integers(1, 2)))
+        out.append((cfg, table))
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(_tables(), st.randoms(use_true_random=False), st.integers(1, 380))
+def test_search_on_any_attainment_table_is_the_maximum_of_the_definition(drawn, rnd, t):
+    import relibra_torch.serving.goodput as gp
+
+    tables = dict(drawn)
+
+    def met(cfg, k):
+        thr, flips, _ = tables[cfg]
+        return (k <= thr) != (k in flips)
+
+    def fake_run(cfg, cl, scale, early_stop=False):
+        if scale == math.inf:
+            ok = tables[cfg][2]
+        else:
+            ok = met(cfg, round(32 * math.log2(scale)))
+        return RunMetrics(scale, np.empty(0), np.empty(0), 1.0 if ok else 0.0, 0, not ok)
+
+    cl = SimpleNamespace(consts=SimpleNamespace(attainment=0.9))
+    reqs = SimpleNamespace(scaled=lambda f, *a: math.inf)
+    saved = gp.run_config, gp.at_scale
+    gp.run_config, gp.at_scale = fake_run, lambda reqs, f, cl: f
+    try:
+        configs = [c for c, _ in drawn]
+        each = {c: gp.goodput(c, cl, reqs) for c in configs}
+        for c in configs:
+            assert each[c].k == _definition(lambda k: met(c, k), tables[c][2])
+            if tables[c][1] == frozenset() and each[c].k not in (K_NONE, K_UNBOUNDED):
+                assert not met(c, each[c].k + 1)  # monotone: the first miss, less one
+            # the probes never rule out a configuration that reaches t
+            if each[c].k >= t:
+                assert gp._may_reach(gp._Runs(c, cl, reqs), t)
+        want = min(each.values(), key=lambda g: (-g.k, tie_key(g.config)))
+        order = list(configs)
+        rnd.shuffle(order)
+        for o in (configs, order):
+            got = gp.best_config(o, cl, reqs)
+            assert (got.config, got.k, got.points) == (want.config, want.k, want.points)
+    finally:
+        gp.run_config, gp.at_scale = saved
 
 
 def test_worker_processes_give_the_same_document():
