@@ -124,7 +124,7 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
     drop_ML = busiest_ML - ceil_MLN.amax(-1)
     # the step-long set is planned only without traffic replicas (relibra passes them as
     # ``prefilled`` on several nodes)
-    step_set = not (config.cross_node_replicas and N > 1 and R)
+    step_set = not (config.cross_node_replicas and N > 1 and R // 2)
     pays_L = drop_ML.sum(0).to(torch.float64) * saved >= fill + latency
     # the set over every free slot (planning.step_set) is planned with or without traffic
     # replicas and copies only an expert whose step load gives each of two instances ``mt``
@@ -163,7 +163,7 @@ def _d_loses(load_MLE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch
     slot_LE = torch.empty_like(natives_LG).scatter_(1, natives_LG, torch.arange(natives_LG.shape[1]).expand(L, -1))
     load_MLE = load_MLE[:, layers_L]
     prefilled = None
-    if config.cross_node_replicas and N > 1 and R:
+    if config.cross_node_replicas and N > 1 and R // 2:
         prefilled = (torch.full((M, L, topology.num_gpus, R // 2), -1, dtype=torch.int64),
                      torch.zeros(M, L, topology.num_gpus, R // 2, dtype=torch.int64))
     d = step_long_set(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
