@@ -90,12 +90,12 @@ def _copy_possible_ML(gpu_MLNg: torch.Tensor, biggest_MLN: torch.Tensor, min_tok
 
 
 def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, placement_LE: torch.Tensor,
-                           topology: Topology, config) -> bool:
+                           topology: Topology, config, r0: int) -> bool:
     """Whether :func:`relibra_torch.planning.balance.replicate_step` provably makes no copy
     on the placement the full search keeps (``placement_LE``'s GPUs, :func:`_search_natives`)
-    after traffic replicas that made none. Its plans: ``a`` per micro-batch (copies of at least ``mt =
+    after ``r0`` traffic slots per GPU that hold nothing (0: none reserved). Its plans: ``a`` per micro-batch (copies of at least ``mt =
     min_replica_tokens_on(N)`` tokens), ``b`` the same with ``mt / M`` (a fill shared by the
-    step's micro-batches), without traffic replicas ``c`` one step-long set, and ``d``; per layer
+    step's micro-batches), without traffic slots ``c`` one step-long set, and ``d``; per layer
     the cheapest at its step price (ties keep ``a``).
 
     * ``a`` makes none where no copy of ``mt`` tokens is possible (:func:`_copy_possible_MLN`);
@@ -110,7 +110,7 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
     * Elsewhere ``b``'s rows of one node per layer (:func:`_b_loses_L`) are planned exactly.
     """
     M = load_MLE.shape[0]
-    N, g, R = topology.num_nodes, topology.gpus_per_node, topology.replica_slots
+    N, g = topology.num_nodes, topology.gpus_per_node
     mt = config.min_replica_tokens_on(N)
     gpu_MLNg, biggest_MLN = _node_loads(load_MLE, placement_LE, topology)
     if bool(_copy_possible_ML(gpu_MLNg, biggest_MLN, mt).any()):
@@ -122,14 +122,12 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
     ceil_MLN = (gpu_MLNg.sum(-1) + g - 1) // g
     busiest_ML = gpu_MLNg.flatten(2).amax(-1)
     drop_ML = busiest_ML - ceil_MLN.amax(-1)
-    # the step-long set is planned only without traffic replicas (relibra passes them as
-    # ``prefilled`` on several nodes)
-    step_set = not (config.cross_node_replicas and N > 1 and R // 2)
+    step_set = r0 == 0  # the step-long set is planned only without traffic slots (``prefilled``)
     pays_L = drop_ML.sum(0).to(torch.float64) * saved >= fill + latency
     # the set over every free slot (planning.step_set) is planned with or without traffic
     # replicas and copies only an expert whose step load gives each of two instances ``mt``
     every_L = pays_L & (load_MLE.sum(0).amax(-1) >= 2 * mt)
-    if bool(every_L.any()) and not _d_loses(load_MLE, every_L.nonzero().squeeze(1), placement_LE, topology, config):
+    if bool(every_L.any()) and not _d_loses(load_MLE, every_L.nonzero().squeeze(1), placement_LE, topology, config, r0):
         return False
     if step_set:
         step_L = _copy_possible_ML(*_node_loads(load_MLE.sum(0, keepdim=True), placement_LE, topology), mt)[0]
@@ -144,28 +142,28 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
         lay = open_L.nonzero().squeeze(1)
         natives_LGl = _search_natives(placement_LE[lay], topology, config)
         open_L[lay] = ~_b_loses_L(own_MLNE, lay, load_MLE[:, lay], natives_LGl, gpu_MLNg[:, lay],
-                                  possible_MLN[:, lay], 0 if step_set else R // 2, K, topology, config)
+                                  possible_MLN[:, lay], r0, K, topology, config)
         if not bool(open_L.any()):
             return True
     return False
 
 
 def _d_loses(load_MLE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch.Tensor, topology: Topology,
-             config) -> bool:
+             config, r0: int) -> bool:
     """Whether ``replicate_step``'s plan ``d`` (the set over every free slot) prices at least
     the plan without copies in every layer of ``layers_L`` (ties keep the plan without
     copies): ``d`` is planned exactly as ``replicate_step`` plans it on the placement the
-    search keeps (empty traffic slots where relibra plans traffic replicas), and both are
+    search keeps (``r0`` empty traffic slots), and both are
     priced by the same ``balance.step_price_L``."""
-    M, E, R, N = load_MLE.shape[0], topology.num_experts, topology.replica_slots, topology.num_nodes
+    M, N = load_MLE.shape[0], topology.num_nodes
     L = int(layers_L.numel())
     natives_LG = _search_natives(placement_LE[layers_L], topology, config).reshape(L, -1)
     slot_LE = torch.empty_like(natives_LG).scatter_(1, natives_LG, torch.arange(natives_LG.shape[1]).expand(L, -1))
     load_MLE = load_MLE[:, layers_L]
     prefilled = None
-    if config.cross_node_replicas and N > 1 and R // 2:
-        prefilled = (torch.full((M, L, topology.num_gpus, R // 2), -1, dtype=torch.int64),
-                     torch.zeros(M, L, topology.num_gpus, R // 2, dtype=torch.int64))
+    if r0:
+        prefilled = (torch.full((M, L, topology.num_gpus, r0), -1, dtype=torch.int64),
+                     torch.zeros(M, L, topology.num_gpus, r0, dtype=torch.int64))
     d = step_long_set(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
                       int(config.two_hop))
     G, El = topology.num_gpus, topology.experts_per_gpu
@@ -259,9 +257,11 @@ def _nothing_pays(own_MLNE: torch.Tensor, topology: Topology, previous_placement
             return False
     if config.reorder and N > 1 and not _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g, R, coloc_w):
         return False
-    # balance.replicate_step on the placement the search keeps, after traffic replicas that made none
-    return not (config.balance and R) or _balancing_copies_none(own_MLNE, load_MLE, previous_placement_LE,
-                                                                 topology, config)
+    # balance.replicate_step on the placement the search keeps, after traffic replicas that made
+    # none, in their R // 2 slots and without them (the plain plan weighs both, planning/plain.py)
+    r0s = sorted({R // 2 if config.cross_node_replicas and N > 1 else 0, 0}, reverse=True)
+    return not (config.balance and R) or all(_balancing_copies_none(own_MLNE, load_MLE, previous_placement_LE,
+                                                                     topology, config, r0) for r0 in r0s)
 
 
 def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g: int, R: int, coloc_w: float) -> bool:

@@ -11,7 +11,8 @@ collapsed router's hot expert stays on one node however much of every token cros
 So per layer these plans are priced and the cheapest kept, ties to the first:
 
 * ``R // 2`` traffic slots (the default; with ``R = 1`` none);
-* no traffic replica, balancing on every slot (only where the first planned one);
+* no traffic replica, balancing on every slot (also where the first planned none: their
+  reserved slots would stay empty);
 * with ``R = 1``, the one slot for traffic replicas (only where they plan one);
 * with ``R = 1``, that plan with traffic slots per GPU rather than per node: a GPU's
   slot that holds no traffic replica in a micro-batch is free for balancing
@@ -24,10 +25,9 @@ So per layer these plans are priced and the cheapest kept, ties to the first:
 The price is :mod:`relibra_torch.planning.price`'s per layer: expert compute, all-to-all,
 replica fills and returns with their latency, summed over micro-batches; that is the cost
 model's step minus attention and dense layers (``tests/test_relibra_choose.py``), and every
-candidate has the same placement, so the migration is the same. A plan with no traffic
-replica is built only from a traffic plan that made some, so where the fast path
-(:mod:`relibra_torch.planning.fastpath`) proves that none pays, the plain plan is the one
-plan it was before.
+candidate has the same placement, so the migration is the same. The fast path
+(:mod:`relibra_torch.planning.fastpath`) bounds balancing both with the ``R // 2`` reserved
+(empty) traffic slots and without them.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU,
 P candidate plans.
@@ -60,9 +60,7 @@ def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
 
     if traffic and R // 2:
         prefilled = _traffic(loads_MLSE, topology, placement_LE, R // 2, config)
-        plans = [balanced(prefilled)]
-        if bool((prefilled[0] >= 0).any()):
-            plans.append(balanced(None))
+        plans = [balanced(prefilled), balanced(None)]
     else:
         plans = [balanced(None)]
         if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
