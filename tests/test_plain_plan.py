@@ -1,18 +1,19 @@
 """relibra's plain plan keeps, per layer, the cheapest number of traffic slots at the exact
 step price (planning/plain.py): never priced above any of the plans it weighs (traffic
-replicas in ``R // 2`` slots; none where those make some; at ``R = 1`` the one slot where it
-holds some), whatever the loads."""
+replicas in ``R // 2`` slots; none; at ``R = 1`` the one slot where it
+holds some, also with its empty slots free for balancing), whatever the loads."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from benchmarks.standin_loads import standin_loads
-from relibra_torch.planning import Topology
+from relibra_torch.planning import PlannedOnlinePlanner, Topology
+from relibra_torch.planning.balance import replicate
 from relibra_torch.planning.plain import _balanced, _traffic, plain_plan
 from relibra_torch.planning.price import step_seconds
 from relibra_torch.planning.pricing import priced_config
@@ -21,6 +22,7 @@ from relibra_torch.planning.pricing import priced_config
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), R=st.sampled_from([1, 2, 3]), k=st.sampled_from([1, 2, 8]),
        zipf=st.sampled_from([0.3, 1.0]), collapse=st.sampled_from([0.0, 0.95]), factor=st.sampled_from([1, 8, 64]))
+@example(seed=6229, R=2, k=1, zipf=1.0, collapse=0.0, factor=64)   # no traffic replica: 7.80 ms with their slots empty, 7.67 without
 def test_plain_plan_is_priced_at_most_each_traffic_choice(seed, R, k, zipf, collapse, factor):
     E = 16
     topo = Topology(2, 4, E, R)
@@ -31,17 +33,19 @@ def test_plain_plan_is_priced_at_most_each_traffic_choice(seed, R, k, zipf, coll
     # every slot's tokens add up to the loads (nothing lost, nothing invented)
     assert torch.equal(plan.slot_tokens_MLGJ.sum((2, 3)), loads.sum((2, 3)))
     price = step_seconds(plan, loads, cfg)
-    pres = [None]
+    pres = [(None, False)]
     if R // 2:
         pre = _traffic(loads, topo, place, R // 2, cfg)
-        # where traffic replicas make none their slots stay reserved (the fast path's bounds
-        # assume it): the plan without them is a candidate only where they make some
-        pres = [pre, None] if bool((pre[0] >= 0).any()) else [pre]
+        # the plan without traffic slots too, also where traffic replicas make none (their
+        # reserved slots would stay empty)
+        pres = [(pre, False), (None, False)]
     if R == 1:
         one = _traffic(loads, topo, place, 1, cfg)
-        pres += [one] if bool((one[0] >= 0).any()) else []
-    for pre in pres:
-        assert price <= step_seconds(_balanced(loads, topo, place, place, pre, cfg), loads, cfg) * (1 + 1e-12)
+        pres += [(one, False), (one, True)] if bool((one[0] >= 0).any()) else []  # traffic slots per GPU
+    for pre, free in pres:
+        candidate = _balanced(loads, topo, place, place, pre, cfg, free)
+        assert torch.equal(candidate.slot_tokens_MLGJ.sum((2, 3)), loads.sum((2, 3)))
+        assert price <= step_seconds(candidate, loads, cfg) * (1 + 1e-12)
 
 
 def test_traffic_replicas_that_cost_more_than_they_save_are_dropped():
@@ -59,3 +63,64 @@ def test_traffic_replicas_that_cost_more_than_they_save_are_dropped():
                                                  step_seconds(without, loads, cfg)) * (1 + 1e-12)
     off = dataclasses.replace(cfg, cross_node_replicas=False)
     assert step_seconds(plan, loads, cfg) <= step_seconds(plain_plan(loads, topo, place, place, off), loads, cfg) * (1 + 1e-12)
+
+
+def test_one_slot_per_gpu_spreads_a_collapsed_routers_hot_expert_over_both_nodes():
+    """``R = 1`` on two nodes of 4 GPUs, 8 experts top-1, a collapsed router (95% of tokens
+    to one expert) at 64 x 64 tokens per GPU (never_behind's ``switch-8/collapsed/t64x64/2x4``
+    was 1.44x online-global-planned): the traffic replica of the hot expert takes one GPU's
+    slot on the other node and its two-hop copies the other GPUs' slots there
+    (``balance.replicate(free_empty=True)``), so the plain plan prices within 1% of
+    online-global-planned's, which copies it on every GPU."""
+    topo = Topology(2, 4, 8, 1)
+    loads = standin_loads(8, 1, 2, 4, 8, 64, steps=1, zipf=1.0, collapse=0.95, factor=64, seed=0)[0]
+    cfg = priced_config(768, 3072, "h200", dispatch="hierarchical", top_k=1)
+    place = topo.static_placement(2)
+    plan = plain_plan(loads, topo, place, place, cfg)
+    online = PlannedOnlinePlanner(topo).plan(loads)
+    assert step_seconds(plan, loads, cfg) <= 1.01 * step_seconds(online, loads, cfg)
+    # the hot expert has an instance on every GPU of the node that does not own it
+    hot_L = loads.sum((0, 2)).argmax(-1)
+    for l in range(2):
+        other = 1 - int(place[l, hot_L[l]]) // topo.experts_per_node
+        held_G = (plan.slot_expert_MLGJ[:, l] == hot_L[l]).any(-1).all(0)
+        assert bool(held_G.view(2, 4)[other].all())
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), R=st.sampled_from([2, 4]), k=st.sampled_from([1, 2]),
+       holes=st.integers(0, 2 ** 16 - 1))
+def test_free_empty_slots_keep_every_prefilled_replica(seed, R, k, holes):
+    """``replicate(free_empty=True)``: balancing may use a GPU's prefilled slots that hold
+    nothing, never one that holds a replica (which keeps its expert and at least what it did
+    not give away); every token is placed once, no GPU holds more than ``R`` copies."""
+    E, r0 = 16, R // 2
+    topo = Topology(2, 4, E, R)
+    loads = standin_loads(E, k, 2, 3, 8, 32, steps=1, zipf=1.0, collapse=0.5, factor=8, seed=seed)[0]
+    cfg = priced_config(768, 3072, "h200", dispatch="hierarchical", top_k=k)
+    place = topo.static_placement(2)
+    # traffic replicas as planning.traffic makes them: each node's slots hold distinct experts
+    # of the other node with that node's demand for them, with holes where ``holes`` says
+    # (micro-batches where a slot holds nothing)
+    M, L, B = loads.shape[0], loads.shape[1], 4 * r0
+    demand_MLNE = loads.view(M, L, 2, 4, E).sum(3)
+    gen = torch.Generator().manual_seed(seed)
+    pre_e = torch.stack([torch.randperm(E // 2, generator=gen)[:B] + (1 - n) * (E // 2) for n in (0, 1)])  # [N, B]
+    pre_e = pre_e.view(1, 1, 2, B).expand(M, L, 2, B).clone()
+    hole = ((holes >> torch.arange(M * L * 2 * B).remainder(16)) & 1).bool().view(M, L, 2, B)
+    pre_e = pre_e.masked_fill(hole, -1)
+    pre_q = demand_MLNE.gather(3, pre_e.clamp(min=0)) * (pre_e >= 0)
+    pre_e, pre_q = pre_e.view(M, L, 8, r0), pre_q.view(M, L, 8, r0)
+    load = loads.sum(2)
+    left = load - torch.zeros_like(load).scatter_add_(2, pre_e.clamp(min=0).flatten(2), pre_q.flatten(2))
+    assert bool((left >= 0).all())
+    se, sq = replicate(loads, topo, place, cfg.min_replica_tokens_on(2), (pre_e, pre_q), 0, 1, None, True)
+    assert torch.equal(sq.sum((2, 3)), load.sum(-1))
+    per_expert = torch.zeros_like(load).scatter_add_(2, se.clamp(min=0).flatten(2), (sq * (se >= 0)).flatten(2))
+    assert torch.equal(per_expert, load)
+    El = topo.experts_per_gpu
+    copies = se[..., El:]
+    assert bool((((copies >= 0).sum(-1)) <= R).all())
+    for e_pre in pre_e.unbind(-1):   # each prefilled replica still on its GPU
+        held = (copies == e_pre.unsqueeze(-1)).any(-1)
+        assert bool(held[e_pre >= 0].all())

@@ -132,3 +132,19 @@ def test_replicate_node_rows_are_those_of_replicate(seed, shape, R, r0, need):
     se_n = se.view(M, L, N, g, -1)[:, rows, node_L]
     assert torch.equal(rep, se_n[..., El:])
     assert torch.equal(load, st_.view(M, L, N, g, -1)[:, rows, node_L].sum(-1))
+
+
+def test_fast_path_weighs_the_step_long_set_at_one_slot(monkeypatch):
+    """At ``R = 1`` on two nodes traffic replicas reserve no slot (``R // 2 = 0``), so the
+    plain plan balances without them and ``replicate_step`` also weighs its step-long set
+    (plan ``c``): the fast path must bound it there too (it took ``R`` for ``R // 2`` and
+    returned the plan without copies where the full search makes 16; found by hypothesis)."""
+    E = 32
+    topo = Topology(2, 4, E, 1)
+    loads = standin_loads(E, 8, 2, 8, 8, 4, steps=1, zipf=1.0, collapse=0.0, factor=8, seed=6034)[0]
+    cfg = priced_config(4096, 14336, "h200", dispatch="flat", top_k=8)
+    gen = torch.Generator().manual_seed(6034)
+    prev = torch.stack([torch.randperm(E, generator=gen) for _ in range(2)])
+    full = full_search(monkeypatch, loads, topo, prev, cfg)
+    assert bool((full.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0).any())
+    assert same_plan(relibra_plan(loads, topo, prev, cfg), full)

@@ -48,7 +48,8 @@ __all__ = ["align_slots", "cheapest_per_layer", "replicate", "replicate_node_row
 def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
               min_tokens: int = 0, prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
               min_cross_tokens: int = 0, keep_prefilled: int = 0,
-              set_prices: tuple[float, float, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              set_prices: tuple[float, float, float] | None = None,
+              free_empty: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-micro-batch intra-node replication under a fixed placement.
 
     ``min_tokens``: a replica is made only if it takes at least this many tokens (see
@@ -63,6 +64,10 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     that copy's residency, which needs tokens, covers it). ``set_prices``: ``(saved seconds
     per token moved, fill seconds per copy, latency seconds of a layer's first fill)``: judge
     each layer's copies together (module docstring); ``None`` or free fills: keep them all.
+    ``free_empty``: a prefilled slot that holds nothing in a micro-batch is free for
+    balancing there (the GPU's prefilled replicas move to its first slots; callers realign
+    slots with :func:`align_slots` from slot ``El``), so traffic slots count per GPU: on a
+    node where one GPU holds a hot remote expert, the others' slots can hold its copies.
 
     Returns:
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``.
@@ -76,6 +81,9 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     r0 = 0 if prefilled is None else prefilled[0].shape[-1]
     if prefilled is not None and r0:
         pre_e, pre_q = prefilled
+        if free_empty:  # each GPU's prefilled replicas first, its empty prefilled slots after
+            order = (pre_e < 0).to(torch.int64).argsort(dim=-1, stable=True)
+            pre_e, pre_q = pre_e.gather(-1, order), pre_q.gather(-1, order)
         load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
             2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
     native_idx = native_LGl.reshape(1, L, -1).expand(M, L, G * El)
@@ -96,7 +104,7 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     if r0:
         rep_expert[..., :r0] = pre_e.reshape(B, g, r0)
         rep_quota[..., :r0] = pre_q.reshape(B, g, r0)
-        used += r0
+        used += (rep_expert[..., :r0] >= 0).sum(-1) if free_empty else r0
         load = load + rep_quota[..., :r0].sum(-1)
     target = (load.sum(-1) + g - 1) // g
     # What a GPU can give away: its native experts' remaining load, then its prefilled
@@ -118,7 +126,8 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
         rep_quota = torch.where(drop, start[1], rep_quota)
         giveable = torch.where(drop, start[2], giveable)
     rem = giveable[..., :El]
-    rep_quota[..., :r0] = giveable[..., El:] + kept
+    # prefilled replicas keep what they did not give (a free_empty slot may hold a copy)
+    rep_quota[..., :r0] = torch.where(start[0][..., :r0] >= 0, giveable[..., El:] + kept, rep_quota[..., :r0])
     slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
     slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
     return slot_expert.contiguous(), slot_tokens.contiguous()
@@ -265,7 +274,8 @@ def step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s, 
 
 def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
                    min_tokens: int, prefilled, min_cross_tokens: int, keep_prefilled: int,
-                   set_prices: tuple[float, float, float]) -> tuple[torch.Tensor, torch.Tensor]:
+                   set_prices: tuple[float, float, float], free_empty: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`replicate` aware of residencies, per layer the cheapest of its plans.
 
     Per micro-batch, copies must pay their own fill (``min_tokens``, ``set_prices``). But a
@@ -279,18 +289,18 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     node's first copy over NVLink, once per residency). Two more plans are step-long: one
     balanced on the step's totals (without traffic replicas), and one over every free slot of
     each node with quotas per micro-batch (:mod:`relibra_torch.planning.step_set`).
-    Arguments as :func:`replicate`."""
+    Arguments as :func:`replicate` (``free_empty``: its plans ``a`` and ``b``)."""
     M = loads_MLSE.shape[0]
-    first = topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
+    first = topology.experts_per_gpu + (0 if prefilled is None or free_empty else prefilled[0].shape[-1])
     a = align_slots(*replicate(loads_MLSE, topology, placement_LE, min_tokens, prefilled, min_cross_tokens,
-                               keep_prefilled, set_prices), first)
+                               keep_prefilled, set_prices, free_empty), first)
     saved_s, fill_s, latency_s = set_prices
     if M < 2 or (fill_s <= 0 and latency_s <= 0) or min_tokens <= 0 or min_tokens == torch.iinfo(torch.int64).max:
         return a
     if int(loads_MLSE.sum((0, 2)).max()) < min_tokens:  # no expert has a fill's worth in the whole step
         return a
     b = align_slots(*replicate(loads_MLSE, topology, placement_LE, -(-min_tokens // M), prefilled,
-                               -(-min_cross_tokens // M), keep_prefilled), first)
+                               -(-min_cross_tokens // M), keep_prefilled, None, free_empty), first)
     plans = [a, b]
     if prefilled is None:  # a step-long set: balanced on the step's totals, same copies all step
         c = replicate(loads_MLSE.sum(0, keepdim=True), topology, placement_LE, min_tokens, None, min_cross_tokens)

@@ -47,7 +47,7 @@ from .balance import replicate_node_rows, step_price_L
 from .choose import native_slots
 from .plan import StepPlan
 from .reorder_traffic import replica_min_tokens
-from .step_set import step_long_set
+from .fastpath_sets import c_loses, d_loses, search_natives as _search_natives
 from .topology import Topology
 
 __all__ = ["assign_gpus", "fast_plan", "nothing_pays"]
@@ -90,12 +90,12 @@ def _copy_possible_ML(gpu_MLNg: torch.Tensor, biggest_MLN: torch.Tensor, min_tok
 
 
 def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, placement_LE: torch.Tensor,
-                           topology: Topology, config) -> bool:
+                           topology: Topology, config, r0: int) -> bool:
     """Whether :func:`relibra_torch.planning.balance.replicate_step` provably makes no copy
     on the placement the full search keeps (``placement_LE``'s GPUs, :func:`_search_natives`)
-    after traffic replicas that made none. Its plans: ``a`` per micro-batch (copies of at least ``mt =
-    min_replica_tokens_on(N)`` tokens), ``b`` the same with ``mt / M`` (a fill shared by the
-    step's micro-batches), without traffic replicas ``c`` one step-long set, and ``d``; per layer
+    after ``r0`` traffic slots per GPU that hold nothing (0: none reserved). Its plans: ``a``
+    per micro-batch (copies of at least ``mt = min_replica_tokens_on(N)`` tokens), ``b`` the same with ``mt / M`` (a fill shared by the
+    step's micro-batches), without traffic slots ``c`` one step-long set, and ``d``; per layer
     the cheapest at its step price (ties keep ``a``).
 
     * ``a`` makes none where no copy of ``mt`` tokens is possible (:func:`_copy_possible_MLN`);
@@ -107,10 +107,11 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
       where a copy of ``mt / M`` tokens is possible cannot, and ``d`` (the set over every
       free slot, :mod:`relibra_torch.planning.step_set`, planned with traffic replicas too)
       where no expert has ``2 mt`` step tokens or the step's drops cannot pay.
-    * Elsewhere ``b``'s rows of one node per layer (:func:`_b_loses_L`) are planned exactly.
+    * Elsewhere ``b``'s rows of one node per layer (:func:`_b_loses_L`) are planned exactly,
+      and ``c`` and ``d`` in full (:mod:`relibra_torch.planning.fastpath_sets`).
     """
     M = load_MLE.shape[0]
-    N, g, R = topology.num_nodes, topology.gpus_per_node, topology.replica_slots
+    N, g = topology.num_nodes, topology.gpus_per_node
     mt = config.min_replica_tokens_on(N)
     gpu_MLNg, biggest_MLN = _node_loads(load_MLE, placement_LE, topology)
     if bool(_copy_possible_ML(gpu_MLNg, biggest_MLN, mt).any()):
@@ -122,18 +123,17 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
     ceil_MLN = (gpu_MLNg.sum(-1) + g - 1) // g
     busiest_ML = gpu_MLNg.flatten(2).amax(-1)
     drop_ML = busiest_ML - ceil_MLN.amax(-1)
-    # the step-long set is planned only without traffic replicas (relibra passes them as
-    # ``prefilled`` on several nodes)
-    step_set = not (config.cross_node_replicas and N > 1 and R)
+    step_set = r0 == 0  # the step-long set is planned only without traffic slots (``prefilled``)
     pays_L = drop_ML.sum(0).to(torch.float64) * saved >= fill + latency
     # the set over every free slot (planning.step_set) is planned with or without traffic
     # replicas and copies only an expert whose step load gives each of two instances ``mt``
     every_L = pays_L & (load_MLE.sum(0).amax(-1) >= 2 * mt)
-    if bool(every_L.any()) and not _d_loses(load_MLE, every_L.nonzero().squeeze(1), placement_LE, topology, config):
+    if bool(every_L.any()) and not d_loses(load_MLE, every_L.nonzero().squeeze(1), placement_LE, topology, config, r0):
         return False
     if step_set:
         step_L = _copy_possible_ML(*_node_loads(load_MLE.sum(0, keepdim=True), placement_LE, topology), mt)[0]
-        if bool((step_L & pays_L).any()):
+        if bool((step_L & pays_L).any()) and not c_loses(own_MLNE, (step_L & pays_L).nonzero().squeeze(1),
+                                                         placement_LE, topology, config):
             return False
     possible_MLN = _copy_possible_MLN(gpu_MLNg, biggest_MLN, -(-mt // M))
     open_L = (drop_ML * possible_MLN.any(-1)).sum(0).to(torch.float64) * saved >= fill + latency
@@ -144,36 +144,10 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
         lay = open_L.nonzero().squeeze(1)
         natives_LGl = _search_natives(placement_LE[lay], topology, config)
         open_L[lay] = ~_b_loses_L(own_MLNE, lay, load_MLE[:, lay], natives_LGl, gpu_MLNg[:, lay],
-                                  possible_MLN[:, lay], 0 if step_set else R // 2, K, topology, config)
+                                  possible_MLN[:, lay], r0, K, topology, config)
         if not bool(open_L.any()):
             return True
     return False
-
-
-def _d_loses(load_MLE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch.Tensor, topology: Topology,
-             config) -> bool:
-    """Whether ``replicate_step``'s plan ``d`` (the set over every free slot) prices at least
-    the plan without copies in every layer of ``layers_L`` (ties keep the plan without
-    copies): ``d`` is planned exactly as ``replicate_step`` plans it on the placement the
-    search keeps (empty traffic slots where relibra plans traffic replicas), and both are
-    priced by the same ``balance.step_price_L``."""
-    M, E, R, N = load_MLE.shape[0], topology.num_experts, topology.replica_slots, topology.num_nodes
-    L = int(layers_L.numel())
-    natives_LG = _search_natives(placement_LE[layers_L], topology, config).reshape(L, -1)
-    slot_LE = torch.empty_like(natives_LG).scatter_(1, natives_LG, torch.arange(natives_LG.shape[1]).expand(L, -1))
-    load_MLE = load_MLE[:, layers_L]
-    prefilled = None
-    if config.cross_node_replicas and N > 1 and R:
-        prefilled = (torch.full((M, L, topology.num_gpus, R // 2), -1, dtype=torch.int64),
-                     torch.zeros(M, L, topology.num_gpus, R // 2, dtype=torch.int64))
-    d = step_long_set(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
-                      int(config.two_hop))
-    G, El = topology.num_gpus, topology.experts_per_gpu
-    se_MLGl = natives_LG.view(1, L, G, El).expand(M, L, G, El)
-    none = (se_MLGl, load_MLE.gather(2, se_MLGl.reshape(M, L, -1)).view(M, L, G, El))
-    owner_LE = slot_LE // El
-    prices = (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N))
-    return bool((step_price_L(*d, owner_LE, *prices) >= step_price_L(*none, owner_LE, *prices)).all())
 
 
 def _b_loses_L(own_MLNE: torch.Tensor, layers_L: torch.Tensor, load_MLE: torch.Tensor, natives_LGl: torch.Tensor,
@@ -231,19 +205,6 @@ def nothing_pays(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     return _nothing_pays(own_MLNE, topology, previous_placement_LE, config, coloc_w)
 
 
-def _search_natives(previous_placement_LE: torch.Tensor, topology: Topology, config) -> torch.Tensor:
-    """int64 ``[L, G, El]``: each GPU's native experts in slot order on the placement the full
-    search plans copies on, when it keeps every expert's GPU: reordering gives them in
-    logical order inside a GPU (:func:`assign_gpus`), else the previous placement as it is."""
-    L, E = previous_placement_LE.shape
-    shape = (L, topology.num_gpus, topology.experts_per_gpu)
-    if config.reorder:
-        gpu_LE = previous_placement_LE // topology.experts_per_gpu
-        return (gpu_LE * E + torch.arange(E)).argsort(1).view(shape)
-    return torch.empty_like(previous_placement_LE).scatter_(
-        1, previous_placement_LE, torch.arange(E).expand(L, E)).view(shape)
-
-
 def _nothing_pays(own_MLNE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
                   config, coloc_w: float = 0.0) -> bool:
     """:func:`nothing_pays` from the step's demand by source node ``own_MLNE`` (int64 ``[M, L, N, E]``)."""
@@ -259,9 +220,11 @@ def _nothing_pays(own_MLNE: torch.Tensor, topology: Topology, previous_placement
             return False
     if config.reorder and N > 1 and not _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g, R, coloc_w):
         return False
-    # balance.replicate_step on the placement the search keeps, after traffic replicas that made none
-    return not (config.balance and R) or _balancing_copies_none(own_MLNE, load_MLE, previous_placement_LE,
-                                                                 topology, config)
+    # balance.replicate_step on the placement the search keeps, after traffic replicas that made
+    # none, in their R // 2 slots and without them (the plain plan weighs both, planning/plain.py)
+    r0s = sorted({R // 2 if config.cross_node_replicas and N > 1 else 0, 0}, reverse=True)
+    return not (config.balance and R) or all(_balancing_copies_none(own_MLNE, load_MLE, previous_placement_LE,
+                                                                     topology, config, r0) for r0 in r0s)
 
 
 def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g: int, R: int, coloc_w: float) -> bool:

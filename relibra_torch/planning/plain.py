@@ -8,19 +8,27 @@ fill; a copy's saved compute against its fills), neither by the whole step: traf
 can cost more than they save where the all-to-all they cut is not the busiest link, or where
 the slots they hold would balance better; and with ``R = 1`` they get no slot at all, so a
 collapsed router's hot expert stays on one node however much of every token crosses to it.
-So per layer three plans are priced and the cheapest kept, ties to the first:
+So per layer these plans are priced and the cheapest kept, ties to the first:
 
 * ``R // 2`` traffic slots (the default; with ``R = 1`` none);
-* no traffic replica, balancing on every slot (only where the first planned one);
-* with ``R = 1``, the one slot for traffic replicas (only where they plan one).
+* no traffic replica, balancing on every slot (also where the first planned none: their
+  reserved slots would stay empty);
+* with ``R = 1``, the one slot for traffic replicas (only where they plan one);
+* with ``R = 1``, that plan with traffic slots per GPU rather than per node (only where
+  they plan one, so that a layer's plan depends on that layer alone): a GPU's
+  slot that holds no traffic replica in a micro-batch is free for balancing
+  (``balance.replicate(free_empty=True)``). On a node where one GPU's slot holds a hot remote
+  expert, the other GPUs' slots then hold its two-hop copies (``planning.two_hop``), so a
+  collapsed router's hot expert spreads over both nodes (1.44x online-global-planned before
+  on ``switch-8/collapsed/t64x64/2x4``, 0.997x now). With ``R >= 2`` it was never cheaper
+  on the default scoreboard (the same 6.9382 s) and added planner time: not weighed.
 
 The price is :mod:`relibra_torch.planning.price`'s per layer: expert compute, all-to-all,
 replica fills and returns with their latency, summed over micro-batches; that is the cost
 model's step minus attention and dense layers (``tests/test_relibra_choose.py``), and every
-candidate has the same placement, so the migration is the same. A plan with no traffic
-replica is built only from a traffic plan that made some, so where the fast path
-(:mod:`relibra_torch.planning.fastpath`) proves that none pays, the plain plan is the one
-plan it was before.
+candidate has the same placement, so the migration is the same. The fast path
+(:mod:`relibra_torch.planning.fastpath`) bounds balancing both with the ``R // 2`` reserved
+(empty) traffic slots and without them.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU,
 P candidate plans.
@@ -48,25 +56,23 @@ def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
     R, N = topology.replica_slots, topology.num_nodes
     traffic = config.cross_node_replicas and N > 1 and R
 
-    def balanced(prefilled) -> StepPlan:
-        return _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, prefilled, config)
+    def balanced(prefilled, free_empty: bool = False) -> StepPlan:
+        return _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, prefilled, config, free_empty)
 
-    # the second plan is weighed only in the layers where traffic replicas plan one: a
-    # layer's plan then depends on that layer alone, so EP ranks can plan layer shares
+    # a layer's plan depends on that layer alone, so that EP ranks can plan layer shares:
+    # a candidate is weighed in every layer, or only in the layers where it differs by design
+    weighed_L = torch.ones(loads_MLSE.shape[1], dtype=torch.bool)
     if traffic and R // 2:
         prefilled = _traffic(loads_MLSE, topology, placement_LE, R // 2, config)
-        plans = [balanced(prefilled)]
-        made_L = (prefilled[0] >= 0).flatten(2).any(2).any(0)
-        if bool(made_L.any()):
-            plans.append(balanced(None))
+        plans = [balanced(prefilled), balanced(None)]
     else:
         plans = [balanced(None)]
         if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
             prefilled = _traffic(loads_MLSE, topology, placement_LE, 1, config)
-            made_L = (prefilled[0] >= 0).flatten(2).any(2).any(0)
-            if bool(made_L.any()):
-                plans.append(balanced(prefilled))
-    return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config, made_L)
+            weighed_L = (prefilled[0] >= 0).flatten(2).any(2).any(0)
+            if bool(weighed_L.any()):
+                plans += [balanced(prefilled), balanced(prefilled, True)]
+    return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config, weighed_L)
 
 
 def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
@@ -75,13 +81,14 @@ def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
                             config.cross_replica_fill_s_per_expert, spread=spread_args(config))
 
 
-def _balanced(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, prefilled, config) -> StepPlan:
+def _balanced(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, prefilled, config,
+              free_empty: bool = False) -> StepPlan:
     # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
     N, never = topology.num_nodes, torch.iinfo(torch.int64).max
     slot_expert, slot_tokens = replicate_step(
         loads_MLSE, topology, placement_LE, config.min_replica_tokens_on(N) if config.balance else never, prefilled,
         config.min_cross_replica_tokens if config.balance else never, int(config.two_hop),
-        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)))
+        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)), free_empty)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra", previous_placement_LE.clone())
 
 
