@@ -392,9 +392,14 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                 if config.reorder else (previous_placement_LE.clone(),) * 2)
         chosen = chosen_plan(loads_MLSE, topology, previous_placement_LE, config, dict(zip((True, False), both)),
                              pairs_LEE, coloc_w)
-        # the plain plan too: balancing's residency-aware choice (replicate_step) is no candidate
-        return cheaper_plan(chosen, _plain_plan(loads_MLSE, topology, previous_placement_LE, both[0], config),
-                            loads_MLSE, config)
+        # the plain plans too, with each mechanism and without one: balancing's residency-aware
+        # choice (replicate_step) is no candidate of the sequences, and its plans are cheap
+        variants = ((both[0], {}), (both[0], {"balance": False}), (both[1], {"cross_node_replicas": False}))
+        for placement_LE, off in variants:
+            plain = _plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE,
+                                dataclasses.replace(config, **off))
+            chosen = cheaper_plan(chosen, plain, loads_MLSE, config)
+        return chosen
     placement_LE = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE) if config.reorder
                     else previous_placement_LE.clone())
     return _plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE, config)
