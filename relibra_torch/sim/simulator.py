@@ -383,8 +383,12 @@ def one_thread_cpu(fn: Callable[[], object]) -> tuple[object, float]:
 
 def forward_s(c: StepCost) -> float:
     """The cost model's forward pass of a step: a third of expert and dense compute (backward
-    is twice forward), half of the all-to-all (dispatch and combine, forward only)."""
-    return float(c.expert_s_ML.sum()) / 3 + float(c.all_to_all_s_ML.sum()) / 2 + c.attention_dense_s / 3
+    is twice forward), half of the all-to-all (dispatch and combine, forward only) and half
+    of the layer's collectives' fixed latency (the forward's dispatch and combine pay theirs;
+    on micro-batches of a few tokens per GPU that latency is most of the pass)."""
+    latency_s = float(c.latency_s_ML.sum()) if c.latency_s_ML is not None else 0.0
+    return (float(c.expert_s_ML.sum()) / 3 + float(c.all_to_all_s_ML.sum()) / 2 + c.attention_dense_s / 3
+            + latency_s / 2)
 
 
 def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
