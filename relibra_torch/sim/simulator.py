@@ -15,8 +15,9 @@ replicas per token on the GPU) is measured as one thread's CPU time (torch limit
 thread: CPU time does not grow on a loaded machine). A planner that plans layers apart runs
 as the training hook runs it (``planning.split``): every EP rank plans its share of the
 layers, and the slowest share plus three small collectives counts. It is charged where it exceeds the
-overlap window (``planning.overlap_s``; default: the system's forward pass over the step,
-during which RL pipelines compute old log-probs with the same replay). Systems that plan at
+overlap window (``planning.overlap_s``; default: static's forward pass over the step, the
+same for every system, during which RL pipelines compute old log-probs with the same
+replay, before the plan being made exists). Static has no host work. Systems that plan at
 run time (a ``plan_latency_s`` attribute) are charged that latency per layer and
 micro-batch instead.
 
@@ -30,6 +31,7 @@ cost model charges that much per layer and micro-batch.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -39,7 +41,7 @@ import torch
 from ..checks import check_int
 from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share
 from ..planning.evaluate import evaluate
-from ..planning.plan import StepPlan, token_split, validate_plan
+from ..planning.plan import StepPlan, plan_digest, token_split, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
@@ -268,6 +270,9 @@ def simulate(workload: Workload, config: SimConfig,
     # the ratios need static and the references: always run them (references last)
     systems = [n for n in config.systems if n not in REFERENCES]
     systems = (["static"] if "static" not in systems else []) + systems + list(REFERENCES)
+    # the overlap window of every system: static's forward pass of the step (the old
+    # log-probabilities are computed before the plan being made exists; static runs first)
+    window_X: dict[int, float] = {}
     for name in systems:
         imb, costs, planner_s, balanced, memory = [], [], [], [], []
         host: dict[str, list[float]] = {"host_s": [], "window_s": [], "charged_s": []}
@@ -306,7 +311,9 @@ def simulate(workload: Workload, config: SimConfig,
                     memory.append(plan_memory(config.model, config.memory, plan, metrics.gpu_load_MLG, tokens_MS,
                                               config.memory_world))
                     _check_memory(config, name, x, memory[-1])
-                    _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], config.baseline_options,
+                    if name == "static":
+                        window_X[x] = forward_s(costs[-1])
+                    _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], window_X[x], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"),
                                       splits=getattr(planner, "host_token_splits", False))
                 planner.commit(plan, loads_MLSE)
@@ -324,10 +331,11 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     With split planning (``planning.split``, the hook's default) and a planner that plans
     layers independently, each of the ``G`` EP ranks plans its share of the layers
     (:func:`~relibra_torch.planning.base.layer_share`) on its own CPU, and the ranks agree on
-    the inputs, then all-gather the parts and whether any failed: three collectives. The
-    host work is the slowest rank's share (one thread's CPU time) plus those collectives
-    (latency, and the gathered plan's int64 bytes over the slowest link). Otherwise one
-    thread plans the whole step.
+    the inputs (a sha256 of the loads and pairs), then all-gather the parts and whether any
+    failed: three collectives. The host work is the digest and the slowest rank's share (one
+    thread's CPU time) plus those collectives (latency, and the gathered plan's int64 bytes
+    over the slowest link). Otherwise one thread plans the whole step, then hashes the plan
+    for the ranks to compare (two collectives). Static has no hook: no host work.
     """
     def run(layers=None):
         args = (loads_MLSE,) if layers is None else (loads_MLSE, layers)
@@ -336,22 +344,36 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
 
     topo, L = config.topology, loads_MLSE.shape[1]
     ranks = topo.num_gpus
+    if isinstance(planner, StaticPlanner):  # a static run has no hook: no planning, no collective
+        return run(), 0.0
+    hw = config.hardware
+    latency_us, gbps = ((hw.inter_node_latency_us, hw.inter_node_gbps) if topo.num_nodes > 1
+                        else (hw.nvlink_latency_us, hw.nvlink_gbps))
     if not (config.baseline_options.planning_split and getattr(planner, "splits_layers", False)
             and ranks > 1 and L > 1):
-        return one_thread_cpu(run)
+        plan, secs = one_thread_cpu(run)
+        if ranks == 1:
+            return plan, secs
+        # the hook's whole-step path: a digest of the plan, its agreement and the failure flag
+        return plan, secs + one_thread_cpu(lambda: plan_digest(plan))[1] + 2 * latency_us * 1e-6
+
+    def inputs_digest():  # the hook hashes the planner's inputs before the ranks agree on them
+        h = hashlib.sha256(loads_MLSE.contiguous().numpy().tobytes())
+        if pairs_LEE is not None:
+            h.update(pairs_LEE.contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    digest_s = one_thread_cpu(inputs_digest)[1]
     parts, secs = [], []
     for r in range(min(ranks, L)):
         part, s = one_thread_cpu(lambda: run(layer_share(r, ranks, L)))
         parts.append(part)
         secs.append(s)
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
-    hw = config.hardware
     per_rank_layers = -(-L // ranks)  # the hook pads every rank's part to this many layers
     gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * loads_MLSE.shape[0] * ranks * topo.slots_per_gpu)
-    latency_us, gbps = ((hw.inter_node_latency_us, hw.inter_node_gbps) if topo.num_nodes > 1
-                        else (hw.nvlink_latency_us, hw.nvlink_gbps))
     gather_s = 3 * latency_us * 1e-6 + gathered * (ranks - 1) / ranks / (gbps * 1e9)
-    return plan, max(secs) + gather_s
+    return plan, digest_s + max(secs) + gather_s
 
 
 def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
@@ -392,12 +414,13 @@ def forward_s(c: StepCost) -> float:
 
 
 def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
-                      c: StepCost, options: BaselineOptions, run_time: bool, splits: bool) -> None:
+                      c: StepCost, forward_window_s: float, options: BaselineOptions, run_time: bool,
+                      splits: bool) -> None:
     """Add the host work that does not fit the overlap window to the step (see the module
     docstring); record host CPU, window and charge in ``host``. ``splits``: the system's
     layer derives every exchange size on the host (``token_split`` per micro-batch, relibra's
     layer); the baselines' engines pick a replica per token on the GPU, static has none."""
-    window = forward_s(c) if options.planning_overlap_s is None else options.planning_overlap_s
+    window = forward_window_s if options.planning_overlap_s is None else options.planning_overlap_s
     if run_time:  # planned on the critical path, per layer: the cost model charged its latency
         work = 0.0
     elif not splits:
