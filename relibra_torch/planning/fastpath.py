@@ -47,7 +47,7 @@ from .balance import replicate_node_rows, step_price_L
 from .choose import native_slots
 from .plan import StepPlan
 from .reorder_traffic import replica_min_tokens
-from .step_set import step_long_set
+from .step_set import step_long_sets
 from .topology import Topology
 
 __all__ = ["assign_gpus", "fast_plan", "nothing_pays"]
@@ -152,11 +152,11 @@ def _balancing_copies_none(own_MLNE: torch.Tensor, load_MLE: torch.Tensor, place
 
 def _d_loses(load_MLE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch.Tensor, topology: Topology,
              config) -> bool:
-    """Whether ``replicate_step``'s plan ``d`` (the set over every free slot) prices at least
-    the plan without copies in every layer of ``layers_L`` (ties keep the plan without
-    copies): ``d`` is planned exactly as ``replicate_step`` plans it on the placement the
-    search keeps (empty traffic slots where relibra plans traffic replicas), and both are
-    priced by the same ``balance.step_price_L``."""
+    """Whether each of ``replicate_step``'s plans ``d`` (the sets over every free slot, each
+    cap of ``step_set.step_long_sets``) prices at least the plan without copies in every layer
+    of ``layers_L`` (ties keep the plan without copies): they are planned exactly as
+    ``replicate_step`` plans them on the placement the search keeps (empty traffic slots where
+    relibra plans traffic replicas), all priced by the same ``balance.step_price_L``."""
     M, E, R, N = load_MLE.shape[0], topology.num_experts, topology.replica_slots, topology.num_nodes
     L = int(layers_L.numel())
     natives_LG = _search_natives(placement_LE[layers_L], topology, config).reshape(L, -1)
@@ -166,14 +166,15 @@ def _d_loses(load_MLE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch
     if config.cross_node_replicas and N > 1 and R:
         prefilled = (torch.full((M, L, topology.num_gpus, R // 2), -1, dtype=torch.int64),
                      torch.zeros(M, L, topology.num_gpus, R // 2, dtype=torch.int64))
-    d = step_long_set(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
-                      int(config.two_hop))
+    ds = step_long_sets(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
+                        int(config.two_hop))
     G, El = topology.num_gpus, topology.experts_per_gpu
     se_MLGl = natives_LG.view(1, L, G, El).expand(M, L, G, El)
     none = (se_MLGl, load_MLE.gather(2, se_MLGl.reshape(M, L, -1)).view(M, L, G, El))
     owner_LE = slot_LE // El
     prices = (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N))
-    return bool((step_price_L(*d, owner_LE, *prices) >= step_price_L(*none, owner_LE, *prices)).all())
+    floor_L = step_price_L(*none, owner_LE, *prices)
+    return all(bool((step_price_L(*d, owner_LE, *prices) >= floor_L).all()) for d in ds)
 
 
 def _b_loses_L(own_MLNE: torch.Tensor, layers_L: torch.Tensor, load_MLE: torch.Tensor, natives_LGl: torch.Tensor,

@@ -28,6 +28,8 @@ P candidate plans.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .balance import cheapest_per_layer, replicate_step
@@ -48,21 +50,30 @@ def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
     R, N = topology.replica_slots, topology.num_nodes
     traffic = config.cross_node_replicas and N > 1 and R
 
-    def balanced(prefilled) -> StepPlan:
-        return _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, prefilled, config)
-
     if traffic and R // 2:
         prefilled = _traffic(loads_MLSE, topology, placement_LE, R // 2, config)
-        plans = [balanced(prefilled)]
-        if bool((prefilled[0] >= 0).any()):
-            plans.append(balanced(None))
+        prefills = [prefilled] + ([None] if bool((prefilled[0] >= 0).any()) else [])
     else:
-        plans = [balanced(None)]
+        prefills = [None]
         if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
             prefilled = _traffic(loads_MLSE, topology, placement_LE, 1, config)
-            if bool((prefilled[0] >= 0).any()):
-                plans.append(balanced(prefilled))
+            prefills += [prefilled] if bool((prefilled[0] >= 0).any()) else []
+    capped: list = []   # balance.replicate_step's capped step-long sets, for the exact price
+    plans = [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, config, capped)
+             for pre in prefills]
+    if config.balance:   # each plan without balancing's copies (its traffic replicas kept)
+        plain = dataclasses.replace(config, balance=False)
+        plans += [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, plain)
+                  for pre, p in zip(prefills, list(plans)) if _has_copies(p, pre)]
+    plans += [StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone()) for se, st in capped]
     return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config)
+
+
+def _has_copies(plan: StepPlan, prefilled) -> bool:
+    """Whether balancing made a copy in ``plan`` (a slot after the traffic slots holds an
+    expert, or a traffic slot's quota was shared: a copy of a traffic replica)."""
+    first = plan.topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
+    return bool((plan.slot_expert_MLGJ[..., first:] >= 0).any())
 
 
 def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
@@ -71,13 +82,14 @@ def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
                             config.cross_replica_fill_s_per_expert, spread=spread_args(config))
 
 
-def _balanced(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, prefilled, config) -> StepPlan:
+def _balanced(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, prefilled, config,
+              extra: list | None = None) -> StepPlan:
     # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
     N, never = topology.num_nodes, torch.iinfo(torch.int64).max
     slot_expert, slot_tokens = replicate_step(
         loads_MLSE, topology, placement_LE, config.min_replica_tokens_on(N) if config.balance else never, prefilled,
         config.min_cross_replica_tokens if config.balance else never, int(config.two_hop),
-        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)))
+        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)), extra)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra", previous_placement_LE.clone())
 
 
