@@ -8,11 +8,18 @@ fill; a copy's saved compute against its fills), neither by the whole step: traf
 can cost more than they save where the all-to-all they cut is not the busiest link, or where
 the slots they hold would balance better; and with ``R = 1`` they get no slot at all, so a
 collapsed router's hot expert stays on one node however much of every token crosses to it.
-So per layer three plans are priced and the cheapest kept, ties to the first:
+So per layer these plans are priced and the cheapest kept, ties to the first:
 
 * ``R // 2`` traffic slots (the default; with ``R = 1`` none);
 * no traffic replica, balancing on every slot (only where the first planned one);
-* with ``R = 1``, the one slot for traffic replicas (only where they plan one).
+* with ``R = 1``, the one slot for traffic replicas (only where they plan one);
+* each of those without balancing's copies, its traffic replicas kept (only where it has
+  some): copies admitted by their own rule (a copy's compute saved against its fill) can
+  cost more in fills, or in the all-to-all whose remote tokens they take, than they save
+  (``mixtral/domains/t16x64/1x8`` on H800 was 1.025x static);
+* the step-long sets with at most ``c`` copies filled from one GPU
+  (:func:`relibra_torch.planning.step_set.step_long_sets`) that ``balance.replicate_step``
+  hands over where its own step price puts them below its choice in some layer.
 
 The price is :mod:`relibra_torch.planning.price`'s per layer: expert compute, all-to-all,
 replica fills and returns with their latency, summed over micro-batches; that is the cost
