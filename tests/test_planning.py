@@ -449,18 +449,11 @@ def test_relibra_balances_a_skewed_step():
     expensive = relibra_plan(loads, topo)
     assert torch.equal(expensive.placement_LE, topo.static_placement(2))
     # ... while cheap migration (and fills) let reordering balance the nodes too.
-    cheap_cfg = ReLibraConfig(migration_s_per_expert=1e-9, replica_fill_s_per_expert=0.0)
-    cheap = relibra_plan(loads, topo, config=cheap_cfg)
+    cheap = relibra_plan(loads, topo, config=ReLibraConfig(migration_s_per_expert=1e-9,
+                                                           replica_fill_s_per_expert=0.0))
     ours = evaluate(cheap, loads)
-    node_MLN = cheap.slot_tokens_MLGJ.sum(-1).view(4, 2, 2, 4).sum(-1).double()
-    assert static > 1.3 and (node_MLN.amax(-1) / node_MLN.mean(-1)).mean() < 1.05
+    assert static > 1.3 and ours.imbalance_ML.mean() < 1.05
     assert (ours.migrated_L > 0).all()
-    # Balancing copies even the GPUs inside the nodes where compute outweighs the all-to-all.
-    # At the default weights under flat dispatch the copies, which take remote tokens first,
-    # raise a GPU's inter-node receive by more than they save in one layer, where relibra
-    # keeps the plan without them (planning/plain.py weighs it at the step price).
-    light = relibra_plan(loads, topo, config=dataclasses.replace(cheap_cfg, cross_node_s_per_token=3.3e-8))
-    assert evaluate(light, loads).imbalance_ML.mean() < 1.05
 
 
 def test_planner_objects_advance_state():

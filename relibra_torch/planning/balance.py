@@ -282,9 +282,11 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     of each node with quotas per micro-batch, without and with a cap on the copies one GPU
     fills (:func:`relibra_torch.planning.step_set.step_long_sets`). The capped sets are not
     weighed here: this step price leaves out the all-to-all and the second hops, and on a
-    collapsed router it preferred a capped set that the exact price puts 2% higher. They
-    are appended to ``extra`` (a list, when given) where they price below the plan kept
-    here in some layer, for the caller to weigh at the exact price (``planning.plain``).
+    collapsed router it preferred a capped set that the exact price puts 2% higher. Where
+    one prices below the plan kept here in some layer, one more plan is appended to
+    ``extra`` (a list, when given) for the caller to weigh at the exact price
+    (``planning.plain``): per layer the capped set of lowest step price where it is below
+    the plan kept, else the plan kept.
     Arguments as :func:`replicate`."""
     M = loads_MLSE.shape[0]
     first = topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
@@ -302,14 +304,19 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
         c = replicate(loads_MLSE.sum(0, keepdim=True), topology, placement_LE, min_tokens, None, min_cross_tokens)
         plans.append(_spread(c[0].expand(M, *c[0].shape[1:]), c[1][0], loads_MLSE.sum(2), topology.experts_per_gpu))
     # every free slot of a node, all step, quotas per micro-batch (planning.step_set)
-    sets = step_long_sets(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)
+    sets = step_long_sets(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled, extra is not None)
     plans.append(sets[0])
     owner_LE = placement_LE // topology.experts_per_gpu
     price_PL = torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
-    if extra is not None:  # the same with at most c copies filled from one GPU, where they may pay
-        best_L = price_PL.min(0).values
-        extra += [p for p in sets[1:] if bool((step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) < best_L).any())]
-    return cheapest_per_layer(plans, price_PL)
+    chosen = cheapest_per_layer(plans, price_PL)
+    if extra is not None and len(sets) > 1:  # the same with at most c copies filled from one GPU
+        capped_PL = torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in sets[1:]])
+        # per layer the capped set of lowest step price where it is below the choice, else the choice
+        beats_L = capped_PL.min(0).values < price_PL.min(0).values
+        if bool(beats_L.any()):
+            extra.append(cheapest_per_layer([chosen, *sets[1:]], torch.cat([
+                torch.where(beats_L, float("inf"), 0.0).unsqueeze(0), capped_PL])))
+    return chosen
 
 
 def cheapest_per_layer(plans: list[tuple[torch.Tensor, torch.Tensor]], price_PL: torch.Tensor

@@ -42,7 +42,7 @@ import torch
 from .balance import cheapest_per_layer, replicate_step
 from .fill_spread import spread_args
 from .plan import StepPlan
-from .price import moe_seconds_ML, replica_seconds_ML
+from .price import compute_seconds_ML, exchange_latency_s, moe_seconds_ML, replica_seconds_ML
 from .topology import Topology
 from .traffic import traffic_replicas
 
@@ -65,15 +65,32 @@ def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
         if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
             prefilled = _traffic(loads_MLSE, topology, placement_LE, 1, config)
             prefills += [prefilled] if bool((prefilled[0] >= 0).any()) else []
-    capped: list = []   # balance.replicate_step's capped step-long sets, for the exact price
-    plans = [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, config, capped)
-             for pre in prefills]
+    capped: list = []   # balance.replicate_step's capped step-long sets, for the exact price (first choice only)
+    plans = [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, config, None if k else capped)
+             for k, pre in enumerate(prefills)]
     if config.balance:   # each plan without balancing's copies (its traffic replicas kept)
         plain = dataclasses.replace(config, balance=False)
-        plans += [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, plain)
-                  for pre, p in zip(prefills, list(plans)) if _has_copies(p, pre)]
+        plans += [q for pre, p in zip(prefills, list(plans)) if _has_copies(p, pre) and (q := _without_copies(
+            p, _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, plain), config)) is not None]
     plans += [StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone()) for se, st in capped]
     return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config)
+
+
+def _without_copies(plan: StepPlan, bare: StepPlan, config) -> StepPlan | None:
+    """``plan`` with ``bare``'s layers (the same without balancing's copies) where those
+    copies' fills and returns cost more than the expert compute they save (the rule that
+    admitted them counts a copy's own fill, not the busiest link's, nor the residencies'
+    latency; the all-to-all is left to the exact price), ``None`` where they never do: the
+    layers the exact price then weighs (a cheap filter, keeping planning in its window)."""
+    saved_L = (compute_seconds_ML(bare.slot_tokens_MLGJ, config)
+               - compute_seconds_ML(plan.slot_tokens_MLGJ, config)).sum(0)
+    fills_L = (replica_seconds_ML(plan, config) - replica_seconds_ML(bare, config)).sum(0)
+    weigh = (fills_L >= saved_L).view(1, -1, 1, 1)
+    if not bool(weigh.any()):
+        return None
+    return StepPlan(plan.topology, plan.placement_LE, torch.where(weigh, bare.slot_expert_MLGJ, plan.slot_expert_MLGJ),
+                    torch.where(weigh, bare.slot_tokens_MLGJ, plan.slot_tokens_MLGJ), plan.planner,
+                    plan.previous_placement_LE)
 
 
 def _has_copies(plan: StepPlan, prefilled) -> bool:
@@ -109,7 +126,30 @@ def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config)
                                                         and torch.equal(p.slot_tokens_MLGJ, first.slot_tokens_MLGJ))]
     if len(distinct) == 1:
         return first
-    price_PL = torch.stack([(moe_seconds_ML(p, loads_MLSE, config) + replica_seconds_ML(p, config)).sum(0)
-                            for p in distinct])
+    # Each plan is priced only on the layers where it differs from the first (elsewhere the
+    # first keeps the layer), the first on any of those; and not where its expert compute and
+    # exchange latency alone (its price less the all-to-all and replicas, both >= 0) reach
+    # the first's price there: it cannot be cheaper (ties keep the first).
+    differs_PL = torch.stack([((p.slot_expert_MLGJ != first.slot_expert_MLGJ)
+                               | (p.slot_tokens_MLGJ != first.slot_tokens_MLGJ)).transpose(0, 1).flatten(1).any(-1)
+                              for p in distinct])
+    differs_PL[0] = differs_PL[1:].any(0)
+    price_PL = torch.full(differs_PL.shape, float("inf"), dtype=torch.float64)
+    price_PL[0] = 0.0
+    idx = differs_PL[0].nonzero().squeeze(1)
+    price_PL[0, idx] = _layers_price(first, idx, loads_MLSE, config)
+    latency = exchange_latency_s(first.topology, config) * loads_MLSE.shape[0]
+    for k, p in enumerate(distinct[1:], 1):
+        floor_L = compute_seconds_ML(p.slot_tokens_MLGJ, config).sum(0) + latency
+        idx = (differs_PL[k] & (floor_L < price_PL[0])).nonzero().squeeze(1)
+        price_PL[k, idx] = _layers_price(p, idx, loads_MLSE, config)
     se, st = cheapest_per_layer([(p.slot_expert_MLGJ, p.slot_tokens_MLGJ) for p in distinct], price_PL)
     return StepPlan(first.topology, first.placement_LE, se, st, first.planner, first.previous_placement_LE)
+
+
+def _layers_price(plan: StepPlan, layers: torch.Tensor, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[L']``: the price of ``plan``'s layers ``layers`` (each priced apart)."""
+    prev = plan.previous_placement_LE
+    part = StepPlan(plan.topology, plan.placement_LE[layers], plan.slot_expert_MLGJ[:, layers],
+                    plan.slot_tokens_MLGJ[:, layers], plan.planner, None if prev is None else prev[layers])
+    return (moe_seconds_ML(part, loads_MLSE[:, layers], config) + replica_seconds_ML(part, config)).sum(0)

@@ -141,21 +141,22 @@ def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
 
 def step_long_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
                    prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
-                   keep_prefilled: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+                   keep_prefilled: int = 0, capped: bool = True) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The step-long set without a cap, then with at most ``c`` copies filled from one GPU
-    for each ``c`` of 1, 2, 3, 4, 6, 8, 12, ... below the most any GPU fills without a cap:
+    for each ``c`` of 1, 2, 4, 8, ... below the most any GPU fills without a cap:
     every free slot taken by the items with the most tokens per instance piles a hot
     expert's fills and gradient returns on its owner's link (``max(sent, received)`` per
     GPU), and fewer copies of it, more of the next ones, can cost less fill than the
     compute they leave (``switch-8/zipf/t16x64/1x8`` on H800 at 16 micro-batches: 15.2 ms
     against 18.7 ms for the layers' experts, eplb 17.8 ms). Which is cheapest is for the
-    caller's price (``balance.replicate_step``). Arguments as :func:`step_long_set`."""
+    caller's price (``balance.replicate_step``). Arguments as :func:`step_long_set`;
+    ``capped=False``: the set without a cap alone."""
     plan = _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)
     se, tok, most = plan(0)
     out, c = [(se, tok)], 1
-    while c < most:
+    while capped and c < most:
         out.append(plan(c)[:2])
-        c = c + 1 if c < 4 else c + c // 2
+        c *= 2
     return out
 
 
