@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 
 from benchmarks.standin_loads import standin_loads
 from relibra_torch.planning import StepPlan, Topology
-from relibra_torch.planning.plain import _balanced, _traffic, _without_copies, plain_plan
-from relibra_torch.planning.price import step_seconds
+from relibra_torch.planning.plain import _balanced, _layers_price, _traffic, _without_copies, plain_plan
+from relibra_torch.planning.price import moe_seconds_ML, replica_seconds_ML, step_seconds
 from relibra_torch.planning.pricing import priced_config
 
 
@@ -76,3 +76,17 @@ def test_traffic_replicas_that_cost_more_than_they_save_are_dropped():
                                                  step_seconds(without, loads, cfg)) * (1 + 1e-12)
     off = dataclasses.replace(cfg, cross_node_replicas=False)
     assert step_seconds(plan, loads, cfg) <= step_seconds(plain_plan(loads, topo, place, place, off), loads, cfg) * (1 + 1e-12)
+
+
+def test_layers_priced_apart_equal_the_whole_plans_layers():
+    """plain.py prices each candidate only on the layers where it differs from the first:
+    those layers' prices are the whole plan's, and no layer prices to nothing."""
+    topo = Topology(2, 4, 16, 2)
+    loads = standin_loads(16, 2, 5, 4, 8, 64, steps=1, zipf=1.0, collapse=0.95, factor=64, seed=1)[0]
+    cfg = priced_config(2048, 768, "h200", dispatch="hierarchical", top_k=2)
+    place = topo.static_placement(5)
+    plan = plain_plan(loads, topo, place, place, cfg)
+    full_L = (moe_seconds_ML(plan, loads, cfg) + replica_seconds_ML(plan, cfg)).sum(0)
+    idx = torch.tensor([1, 3, 4])
+    assert torch.allclose(_layers_price(plan, idx, loads, cfg), full_L[idx], rtol=1e-12, atol=0)
+    assert _layers_price(plan, idx[:0], loads, cfg).shape == (0,)

@@ -149,6 +149,8 @@ def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config)
 
 def _layers_price(plan: StepPlan, layers: torch.Tensor, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
     """float64 ``[L']``: the price of ``plan``'s layers ``layers`` (each priced apart)."""
+    if not layers.numel():
+        return torch.zeros(0, dtype=torch.float64)
     prev = plan.previous_placement_LE
     part = StepPlan(plan.topology, plan.placement_LE[layers], plan.slot_expert_MLGJ[:, layers],
                     plan.slot_tokens_MLGJ[:, layers], plan.planner, None if prev is None else prev[layers])
