@@ -48,8 +48,8 @@ def test_plain_plan_is_priced_at_most_each_traffic_choice(seed, R, k, zipf, coll
         pres += [one] if bool((one[0] >= 0).any()) else []
     plain = dataclasses.replace(cfg, balance=False)
     for k, pre in enumerate(pres):
-        capped: list = []   # the capped step-long sets balance.replicate_step hands over (first choice)
-        with_copies = _balanced(loads, topo, place, place, pre, cfg, None if k else capped)
+        capped: list = []   # the capped step-long sets handed over (first choice, without traffic slots)
+        with_copies = _balanced(loads, topo, place, place, pre, cfg, capped if k == 0 and pre is None else None)
         assert price <= step_seconds(with_copies, loads, cfg) * (1 + 1e-12)
         # without balancing's copies in the layers where their fills cost more than the
         # compute they save (the layers plain_plan weighs that variant in)

@@ -167,7 +167,7 @@ def _d_loses(load_MLE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch
         prefilled = (torch.full((M, L, topology.num_gpus, R // 2), -1, dtype=torch.int64),
                      torch.zeros(M, L, topology.num_gpus, R // 2, dtype=torch.int64))
     ds = step_long_sets(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
-                        int(config.two_hop))
+                        int(config.two_hop), not (prefilled is not None and R // 2))   # plain.py weighs caps there
     G, El = topology.num_gpus, topology.experts_per_gpu
     se_MLGl = natives_LG.view(1, L, G, El).expand(M, L, G, El)
     none = (se_MLGl, load_MLE.gather(2, se_MLGl.reshape(M, L, -1)).view(M, L, G, El))

@@ -13,13 +13,15 @@ So per layer these plans are priced and the cheapest kept, ties to the first:
 * ``R // 2`` traffic slots (the default; with ``R = 1`` none);
 * no traffic replica, balancing on every slot (only where the first planned one);
 * with ``R = 1``, the one slot for traffic replicas (only where they plan one);
-* each of those without balancing's copies, its traffic replicas kept (only where it has
-  some): copies admitted by their own rule (a copy's compute saved against its fill) can
-  cost more in fills, or in the all-to-all whose remote tokens they take, than they save
-  (``mixtral/domains/t16x64/1x8`` on H800 was 1.025x static);
-* the step-long sets with at most ``c`` copies filled from one GPU
-  (:func:`relibra_torch.planning.step_set.step_long_sets`) that ``balance.replicate_step``
-  hands over where its own step price puts them below its choice in some layer.
+* each of those without balancing's copies, its traffic replicas kept, in the layers where
+  the copies' fills and returns cost more than the expert compute they save
+  (:func:`_without_copies`): copies admitted by their own rule (a copy's compute saved
+  against its own fill) can cost more than they save (``mixtral/domains/t16x64/1x8`` on
+  H800 was 1.025x static);
+* where the first plan has no traffic slots, the step-long sets with at most ``c`` copies
+  filled from one GPU (:func:`relibra_torch.planning.step_set.step_long_sets`) that
+  ``balance.replicate_step`` hands over where its own step price puts them below its
+  choice in some layer.
 
 The price is :mod:`relibra_torch.planning.price`'s per layer: expert compute, all-to-all,
 replica fills and returns with their latency, summed over micro-batches; that is the cost
@@ -65,9 +67,11 @@ def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
         if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
             prefilled = _traffic(loads_MLSE, topology, placement_LE, 1, config)
             prefills += [prefilled] if bool((prefilled[0] >= 0).any()) else []
-    capped: list = []   # balance.replicate_step's capped step-long sets, for the exact price (first choice only)
-    plans = [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, config, None if k else capped)
-             for k, pre in enumerate(prefills)]
+    # balance.replicate_step's capped step-long sets, for the exact price: where the first
+    # choice has no traffic slots (as its set balanced on step totals; planning time)
+    capped: list = []
+    plans = [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, config,
+                       capped if k == 0 and pre is None else None) for k, pre in enumerate(prefills)]
     if config.balance:   # each plan without balancing's copies (its traffic replicas kept)
         plain = dataclasses.replace(config, balance=False)
         plans += [q for pre, p in zip(prefills, list(plans)) if _has_copies(p, pre) and (q := _without_copies(
