@@ -18,6 +18,7 @@ from relibra_torch.planning import (
     eplb_plan, evaluate, make_planner, online_global_plan, online_node_plan, plan_digest, relibra_plan,
     replicate, replicate_experts, static_plan, token_split, validate_plan,
 )
+from relibra_torch.planning.price import step_seconds
 from relibra_torch.planning.relibra import reorder
 from relibra_torch.testing import run_on_ranks
 
@@ -387,12 +388,24 @@ def test_replicas_only_where_the_fill_pays():
     assert cfg.min_replica_tokens_on(1) == 737 == math.ceil(4.2e-5 / 5.7e-8)
     assert dataclasses.replace(cfg, dispatch="hierarchical").min_replica_tokens == 737
     threshold = cfg.min_replica_tokens_on(topo.num_nodes)
+    El, place = topo.experts_per_gpu, topo.static_placement(1)
     for loads, expect_replicas in ((big, True), (tiny, False)):
+        # the per-micro-batch rule: each copy takes a fill's worth of tokens
+        se, st_ = replicate(loads, topo, place, threshold)
+        assert ((st_[..., El:] >= threshold) | (se[..., El:] < 0)).all()
+        assert bool((se[..., El:] >= 0).any()) == expect_replicas
         plan = relibra_plan(loads, topo, config=cfg)
-        quotas = plan.slot_tokens_MLGJ[..., topo.experts_per_gpu:]
-        filled = plan.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0
-        assert ((quotas >= threshold) | ~filled).all()
+        filled = plan.slot_expert_MLGJ[..., El:] >= 0
         assert bool(filled.any()) == expect_replicas
+        # relibra also weighs step-long sets, whose copies keep their slots all step (one fill)
+        # and whose quotas follow each micro-batch, at the step price: the copies it keeps pay
+        # for their fills as a whole, against the per-micro-batch plan and against none
+        per_mb = StepPlan(topo, place, se, st_, "relibra", place.clone())
+        native = torch.arange(se.shape[-1]) < El
+        none = StepPlan(topo, place, torch.where(native, se, -1), torch.where(native, loads.sum(2).gather(
+            2, se.clamp(min=0).flatten(2)).view_as(se), 0), "relibra", place.clone())
+        assert step_seconds(plan, loads, cfg) <= min(step_seconds(per_mb, loads, cfg),
+                                                     step_seconds(none, loads, cfg)) * (1 + 1e-12)
     # free fills (the default): the tiny batch is balanced too
     free = relibra_plan(tiny, topo, config=ReLibraConfig(reorder=False))
     assert (free.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0).any()

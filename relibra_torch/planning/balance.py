@@ -39,7 +39,7 @@ from __future__ import annotations
 import torch
 
 from .residency import residency_masks
-from .step_set import step_long_set
+from .step_set import step_long_sets
 from .topology import Topology
 
 __all__ = ["align_slots", "cheapest_per_layer", "replicate", "replicate_node_rows", "replicate_step"]
@@ -274,7 +274,7 @@ def step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s, 
 
 def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
                    min_tokens: int, prefilled, min_cross_tokens: int, keep_prefilled: int,
-                   set_prices: tuple[float, float, float], free_empty: bool = False
+                   set_prices: tuple[float, float, float], free_empty: bool = False, extra: list | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`replicate` aware of residencies, per layer the cheapest of its plans.
 
@@ -286,9 +286,16 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     keeps the plan whose step price (:func:`step_price_L`: busiest GPU load, residency fills
     on the busiest link, latency) is lowest. In the second plan a second copy of a traffic
     replica shares its fill too (``min_cross_tokens / M``: with ``two_hop`` it fills from the
-    node's first copy over NVLink, once per residency). Two more plans are step-long: one
-    balanced on the step's totals (without traffic replicas), and one over every free slot of
-    each node with quotas per micro-batch (:mod:`relibra_torch.planning.step_set`).
+    node's first copy over NVLink, once per residency). More plans are step-long: one
+    balanced on the step's totals (without traffic replicas), and those over every free slot
+    of each node with quotas per micro-batch, without and with a cap on the copies one GPU
+    fills (:func:`relibra_torch.planning.step_set.step_long_sets`). The capped sets are not
+    weighed here: this step price leaves out the all-to-all and the second hops, and on a
+    collapsed router it preferred a capped set that the exact price puts 2% higher. Where
+    one prices below the plan kept here in some layer, one more plan is appended to
+    ``extra`` (a list, when given) for the caller to weigh at the exact price
+    (``planning.plain``): per layer the capped set of lowest step price where it is below
+    the plan kept, else the plan kept.
     Arguments as :func:`replicate` (``free_empty``: its plans ``a`` and ``b``)."""
     M = loads_MLSE.shape[0]
     first = topology.experts_per_gpu + (0 if prefilled is None or free_empty else prefilled[0].shape[-1])
@@ -306,10 +313,19 @@ def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
         c = replicate(loads_MLSE.sum(0, keepdim=True), topology, placement_LE, min_tokens, None, min_cross_tokens)
         plans.append(_spread(c[0].expand(M, *c[0].shape[1:]), c[1][0], loads_MLSE.sum(2), topology.experts_per_gpu))
     # every free slot of a node, all step, quotas per micro-batch (planning.step_set)
-    plans.append(step_long_set(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled))
+    sets = step_long_sets(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled, extra is not None)
+    plans.append(sets[0])
     owner_LE = placement_LE // topology.experts_per_gpu
-    return cheapest_per_layer(plans, torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s)
-                                                  for p in plans]))
+    price_PL = torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in plans])
+    chosen = cheapest_per_layer(plans, price_PL)
+    if extra is not None and len(sets) > 1:  # the same with at most c copies filled from one GPU
+        capped_PL = torch.stack([step_price_L(*p, owner_LE, saved_s, fill_s, latency_s) for p in sets[1:]])
+        # per layer the capped set of lowest step price where it is below the choice, else the choice
+        beats_L = capped_PL.min(0).values < price_PL.min(0).values
+        if bool(beats_L.any()):
+            extra.append(cheapest_per_layer([chosen, *sets[1:]], torch.cat([
+                torch.where(beats_L, float("inf"), 0.0).unsqueeze(0), capped_PL])))
+    return chosen
 
 
 def cheapest_per_layer(plans: list[tuple[torch.Tensor, torch.Tensor]], price_PL: torch.Tensor

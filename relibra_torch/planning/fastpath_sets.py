@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .balance import replicate_step, step_price_L
-from .step_set import step_long_set
+from .step_set import step_long_sets
 from .topology import Topology
 
 __all__ = ["c_loses", "d_loses", "search_natives"]
@@ -70,9 +70,12 @@ def d_loses(load_MLE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch.
     if r0:
         prefilled = (torch.full((M, L, topology.num_gpus, r0), -1, dtype=torch.int64),
                      torch.zeros(M, L, topology.num_gpus, r0, dtype=torch.int64))
-    d = step_long_set(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
-                      int(config.two_hop))
-    return _loses(d, natives_LG, slot_LE, load_MLE, topology, config)
+    # with the capped sets of step_set.step_long_sets where plain.py weighs them: where its
+    # first plan has no traffic slots
+    capped = not (config.cross_node_replicas and N > 1 and topology.replica_slots // 2)
+    ds = step_long_sets(load_MLE.unsqueeze(2), topology, slot_LE, config.min_replica_tokens_on(N), prefilled,
+                        int(config.two_hop), capped)
+    return all(_loses(d, natives_LG, slot_LE, load_MLE, topology, config) for d in ds)
 
 
 def c_loses(own_MLNE: torch.Tensor, layers_L: torch.Tensor, placement_LE: torch.Tensor, topology: Topology,

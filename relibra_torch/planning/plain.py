@@ -15,20 +15,34 @@ So per layer these plans are priced and the cheapest kept, ties to the first:
   reserved slots would stay empty);
 * with ``R = 1``, the one slot for traffic replicas (only where they plan one);
 * with ``R = 1``, that plan with traffic slots per GPU rather than per node (only where
-  they plan one, so that a layer's plan depends on that layer alone): a GPU's
-  slot that holds no traffic replica in a micro-batch is free for balancing
-  (``balance.replicate(free_empty=True)``). On a node where one GPU's slot holds a hot remote
-  expert, the other GPUs' slots then hold its two-hop copies (``planning.two_hop``), so a
-  collapsed router's hot expert spreads over both nodes (1.44x online-global-planned before
-  on ``switch-8/collapsed/t64x64/2x4``, 0.997x now). With ``R >= 2`` it was never cheaper
-  on the default scoreboard (the same 6.9382 s) and added planner time: not weighed.
+  they plan one): a GPU's slot that holds no traffic replica in a micro-batch is free for
+  balancing (``balance.replicate(free_empty=True)``). On a node where one GPU's slot holds a
+  hot remote expert, the other GPUs' slots then hold its two-hop copies
+  (``planning.two_hop``), so a collapsed router's hot expert spreads over both nodes (1.44x
+  online-global-planned before on ``switch-8/collapsed/t64x64/2x4``, 0.997x now). With
+  ``R >= 2`` it was never cheaper on the default scoreboard (the same 6.9382 s) and added
+  planner time: not weighed;
+* each of those without balancing's copies, its traffic replicas kept, in the layers where
+  the copies' fills and returns cost more than the expert compute they save
+  (:func:`_without_copies`): copies admitted by their own rule (a copy's compute saved
+  against its own fill) can cost more than they save (``mixtral/domains/t16x64/1x8`` on
+  H800 was 1.025x static);
+* where the first plan has no traffic slots, the step-long sets with at most ``c`` copies
+  filled from one GPU (:func:`relibra_torch.planning.step_set.step_long_sets`) that
+  ``balance.replicate_step`` hands over where its own step price puts them below its
+  choice in some layer.
+
+A layer's plan depends on that layer alone (EP ranks plan layer shares,
+``planning.base.layer_share``): every candidate is built and weighed per layer, and the
+``R = 1`` traffic candidates only in the layers where traffic replicas plan one.
 
 The price is :mod:`relibra_torch.planning.price`'s per layer: expert compute, all-to-all,
 replica fills and returns with their latency, summed over micro-batches; that is the cost
 model's step minus attention and dense layers (``tests/test_relibra_choose.py``), and every
-candidate has the same placement, so the migration is the same. The fast path
-(:mod:`relibra_torch.planning.fastpath`) bounds balancing both with the ``R // 2`` reserved
-(empty) traffic slots and without them.
+candidate has the same placement, so the migration is the same. A plan with no traffic
+replica is built only from a traffic plan that made some, so where the fast path
+(:mod:`relibra_torch.planning.fastpath`) proves that none pays, the plain plan is the one
+plan it was before.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU,
 P candidate plans.
@@ -36,12 +50,14 @@ P candidate plans.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .balance import cheapest_per_layer, replicate_step
 from .fill_spread import spread_args
 from .plan import StepPlan
-from .price import moe_seconds_ML, replica_seconds_ML
+from .price import compute_seconds_ML, exchange_latency_s, moe_seconds_ML, replica_seconds_ML
 from .topology import Topology
 from .traffic import traffic_replicas
 
@@ -56,23 +72,59 @@ def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
     R, N = topology.replica_slots, topology.num_nodes
     traffic = config.cross_node_replicas and N > 1 and R
 
-    def balanced(prefilled, free_empty: bool = False) -> StepPlan:
-        return _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, prefilled, config, free_empty)
-
-    # a layer's plan depends on that layer alone, so that EP ranks can plan layer shares:
-    # a candidate is weighed in every layer, or only in the layers where it differs by design
-    weighed_L = torch.ones(loads_MLSE.shape[1], dtype=torch.bool)
+    # (prefilled traffic slots, traffic slots per GPU, layers weighed: None = all)
     if traffic and R // 2:
         prefilled = _traffic(loads_MLSE, topology, placement_LE, R // 2, config)
-        plans = [balanced(prefilled), balanced(None)]
+        prefills = [(prefilled, False, None), (None, False, None)]
     else:
-        plans = [balanced(None)]
+        prefills = [(None, False, None)]
         if traffic:   # R = 1: the one slot for traffic replicas, where they plan one
             prefilled = _traffic(loads_MLSE, topology, placement_LE, 1, config)
-            weighed_L = (prefilled[0] >= 0).flatten(2).any(2).any(0)
-            if bool(weighed_L.any()):
-                plans += [balanced(prefilled), balanced(prefilled, True)]
-    return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config, weighed_L)
+            made_L = (prefilled[0] >= 0).flatten(2).any(2).any(0)
+            if bool(made_L.any()):
+                prefills += [(prefilled, False, made_L), (prefilled, True, made_L)]
+    # balance.replicate_step's capped step-long sets, for the exact price: where the first
+    # choice has no traffic slots (as its set balanced on step totals; planning time)
+    capped: list = []
+    plans = [_balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, config, free,
+                       capped if k == 0 and pre is None else None) for k, (pre, free, _) in enumerate(prefills)]
+    masks = [mask for _, _, mask in prefills]
+    if config.balance:   # each plan without balancing's copies (its traffic replicas kept)
+        plain = dataclasses.replace(config, balance=False)
+        for (pre, free, mask), p in zip(prefills, list(plans)):
+            q = _without_copies(p, _balanced(loads_MLSE, topology, previous_placement_LE, placement_LE, pre, plain,
+                                             free), config) if _has_copies(p, pre) else None
+            if q is not None:
+                plans.append(q)
+                masks.append(mask)
+    for se, st in capped:
+        plans.append(StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone()))
+        masks.append(None)
+    return plans[0] if len(plans) == 1 else _cheapest_per_layer(plans, loads_MLSE, config, masks)
+
+
+def _without_copies(plan: StepPlan, bare: StepPlan, config) -> StepPlan | None:
+    """``plan`` with ``bare``'s layers (the same without balancing's copies) where those
+    copies' fills and returns cost more than the expert compute they save (the rule that
+    admitted them counts a copy's own fill, not the busiest link's, nor the residencies'
+    latency; the all-to-all is left to the exact price), ``None`` where they never do: the
+    layers the exact price then weighs (a cheap filter, keeping planning in its window)."""
+    saved_L = (compute_seconds_ML(bare.slot_tokens_MLGJ, config)
+               - compute_seconds_ML(plan.slot_tokens_MLGJ, config)).sum(0)
+    fills_L = (replica_seconds_ML(plan, config) - replica_seconds_ML(bare, config)).sum(0)
+    weigh = (fills_L >= saved_L).view(1, -1, 1, 1)
+    if not bool(weigh.any()):
+        return None
+    return StepPlan(plan.topology, plan.placement_LE, torch.where(weigh, bare.slot_expert_MLGJ, plan.slot_expert_MLGJ),
+                    torch.where(weigh, bare.slot_tokens_MLGJ, plan.slot_tokens_MLGJ), plan.planner,
+                    plan.previous_placement_LE)
+
+
+def _has_copies(plan: StepPlan, prefilled) -> bool:
+    """Whether balancing made a copy in ``plan`` (a slot after the traffic slots holds an
+    expert, or a traffic slot's quota was shared: a copy of a traffic replica)."""
+    first = plan.topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
+    return bool((plan.slot_expert_MLGJ[..., first:] >= 0).any())
 
 
 def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
@@ -82,28 +134,58 @@ def _traffic(loads_MLSE, topology: Topology, placement_LE, r0: int, config):
 
 
 def _balanced(loads_MLSE, topology: Topology, previous_placement_LE, placement_LE, prefilled, config,
-              free_empty: bool = False) -> StepPlan:
+              free_empty: bool = False, extra: list | None = None) -> StepPlan:
     # balance=False: no copy can take enough tokens to be made, so only traffic replicas remain
     N, never = topology.num_nodes, torch.iinfo(torch.int64).max
     slot_expert, slot_tokens = replicate_step(
         loads_MLSE, topology, placement_LE, config.min_replica_tokens_on(N) if config.balance else never, prefilled,
         config.min_cross_replica_tokens if config.balance else never, int(config.two_hop),
-        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)), free_empty)
+        (config.saved_s_per_token(N), config.replica_fill_s_per_expert, config.fill_latency_s(N)), free_empty,
+        extra)
     return StepPlan(topology, placement_LE, slot_expert, slot_tokens, "relibra", previous_placement_LE.clone())
 
 
-def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config, weighed_L: torch.Tensor
-                        ) -> StepPlan:
+def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config,
+                        masks: list[torch.Tensor | None]) -> StepPlan:
     """Per layer the plan of ``plans`` (same placement) with the lowest price, ties to the
-    first; the others only in the layers where ``weighed_L`` (bool ``[L]``) is set. Layers are
-    priced apart: residencies, second hops and the all-to-all are per layer."""
+    first; plan ``k`` only in the layers ``masks[k]`` (bool ``[L]``; ``None``: every layer).
+    Layers are priced apart: residencies, second hops and the all-to-all are per layer."""
     first = plans[0]
-    distinct = [first] + [p for p in plans[1:] if not (torch.equal(p.slot_expert_MLGJ, first.slot_expert_MLGJ)
-                                                        and torch.equal(p.slot_tokens_MLGJ, first.slot_tokens_MLGJ))]
+    kept = [(p, m) for p, m in zip(plans[1:], masks[1:])
+            if not (torch.equal(p.slot_expert_MLGJ, first.slot_expert_MLGJ)
+                    and torch.equal(p.slot_tokens_MLGJ, first.slot_tokens_MLGJ))]
+    distinct = [first] + [p for p, _ in kept]
     if len(distinct) == 1:
         return first
-    price_PL = torch.stack([(moe_seconds_ML(p, loads_MLSE, config) + replica_seconds_ML(p, config)).sum(0)
-                            for p in distinct])
-    price_PL[1:, ~weighed_L] = float("inf")
+    # Each plan is priced only on the layers where it differs from the first (elsewhere the
+    # first keeps the layer), the first on any of those; and not where its expert compute and
+    # exchange latency alone (its price less the all-to-all and replicas, both >= 0) reach
+    # the first's price there: it cannot be cheaper (ties keep the first).
+    differs_PL = torch.stack([((p.slot_expert_MLGJ != first.slot_expert_MLGJ)
+                               | (p.slot_tokens_MLGJ != first.slot_tokens_MLGJ)).transpose(0, 1).flatten(1).any(-1)
+                              for p in distinct])
+    for k, (_, mask) in enumerate(kept, 1):
+        if mask is not None:
+            differs_PL[k] &= mask
+    differs_PL[0] = differs_PL[1:].any(0)
+    price_PL = torch.full(differs_PL.shape, float("inf"), dtype=torch.float64)
+    price_PL[0] = 0.0
+    idx = differs_PL[0].nonzero().squeeze(1)
+    price_PL[0, idx] = _layers_price(first, idx, loads_MLSE, config)
+    latency = exchange_latency_s(first.topology, config) * loads_MLSE.shape[0]
+    for k, p in enumerate(distinct[1:], 1):
+        floor_L = compute_seconds_ML(p.slot_tokens_MLGJ, config).sum(0) + latency
+        idx = (differs_PL[k] & (floor_L < price_PL[0])).nonzero().squeeze(1)
+        price_PL[k, idx] = _layers_price(p, idx, loads_MLSE, config)
     se, st = cheapest_per_layer([(p.slot_expert_MLGJ, p.slot_tokens_MLGJ) for p in distinct], price_PL)
     return StepPlan(first.topology, first.placement_LE, se, st, first.planner, first.previous_placement_LE)
+
+
+def _layers_price(plan: StepPlan, layers: torch.Tensor, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[L']``: the price of ``plan``'s layers ``layers`` (each priced apart)."""
+    if not layers.numel():
+        return torch.zeros(0, dtype=torch.float64)
+    prev = plan.previous_placement_LE
+    part = StepPlan(plan.topology, plan.placement_LE[layers], plan.slot_expert_MLGJ[:, layers],
+                    plan.slot_tokens_MLGJ[:, layers], plan.planner, None if prev is None else prev[layers])
+    return (moe_seconds_ML(part, loads_MLSE[:, layers], config) + replica_seconds_ML(part, config)).sum(0)
