@@ -316,6 +316,7 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
     assert doc["config"]["baseline_options"] == {
         "eplb_interval": 2, "eplb_window": 8, "eplb_num_groups": 1,          # --set beats the file
         "online_plan_latency_us": 10.0, "online_min_replica_tokens": 8, "planning_overlap_s": None,
+        "planning_split": True,
         "relibra_cross_node_replicas": True, "relibra_reorder": True, "relibra_traffic_search": True,
         "relibra_balance": True, "relibra_two_hop": True, "relibra_choose": False, "relibra_spread_fills": True,
         "relibra_max_swap_rounds": 64,

@@ -41,6 +41,8 @@ Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, g GPUs pe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .balance import replicate_node_rows, step_price_L
@@ -210,6 +212,12 @@ def _nothing_pays(own_MLNE: torch.Tensor, topology: Topology, previous_placement
     """:func:`nothing_pays` from the step's demand by source node ``own_MLNE`` (int64 ``[M, L, N, E]``)."""
     M, L, N, E = own_MLNE.shape
     g, R = topology.gpus_per_node, topology.replica_slots
+    if config.choose and config.cross_node_replicas and N > 1 and R:
+        # choose also weighs the plain plan without traffic replicas (relibra.py), whose
+        # candidates include the capped step-long sets: it must make nothing either
+        if not _nothing_pays(own_MLNE, topology, previous_placement_LE,
+                             dataclasses.replace(config, cross_node_replicas=False), coloc_w):
+            return False
     load_MLE = own_MLNE.sum(2)
     node_LE = previous_placement_LE // topology.experts_per_node
     step_LNE = own_MLNE.sum(0)
