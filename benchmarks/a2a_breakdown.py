@@ -39,7 +39,15 @@ from relibra_torch.sim.traces.families import FAMILIES
 from relibra_torch.sim.workload import synthetic_workload
 
 
-def _node_even(x_MLG: torch.Tensor, N: int, g: int) -> torch.Tensor:
+def with_default(argv: list[str], flag: str, value: str) -> list[str]:
+    """``argv`` with ``flag value`` appended unless the user gave ``flag`` (this benchmark's
+    default differs from ``relibra simulate``'s)."""
+    if any(a == flag or a.startswith(flag + "=") for a in argv):
+        return argv
+    return [*argv, flag, value]
+
+
+def node_even(x_MLG: torch.Tensor, N: int, g: int) -> torch.Tensor:
     """Each GPU's value replaced by its node's mean (float64)."""
     M, L, G = x_MLG.shape
     return x_MLG.double().view(M, L, N, g).mean(-1, keepdim=True).expand(M, L, N, g).reshape(M, L, G)
@@ -65,15 +73,15 @@ def breakdown(metrics, cost: CostModel, N: int, g: int) -> dict:
     def cluster_even(x_MLG: torch.Tensor) -> torch.Tensor:
         return x_MLG.double().mean(-1, keepdim=True).expand(x_MLG.shape)
 
-    intra_even = _node_even(torch.maximum(is_, ir), N, g)
+    intra_even = node_even(torch.maximum(is_, ir), N, g)
     return {
         "cross_recv_imbalance": _imbalance(cr, N, g),
         "cross_send_imbalance": _imbalance(cs, N, g),
         "all_to_all_s": a2a(cs, cr, is_, ir),
-        "if_recv_even_in_node_s": a2a(cs, _node_even(cr, N, g), is_, ir),
-        "if_send_even_in_node_s": a2a(_node_even(cs, N, g), cr, is_, ir),
-        "if_both_even_in_node_s": a2a(_node_even(cs, N, g), _node_even(cr, N, g), is_, ir),
-        "if_both_and_nvlink_even_in_node_s": a2a(_node_even(cs, N, g), _node_even(cr, N, g), intra_even, intra_even),
+        "if_recv_even_in_node_s": a2a(cs, node_even(cr, N, g), is_, ir),
+        "if_send_even_in_node_s": a2a(node_even(cs, N, g), cr, is_, ir),
+        "if_both_even_in_node_s": a2a(node_even(cs, N, g), node_even(cr, N, g), is_, ir),
+        "if_both_and_nvlink_even_in_node_s": a2a(node_even(cs, N, g), node_even(cr, N, g), intra_even, intra_even),
         "if_all_even_s": a2a(cluster_even(cs), cluster_even(cr), intra_even, intra_even),
     }
 
@@ -81,11 +89,9 @@ def breakdown(metrics, cost: CostModel, N: int, g: int) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--systems" or a.startswith("--systems=") for a in argv):
-        argv += ["--systems", "eplb-oracle,online-global,relibra"]
-    if not any(a == "--dispatch" or a.startswith("--dispatch=") for a in argv):
-        argv += ["--dispatch", "flat"]  # its counterfactuals are flat sends (simulate defaults to hierarchical)
+    argv = with_default(list(sys.argv[1:] if argv is None else argv), "--systems", "eplb-oracle,online-global,relibra")
+    # its counterfactuals are flat sends (simulate defaults to hierarchical)
+    argv = with_default(argv, "--dispatch", "flat")
     args = parser.parse_args(argv)
     s = cli.resolve(args)
     if args.file or s["trace"] not in FAMILIES or s["packing"] != "fixed":

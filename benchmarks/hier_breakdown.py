@@ -35,17 +35,15 @@ from pathlib import Path
 
 import torch
 
-from relibra_torch.planning import evaluate
-from relibra_torch.sim import cli
-from relibra_torch.sim.cost import CostModel
-from relibra_torch.sim.dispatch import hierarchical_metrics
-from relibra_torch.sim.simulator import default_planner_factory
-from relibra_torch.sim.workload import synthetic_workload
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # a2a_breakdown, run as a script
 
-
-def _node_even(x_MLG: torch.Tensor, N: int, g: int) -> torch.Tensor:
-    M, L, G = x_MLG.shape
-    return x_MLG.double().view(M, L, N, g).mean(-1, keepdim=True).expand(M, L, N, g).reshape(M, L, G)
+from a2a_breakdown import node_even, with_default  # noqa: E402
+from relibra_torch.planning import evaluate  # noqa: E402
+from relibra_torch.sim import cli  # noqa: E402
+from relibra_torch.sim.cost import CostModel  # noqa: E402
+from relibra_torch.sim.dispatch import hierarchical_metrics  # noqa: E402
+from relibra_torch.sim.simulator import default_planner_factory  # noqa: E402
+from relibra_torch.sim.workload import synthetic_workload  # noqa: E402
 
 
 def breakdown(plan, metrics, cost: CostModel, tokens_MS, pairs_MS, N: int, g: int) -> dict:
@@ -96,9 +94,9 @@ def breakdown(plan, metrics, cost: CostModel, tokens_MS, pairs_MS, N: int, g: in
             cost.replica_counts(plan, metrics)["fetch_send_cross"].amax(-1).sum(0).double().mean()),
         "if_nvlink_free_s": a2a(cs, cr, z, z),
         "if_cross_free_s": a2a(z, z, is_, ir),
-        "if_send_even_in_node_s": a2a(_node_even(cs, N, g), cr, is_, ir),
-        "if_recv_even_in_node_s": a2a(cs, _node_even(cr, N, g), is_, ir),
-        "if_cross_even_in_node_s": a2a(_node_even(cs, N, g), _node_even(cr, N, g), is_, ir),
+        "if_send_even_in_node_s": a2a(node_even(cs, N, g), cr, is_, ir),
+        "if_recv_even_in_node_s": a2a(cs, node_even(cr, N, g), is_, ir),
+        "if_cross_even_in_node_s": a2a(node_even(cs, N, g), node_even(cr, N, g), is_, ir),
         "if_cross_even_cluster_s": a2a(even(cs), even(cr), is_, ir),
         "if_all_even_cluster_s": a2a(even(cs), even(cr), even(torch.maximum(is_, ir)), even(torch.maximum(is_, ir))),
     }
@@ -107,9 +105,7 @@ def breakdown(plan, metrics, cost: CostModel, tokens_MS, pairs_MS, N: int, g: in
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     cli.add_arguments(parser)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--systems" or a.startswith("--systems=") for a in argv):
-        argv += ["--systems", "eplb-oracle,relibra"]
+    argv = with_default(list(sys.argv[1:] if argv is None else argv), "--systems", "eplb-oracle,relibra")
     args = parser.parse_args(argv)
     s = cli.resolve(args)
     if s["cost_options"].dispatch != "hierarchical":
