@@ -41,6 +41,7 @@ from .moe.schedule import layer_plans
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.base import layer_share
 from .planning.evaluate import imbalance
+from .planning.plan import hash_counts
 from .planning.pricing import relibra_config_for
 from .replay.counts import count_micro_batches, count_pairs
 
@@ -173,9 +174,7 @@ class ReplayBalancer:
         """62-bit digest of everything the planner reads: loads, pair counts, its state and config."""
         h = hashlib.sha256()
         h.update(repr((type(self.planner).__qualname__, self.planner.name, self.topology)).encode())
-        h.update(loads_MLSE.contiguous().numpy().tobytes())
-        if pairs_LEE is not None:
-            h.update(pairs_LEE.contiguous().numpy().tobytes())
+        hash_counts(h, loads_MLSE, pairs_LEE)
         for key, value in sorted(vars(self.planner).items()):
             h.update(key.encode())
             items = value if isinstance(value, (list, tuple)) else [value]

@@ -376,15 +376,27 @@ def chosen_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement
     return StepPlan(topology, placement_LE, se, st, "relibra", previous_placement_LE.clone())
 
 
-def cheaper_plan(chosen: StepPlan, plain: StepPlan, loads_MLSE: torch.Tensor, config) -> StepPlan:
-    """The cheaper of ``choose``'s plan and relibra's plain plan at the exact step price
-    (:func:`relibra_torch.planning.price.step_seconds`); ties keep ``chosen``. So ``choose``
-    is never priced above relibra without it (the plain plan's residency-aware balancing is
-    not among the candidates). Two equal plans price the same: not priced."""
-    if (torch.equal(plain.placement_LE, chosen.placement_LE) and torch.equal(plain.slot_expert_MLGJ, chosen.slot_expert_MLGJ)
-            and torch.equal(plain.slot_tokens_MLGJ, chosen.slot_tokens_MLGJ)
-            and (plain.previous_placement_LE is None) == (chosen.previous_placement_LE is None)
-            and (plain.previous_placement_LE is None
-                 or torch.equal(plain.previous_placement_LE, chosen.previous_placement_LE))):
-        return chosen
-    return plain if step_seconds(plain, loads_MLSE, config) < step_seconds(chosen, loads_MLSE, config) else chosen
+def cheapest_plan(chosen: StepPlan, plains: list[StepPlan], loads_MLSE: torch.Tensor, config) -> StepPlan:
+    """The cheapest of ``choose``'s plan and relibra's plain plans at the exact step price
+    (:func:`relibra_torch.planning.price.step_seconds`); ties keep the earliest, ``chosen``
+    first. So ``choose`` is never priced above relibra without it (the plain plan's
+    residency-aware balancing is not among the candidates). Each plan is priced once; one
+    equal to an earlier plan is not priced."""
+    def same(p: StepPlan, q: StepPlan) -> bool:
+        return (torch.equal(p.placement_LE, q.placement_LE) and torch.equal(p.slot_expert_MLGJ, q.slot_expert_MLGJ)
+                and torch.equal(p.slot_tokens_MLGJ, q.slot_tokens_MLGJ)
+                and (p.previous_placement_LE is None) == (q.previous_placement_LE is None)
+                and (p.previous_placement_LE is None or torch.equal(p.previous_placement_LE, q.previous_placement_LE)))
+
+    best, best_s = chosen, None
+    seen = [chosen]
+    for plain in plains:
+        if any(same(plain, q) for q in seen):
+            continue
+        seen.append(plain)
+        if best_s is None:
+            best_s = step_seconds(chosen, loads_MLSE, config)
+        plain_s = step_seconds(plain, loads_MLSE, config)
+        if plain_s < best_s:
+            best, best_s = plain, plain_s
+    return best

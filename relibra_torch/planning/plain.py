@@ -121,8 +121,9 @@ def _without_copies(plan: StepPlan, bare: StepPlan, config) -> StepPlan | None:
 
 
 def _has_copies(plan: StepPlan, prefilled) -> bool:
-    """Whether balancing made a copy in ``plan`` (a slot after the traffic slots holds an
-    expert, or a traffic slot's quota was shared: a copy of a traffic replica)."""
+    """Whether a slot after ``prefilled``'s traffic slots holds an expert in ``plan``: a copy
+    balancing made (a copy balancing put in a free traffic slot, ``free_empty``, is not seen,
+    so that plan's variant without copies is then not weighed)."""
     first = plan.topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
     return bool((plan.slot_expert_MLGJ[..., first:] >= 0).any())
 

@@ -29,7 +29,7 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["StepPlan", "token_split", "validate_plan", "plan_digest"]
+__all__ = ["StepPlan", "token_split", "validate_plan", "plan_digest", "hash_counts"]
 
 
 @dataclass
@@ -363,6 +363,15 @@ def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
             m, l, e = (quota_MLE[..., 1:] != load_MLE).nonzero()[0].tolist()
             _fail(f"micro-batch {m}, layer {l}, expert {e}: slot quotas sum to "
                   f"{int(quota_MLE[m, l, e + 1])} but the expert's load is {int(load_MLE[m, l, e])}")
+
+
+def hash_counts(h, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> None:
+    """Feed the planner's count inputs (``[M, L, S, E]`` loads, optional ``[L, E, E]`` pairs)
+    to the hashlib object ``h``: the bulk of the inputs digest the EP ranks agree on before
+    split planning (the training hook; the simulator times it)."""
+    h.update(loads_MLSE.contiguous().numpy().tobytes())
+    if pairs_LEE is not None:
+        h.update(pairs_LEE.contiguous().numpy().tobytes())
 
 
 def plan_digest(plan: StepPlan) -> str:

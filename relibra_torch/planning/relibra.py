@@ -50,7 +50,7 @@ from .topology import Topology
 from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
-from .choose import cheaper_plan, chosen_plan
+from .choose import cheapest_plan, chosen_plan
 from .plain import plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
 
@@ -393,13 +393,11 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         chosen = chosen_plan(loads_MLSE, topology, previous_placement_LE, config, dict(zip((True, False), both)),
                              pairs_LEE, coloc_w)
         # the plain plans too, with each mechanism and without one: balancing's residency-aware
-        # choice (replicate_step) is no candidate of the sequences, and its plans are cheap
+        # choice (replicate_step) is no candidate of the sequences
         variants = ((both[0], {}), (both[0], {"balance": False}), (both[1], {"cross_node_replicas": False}))
-        for placement_LE, off in variants:
-            plain = _plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE,
-                                dataclasses.replace(config, **off))
-            chosen = cheaper_plan(chosen, plain, loads_MLSE, config)
-        return chosen
+        plains = [_plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE,
+                              dataclasses.replace(config, **off)) for placement_LE, off in variants]
+        return cheapest_plan(chosen, plains, loads_MLSE, config)
     placement_LE = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE) if config.reorder
                     else previous_placement_LE.clone())
     return _plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE, config)

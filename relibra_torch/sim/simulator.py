@@ -41,7 +41,7 @@ import torch
 from ..checks import check_int
 from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share
 from ..planning.evaluate import evaluate
-from ..planning.plan import StepPlan, plan_digest, token_split, validate_plan
+from ..planning.plan import StepPlan, hash_counts, plan_digest, token_split, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
@@ -315,7 +315,7 @@ def simulate(workload: Workload, config: SimConfig,
                         window_X[x] = forward_s(costs[-1])
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], window_X[x], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"),
-                                      splits=getattr(planner, "host_token_splits", False))
+                                      host_splits=getattr(planner, "host_token_splits", False))
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
@@ -357,13 +357,8 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
         # the hook's whole-step path: a digest of the plan, its agreement and the failure flag
         return plan, secs + one_thread_cpu(lambda: plan_digest(plan))[1] + 2 * latency_us * 1e-6
 
-    def inputs_digest():  # the hook hashes the planner's inputs before the ranks agree on them
-        h = hashlib.sha256(loads_MLSE.contiguous().numpy().tobytes())
-        if pairs_LEE is not None:
-            h.update(pairs_LEE.contiguous().numpy().tobytes())
-        return h.hexdigest()
-
-    digest_s = one_thread_cpu(inputs_digest)[1]
+    # the hook hashes the planner's inputs before the ranks agree on them
+    digest_s = one_thread_cpu(lambda: hash_counts(hashlib.sha256(), loads_MLSE, pairs_LEE))[1]
     parts, secs = [], []
     for r in range(min(ranks, L)):
         part, s = one_thread_cpu(lambda: run(layer_share(r, ranks, L)))
@@ -415,15 +410,15 @@ def forward_s(c: StepCost) -> float:
 
 def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
                       c: StepCost, forward_window_s: float, options: BaselineOptions, run_time: bool,
-                      splits: bool) -> None:
+                      host_splits: bool) -> None:
     """Add the host work that does not fit the overlap window to the step (see the module
-    docstring); record host CPU, window and charge in ``host``. ``splits``: the system's
+    docstring); record host CPU, window and charge in ``host``. ``host_splits``: the system's
     layer derives every exchange size on the host (``token_split`` per micro-batch, relibra's
     layer); the baselines' engines pick a replica per token on the GPU, static has none."""
     window = forward_window_s if options.planning_overlap_s is None else options.planning_overlap_s
     if run_time:  # planned on the critical path, per layer: the cost model charged its latency
         work = 0.0
-    elif not splits:
+    elif not host_splits:
         work = planner_s
     else:
         def splits():
