@@ -272,8 +272,10 @@ def host_planning_line(doc: dict) -> str:
     if not ahead:
         return "host planning ahead of the step: none"
     window = cfg_window = doc["config"].get("baseline_options", {}).get("planning_overlap_s")
-    window = "the forward pass" if cfg_window is None else f"{format_seconds(cfg_window)} (planning.overlap_s)"
-    line = ("host planning ahead of the step (one thread's CPU: planner + token splits): "
+    window = ("static's forward pass" if cfg_window is None
+              else f"{format_seconds(cfg_window)} (planning.overlap_s)")
+    line = ("host planning ahead of the step (one thread's CPU: the planner, its slowest EP rank's share "
+            "under split planning, + relibra's token splits): "
             + ", ".join(f"{n} {format_seconds(f['host_cpu_s'])}" for n, f in ahead.items())
             + f"; overlap window {window}")
     charged = {n: f["planning_charged_s"] for n, f in ahead.items() if f["planning_charged_s"] > 0}
