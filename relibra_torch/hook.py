@@ -107,7 +107,9 @@ class ReplayBalancer:
             throughput price the relibra planner's objective when ``planner_kwargs`` has no
             ``config``: migrations and replica fills are then charged for the layers' real
             expert size, so small models move and replicate freely and large ones only when
-            it pays.
+            it pays. On CUDA layers that config has the simulator's planning floors
+            (``planning.worth``: a layer where no plan can repay the search's host time keeps
+            its placement); on CPU layers it plans every layer.
         split_planning: with an EP group and a planner that plans layers independently
             (``Planner.splits_layers``: static, relibra), each EP rank plans every ``G``-th
             layer and the ranks all-gather the parts (planning time divided by ``G``). The
@@ -136,7 +138,11 @@ class ReplayBalancer:
         if isinstance(planner, str):
             kwargs = dict(planner_kwargs or {})
             if planner == "relibra" and "config" not in kwargs:
-                kwargs["config"] = relibra_config_for(self.layers[0], hardware)
+                # the guard (planning.worth) keeps host planning off a GPU step it cannot
+                # shorten; a CPU run (gloo, toy models) has no GPU step: plan every layer
+                on_gpu = any(p.device.type == "cuda" for p in self.layers[0].parameters())
+                kwargs["config"] = relibra_config_for(self.layers[0], hardware, **(
+                    {} if on_gpu else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
             planner = make_planner(planner, self.topology, **kwargs)
         elif planner.topology != self.topology:
             raise ValueError(f"planner topology {planner.topology} differs from the layers' {self.topology}")

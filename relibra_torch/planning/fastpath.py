@@ -52,7 +52,7 @@ from .reorder_traffic import replica_min_tokens
 from .fastpath_sets import c_loses, d_loses, search_natives as _search_natives
 from .topology import Topology
 
-__all__ = ["assign_gpus", "fast_plan", "nothing_pays"]
+__all__ = ["assign_gpus", "fast_plan", "keep_plan", "nothing_pays"]
 
 
 def _beyond_top(step_LNE: torch.Tensor, k: int) -> torch.Tensor:
@@ -371,12 +371,20 @@ def fast_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_L
     own_MLNE = loads_MLSE.view(M, L, topology.num_nodes, topology.gpus_per_node, E).sum(3, dtype=torch.int64)
     if not _nothing_pays(own_MLNE, topology, previous_placement_LE, config, coloc_w):
         return None
+    return keep_plan(loads_MLSE, topology, previous_placement_LE, config, own_MLNE.sum(2))
+
+
+def keep_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
+              load_MLE: torch.Tensor | None = None) -> StepPlan:
+    """The previous placement with every expert on its owner and no copy: what the full
+    search returns when nothing pays (reordering without ``choose``: in canonical slot order,
+    as :func:`assign_gpus` gives it; with ``choose`` as it is, every alternative prices the same)."""
+    L, E = previous_placement_LE.shape
     placement_LE = previous_placement_LE.clone()
-    # choose keeps the previous placement as it is (every alternative prices the same)
-    if config.reorder and not config.choose:  # in canonical slot order, as assign_gpus gives it
+    if config.reorder and not config.choose:
         natives_LS = _search_natives(previous_placement_LE, topology, config).view(L, E)
         placement_LE = torch.empty_like(placement_LE).scatter_(1, natives_LS, torch.arange(E).expand(L, E))
-    return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE, own_MLNE.sum(2)),
+    return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE, load_MLE),
                     "relibra", previous_placement_LE.clone())
 
 

@@ -22,6 +22,8 @@ from .relibra import ReLibraConfig
 __all__ = [
     "HARDWARE",
     "HardwareSpec",
+    "PLAN_FLOOR_NODES_S",
+    "PLAN_FLOOR_S",
     "ReorderWeights",
     "get_hardware",
     "priced_config",
@@ -204,6 +206,16 @@ def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activa
     )
 
 
+#: The full search's least one-thread CPU time per layer where the fast path does not settle
+#: it (``planning.worth``), measured on this project's 2-core machine (Python 3.11, torch
+#: 2.13 CPU) over the never-behind stand-ins: 6-8 ms on one node, 18-35 ms across nodes
+#: with top-1 routers and 70-100 ms with top-2 and top-8 (docs/architecture.md, "Planning
+#: that cannot pay"). A faster host CPU makes these smaller: set them from
+#: ``benchmarks/planner.py`` on the training cluster.
+PLAN_FLOOR_S = 8e-3
+PLAN_FLOOR_NODES_S = 5e-2
+
+
 def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:
     """:class:`ReLibraConfig` whose cost weights price a ``D x F`` expert on ``hardware``
     (a preset name or a spec); ``overrides`` set other config fields."""
@@ -211,12 +223,16 @@ def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h20
     return ReLibraConfig.from_weights(reorder_weights(dim, hidden_dim, spec), **overrides)
 
 
-def relibra_config_for(layer, hardware: str | HardwareSpec = "h200") -> ReLibraConfig:
-    """:class:`ReLibraConfig` priced for ``layer``'s expert shape on a hardware preset.
+def relibra_config_for(layer, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:
+    """:class:`ReLibraConfig` priced for ``layer``'s expert shape on a hardware preset, with
+    the planning floors above (the simulator's default; ``overrides`` win).
 
     ``layer`` is any MoE layer with ``dim`` and ``hidden_dim`` attributes (e.g.
     :class:`relibra_torch.moe.ReplayBalancedMoE`): migrations and replica fills are then
-    charged for its real expert size, so small models move and replicate freely and large
-    ones only when it pays.
+    charged for its real expert size, so large experts move and replicate only when it pays.
+    A layer where no plan can save what the search costs on the host keeps its placement
+    (``planning.worth``): on a toy model every layer does; ``plan_floor_s=0,
+    plan_floor_nodes_s=0`` plans it anyway (``ReplayBalancer`` does so on CPU layers).
     """
-    return priced_config(layer.dim, layer.hidden_dim, hardware)
+    floors = {"plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S}
+    return priced_config(layer.dim, layer.hidden_dim, hardware, **{**floors, **overrides})

@@ -53,6 +53,7 @@ from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pa
 from .choose import cheapest_plan, chosen_plan
 from .plain import plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
+from .worth import guarded_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -118,6 +119,8 @@ class ReLibraConfig:
             fixed latency across nodes / inside one (``ReorderWeights``); ``choose`` prices them,
             and the first balancing copy of a layer and micro-batch adds two latencies (the
             fill, the gradient return; :meth:`fill_latency_s`).
+        plan_floor_s, plan_floor_nodes_s: the full search's least CPU time per layer, on one node
+            and across nodes; layers where it cannot pay keep their placement (``worth``; 0: off).
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -142,6 +145,8 @@ class ReLibraConfig:
     fill_weight_share: float = 1.0 / 3.0
     inter_node_latency_s: float = 0.0
     nvlink_latency_s: float = 0.0
+    plan_floor_s: float = 0.0
+    plan_floor_nodes_s: float = 0.0
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -203,7 +208,7 @@ class ReLibraConfig:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
                      "cross_replica_fill_s_per_expert", "intra_node_s_per_token", "inter_node_latency_s",
-                     "nvlink_latency_s"):
+                     "nvlink_latency_s", "plan_floor_s", "plan_floor_nodes_s"):
             check_number(name, getattr(self, name), 0)
         check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
@@ -370,8 +375,11 @@ def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N
 
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
-                 config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None) -> StepPlan:
-    """Reorder (if ``config.reorder``) then replicate per micro-batch. See the module docstring.
+                 config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None,
+                 total_layers: int | None = None) -> StepPlan:
+    """Reorder (if ``config.reorder``) then replicate per micro-batch, on the layers where that
+    can repay its host time (:mod:`~relibra_torch.planning.worth`; ``total_layers``: the step's
+    layer count when these are a share of it). See the module docstring.
 
     Args:
         loads_MLSE: int ``[M, L, S, E]`` the step's known loads (from routing replay).
@@ -383,6 +391,11 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     L = loads_MLSE.shape[1]
     if previous_placement_LE is None:
         previous_placement_LE = topology.static_placement(L)
+    guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
+        loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: relibra_plan(
+            loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls]))
+    if guarded is not None:
+        return guarded
     coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
     fast = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w)
     if fast is not None:  # provably what the full search returns (planning/fastpath.py)
@@ -433,4 +446,4 @@ class ReLibraPlanner(Planner):
                     pairs_LEE: torch.Tensor | None = None) -> StepPlan:
         prev_LE = self.previous_placement(loads_MLSE.shape[1])[layers]
         return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config,
-                            None if pairs_LEE is None else pairs_LEE[layers])
+                            None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1])

@@ -11,6 +11,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..checks import check_int, check_number
+from ..planning.pricing import PLAN_FLOOR_NODES_S, PLAN_FLOOR_S
 
 __all__ = ["BaselineOptions", "SECTIONS", "baseline_options"]
 
@@ -43,7 +44,12 @@ class BaselineOptions:
             all-gather the parts (the training hook's default, ``split_planning=True``): the
             slowest rank's share plus the gathers is the host work. ``False``: one thread
             plans the whole step (the hook's ``split_planning=False``).
-        relibra_*: relibra's mechanisms (``ReLibraConfig`` fields), for ablations.
+        relibra_*: relibra's mechanisms (``ReLibraConfig`` fields), for ablations;
+            ``plan_floor_s`` and ``plan_floor_nodes_s`` (seconds, 0: off) are the guard that
+            keeps a layer's placement where the full search cannot repay its host time
+            (``planning.worth``; defaults ``planning.pricing.PLAN_FLOOR_S`` and
+            ``PLAN_FLOOR_NODES_S``). A fixed ``planning.overlap_s`` turns the guard off: its
+            window estimate is the default window's.
     """
 
     eplb_interval: int = 1
@@ -62,6 +68,8 @@ class BaselineOptions:
     relibra_spread_fills: bool = True
     relibra_max_swap_rounds: int = 64
     relibra_swap_candidates: int = 8
+    relibra_plan_floor_s: float = PLAN_FLOOR_S
+    relibra_plan_floor_nodes_s: float = PLAN_FLOOR_NODES_S
 
     def __post_init__(self) -> None:
         check_int("eplb.interval", self.eplb_interval, 1)
@@ -79,6 +87,8 @@ class BaselineOptions:
                 raise TypeError(f"relibra.{name} is {getattr(self, f'relibra_{name}')!r}; allowed: true or false")
         check_int("relibra.max_swap_rounds", self.relibra_max_swap_rounds, 0)
         check_int("relibra.swap_candidates", self.relibra_swap_candidates, 1)
+        check_number("relibra.plan_floor_s", self.relibra_plan_floor_s, 0.0)
+        check_number("relibra.plan_floor_nodes_s", self.relibra_plan_floor_nodes_s, 0.0)
 
     def relibra_fields(self) -> dict:
         """The ``ReLibraConfig`` fields set by the ``[relibra]`` section."""
@@ -110,7 +120,8 @@ SECTIONS = {
     "online": {"plan_latency_us": float, "min_replica_tokens": int},
     "planning": {"overlap_s": float, "split": bool},
     "relibra": {"cross_node_replicas": bool, "reorder": bool, "traffic_search": bool, "balance": bool,
-                "two_hop": bool, "choose": bool, "spread_fills": bool, "max_swap_rounds": int, "swap_candidates": int},
+                "two_hop": bool, "choose": bool, "spread_fills": bool, "max_swap_rounds": int, "swap_candidates": int,
+                "plan_floor_s": float, "plan_floor_nodes_s": float},
 }
 """Sections and fields accepted in ``--config`` files and ``--set SECTION.FIELD=VALUE``."""
 

@@ -86,7 +86,10 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
     if name == "relibra":
         # dispatch: under hierarchical dispatch relibra prices co-activation (when the source
         # has per-token ids to count pairs from)
-        fields = (options or BaselineOptions()).relibra_fields()  # [relibra] ablation switches
+        options = options or BaselineOptions()
+        fields = options.relibra_fields()  # [relibra] ablation switches
+        if options.planning_overlap_s is not None:  # a fixed window: the guard's estimate does not apply
+            fields.update(plan_floor_s=0.0, plan_floor_nodes_s=0.0)
         return make_planner(name, topology, config=ReLibraConfig.from_weights(
             cost.reorder_weights(), dispatch=cost.options.dispatch, top_k=cost.model.top_k, **fields))
     kwargs = (options or BaselineOptions()).planner_kwargs(name)

@@ -1,0 +1,154 @@
+"""Is relibra's search worth its host time? A per-layer guard that runs before everything.
+
+The plan is made on the host while static's forward pass runs (the old log-probabilities);
+what does not fit that window lengthens the step (``sim/simulator.py``, ``_charge_host_work``).
+On small micro-batches a layer's whole MoE time can be well under a millisecond while the
+full search (fast path, two swap searches, traffic replicas, balancing, step-long sets, each
+priced) costs 6-100 ms of one thread. Then no plan, however good, repays its planning.
+
+Per layer, from integer counts only (a few dozen tensor ops for the whole step):
+
+* **gain bound** ``U_l``: what any plan can save on the layer against keeping the previous
+  placement without copies, summed over micro-batches. Expert compute cannot fall below
+  ``ceil(total / G)`` tokens on the busiest GPU; the all-to-all cannot fall below zero.
+  So ``U_l <= sum_m (busiest GPU's tokens - ceil(total / G)) * compute_s_per_token +
+  a2a_m``, with ``a2a_m`` the kept placement's all-to-all as :mod:`planning.price` prices it
+  (exactly under flat dispatch; under hierarchical dispatch an upper bound: each row is at
+  most one token-expert pair, so every GPU's rows are bounded by its pairs, below). Fills,
+  migrations and latency only add to a plan's price.
+* **window share** ``W_l``: the layer's share of the overlap window. Split planning gives
+  each EP rank ``ceil(L / G)`` layers and the whole step's forward pass, so a layer gets
+  ``L / ceil(L / G)`` times its own forward: a third of its compute, half of its all-to-all
+  (flat; 0 under hierarchical dispatch, where only an upper bound is at hand) and half of
+  its exchange latency. The forward of attention and dense layers is left out: the
+  estimate errs towards a smaller window, that is towards keeping the placement.
+* **floor** ``F``: the least one-thread CPU time the full search spends on a layer when the
+  fast path does not settle it, ``plan_floor_s`` on one node and ``plan_floor_nodes_s``
+  across nodes (``ReLibraConfig``; measured on this project's 2-core machine, see
+  docs/architecture.md "Planning that cannot pay").
+
+A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
+the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
+the window hides. The rule reads only the layer's own counts, the layer count ``L`` and the
+topology, so split planning gives every layer the same decision as the whole-step plan.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, N nodes, g GPUs per node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from .fastpath import keep_plan
+from .plan import StepPlan
+from .price import exchange_latency_s
+from .topology import Topology
+
+__all__ = ["gain_bound_L", "guarded_plan", "worth_planning_L"]
+
+
+def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
+    """int64 ``[M, L, S, G]``: token-expert pairs each source sends to each GPU when every
+    expert sits on its owner ``owner_LE`` (int64 ``[L, E]``) only."""
+    M, L, S, E = loads_MLSE.shape
+    return torch.zeros(M, L, S, G, dtype=torch.int64).scatter_add_(
+        3, owner_LE.view(1, L, 1, E).expand(M, L, S, E), loads_MLSE.to(torch.int64))
+
+
+def _a2a_rows(flow_MLSG: torch.Tensor, topology: Topology, hierarchical: bool) -> tuple[torch.Tensor, ...]:
+    """Per-GPU ``(cross send, cross receive, intra send, intra receive)`` ``[M, L, G]`` of the
+    kept placement: exact pairs under flat dispatch (:func:`planning.price.a2a_parts_ML`);
+    under hierarchical dispatch bounds of its rows (``hier_estimate.hierarchical_traffic``),
+    whose counts are expected tokens, each at most its pairs:
+
+    * cross send of ``s``: one row per (token, remote node) <= pairs to remote nodes;
+    * cross receive of landing GPU ``(n, i)``: the rows of the sources of local index ``i``
+      on other nodes for node ``n`` <= their pairs to node ``n``;
+    * intra send of ``q``: its pairs to the other GPUs of its node, plus what it forwards as
+      a landing GPU <= the pairs its remote sources send to its node's other GPUs;
+    * intra receive of ``q``: at most every pair sent to it by another GPU."""
+    M, L, S, G = flow_MLSG.shape
+    N, g = topology.num_nodes, topology.gpus_per_node
+    node_G = torch.arange(G) // g
+    cross_SG = node_G.view(G, 1) != node_G.view(1, G)
+    same_SG = ~cross_SG & ~torch.eye(G, dtype=torch.bool)
+    cross, intra = flow_MLSG * cross_SG, flow_MLSG * same_SG
+    cs, is_ = cross.sum(3), intra.sum(3)
+    if not hierarchical:
+        return cs, cross.sum(2), is_, intra.sum(2)
+    node_MLSN = flow_MLSG.view(M, L, S, N, g).sum(-1)                     # pairs to each node
+    land_SN = torch.arange(N).view(1, N) * g + (torch.arange(S) % g).view(S, 1)
+    at_land = flow_MLSG.gather(3, land_SN.view(1, 1, S, N).expand(M, L, S, N))
+    remote_SN = node_G.view(S, 1) != torch.arange(N).view(1, N)
+
+    def by_landing(x_MLSN: torch.Tensor) -> torch.Tensor:
+        """``[M, L, G]``: per landing GPU ``(n, i)``, the sum over remote sources of index ``i``."""
+        per = (x_MLSN * remote_SN).view(M, L, N, g, N).sum(2)              # [M, L, i, n]
+        return per.transpose(2, 3).reshape(M, L, G)
+
+    cr = by_landing(node_MLSN)
+    forwarded = by_landing(node_MLSN - at_land)
+    ir = flow_MLSG.sum(2) - flow_MLSG.diagonal(dim1=2, dim2=3)
+    return cs, cr, is_ + forwarded, ir
+
+
+def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                 config) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``([L], [L])``: the bound ``U_l`` on what any plan saves per layer against
+    ``placement_LE`` without copies, and that plan's forward estimate (module docstring),
+    both summed over micro-batches, in the planner's price (``config``: a ``ReLibraConfig``)."""
+    M, L, S, E = loads_MLSE.shape
+    G = topology.num_gpus
+    owner_LE = placement_LE // topology.experts_per_gpu
+    flow_MLSG = _pair_flows(loads_MLSE, owner_LE, G)
+    gpu_MLG = flow_MLSG.sum(2)
+    total_ML = gpu_MLG.sum(-1)
+    compute_ML = gpu_MLG.amax(-1).to(torch.float64) * config.compute_s_per_token
+    floor_ML = ((total_ML + G - 1) // G).to(torch.float64) * config.compute_s_per_token
+    # price.a2a_parts_ML's rule; on one node the flat rows bound the hierarchical ones too
+    hier = config.dispatch == "hierarchical" and config.top_k > 0
+    cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, hier and topology.num_nodes > 1)
+    a2a_ML = (torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
+              + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token).amax(-1)
+    gain_L = (compute_ML - floor_ML + a2a_ML).sum(0)
+    forward_L = (compute_ML / 3 + (0.0 if hier else 0.5) * a2a_ML
+                 + 0.5 * exchange_latency_s(topology, config)).sum(0)
+    return gain_L, forward_L
+
+
+def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
+                     total_layers: int | None = None) -> torch.Tensor:
+    """bool ``[L]``: whether the full search may repay its host time on each layer (module
+    docstring); ``total_layers``: the step's layer count ``L`` when ``loads_MLSE`` holds a
+    share of it (split planning), so that the window share is the same in both modes."""
+    L = loads_MLSE.shape[1]
+    total = L if total_layers is None else total_layers
+    floor = config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s
+    if floor <= 0 or L == 0:
+        return torch.ones(L, dtype=torch.bool)
+    gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
+    share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
+    return gain_L + forward_L * (total / share) >= floor
+
+
+
+def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
+                 total_layers: int | None, search: Callable[[list[int], object], StepPlan]) -> StepPlan | None:
+    """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
+    the step's plan: the layers not worth it keep their placement, every expert on its owner
+    (:func:`~relibra_torch.planning.fastpath.keep_plan`), and ``search(layers, config)``
+    plans the others (its ``L'`` layers, in that order) with the guard off."""
+    worth_L = worth_planning_L(loads_MLSE, topology, previous_placement_LE, config, total_layers)
+    if bool(worth_L.all()):
+        return None
+    plan = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
+    layers = worth_L.nonzero().flatten()
+    if layers.numel():
+        part = search(layers.tolist(), dataclasses.replace(config, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
+        plan.placement_LE[layers] = part.placement_LE
+        plan.slot_expert_MLGJ[:, layers] = part.slot_expert_MLGJ
+        plan.slot_tokens_MLGJ[:, layers] = part.slot_tokens_MLGJ
+    return plan

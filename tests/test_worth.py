@@ -1,0 +1,140 @@
+"""The guard that keeps a layer's placement where relibra's full search cannot repay its
+host time (``planning/worth.py``).
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relibra_torch.planning import ReLibraConfig, ReLibraPlanner, Topology, relibra_plan
+from relibra_torch.planning.base import layer_share
+from relibra_torch.planning.fastpath import keep_plan
+from relibra_torch.planning.price import exchange_latency_s, moe_seconds_ML
+from relibra_torch.planning.pricing import PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, priced_config, relibra_config_for
+from relibra_torch.planning.worth import gain_bound_L, worth_planning_L
+from relibra_torch.sim import get_hardware
+from relibra_torch.sim.baselines import BaselineOptions
+from relibra_torch.sim.cost import CostModel
+from relibra_torch.sim.presets import ModelSpec
+from relibra_torch.sim.simulator import default_planner_factory
+
+PRICED = priced_config(2048, 768, "h200", plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S)
+
+
+def _random_case(draw_seed: int, N: int, g: int, El: int, R: int, M: int, L: int, skew: float):
+    topo = Topology(N, g, N * g * El, R)
+    gen = torch.Generator().manual_seed(draw_seed)
+    E, S = topo.num_experts, topo.num_gpus
+    weights_E = torch.rand(E, generator=gen) ** skew + 1e-3
+    loads_MLSE = torch.multinomial(weights_E.expand(M * L * S, E), 40, replacement=True, generator=gen)
+    loads_MLSE = torch.zeros(M * L * S, E, dtype=torch.int64).scatter_add_(
+        1, loads_MLSE, torch.ones_like(loads_MLSE)).view(M, L, S, E)
+    placement_LE = torch.stack([torch.randperm(E, generator=gen) for _ in range(L)])
+    return topo, loads_MLSE, placement_LE
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2, 3]), g=st.sampled_from([1, 2, 4]),
+       El=st.sampled_from([1, 2]), M=st.integers(1, 3), L=st.integers(1, 2), skew=st.sampled_from([1.0, 6.0]),
+       dispatch=st.sampled_from(["flat", "hierarchical"]), top_k=st.sampled_from([0, 1, 2, 4]))
+def test_gain_bound_covers_the_ideal_plan(seed, N, g, El, M, L, skew, dispatch, top_k):
+    """No plan's price falls below ``ceil(total / G)`` tokens of compute, no all-to-all and the
+    exchange latency; the bound covers that saving against the kept placement, and under flat
+    dispatch (and unknown top-k, priced flat) it is exactly that saving."""
+    topo, loads_MLSE, placement_LE = _random_case(seed, N, g, El, 2, M, L, skew)
+    config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=top_k, reorder=False)
+    kept = keep_plan(loads_MLSE, topo, placement_LE, config)
+    total_ML = loads_MLSE.sum((2, 3))
+    ideal_ML = ((total_ML + topo.num_gpus - 1) // topo.num_gpus).to(torch.float64) * config.compute_s_per_token
+    saving_L = (moe_seconds_ML(kept, loads_MLSE, config) - ideal_ML - exchange_latency_s(topo, config)).sum(0)
+    gain_L, forward_L = gain_bound_L(loads_MLSE, topo, placement_LE, config)
+    scale = float(saving_L.abs().max()) + 1e-9
+    assert bool((gain_L >= saving_L - 1e-9 * scale).all()), (gain_L, saving_L)
+    if dispatch == "flat" or top_k == 0:
+        torch.testing.assert_close(gain_L, saving_L, rtol=1e-9, atol=1e-15)
+    assert bool((forward_L >= 0).all())
+
+
+def test_hierarchical_bound_is_tighter_than_nothing():
+    """Under hierarchical dispatch the rows bound is a real bound, not every pair counted on
+    every GPU: on a two-node case it stays below the flat rows' double."""
+    topo, loads_MLSE, placement_LE = _random_case(3, 2, 4, 2, 2, 2, 1, 1.0)
+    flat = dataclasses.replace(PRICED, dispatch="flat")
+    hier = dataclasses.replace(PRICED, dispatch="hierarchical", top_k=4)
+    assert float(gain_bound_L(loads_MLSE, topo, placement_LE, hier)[0].sum()) < 2 * float(
+        gain_bound_L(loads_MLSE, topo, placement_LE, flat)[0].sum())
+
+
+def _mixed_loads(topo: Topology, M: int = 4):
+    """Layer 0: 2 tokens per GPU (nothing can pay); layer 1: 60,000 tokens per GPU on one
+    expert (copies pay many times over)."""
+    S, E = topo.num_gpus, topo.num_experts
+    loads = torch.zeros(M, 2, S, E, dtype=torch.int64)
+    loads[:, 0, :, :2] = 1
+    loads[:, 1, :, 0] = 60_000
+    loads[:, 1, :, 1:] = 10
+    return loads
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_guard_keeps_only_the_layers_that_cannot_pay(nodes):
+    topo = Topology(nodes, 4, nodes * 8, 2)
+    loads = _mixed_loads(topo)
+    prev = topo.static_placement(2)
+    worth = worth_planning_L(loads, topo, prev, PRICED)
+    assert worth.tolist() == [False, True]
+    plan = relibra_plan(loads, topo, prev, PRICED)
+    kept = keep_plan(loads, topo, prev, PRICED)
+    full = relibra_plan(loads, topo, prev, dataclasses.replace(PRICED, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
+    assert torch.equal(plan.slot_expert_MLGJ[:, 0], kept.slot_expert_MLGJ[:, 0])
+    assert torch.equal(plan.placement_LE[0], kept.placement_LE[0])
+    for name in ("placement_LE", "slot_expert_MLGJ", "slot_tokens_MLGJ"):
+        dim = 0 if name == "placement_LE" else 1
+        assert torch.equal(getattr(plan, name).select(dim, 1), getattr(full, name).select(dim, 1)), name
+    assert bool((plan.slot_expert_MLGJ[:, 1, :, topo.experts_per_gpu:] >= 0).any())  # layer 1 replicates
+    # without the guard the search runs on layer 0 too (and keeps it: nothing pays there)
+    assert torch.equal(full.slot_expert_MLGJ[:, 0], kept.slot_expert_MLGJ[:, 0])
+
+
+def test_guard_decisions_do_not_depend_on_the_share():
+    """Split planning: every rank's share plans its layers as the whole-step plan does (the
+    window share is the step's, given ``total_layers``)."""
+    topo = Topology(2, 2, 8, 2)
+    loads = torch.cat([_mixed_loads(topo)] * 3, 1)                        # 6 layers, mixed
+    planner = ReLibraPlanner(topo, PRICED)
+    whole = planner.plan(loads)
+    G, L = topo.num_gpus, loads.shape[1]
+    for r in range(min(G, L)):
+        layers = layer_share(r, G, L)
+        part = planner.plan_layers(loads, layers)
+        assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, layers])
+        assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
+        assert torch.equal(part.placement_LE, whole.placement_LE[layers])
+
+
+def test_floors_reach_the_simulated_and_the_hooked_planner():
+    assert PLAN_FLOOR_S > 0 and PLAN_FLOOR_NODES_S > 0
+    assert ReLibraConfig().plan_floor_s == ReLibraConfig().plan_floor_nodes_s == 0.0   # the pure API: off
+    assert priced_config(2048, 768).plan_floor_s == 0.0
+    hooked = relibra_config_for(SimpleNamespace(dim=2048, hidden_dim=768))           # ReplayBalancer's default
+    assert (hooked.plan_floor_s, hooked.plan_floor_nodes_s) == (PLAN_FLOOR_S, PLAN_FLOOR_NODES_S)
+    model = ModelSpec("tiny-moe", num_layers=2, num_moe_layers=2, hidden_size=256, moe_ffn=128,
+                      num_experts=8, top_k=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=1000)
+    cost = CostModel(model, get_hardware("h200"))
+    topo = Topology(2, 2, 8, 2)
+    default = default_planner_factory("relibra", topo, cost, BaselineOptions()).config
+    assert (default.plan_floor_s, default.plan_floor_nodes_s) == (PLAN_FLOOR_S, PLAN_FLOOR_NODES_S)
+    fixed = default_planner_factory("relibra", topo, cost, BaselineOptions(planning_overlap_s=1.0)).config
+    assert fixed.plan_floor_s == fixed.plan_floor_nodes_s == 0.0
+    off = default_planner_factory("relibra", topo, cost, BaselineOptions(relibra_plan_floor_s=0.0)).config
+    assert off.plan_floor_s == 0.0 and off.plan_floor_nodes_s == PLAN_FLOOR_NODES_S
+    with pytest.raises(ValueError, match="relibra.plan_floor_s"):
+        BaselineOptions(relibra_plan_floor_s=-1.0)
