@@ -341,8 +341,9 @@ def test_relibra_uses_co_activation_under_hierarchical_dispatch(tmp_path):
         def make(name, topology, cost):
             planner = default_planner_factory(name, topology, cost)
             if name == "relibra":
-                planner = ReLibraPlanner(topology, dataclasses.replace(
-                    planner.config, dispatch=dispatch, migration_s_per_expert=0.0, intra_migration_s_per_expert=0.0))
+                planner = ReLibraPlanner(topology, dataclasses.replace(  # and plan every layer (no guard)
+                    planner.config, dispatch=dispatch, migration_s_per_expert=0.0, intra_migration_s_per_expert=0.0,
+                    plan_floor_s=0.0, plan_floor_nodes_s=0.0))
             return planner
         return make
     with_pairs = simulate(wl, cfg, planner_factory=factory("hierarchical")).figures()

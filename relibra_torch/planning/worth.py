@@ -22,10 +22,11 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   (flat; 0 under hierarchical dispatch, where only an upper bound is at hand) and half of
   its exchange latency. The forward of attention and dense layers is left out: the
   estimate errs towards a smaller window, that is towards keeping the placement.
-* **floor** ``F``: the least one-thread CPU time the full search spends on a layer when the
-  fast path does not settle it, ``plan_floor_s`` on one node and ``plan_floor_nodes_s``
-  across nodes (``ReLibraConfig``; measured on this project's 2-core machine, see
-  docs/architecture.md "Planning that cannot pay").
+* **floor** ``F``: the one-thread CPU time the full search typically spends on a layer when
+  the fast path does not settle it: ``plan_floor_s`` on one node, ``plan_floor_nodes_s``
+  across nodes (``ReLibraConfig``), times ``sqrt(top_k)`` (the search builds and prices more
+  candidates when each token picks more experts). Fitted on this project's 2-core machine
+  (``planning.pricing.PLAN_FLOOR_S``).
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
@@ -126,7 +127,9 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     share of it (split planning), so that the window share is the same in both modes."""
     L = loads_MLSE.shape[1]
     total = L if total_layers is None else total_layers
-    floor = config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s
+    # the search's cost grows with the experts a token picks (more rows pay copies, more
+    # candidates are built and priced): measured, about with the square root of top-k
+    floor = (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) * max(config.top_k, 1) ** 0.5
     if floor <= 0 or L == 0:
         return torch.ones(L, dtype=torch.bool)
     gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
