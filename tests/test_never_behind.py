@@ -77,6 +77,11 @@ OTHER_SETTINGS = [
     # step-long set, whose hot expert's owner filled most copies (was 1.024x eplb); the set
     # with at most c copies filled from one GPU is now weighed (planning.step_set)
     (nb.Case("switch-8", "zipf", 16, 64, 1, 8), dict(hardware="h800", micro_batches=16)),
+    # R = 1, top-2 collapsed on one node, 256 tokens per GPU: per-micro-batch balancing gave
+    # the hot expert 4-5 copies all filled from its owner, whose link then carried 4-5 fills
+    # per micro-batch (was 1.032x eplb-oracle); the step-long set with at most c copies
+    # filled from one GPU is weighed where the first choice has no traffic slots (0.785x)
+    (nb.Case("mixtral", "collapsed", 32, 8, 1, 8), dict(replica_slots=1)),
 ]
 
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from benchmarks.standin_loads import standin_loads
 from relibra_torch.planning import PlannedOnlinePlanner, StepPlan, Topology
 from relibra_torch.planning.balance import replicate
-from relibra_torch.planning.plain import _balanced, _layers_price, _traffic, _without_copies, plain_plan
+from relibra_torch.planning.plain import _balanced, _has_copies, _layers_price, _traffic, _without_copies, plain_plan
 from relibra_torch.planning.price import moe_seconds_ML, replica_seconds_ML, step_seconds
 from relibra_torch.planning.pricing import priced_config
 
@@ -164,3 +164,30 @@ def test_free_empty_slots_keep_every_prefilled_replica(seed, R, k, holes):
     for e_pre in pre_e.unbind(-1):   # each prefilled replica still on its GPU
         held = (copies == e_pre.unsqueeze(-1)).any(-1)
         assert bool(held[e_pre >= 0].all())
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), k=st.sampled_from([1, 2, 8]), g=st.sampled_from([4, 8]),
+       collapse=st.sampled_from([0.5, 0.95]), factor=st.sampled_from([8, 64]), hardware=st.sampled_from(["h200", "h800"]))
+@example(seed=0, k=1, g=4, collapse=0.95, factor=64, hardware="h200")   # free-slot copies made
+def test_the_per_gpu_traffic_plan_without_copies_is_the_per_node_plan(seed, k, g, collapse, factor, hardware):
+    """``R = 1`` on two nodes: balancing's copies in the per-GPU traffic plan sit in free
+    traffic slots (``free_empty``), which ``plain._has_copies`` does not see, so that plan's
+    variant without them is not built. It need not be: without balancing's copies that plan
+    is exactly the per-node traffic plan (no GPU has a free slot there), which
+    ``plain_plan`` weighs in the same layers, at the same price."""
+    E = 16
+    topo = Topology(2, g, E, 1)
+    loads = standin_loads(E, k, 3, 4, 2 * g, 32, steps=1, zipf=1.0, collapse=collapse, factor=factor, seed=seed)[0]
+    cfg = priced_config(768, 3072, hardware, dispatch="hierarchical", top_k=k)
+    place = topo.static_placement(3)
+    pre = _traffic(loads, topo, place, 1, cfg)
+    plain = dataclasses.replace(cfg, balance=False)
+    per_node = _balanced(loads, topo, place, place, pre, cfg, False)
+    bare = _balanced(loads, topo, place, place, pre, plain, True)
+    assert torch.equal(bare.slot_expert_MLGJ, per_node.slot_expert_MLGJ)
+    assert torch.equal(bare.slot_tokens_MLGJ, per_node.slot_tokens_MLGJ)
+    per_gpu = _balanced(loads, topo, place, place, pre, cfg, True)
+    assert not _has_copies(per_gpu, pre)   # why the variant is not built
+    if (seed, k, g, collapse, factor) == (0, 1, 4, 0.95, 64):   # the example is not vacuous
+        assert bool((pre[0] >= 0).any()) and not torch.equal(per_gpu.slot_expert_MLGJ, per_node.slot_expert_MLGJ)

@@ -26,7 +26,7 @@ So per layer these plans are priced and the cheapest kept, ties to the first:
   the copies' fills and returns cost more than the expert compute they save
   (:func:`_without_copies`): copies admitted by their own rule (a copy's compute saved
   against its own fill) can cost more than they save (``mixtral/domains/t16x64/1x8`` on
-  H800 was 1.025x static);
+  H800 was 1.025x static); the per-GPU plan's variant is the per-node plan above;
 * where the first plan has no traffic slots, the step-long sets with at most ``c`` copies
   filled from one GPU (:func:`relibra_torch.planning.step_set.step_long_sets`) that
   ``balance.replicate_step`` hands over where its own step price puts them below its
@@ -122,8 +122,10 @@ def _without_copies(plan: StepPlan, bare: StepPlan, config) -> StepPlan | None:
 
 def _has_copies(plan: StepPlan, prefilled) -> bool:
     """Whether a slot after ``prefilled``'s traffic slots holds an expert in ``plan``: a copy
-    balancing made (a copy balancing put in a free traffic slot, ``free_empty``, is not seen,
-    so that plan's variant without copies is then not weighed)."""
+    balancing made. A copy balancing put in a free traffic slot (``free_empty``, only at
+    ``R = 1``) is not seen, so that plan's variant without copies is not built: it is the
+    per-node traffic plan (no GPU has a free slot there), weighed in the same layers
+    (``tests/test_plain_plan.py``)."""
     first = plan.topology.experts_per_gpu + (0 if prefilled is None else prefilled[0].shape[-1])
     return bool((plan.slot_expert_MLGJ[..., first:] >= 0).any())
 
