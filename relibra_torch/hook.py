@@ -111,8 +111,9 @@ class ReplayBalancer:
             (``planning.worth``: a layer where no plan can repay the search's host time keeps
             its placement); on CPU layers it plans every layer.
         split_planning: with an EP group and a planner that plans layers independently
-            (``Planner.splits_layers``: static, relibra), each EP rank plans every ``G``-th
-            layer and the ranks all-gather the parts (planning time divided by ``G``). The
+            (``Planner.splits_layers``: static, relibra, the EPLB planners), each EP rank
+            plans every ``G``-th layer and the ranks all-gather the parts (planning time
+            divided by ``G``). The
             ranks first agree on a digest of the planner's inputs (gathered loads, planner
             state and config), since the assembled plan is then identical by construction.
             ``False``: every rank plans the whole step and the ranks compare plan digests.
@@ -182,6 +183,8 @@ class ReplayBalancer:
         h.update(repr((type(self.planner).__qualname__, self.planner.name, self.topology)).encode())
         hash_counts(h, loads_MLSE, pairs_LEE)
         for key, value in sorted(vars(self.planner).items()):
+            if key in getattr(self.planner, "rank_local_state", ()):  # this rank's layers only
+                continue
             h.update(key.encode())
             items = value if isinstance(value, (list, tuple)) else [value]
             for v in items:

@@ -119,3 +119,27 @@ def split_vs_whole_plans(cfg, steps: int = 3, rank_dependent_config: bool = Fals
         whole = balancer.planner.plan(loads, pairs) if hierarchical else balancer.planner.plan(loads)
         out.append((plan_digest(balancer.plan_step(ids)), plan_digest(whole)))
     return out
+
+
+def eplb_split_vs_whole_plans(cfg, steps: int = 4) -> dict:
+    """EPLB (history window 2, rebalance every 2 steps) planned by the hook with split
+    planning, and by a twin planner on the whole step that commits its own plans; both
+    digests per step, and which layers' replica table this rank holds at the end."""
+    from relibra_torch.hook import ReplayBalancer, count_loads
+    from relibra_torch.planning import make_planner, plan_digest
+
+    torch.manual_seed(cfg.seed)
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (cfg.nodes, cfg.gpus_per_node), mesh_dim_names=("node", "gpu"))
+    model = custom_loop.MoEStack(cfg, mesh)
+    balancer = ReplayBalancer(model, "eplb", {"interval": 2, "window": 2})
+    twin = make_planner("eplb", balancer.topology, interval=2, window=2)
+    digests = []
+    for step in range(steps):
+        ids = [b[2] for b in custom_loop.make_data(cfg, step, dist.get_rank())]
+        loads = balancer._gather_loads(count_loads(ids, balancer.num_layers, balancer.topology.num_experts))
+        whole = twin.plan(loads)
+        twin.commit(whole, loads)
+        digests.append((plan_digest(balancer.plan_step(ids)), plan_digest(whole)))
+    held = [l for l in range(balancer.num_layers) if bool((balancer.planner.replicas_LGJ[l] >= 0).all())]
+    return {"digests": digests, "held": held}

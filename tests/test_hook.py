@@ -98,6 +98,17 @@ def test_split_planning_assembles_the_whole_plan(pool):
     assert str(info.value).count("PlanDivergence") >= 4 and "planner inputs" in str(info.value)
 
 
+def test_split_eplb_plans_the_whole_plan_with_rank_local_tables(pool):
+    """EPLB with history and a rebalance interval, split over the 4 ranks: every step's
+    assembled plan is the whole-step plan, although each rank keeps the replica table of its
+    own layers only (left out of the input digest the ranks agree on)."""
+    cfg = _hook_fns.custom_loop.LoopConfig(steps=4, micro_batches=2, samples_per_micro_batch=2,
+                                           max_tokens_per_micro_batch=48, num_layers=6)
+    for rank, out in enumerate(pool.run(_hook_fns.eplb_split_vs_whole_plans, cfg, 4)):
+        assert all(split == whole for split, whole in out["digests"]), out["digests"]
+        assert out["held"] == list(range(rank, 6, 4))
+
+
 def test_count_loads_and_its_errors():
     ids = [torch.tensor([[[0, 1]], [[1, 2]]]), torch.zeros(0, 1, 2, dtype=torch.int64)]
     assert count_loads(ids, 1, 3).tolist() == [[[1, 2, 1]], [[0, 0, 0]]]

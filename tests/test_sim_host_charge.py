@@ -141,12 +141,13 @@ def test_split_planning_charges_the_slowest_ranks_share(monkeypatch):
 
     monkeypatch.setattr(sim, "one_thread_cpu", layers_as_seconds)
     window = BaselineOptions(planning_overlap_s=0.0)
-    split = _run(window, systems=("static", "relibra"))
-    whole = _run(dataclasses.replace(window, planning_split=False), systems=("static", "relibra"))
+    systems = ("static", "eplb", "eplb-oracle", "eplb-node-demand", "relibra")  # every one splits
+    split = _run(window, systems=systems)
+    whole = _run(dataclasses.replace(window, planning_split=False), systems=systems)
     assert split.systems["static"].planner_s == whole.systems["static"].planner_s == [0.0]  # no hook
-    for name in ("static", "relibra"):
+    for name in systems:
         a, b = split.systems[name], whole.systems[name]
-        if name == "relibra":
+        if name != "static":
             # one thread, both layers; then the plan's digest and two collectives
             assert b.planner_s[0] == pytest.approx(2.0 + 2 * HW.inter_node_latency_us * 1e-6, rel=1e-12)
             gather_s = a.planner_s[0] - 1.0  # 4 ranks, 2 layers: one layer per busy rank

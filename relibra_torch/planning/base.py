@@ -114,6 +114,11 @@ class Planner(ABC):
     #: (layers planned independently), so that EP ranks can share the planning work.
     splits_layers: bool = False
 
+    #: Attributes that, under split planning, hold state only for the layers this EP rank
+    #: plans (so they differ between ranks); the ranks' agreement on the planner's inputs
+    #: (the training hook's digest) leaves them out.
+    rank_local_state: tuple[str, ...] = ()
+
     def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
         """Plan only ``layers`` (the ``L'`` entries of the result, in that order).
 

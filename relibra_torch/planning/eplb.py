@@ -250,9 +250,18 @@ class EPLBPlanner(Planner):
     replica table in between (vLLM's ``step_interval``, SGLang's
     ``--eplb-rebalance-num-iterations``). The oracle plans every step on that step's loads.
 
+    Every layer is planned from that layer's loads, history, placement and table alone (as
+    DeepSeek's ``rebalance_experts`` does), and whether a step rebalances depends on step
+    counts only, so EP ranks can each plan a share of the layers (``splits_layers``).
+
     Attributes:
-        replicas_LGJ: the replica table of the last committed plan (``None`` before).
+        replicas_LGJ: ``[L, G, J]`` the replica table of the last committed plan (``None``
+            before); under split planning in the hook a rank holds only the rows of the
+            layers it plans (the others ``-1``), hence ``rank_local_state``.
     """
+
+    splits_layers = True
+    rank_local_state = ("replicas_LGJ", "_planned_rows")
 
     def __init__(self, topology: Topology, oracle: bool = False, window: int = 8, num_groups: int = 1,
                  interval: int = 1, split: str = "replica", relabel: bool = True):
@@ -267,41 +276,63 @@ class EPLBPlanner(Planner):
         self.replicas_LGJ: torch.Tensor | None = None
         self.steps_since_rebalance = 0     # steps run on the current table
         self._blind = True                 # the current table was planned without history
-        self._planned: tuple | None = None
+        self._planned_rows: dict[int, torch.Tensor] = {}   # layer -> [G, J] table planned this step
 
     def rebalances(self) -> bool:
-        """Whether the next :meth:`plan` computes a new replica table."""
+        """Whether the next :meth:`plan` computes a new replica table (the same for every layer)."""
         if self.oracle or self.replicas_LGJ is None:
             return True
         return (self._blind and bool(self.history)) or self.steps_since_rebalance >= self.interval
 
-    def replica_table(self, loads_MLSE: torch.Tensor) -> torch.Tensor:
-        """The replica table the next :meth:`plan` uses (new at a rebalance, else the current)."""
+    def replica_table(self, loads_MLSE: torch.Tensor, layers: list[int] | None = None) -> torch.Tensor:
+        """The replica table ``[L', G, J]`` of ``layers`` (default all) the next plan uses
+        (new at a rebalance, else the current)."""
         L = loads_MLSE.shape[1]
+        layers = list(range(L)) if layers is None else list(layers)
         if not self.rebalances():
-            return self.replicas_LGJ
+            table_LGJ = self.replicas_LGJ[layers]
+            missing = [l for l, row in zip(layers, table_LGJ) if bool((row < 0).any())]
+            if missing:
+                raise ValueError(f"{self.name} has no replica table for layers {missing}: this planner "
+                                 "planned other layers under split planning; plan each layer on the same "
+                                 "rank (planning.base.layer_share) or start a new planner")
+            return table_LGJ
         if self.oracle:
-            weight_LE = loads_MLSE.to(torch.float64).sum((0, 2))
-        elif self.history:
-            weight_LE = torch.stack(self.history[-self.window:]).mean(0)
+            weight_LE = loads_MLSE[:, layers].to(torch.float64).sum((0, 2))
+        elif self.history:  # means of integer counts: exact per layer, whatever the slice
+            weight_LE = torch.stack(self.history[-self.window:])[:, layers].mean(0)
         else:
-            weight_LE = torch.ones(L, self.topology.num_experts, dtype=torch.float64)
-        return eplb_replica_table(weight_LE, self.topology, self.previous_placement(L), self.num_groups,
-                                  self.relabel)
+            weight_LE = torch.ones(len(layers), self.topology.num_experts, dtype=torch.float64)
+        return eplb_replica_table(weight_LE, self.topology, self.previous_placement(L)[layers],
+                                  self.num_groups, self.relabel)
 
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
+        return self.plan_layers(loads_MLSE, list(range(loads_MLSE.shape[1])))
+
+    def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
+        """Plan only ``layers`` (``L'``): exactly :meth:`plan` restricted to them. Records
+        their tables for :meth:`commit` (shares planned one after the other add up)."""
         check_loads(loads_MLSE, self.topology)
-        table = self.replica_table(loads_MLSE)
-        self._planned = (table, self.rebalances(), not self.oracle and not self.history)
-        return eplb_plan(loads_MLSE, self.topology, None, self.previous_placement(loads_MLSE.shape[1]),
-                         self.num_groups, self.name, self.split, table_LGJ=table)
+        layers = list(layers)
+        table_LGJ = self.replica_table(loads_MLSE, layers)
+        self._planned_rows.update(zip(layers, table_LGJ))
+        return eplb_plan(loads_MLSE[:, layers], self.topology, None,
+                         self.previous_placement(loads_MLSE.shape[1])[layers], self.num_groups, self.name,
+                         self.split, table_LGJ=table_LGJ)
 
     def commit(self, plan: StepPlan, loads_MLSE: torch.Tensor) -> None:
+        rebalanced, blind = self.rebalances(), not self.oracle and not self.history  # as planned
         super().commit(plan, loads_MLSE)
         self.history.append(loads_MLSE.to(torch.float64).sum((0, 2)))
         self.history = self.history[-self.window:]
-        table, rebalanced, blind = self._planned
-        self.replicas_LGJ = table
+        if self.replicas_LGJ is None:
+            G, J = self.topology.num_gpus, self.topology.slots_per_gpu
+            table_LGJ = torch.full((loads_MLSE.shape[1], G, J), -1, dtype=torch.int64)
+        else:
+            table_LGJ = self.replicas_LGJ.clone()
+        for l, row in self._planned_rows.items():
+            table_LGJ[l] = row
+        self.replicas_LGJ, self._planned_rows = table_LGJ, {}
         if rebalanced:
             self.steps_since_rebalance, self._blind = 0, blind
         self.steps_since_rebalance += 1

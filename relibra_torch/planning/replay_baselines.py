@@ -172,9 +172,12 @@ def eplb_node_demand_plan(loads_MLSE: torch.Tensor, topology: Topology,
 
 class EPLBNodeDemandPlanner(Planner):
     """``eplb-node-demand``: planned every step from the step's replayed loads; remembers
-    the placement in force (migration is counted from it)."""
+    the placement in force (migration is counted from it). Every stage (EPLB's table, the
+    node-demand set, the leftover slots, the quotas) works per layer, so EP ranks can each
+    plan a share of the layers (``splits_layers``)."""
 
     name = "eplb-node-demand"
+    splits_layers = True
 
     def __init__(self, topology: Topology, num_groups: int = 1, cross_node_s_per_token: float = 3.3e-7,
                  cross_replica_fill_s_per_expert: float = 0.0):
@@ -188,6 +191,14 @@ class EPLBNodeDemandPlanner(Planner):
         return eplb_node_demand_plan(loads_MLSE, self.topology, self.previous_placement(loads_MLSE.shape[1]),
                                      self.num_groups, self.cross_node_s_per_token,
                                      self.cross_replica_fill_s_per_expert, self.name)
+
+    def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
+        check_loads(loads_MLSE, self.topology)
+        layers = list(layers)
+        return eplb_node_demand_plan(loads_MLSE[:, layers], self.topology,
+                                     self.previous_placement(loads_MLSE.shape[1])[layers], self.num_groups,
+                                     self.cross_node_s_per_token, self.cross_replica_fill_s_per_expert,
+                                     self.name)
 
 
 class PlannedOnlinePlanner(OnlinePlanner):
