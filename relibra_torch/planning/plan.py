@@ -129,7 +129,7 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
         int64 ``[M, L, S, G, J]``: tokens source ``s`` sends to slot ``(g, j)``.
     """
     native = _native_split(plan, loads_MLSE)
-    return native if native is not None else _general_split(plan, loads_MLSE)
+    return native if native is not None else general_split(plan, loads_MLSE)
 
 
 def _native_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor | None:
@@ -151,8 +151,10 @@ def _native_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor | No
     return out
 
 
-def _general_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
-    """:func:`token_split` for any plan (its docstring's four steps)."""
+def general_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """:func:`token_split` for any plan (its docstring's four steps), without the shortcut
+    for plans without replicas (the same result there). Each (micro-batch, layer) is split
+    alone: rows stacked in ``M`` or ``L`` give each row's own split."""
     topo = plan.topology
     M, L, S, E = loads_MLSE.shape
     G, J, g = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node
