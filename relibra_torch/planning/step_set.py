@@ -35,6 +35,7 @@ h a GPU of the node (the other end of a move).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .topology import Topology
@@ -87,34 +88,43 @@ def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Te
     ``0..items-1`` in ``item_BgJ``; ``-1``: a slot whose tokens stay) from the busiest GPU
     toward the least loaded (module docstring); a slot keeps at least ``keep_BgJ`` tokens."""
     B, g, J = item_BgJ.shape
-    rows = torch.arange(B)
+    # in numpy: integers only (the same values), a few hundred small ops whose per-call
+    # cost in torch was most of the planner's time on small loads
     tok = tok_BgJ.clone()
+    tok_n, keep_n, item_n = tok.numpy(), keep_BgJ.numpy(), item_BgJ.numpy()
     # once: each item's slot on every GPU (-1: none), then each slot's peers on the other GPUs
-    valid = item_BgJ >= 0
-    flat = torch.where(valid, item_BgJ * g + torch.arange(g).view(1, g, 1), items * g)
-    inst_BIg = torch.full((B, items * g + 1), -1, dtype=torch.int64).scatter_(
-        1, flat.view(B, -1), torch.arange(J).expand(B, g, J).reshape(B, -1))[:, :-1].view(B, items, g)
-    peer_BgJh = inst_BIg.gather(1, item_BgJ.clamp(min=0).view(B, g * J, 1).expand(B, g * J, g)).view(B, g, J, g)
-    peer_BgJh = peer_BgJh.masked_fill(~valid.unsqueeze(-1) | torch.eye(g, dtype=torch.bool).view(1, g, 1, g), -1)
+    valid = item_n >= 0
+    flat = np.where(valid, item_n * g + np.arange(g).reshape(1, g, 1), items * g).reshape(B, g * J)
+    inst_BIg = np.full((B, items * g + 1), -1, dtype=np.int64)
+    inst_BIg[np.arange(B).reshape(B, 1), flat] = np.tile(np.arange(J), g)     # a GPU holds an item once
+    inst_BIg = inst_BIg[:, :-1].reshape(B, items, g)
+    peer_n = np.take_along_axis(inst_BIg, np.maximum(item_n, 0).reshape(B, g * J, 1), 1).reshape(B, g, J, g)
+    peer_n[~valid] = -1
+    peer_n[:, np.arange(g), :, np.arange(g)] = -1
+    lone_n = (peer_n < 0).all(-1)                                                # [B, g, J]: no peer
+    rows_n = np.arange(B)
+    load = tok_n.sum(-1)
     for _ in range(rounds):
-        load = tok.sum(-1)
         h = load.argmax(-1)
-        peer_BJh = peer_BgJh[rows, h]                                            # [B, J, g]
-        cand = load.unsqueeze(1).expand(B, J, g).masked_fill(peer_BJh < 0, _BIG)
+        peer_BJh = peer_n[rows_n, h]                                            # [B, J, g]
+        cand = np.where(peer_BJh < 0, _BIG, load[:, None, :])
         u_BJ = cand.argmin(-1)
-        gap = load[rows, h].unsqueeze(1) - cand.gather(-1, u_BJ.unsqueeze(-1)).squeeze(-1)
-        amount_BJ = torch.minimum(tok[rows, h] - keep_BgJ[rows, h], (gap // 2).clamp(min=0))
-        amount_BJ = amount_BJ.masked_fill((peer_BJh < 0).all(-1), 0)
+        load_h = load[rows_n, h]
+        gap = load_h[:, None] - cand.min(-1)
+        amount_BJ = np.minimum(tok_n[rows_n, h] - keep_n[rows_n, h], np.maximum(gap // 2, 0))
+        amount_BJ[lone_n[rows_n, h]] = 0
         j = amount_BJ.argmax(-1)
-        amt = amount_BJ[rows, j]
+        amt = amount_BJ[rows_n, j]
         # moves under 1/256 of the busiest GPU's load (< 0.4% of its compute) are not worth a round
-        amt = amt * (amt > load[rows, h] // 256)
+        amt = amt * (amt > load_h // 256)
         if not (amt > 0).any():
             break
-        u = u_BJ[rows, j]
-        ju = peer_BJh[rows, j, u].clamp(min=0)
-        tok[rows, h, j] -= amt
-        tok[rows, u, ju] += amt
+        u = u_BJ[rows_n, j]
+        ju = np.maximum(peer_BJh[rows_n, j, u], 0)
+        tok_n[rows_n, h, j] -= amt
+        tok_n[rows_n, u, ju] += amt
+        load[rows_n, h] -= amt
+        load[rows_n, u] += amt
     return tok
 
 
