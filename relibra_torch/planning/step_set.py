@@ -52,34 +52,40 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
     ``fixed_Bg``: step tokens of what no copy can share; ``cap > 0``: at most ``cap`` copies
     fill from one GPU (``home_K``: each item's GPU in the node, the one its copies fill from)."""
     B, g, K = own_BgK.shape
-    rows = torch.arange(B)
-    own_BgK = own_BgK.clone()
-    n_BK = own_BgK.sum(1).clamp(min=1)
-    out = torch.full((B, g, max(free, 0)), -1, dtype=torch.int64)
-    used = torch.zeros(B, g, dtype=torch.int64)
-    sends_Bg = torch.zeros(B, g, dtype=torch.int64)
-    wf = w_BK.to(torch.float64)
+    # in numpy (integers, and float64 shares compared, not summed; the loads' sums stay in
+    # torch, the same floats): torch's per-call cost on these small tensors was most of it
+    own = own_BgK.numpy().copy()
+    n_BK = np.maximum(own.sum(1), 1)
+    out = np.full((B, g, max(free, 0)), -1, dtype=np.int64)
+    used = np.zeros((B, g), dtype=np.int64)
+    sends_Bg = np.zeros((B, g), dtype=np.int64)
+    w = w_BK.numpy()
+    own_t, n_t, wf = torch.from_numpy(own), torch.from_numpy(n_BK), w_BK.to(torch.float64)
+    fixed = fixed_Bg.to(torch.float64)
+    home = None if home_K is None else home_K.numpy()
+    rows = np.arange(B)
     for _ in range(g * free):
-        load_Bg = (own_BgK * (wf / n_BK).unsqueeze(1)).sum(-1) + fixed_Bg.to(torch.float64)
+        share_t = wf / n_t
+        load_Bg = ((own_t * share_t.unsqueeze(1)).sum(-1) + fixed).numpy()
         room_Bg = used < free
         # an item can gain an instance where a GPU with room lacks it, and its share pays
-        addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (w_BK >= min_tokens * (n_BK + 1))
+        addable_BK = ((~own) & room_Bg[..., None]).any(1) & (w >= min_tokens * (n_BK + 1))
         if cap > 0:  # ... and its home GPU sends fewer than cap copies
-            addable_BK &= sends_Bg[:, home_K] < cap
+            addable_BK &= sends_Bg[:, home] < cap
         if not addable_BK.any():
             break
-        k = (wf / n_BK).masked_fill(~addable_BK, -1.0).argmax(-1)
+        k = np.where(addable_BK, share_t.numpy(), -1.0).argmax(-1)
         active = addable_BK[rows, k]
-        can_Bg = room_Bg & ~own_BgK[rows, :, k]
-        u = load_Bg.masked_fill(~can_Bg, float("inf")).argmin(-1)
+        can_Bg = room_Bg & ~own[rows, :, k]
+        u = np.where(can_Bg, load_Bg, np.inf).argmin(-1)
         r, uu, kk = rows[active], u[active], k[active]
         out[r, uu, used[r, uu]] = kk
-        own_BgK[r, uu, kk] = True
+        own[r, uu, kk] = True
         n_BK[r, kk] += 1
         used[r, uu] += 1
         if cap > 0:
-            sends_Bg[r, home_K[kk]] += 1
-    return out
+            sends_Bg[r, home[kk]] += 1
+    return torch.from_numpy(out)
 
 
 def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Tensor, items: int,
