@@ -1,6 +1,6 @@
 """The planner's greedy rounds as torch ran them before they moved to numpy
-(verbatim): references that tests/test_rounds_numpy.py compares the numpy rounds (and the
-few-op ``residency._within``) against, bit for bit."""
+(verbatim): references that tests/test_rounds_numpy.py compares the numpy rounds (and
+``balance.align_slots``, the few-op ``residency._within``) against, bit for bit."""
 
 from __future__ import annotations
 
@@ -208,3 +208,25 @@ def within(event: torch.Tensor, same_prev: torch.Tensor) -> torch.Tensor:
     for m in range(1, event.shape[0]):
         out[m] |= out[m - 1] & same_prev[m]
     return out
+
+
+def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
+                first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The plan with each GPU's slots ``first..J-1`` permuted per micro-batch so that a copy
+    the GPU also held in the previous micro-batch sits in the same slot: its residency then
+    continues (one fill for the run, ``planning.residency``) instead of ending. Loads and
+    token counts per (GPU, expert) are unchanged. Returns new ``[M, L, G, J]`` tensors."""
+    se, st = slot_expert_MLGJ.clone(), slot_tokens_MLGJ.clone()
+    for m in range(1, se.shape[0] if first < se.shape[-1] else 0):
+        prev, cur, tok = se[m - 1, ..., first:], se[m, ..., first:], st[m, ..., first:]
+        match = (prev.unsqueeze(-1) == cur.unsqueeze(-2)) & (prev >= 0).unsqueeze(-1)   # [L, G, k, j]
+        matched_j = match.any(-2)
+        taken_k = match.any(-1)
+        # a matched copy keeps its previous slot k; the others take the free slots in order
+        own_k = match.to(torch.int64).argmax(-2)
+        free_k = torch.sort(taken_k.to(torch.int64), dim=-1, stable=True).indices
+        rank_j = (~matched_j).to(torch.int64).cumsum(-1) - 1
+        dest = torch.where(matched_j, own_k, free_k.gather(-1, rank_j.clamp(min=0)))
+        se[m, ..., first:] = torch.empty_like(cur).scatter_(-1, dest, cur)
+        st[m, ..., first:] = torch.empty_like(tok).scatter_(-1, dest, tok)
+    return se, st

@@ -1,5 +1,5 @@
 """The planner's greedy rounds in numpy (``step_set._copies`` / ``_rebalance``,
-``balance._rounds``, ``plan._even_receive``) and ``residency._within`` in a few ops give
+``balance._rounds`` / ``align_slots``, ``plan._even_receive``) and ``residency._within`` in a few ops give
 exactly what the torch loops they replaced gave (``tests/_rounds_refs.py``): through their
 callers, on random loads and plans, with ``torch.equal``."""
 
@@ -86,3 +86,16 @@ def test_within_as_the_loop(seed, M, p_event, p_same):
     event = torch.rand(M, 3, 4, generator=gen) < p_event
     same_prev = torch.rand(M, 3, 4, generator=gen) < p_same
     assert torch.equal(residency._within(event, same_prev.clone()), ref.within(event, same_prev))
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), M=st.integers(1, 6), shape=st.sampled_from([(1, 4, 8, 2), (2, 2, 8, 3)]),
+       replica_p=st.sampled_from([0.3, 0.9]))
+def test_align_slots_as_the_torch_loop(seed, M, shape, replica_p):
+    p, _ = _random_plan(torch.Generator().manual_seed(seed), Topology(*shape), M, 2, replica_p, 1.0)
+    se, El = p.slot_expert_MLGJ, p.topology.experts_per_gpu
+    for m in range(1, M, 2):  # the previous micro-batch's copies in other slots (one GPU holds an expert once)
+        se[m, ..., El:] = se[m - 1, ..., El:].roll(1, -1)
+        se[m, 0, 0, -1] = -1
+    for first in (p.topology.experts_per_gpu, p.topology.slots_per_gpu):
+        assert _same(balance.align_slots(se, p.slot_tokens_MLGJ, first), ref.align_slots(se, p.slot_tokens_MLGJ, first))

@@ -247,18 +247,22 @@ def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
     continues (one fill for the run, ``planning.residency``) instead of ending. Loads and
     token counts per (GPU, expert) are unchanged. Returns new ``[M, L, G, J]`` tensors."""
     se, st = slot_expert_MLGJ.clone(), slot_tokens_MLGJ.clone()
+    # in numpy, on se and st (shared memory): integers only, one short step per micro-batch
+    se_n, st_n = se.numpy(), st.numpy()
     for m in range(1, se.shape[0] if first < se.shape[-1] else 0):
-        prev, cur, tok = se[m - 1, ..., first:], se[m, ..., first:], st[m, ..., first:]
-        match = (prev.unsqueeze(-1) == cur.unsqueeze(-2)) & (prev >= 0).unsqueeze(-1)   # [L, G, k, j]
+        prev, cur, tok = se_n[m - 1, ..., first:], se_n[m, ..., first:], st_n[m, ..., first:]
+        match = (prev[..., :, None] == cur[..., None, :]) & (prev >= 0)[..., None]   # [L, G, k, j]
         matched_j = match.any(-2)
         taken_k = match.any(-1)
         # a matched copy keeps its previous slot k; the others take the free slots in order
-        own_k = match.to(torch.int64).argmax(-2)
-        free_k = torch.sort(taken_k.to(torch.int64), dim=-1, stable=True).indices
-        rank_j = (~matched_j).to(torch.int64).cumsum(-1) - 1
-        dest = torch.where(matched_j, own_k, free_k.gather(-1, rank_j.clamp(min=0)))
-        se[m, ..., first:] = torch.empty_like(cur).scatter_(-1, dest, cur)
-        st[m, ..., first:] = torch.empty_like(tok).scatter_(-1, dest, tok)
+        own_k = match.argmax(-2)
+        free_k = np.argsort(taken_k, axis=-1, kind="stable")
+        rank_j = np.cumsum(~matched_j, -1) - 1
+        dest = np.where(matched_j, own_k, np.take_along_axis(free_k, np.maximum(rank_j, 0), -1))
+        new_e, new_t = np.empty_like(cur), np.empty_like(tok)
+        np.put_along_axis(new_e, dest, cur, -1)
+        np.put_along_axis(new_t, dest, tok, -1)
+        se_n[m, ..., first:], st_n[m, ..., first:] = new_e, new_t
     return se, st
 
 
