@@ -149,7 +149,7 @@ def test_a_plan_without_replicas_splits_as_the_general_rule(seed, shape, M, L, t
     """``token_split``'s shortcut for plans without replicas (static steps, and relibra's
     steps where no copy pays) gives what the general rule gives; a plan with a replica takes
     the general rule."""
-    from relibra_torch.planning.plan import _general_split, _native_split
+    from relibra_torch.planning.plan import general_split, _native_split
 
     N, g, E, R = shape
     topo = Topology(N, g, E, R)
@@ -157,7 +157,7 @@ def test_a_plan_without_replicas_splits_as_the_general_rule(seed, shape, M, L, t
     loads = torch.randint(0, tokens + 1, (M, L, N * g, E), generator=gen)
     placement = torch.stack([torch.randperm(E, generator=gen) for _ in range(L)])
     plan = native_plan(loads, topo, placement, "native")
-    assert torch.equal(token_split(plan, loads), _general_split(plan, loads))
+    assert torch.equal(token_split(plan, loads), general_split(plan, loads))
     if R and tokens:  # one replica of the first GPU's first expert, on the last GPU
         plan.slot_expert_MLGJ[..., -1, -1] = plan.slot_expert_MLGJ[..., 0, 0]
         assert _native_split(plan, loads) is None

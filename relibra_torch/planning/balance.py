@@ -36,6 +36,7 @@ node, El native experts per GPU, R replica slots per GPU, J = El + R, B batched 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .residency import residency_masks
@@ -142,8 +143,14 @@ def _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, 
     interact, so any subset of rows plans as in the whole batch. Returns ``sent [B, g]``:
     copies each GPU fills."""
     B, g = load.shape
-    rows = torch.arange(B)
-    sent = torch.zeros(B, g, dtype=torch.int64)
+    # in numpy, on the callers' tensors (shared memory): integers only (the same values), a
+    # few hundred small ops whose per-call cost in torch was much of the planner's time
+    load, used, giveable, give_remote, rep_expert, rep_quota = (
+        t.numpy() for t in (load, used, giveable, give_remote, rep_expert, rep_quota))
+    target, give_expert, need_K = target.numpy(), give_expert.numpy(), need_K.numpy()
+    big = np.iinfo(np.int64).max
+    rows = np.arange(B)
+    sent = np.zeros((B, g), dtype=np.int64)
     for _ in range(g * R):
         h = load.argmax(-1)                       # busiest GPU (first on ties)
         excess = load[rows, h] - target
@@ -152,28 +159,26 @@ def _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, 
         # counting those from other nodes twice: with the copy they can leave the giver's
         # inter-node receive too (token_split sends remote tokens to the instance whose GPU
         # receives less).
-        open_ = (used < R) & (load < target.unsqueeze(1))
-        room = (target - load.masked_fill(~open_, torch.iinfo(torch.int64).max).min(-1).values).clamp(min=0)
+        below = (used < R) & (load < target[:, None])
+        room = np.maximum(target - np.where(below, load, big).min(-1), 0)
         cand = giveable[rows, h]
-        movable = torch.minimum(cand, room.unsqueeze(1))
-        pays = movable >= need_K
-        idx = (movable + torch.minimum(movable, give_remote[rows, h])).masked_fill(~pays, -1).argmax(-1)
+        movable = np.minimum(cand, room[:, None])
+        idx = np.where(movable >= need_K, movable + np.minimum(movable, give_remote[rows, h]), -1).argmax(-1)
         expert_B = give_expert[rows, h, idx]
-        holds = (rep_expert == expert_B.view(B, 1, 1)).any(-1)             # a GPU holds it already
-        can_take = (used < R) & (load < target.unsqueeze(1)) & ~holds
-        u = load.masked_fill(~can_take, torch.iinfo(torch.int64).max).argmin(-1)
+        holds = (rep_expert == expert_B[:, None, None]).any(-1)             # a GPU holds it already
+        can_take = below & ~holds
+        u = np.where(can_take, load, big).argmin(-1)
         deficit = target - load[rows, u]
         # A receiver's last free slot takes all it can, even past the giver's excess (the
         # giver then becomes a receiver with its own free slots): per-GPU slots, not total
         # slots, are what run out first.
         last_slot = used[rows, u] == R - 1
-        give = torch.where(last_slot, deficit, torch.minimum(excess, deficit))
-        amount = torch.minimum(give, giveable[rows, h, idx])
-        need = torch.where(idx >= El, min_cross_tokens, min_tokens)
+        give = np.where(last_slot, deficit, np.minimum(excess, deficit))
+        amount = np.minimum(give, giveable[rows, h, idx])
+        need = np.where(idx >= El, min_cross_tokens, min_tokens)
         active = (excess > 0) & can_take.any(-1) & (amount > 0) & (amount >= need)
         if not active.any():
             break
-        amount = amount * active
         r, hh, uu, ii = rows[active], h[active], u[active], idx[active]
         amt = amount[active]
         slot = used[r, uu]
@@ -182,10 +187,10 @@ def _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, 
         used[r, uu] += 1
         sent[r, hh] += 1
         giveable[r, hh, ii] -= amt
-        give_remote[r, hh, ii] = (give_remote[r, hh, ii] - amt).clamp(min=0)   # copies take remote first
+        give_remote[r, hh, ii] = np.maximum(give_remote[r, hh, ii] - amt, 0)   # copies take remote first
         load[r, hh] -= amt
         load[r, uu] += amt
-    return sent
+    return torch.from_numpy(sent)
 
 
 def replicate_node_rows(load_MLE: torch.Tensor, home_MLE: torch.Tensor, natives_Lgl: torch.Tensor, R: int, r0: int,
@@ -242,18 +247,22 @@ def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
     continues (one fill for the run, ``planning.residency``) instead of ending. Loads and
     token counts per (GPU, expert) are unchanged. Returns new ``[M, L, G, J]`` tensors."""
     se, st = slot_expert_MLGJ.clone(), slot_tokens_MLGJ.clone()
+    # in numpy, on se and st (shared memory): integers only, one short step per micro-batch
+    se_n, st_n = se.numpy(), st.numpy()
     for m in range(1, se.shape[0] if first < se.shape[-1] else 0):
-        prev, cur, tok = se[m - 1, ..., first:], se[m, ..., first:], st[m, ..., first:]
-        match = (prev.unsqueeze(-1) == cur.unsqueeze(-2)) & (prev >= 0).unsqueeze(-1)   # [L, G, k, j]
+        prev, cur, tok = se_n[m - 1, ..., first:], se_n[m, ..., first:], st_n[m, ..., first:]
+        match = (prev[..., :, None] == cur[..., None, :]) & (prev >= 0)[..., None]   # [L, G, k, j]
         matched_j = match.any(-2)
         taken_k = match.any(-1)
         # a matched copy keeps its previous slot k; the others take the free slots in order
-        own_k = match.to(torch.int64).argmax(-2)
-        free_k = torch.sort(taken_k.to(torch.int64), dim=-1, stable=True).indices
-        rank_j = (~matched_j).to(torch.int64).cumsum(-1) - 1
-        dest = torch.where(matched_j, own_k, free_k.gather(-1, rank_j.clamp(min=0)))
-        se[m, ..., first:] = torch.empty_like(cur).scatter_(-1, dest, cur)
-        st[m, ..., first:] = torch.empty_like(tok).scatter_(-1, dest, tok)
+        own_k = match.argmax(-2)
+        free_k = np.argsort(taken_k, axis=-1, kind="stable")
+        rank_j = np.cumsum(~matched_j, -1) - 1
+        dest = np.where(matched_j, own_k, np.take_along_axis(free_k, np.maximum(rank_j, 0), -1))
+        new_e, new_t = np.empty_like(cur), np.empty_like(tok)
+        np.put_along_axis(new_e, dest, cur, -1)
+        np.put_along_axis(new_t, dest, tok, -1)
+        se_n[m, ..., first:], st_n[m, ..., first:] = new_e, new_t
     return se, st
 
 

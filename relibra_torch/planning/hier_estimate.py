@@ -12,7 +12,7 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["approx_need", "approx_need_columns", "approx_need_pieces", "hierarchical_traffic"]
+__all__ = ["approx_need", "approx_need_batched", "approx_need_columns", "approx_need_pieces", "hierarchical_traffic"]
 
 
 def approx_need(flow_LSPE: torch.Tensor, tokens_S: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -36,6 +36,22 @@ def approx_need_columns(flow_KLSP: torch.Tensor, tokens_S: torch.Tensor, top_k: 
     # removed rho (the expected mass of an item drawn from the other pieces).
     r = p / top_k
     return _need(none_indep, r.sum(0).clamp(max=1.0), (r * r).sum(0), top_k, p.amax(0), p.sum(0)) * T
+
+
+def approx_need_batched(flow_BKLSP: torch.Tensor, tokens_BS: torch.Tensor, top_k: int) -> torch.Tensor:
+    """float64 ``[B, L, S, P]``: :func:`approx_need_columns` of ``B`` flows at once (flow
+    ``b`` of ``K`` experts first, ``tokens_BS[b]`` its sources' tokens), each bit-identical
+    to its own call: every op is elementwise or reduces within one ``b``, and the sums over
+    ``K`` run on each ``b``'s own contiguous ``[K, L S P]`` block (a float sum's order
+    depends on the block it reduces, so ``flow_BKLSP`` must be contiguous and ``K`` each
+    flow's own: zero columns added to one would change its rounding)."""
+    B, S = tokens_BS.shape
+    T = tokens_BS.to(torch.float64).view(B, 1, 1, S, 1)
+    T_div = torch.where(T > 0, T.clamp(min=1.0), torch.full_like(T, float("inf")))
+    p = (flow_BKLSP.contiguous().to(torch.float64) / T_div).clamp_(0.0, 1.0)
+    none_indep = torch.log1p(-p).sum(1).exp()
+    r = p / top_k
+    return _need(none_indep, r.sum(1).clamp(max=1.0), (r * r).sum(1), top_k, p.amax(1), p.sum(1)) * T.view(B, 1, S, 1)
 
 
 def _need(none_indep: torch.Tensor, mass: torch.Tensor, sq: torch.Tensor, top_k: int, p_max: torch.Tensor,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .topology import Topology
@@ -129,7 +130,7 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
         int64 ``[M, L, S, G, J]``: tokens source ``s`` sends to slot ``(g, j)``.
     """
     native = _native_split(plan, loads_MLSE)
-    return native if native is not None else _general_split(plan, loads_MLSE)
+    return native if native is not None else general_split(plan, loads_MLSE)
 
 
 def _native_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor | None:
@@ -151,8 +152,10 @@ def _native_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor | No
     return out
 
 
-def _general_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
-    """:func:`token_split` for any plan (its docstring's four steps)."""
+def general_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """:func:`token_split` for any plan (its docstring's four steps), without the shortcut
+    for plans without replicas (the same result there). Each (micro-batch, layer) is split
+    alone: rows stacked in ``M`` or ``L`` give each row's own split."""
     topo = plan.topology
     M, L, S, E = loads_MLSE.shape
     G, J, g = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node
@@ -258,34 +261,43 @@ def _even_receive(remote_MLX: torch.Tensor, quota_MLX: torch.Tensor, e_MLX: torc
     key_MLX = gpu_X * (E + 1) + torch.where(valid_MLX, e_MLX, E)
     inst_MLQ.scatter_(2, key_MLX, torch.arange(X).expand(M, L, X).contiguous())
     inst_MLQ.view(M, L, G, E + 1)[..., E] = -1
-    node_gpus_N1g = (torch.arange(N).view(N, 1) * g + torch.arange(g)).view(N, 1, g)
-    P = M * L * N
-    rows_P = torch.arange(P)
-    base_P = (torch.arange(M * L) * X).repeat_interleave(N)
+    # the rounds in numpy: integers only (the same values), with torch's per-call cost on
+    # these small tensors most of the split's time; rows (m, l) flattened, R = M L
+    R, P = M * L, M * L * N
     remote = remote_MLX.clone()
+    remote_n = remote.view(R, X).numpy()
+    quota_n, e_n = quota_MLX.reshape(R, X).numpy(), torch.where(valid_MLX, e_MLX, E).reshape(R, X).numpy()
+    inst_n = inst_MLQ.view(-1).numpy()
+    row_X = (np.arange(R) * X).reshape(R, 1)                 # flat offset of each row's slots
+    row_Q = (np.arange(R) * (G * (E + 1))).reshape(R, 1, 1, 1)
+    node_gpus_N1g = (np.arange(N).reshape(N, 1) * g + np.arange(g)).reshape(N, 1, g) * (E + 1)
+    node_base_N = np.arange(N) * g
+    rows_P = np.arange(P)
+    base_P = np.repeat(np.arange(R) * X, N)
     for _ in range(g * J):
-        recv_MLNg = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
-            2, gpu_X.expand(M, L, X), remote).view(M, L, N, g)
-        hi_MLN = recv_MLNg.argmax(-1)                                    # busiest GPU (local index)
-        xs_MLNJ = (torch.arange(N).view(N, 1) * g + hi_MLN.unsqueeze(-1)) * J + torch.arange(J)
-        xs = xs_MLNJ.view(M, L, N * J)
-        e_hi = torch.where(valid_MLX.gather(2, xs), e_MLX.gather(2, xs), E).view(M, L, N, J, 1)
-        ys_MLNJg = inst_MLQ.gather(2, (node_gpus_N1g * (E + 1) + e_hi).reshape(M, L, -1)).view(M, L, N, J, g)
-        ys = ys_MLNJg.clamp(min=0).view(M, L, -1)
-        local_y = (quota_MLX.gather(2, ys) - remote.gather(2, ys)).view(M, L, N, J, g)
-        gap_MLNg = (recv_MLNg.gather(3, hi_MLN.unsqueeze(-1)) - recv_MLNg) // 2
-        t_MLNJg = torch.minimum(torch.minimum(remote.gather(2, xs).view(M, L, N, J, 1), local_y),
-                                gap_MLNg.unsqueeze(3))
-        t_PW = torch.where(ys_MLNJg >= 0, t_MLNJg, 0).clamp(min=0).view(P, J * g)
+        recv_RNg = remote_n.reshape(R, N, g, J).sum(-1)          # each GPU's slots are contiguous
+        hi_RN = recv_RNg.argmax(-1)                                        # busiest GPU (local index)
+        xs_RNJ = ((node_base_N + hi_RN)[..., None]) * J + np.arange(J)
+        xs = xs_RNJ.reshape(R, N * J)
+        e_hi = e_n.reshape(-1)[row_X + xs].reshape(R, N, J, 1)
+        ys_RNJg = inst_n[row_Q + node_gpus_N1g + e_hi]                     # [R, N, J, g]
+        ys = np.maximum(ys_RNJg, 0).reshape(R, -1)
+        local_y = (quota_n.reshape(-1)[row_X + ys] - remote_n.reshape(-1)[row_X + ys]).reshape(R, N, J, g)
+        gap_RNg = (np.take_along_axis(recv_RNg, hi_RN[..., None], -1) - recv_RNg) // 2
+        t_RNJg = np.minimum(np.minimum(remote_n.reshape(-1)[row_X + xs].reshape(R, N, J, 1), local_y),
+                            gap_RNg[:, :, None, :])
+        t_PW = np.maximum(np.where(ys_RNJg >= 0, t_RNJg, 0), 0).reshape(P, J * g)
         best_P = t_PW.argmax(1)
         t_P = t_PW[rows_P, best_P]
-        if not bool((t_P > 0).any()):
+        if not (t_P > 0).any():
             break
-        x_P = xs_MLNJ.reshape(P, J)[rows_P, best_P // g]
-        y_P = ys_MLNJg.reshape(P, J * g)[rows_P, best_P].clamp(min=0)
-        flat = remote.view(-1)
-        flat.index_add_(0, base_P + x_P, -t_P)  # rows are disjoint (m, l, node) slot sets
-        flat.index_add_(0, base_P + y_P, t_P)
+        # the rows that move: each in its own (m, l, node) slot set, so no slot twice (a
+        # fancy-indexed += keeps one write per slot); a move's y holds an instance
+        move = t_P > 0
+        at_P, best, t = base_P[move], best_P[move], t_P[move]
+        flat = remote_n.reshape(-1)
+        flat[at_P + xs_RNJ.reshape(P, J)[move, best // g]] -= t
+        flat[at_P + ys_RNJg.reshape(P, J * g)[move, best]] += t
     return remote
 
 

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 import torch
 
-from .hier_estimate import approx_need_columns, hierarchical_traffic
-from .plan import StepPlan, token_split
+from .hier_estimate import approx_need_batched, hierarchical_traffic
+from .plan import StepPlan, general_split
 from .residency import residencies
 from .topology import Topology
 from .two_hop import hop_routes, two_hop_hubs
@@ -80,49 +80,69 @@ def compute_seconds_ML(slot_tokens_MLGJ: torch.Tensor, config) -> torch.Tensor:
     return slot_tokens_MLGJ.sum(-1).max(-1).values.to(torch.float64) * config.compute_s_per_token
 
 
-def _hierarchical_counts(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, tokens_S: torch.Tensor,
+def _hierarchical_counts(split_BLSGJ: torch.Tensor, slot_expert_BLGJ: torch.Tensor, tokens_BS: torch.Tensor,
                          top_k: int, topo: Topology) -> tuple[torch.Tensor, ...]:
     """The simulator's count-level hierarchical rows (``sim.dispatch.approx_cross_tokens``,
-    ``approx_gpu_copies``, ``hierarchical_traffic``) of one micro-batch, ``[L, G]`` each.
+    ``approx_gpu_copies``, ``hierarchical_traffic``) of ``B`` micro-batches (``tokens_BS``:
+    each one's tokens per source), ``[B L, G]`` each.
 
     The node flow keeps, per row, only the (node, expert) columns some slot holds (at most
-    ``g J`` per node of ``E``), in the simulator's column order: absent experts add zeros."""
-    L, S, G, J = split_LSGJ.shape
+    ``g J`` per node of ``E``), in the simulator's column order: absent experts add zeros.
+    Its width is each micro-batch's own (the widest of its layers): micro-batches of one
+    width are estimated together (:func:`~relibra_torch.planning.hier_estimate.approx_need_batched`,
+    the same floats as one micro-batch at a time)."""
+    B, L, S, G, J = split_BLSGJ.shape
     N, g, E = topo.num_nodes, topo.gpus_per_node, topo.num_experts
-    e_LX = slot_expert_LGJ.reshape(L, G * J)
-    valid_LX = e_LX >= 0
-    node_X = torch.arange(G * J) // (J * g)
+    R, X = B * L, G * J
+    e_RX = slot_expert_BLGJ.reshape(R, X)
+    valid_RX = e_RX >= 0
+    node_X = torch.arange(X) // (J * g)
     # column of each slot: its expert's rank among the experts its node holds in that row
-    used_LNE = torch.zeros(L, N * E + 1, dtype=torch.bool)  # the last column takes the empty slots
-    used_LNE.scatter_(1, torch.where(valid_LX, node_X * E + e_LX, N * E), True)
-    rank_LNE = used_LNE[:, :N * E].reshape(L, N, E).cumsum(-1) - 1
-    width = max(int(rank_LNE[..., -1].max()) + 1, 1)
-    col_LX = rank_LNE.view(L, N * E).gather(1, (node_X * E + e_LX.clamp(min=0))).clamp(min=0)  # empty: adds 0
-    # one flat scatter into [K, L, S, N] (the experts first, as approx_need_columns takes them)
-    idx_LSX = (col_LX.view(L, 1, G * J) * (L * S * N) + torch.arange(L).view(L, 1, 1) * (S * N)
-               + torch.arange(S).view(1, S, 1) * N + node_X.view(1, 1, G * J))
-    flow_KLSN = torch.zeros(width * L * S * N, dtype=torch.int64)
-    flow_KLSN.scatter_add_(0, idx_LSX.reshape(-1), (split_LSGJ.reshape(L, S, G * J) * valid_LX.unsqueeze(1)).reshape(-1))
-    flow_KLSN = flow_KLSN.view(width, L, S, N)
+    used_RNE = torch.zeros(R, N * E + 1, dtype=torch.bool)  # the last column takes the empty slots
+    used_RNE.scatter_(1, torch.where(valid_RX, node_X * E + e_RX, N * E), True)
+    rank_RNE = used_RNE[:, :N * E].reshape(R, N, E).cumsum(-1) - 1
+    width_B = (rank_RNE[..., -1].view(B, -1).amax(1) + 1).clamp(min=1)
+    col_RX = rank_RNE.view(R, N * E).gather(1, (node_X * E + e_RX.clamp(min=0))).clamp(min=0)  # empty: adds 0
+    vals_BLSX = (split_BLSGJ.reshape(R, S, X) * valid_RX.unsqueeze(1)).view(B, L, S, X)
+    # per (micro-batch, l, s, slot): its place in a [K, L, S, N] block, the experts first
+    at_BLSX = (col_RX.view(B, L, 1, X) * (L * S * N) + torch.arange(L).view(1, L, 1, 1) * (S * N)
+               + torch.arange(S).view(1, 1, S, 1) * N + node_X.view(1, 1, 1, X))
+    tokens_BS = tokens_BS.to(torch.int64)
+    cross_BLSN = torch.empty(B, L, S, N, dtype=torch.float64)
+    for width in width_B.unique().tolist():  # one flat scatter per width: [B', K, L, S, N]
+        bs = (width_B == width).nonzero().squeeze(1)
+        n = bs.numel()
+        idx = at_BLSX[bs] + torch.arange(n).view(n, 1, 1, 1) * (width * L * S * N)
+        flow = torch.zeros(n * width * L * S * N, dtype=torch.int64)
+        flow.scatter_add_(0, idx.reshape(-1), vals_BLSX[bs].reshape(-1))
+        cross_BLSN[bs] = approx_need_batched(flow.view(n, width, L, S, N), tokens_BS[bs], top_k)
     own = torch.nn.functional.one_hot(torch.arange(G) // g, N).bool()
-    cross = approx_need_columns(flow_KLSN, tokens_S, top_k).masked_fill(own.unsqueeze(0), 0.0)
-    split_JLSG = (split_LSGJ * (slot_expert_LGJ >= 0).unsqueeze(1)).movedim(-1, 0).contiguous()
-    copies = approx_need_columns(split_JLSG, tokens_S, top_k)
+    cross = cross_BLSN.view(R, S, N).masked_fill(own.unsqueeze(0), 0.0)
+    split_BJLSG = (split_BLSGJ * (slot_expert_BLGJ >= 0).unsqueeze(2)).movedim(-1, 1).contiguous()
+    copies = approx_need_batched(split_BJLSG, tokens_BS, top_k).view(R, S, G)
     return hierarchical_traffic(copies, cross, topo)
 
 
-def _split(plan: StepPlan, m: int, loads_MLSE: torch.Tensor) -> torch.Tensor:
-    """int64 ``[L, S, G, J]``: :func:`token_split` of micro-batch ``m``; with every expert on
-    its owner only (no replica slot used) that is each source's count at its one slot."""
+def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
+    """int64 ``[B, L, S, G, J]``: :func:`token_split` of micro-batches ``m0 .. m1 - 1``, each
+    as alone (the rule is per (micro-batch, layer)); one with every expert on its owner only
+    (no replica slot used) sends each source's count to its one slot."""
     topo = plan.topology
-    se_LGJ = plan.slot_expert_MLGJ[m]
-    if bool((se_LGJ[..., topo.experts_per_gpu:] < 0).all()):
-        L, G, J = se_LGJ.shape
-        S = loads_MLSE.shape[2]
-        idx = se_LGJ.clamp(min=0).view(L, 1, G * J).expand(L, S, G * J)
-        split = loads_MLSE[m].to(torch.int64).gather(2, idx) * (se_LGJ >= 0).view(L, 1, G * J)
-        return split.view(L, S, G, J)
-    return token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0]
+    se_BLGJ = plan.slot_expert_MLGJ[m0:m1]
+    B, L, G, J = se_BLGJ.shape
+    S = loads_MLSE.shape[2]
+    loads_BLSE = loads_MLSE[m0:m1].to(torch.int64)
+    native_B = (se_BLGJ[..., topo.experts_per_gpu:] < 0).flatten(1).all(1)
+    idx = se_BLGJ.clamp(min=0).view(B, L, 1, G * J).expand(B, L, S, G * J)
+    out = (loads_BLSE.gather(3, idx) * (se_BLGJ >= 0).view(B, L, 1, G * J)).view(B, L, S, G, J)
+    if not bool(native_B.all()):
+        rest = (~native_B).nonzero().squeeze(1)
+        sub = StepPlan(topo, plan.placement_LE, se_BLGJ[rest], plan.slot_tokens_MLGJ[m0:m1][rest])
+        out[rest] = general_split(sub, loads_BLSE[rest])
+    return out
+
+
+_CHUNK_BYTES = 16 << 20  # bound on one chunk's int64 [B, L, S, G, J] split (a few more of that size live)
 
 
 def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,29 +153,35 @@ def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torc
 
     Hierarchical dispatch needs ``config.top_k`` (a rank's tokens are its pairs // top_k,
     as the simulator counts them on loads files); unknown (0), the cross-node units stay
-    pairs (flat's count, an upper bound on tokens)."""
+    pairs (flat's count, an upper bound on tokens).
+
+    Micro-batches are priced a chunk at a time (``_CHUNK_BYTES`` bounds the split), each
+    exactly as alone (``tests/test_price_batched.py``)."""
     topo = plan.topology
-    M = loads_MLSE.shape[0]
-    G, g = topo.num_gpus, topo.gpus_per_node
+    M, L, S, _ = loads_MLSE.shape
+    G, g, J = topo.num_gpus, topo.gpus_per_node, topo.slots_per_gpu
     node_G = torch.arange(G) // g
     same_node = node_G.view(G, 1) == node_G.view(1, G)
     same_gpu = torch.eye(G, dtype=torch.bool)
     hier = config.dispatch == "hierarchical" and config.top_k > 0
-    out = torch.empty(M, plan.num_layers, dtype=torch.float64)
-    cross_out = torch.empty(M, plan.num_layers, dtype=torch.float64)
-    for m in range(M):  # one micro-batch at a time keeps the [L, S, G, J] split small
-        split_LSGJ = _split(plan, m, loads_MLSE)
+    out = torch.empty(M, L, dtype=torch.float64)
+    cross_out = torch.empty(M, L, dtype=torch.float64)
+    chunk = max(1, _CHUNK_BYTES // max(1, L * S * G * J * 8))
+    for m0 in range(0, M, chunk):
+        m1 = min(M, m0 + chunk)
+        split_BLSGJ = _splits(plan, loads_MLSE, m0, m1)
         if hier:
-            tokens_S = loads_MLSE[m, 0].to(torch.int64).sum(-1) // config.top_k
-            cs, cr, is_, ir = _hierarchical_counts(split_LSGJ, plan.slot_expert_MLGJ[m], tokens_S,
+            tokens_BS = loads_MLSE[m0:m1, 0].to(torch.int64).sum(-1) // config.top_k
+            cs, cr, is_, ir = _hierarchical_counts(split_BLSGJ, plan.slot_expert_MLGJ[m0:m1], tokens_BS,
                                                    config.top_k, topo)
         else:
-            split_LSG = split_LSGJ.sum(-1)
-            cross, intra = split_LSG * ~same_node, split_LSG * (same_node & ~same_gpu)
+            split_RSG = split_BLSGJ.sum(-1).flatten(0, 1)
+            cross, intra = split_RSG * ~same_node, split_RSG * (same_node & ~same_gpu)
             cs, cr, is_, ir = cross.sum(2), cross.sum(1), intra.sum(2), intra.sum(1)
         cross_G = torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
-        out[m] = (cross_G + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token).max(-1).values
-        cross_out[m] = cross_G.max(-1).values
+        out[m0:m1] = (cross_G + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token
+                      ).max(-1).values.view(m1 - m0, L)
+        cross_out[m0:m1] = cross_G.max(-1).values.view(m1 - m0, L)
     return out, cross_out
 
 

@@ -35,6 +35,7 @@ h a GPU of the node (the other end of a move).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .topology import Topology
@@ -51,34 +52,40 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
     ``fixed_Bg``: step tokens of what no copy can share; ``cap > 0``: at most ``cap`` copies
     fill from one GPU (``home_K``: each item's GPU in the node, the one its copies fill from)."""
     B, g, K = own_BgK.shape
-    rows = torch.arange(B)
-    own_BgK = own_BgK.clone()
-    n_BK = own_BgK.sum(1).clamp(min=1)
-    out = torch.full((B, g, max(free, 0)), -1, dtype=torch.int64)
-    used = torch.zeros(B, g, dtype=torch.int64)
-    sends_Bg = torch.zeros(B, g, dtype=torch.int64)
-    wf = w_BK.to(torch.float64)
+    # in numpy (integers, and float64 shares compared, not summed; the loads' sums stay in
+    # torch, the same floats): torch's per-call cost on these small tensors was most of it
+    own = own_BgK.numpy().copy()
+    n_BK = np.maximum(own.sum(1), 1)
+    out = np.full((B, g, max(free, 0)), -1, dtype=np.int64)
+    used = np.zeros((B, g), dtype=np.int64)
+    sends_Bg = np.zeros((B, g), dtype=np.int64)
+    w = w_BK.numpy()
+    own_t, n_t, wf = torch.from_numpy(own), torch.from_numpy(n_BK), w_BK.to(torch.float64)
+    fixed = fixed_Bg.to(torch.float64)
+    home = None if home_K is None else home_K.numpy()
+    rows = np.arange(B)
     for _ in range(g * free):
-        load_Bg = (own_BgK * (wf / n_BK).unsqueeze(1)).sum(-1) + fixed_Bg.to(torch.float64)
+        share_t = wf / n_t
+        load_Bg = ((own_t * share_t.unsqueeze(1)).sum(-1) + fixed).numpy()
         room_Bg = used < free
         # an item can gain an instance where a GPU with room lacks it, and its share pays
-        addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (w_BK >= min_tokens * (n_BK + 1))
+        addable_BK = ((~own) & room_Bg[..., None]).any(1) & (w >= min_tokens * (n_BK + 1))
         if cap > 0:  # ... and its home GPU sends fewer than cap copies
-            addable_BK &= sends_Bg[:, home_K] < cap
+            addable_BK &= sends_Bg[:, home] < cap
         if not addable_BK.any():
             break
-        k = (wf / n_BK).masked_fill(~addable_BK, -1.0).argmax(-1)
+        k = np.where(addable_BK, share_t.numpy(), -1.0).argmax(-1)
         active = addable_BK[rows, k]
-        can_Bg = room_Bg & ~own_BgK[rows, :, k]
-        u = load_Bg.masked_fill(~can_Bg, float("inf")).argmin(-1)
+        can_Bg = room_Bg & ~own[rows, :, k]
+        u = np.where(can_Bg, load_Bg, np.inf).argmin(-1)
         r, uu, kk = rows[active], u[active], k[active]
         out[r, uu, used[r, uu]] = kk
-        own_BgK[r, uu, kk] = True
+        own[r, uu, kk] = True
         n_BK[r, kk] += 1
         used[r, uu] += 1
         if cap > 0:
-            sends_Bg[r, home_K[kk]] += 1
-    return out
+            sends_Bg[r, home[kk]] += 1
+    return torch.from_numpy(out)
 
 
 def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Tensor, items: int,
@@ -87,34 +94,43 @@ def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Te
     ``0..items-1`` in ``item_BgJ``; ``-1``: a slot whose tokens stay) from the busiest GPU
     toward the least loaded (module docstring); a slot keeps at least ``keep_BgJ`` tokens."""
     B, g, J = item_BgJ.shape
-    rows = torch.arange(B)
+    # in numpy: integers only (the same values), a few hundred small ops whose per-call
+    # cost in torch was most of the planner's time on small loads
     tok = tok_BgJ.clone()
+    tok_n, keep_n, item_n = tok.numpy(), keep_BgJ.numpy(), item_BgJ.numpy()
     # once: each item's slot on every GPU (-1: none), then each slot's peers on the other GPUs
-    valid = item_BgJ >= 0
-    flat = torch.where(valid, item_BgJ * g + torch.arange(g).view(1, g, 1), items * g)
-    inst_BIg = torch.full((B, items * g + 1), -1, dtype=torch.int64).scatter_(
-        1, flat.view(B, -1), torch.arange(J).expand(B, g, J).reshape(B, -1))[:, :-1].view(B, items, g)
-    peer_BgJh = inst_BIg.gather(1, item_BgJ.clamp(min=0).view(B, g * J, 1).expand(B, g * J, g)).view(B, g, J, g)
-    peer_BgJh = peer_BgJh.masked_fill(~valid.unsqueeze(-1) | torch.eye(g, dtype=torch.bool).view(1, g, 1, g), -1)
+    valid = item_n >= 0
+    flat = np.where(valid, item_n * g + np.arange(g).reshape(1, g, 1), items * g).reshape(B, g * J)
+    inst_BIg = np.full((B, items * g + 1), -1, dtype=np.int64)
+    inst_BIg[np.arange(B).reshape(B, 1), flat] = np.tile(np.arange(J), g)     # a GPU holds an item once
+    inst_BIg = inst_BIg[:, :-1].reshape(B, items, g)
+    peer_n = np.take_along_axis(inst_BIg, np.maximum(item_n, 0).reshape(B, g * J, 1), 1).reshape(B, g, J, g)
+    peer_n[~valid] = -1
+    peer_n[:, np.arange(g), :, np.arange(g)] = -1
+    lone_n = (peer_n < 0).all(-1)                                                # [B, g, J]: no peer
+    rows_n = np.arange(B)
+    load = tok_n.sum(-1)
     for _ in range(rounds):
-        load = tok.sum(-1)
         h = load.argmax(-1)
-        peer_BJh = peer_BgJh[rows, h]                                            # [B, J, g]
-        cand = load.unsqueeze(1).expand(B, J, g).masked_fill(peer_BJh < 0, _BIG)
+        peer_BJh = peer_n[rows_n, h]                                            # [B, J, g]
+        cand = np.where(peer_BJh < 0, _BIG, load[:, None, :])
         u_BJ = cand.argmin(-1)
-        gap = load[rows, h].unsqueeze(1) - cand.gather(-1, u_BJ.unsqueeze(-1)).squeeze(-1)
-        amount_BJ = torch.minimum(tok[rows, h] - keep_BgJ[rows, h], (gap // 2).clamp(min=0))
-        amount_BJ = amount_BJ.masked_fill((peer_BJh < 0).all(-1), 0)
+        load_h = load[rows_n, h]
+        gap = load_h[:, None] - cand.min(-1)
+        amount_BJ = np.minimum(tok_n[rows_n, h] - keep_n[rows_n, h], np.maximum(gap // 2, 0))
+        amount_BJ[lone_n[rows_n, h]] = 0
         j = amount_BJ.argmax(-1)
-        amt = amount_BJ[rows, j]
+        amt = amount_BJ[rows_n, j]
         # moves under 1/256 of the busiest GPU's load (< 0.4% of its compute) are not worth a round
-        amt = amt * (amt > load[rows, h] // 256)
+        amt = amt * (amt > load_h // 256)
         if not (amt > 0).any():
             break
-        u = u_BJ[rows, j]
-        ju = peer_BJh[rows, j, u].clamp(min=0)
-        tok[rows, h, j] -= amt
-        tok[rows, u, ju] += amt
+        u = u_BJ[rows_n, j]
+        ju = np.maximum(peer_BJh[rows_n, j, u], 0)
+        tok_n[rows_n, h, j] -= amt
+        tok_n[rows_n, u, ju] += amt
+        load[rows_n, h] -= amt
+        load[rows_n, u] += amt
     return tok
 
 
