@@ -209,11 +209,12 @@ def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activa
 #: The full search's typical one-thread CPU time per layer where the fast path does not
 #: settle it (``planning.worth``, which scales it by ``sqrt(top_k)``), fitted on this
 #: project's 2-core machine (Python 3.11, torch 2.13 CPU) to the medians over the
-#: never-behind stand-ins at 8 micro-batches: one node 7-15 ms (top-1), 21-32 ms (top-2,
-#: top-8); two nodes 20-50 ms (top-1), 76-103 ms (top-2, top-8). A faster host CPU makes
-#: these smaller: measure them with ``benchmarks/planner.py`` on the training cluster.
+#: never-behind stand-ins at 32 tokens x 8 per GPU and 8 micro-batches: one node 6-10 ms
+#: (top-1), 23-24 ms (top-8); two nodes 16-60 ms (top-1), 31 ms (top-2), 49-64 ms (top-8).
+#: A faster host CPU makes these smaller: measure them with ``benchmarks/planner.py`` on
+#: the training cluster.
 PLAN_FLOOR_S = 8e-3
-PLAN_FLOOR_NODES_S = 3e-2
+PLAN_FLOOR_NODES_S = 2e-2
 
 
 def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:
