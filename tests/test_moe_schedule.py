@@ -159,5 +159,9 @@ def test_a_plan_without_replicas_splits_as_the_general_rule(seed, shape, M, L, t
     plan = native_plan(loads, topo, placement, "native")
     assert torch.equal(token_split(plan, loads), general_split(plan, loads))
     if R and tokens:  # one replica of the first GPU's first expert, on the last GPU
+        one = native_plan(loads, topo, placement, "native")
+        one.slot_expert_MLGJ[:, 0, -1, -1] = one.slot_expert_MLGJ[:, 0, 0, 0]   # in layer 0 only
+        # the layers without a replica take the shortcut, layer 0 the general rule: the same split
+        assert torch.equal(token_split(one, loads), general_split(one, loads))
         plan.slot_expert_MLGJ[..., -1, -1] = plan.slot_expert_MLGJ[..., 0, 0]
         assert _native_split(plan, loads) is None

@@ -130,7 +130,29 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
         int64 ``[M, L, S, G, J]``: tokens source ``s`` sends to slot ``(g, j)``.
     """
     native = _native_split(plan, loads_MLSE)
-    return native if native is not None else general_split(plan, loads_MLSE)
+    if native is not None:
+        return native
+    # layers without a replica in any micro-batch take the shortcut too (each row is split
+    # alone): a step where the planner copied in a few layers splits only those in full
+    El = plan.topology.experts_per_gpu
+    copies_L = (plan.slot_expert_MLGJ[..., El:] >= 0).flatten(2).any(-1).any(0)
+    if bool(copies_L.all()):
+        return general_split(plan, loads_MLSE)
+    kept, copied = (~copies_L).nonzero().flatten(), copies_L.nonzero().flatten()
+    native = _native_split(_layers(plan, kept), loads_MLSE[:, kept])
+    if native is None:
+        return general_split(plan, loads_MLSE)
+    M, L, S, _ = loads_MLSE.shape
+    out = torch.empty(M, L, S, *plan.slot_expert_MLGJ.shape[2:], dtype=torch.int64)
+    out[:, kept] = native
+    out[:, copied] = general_split(_layers(plan, copied), loads_MLSE[:, copied])
+    return out
+
+
+def _layers(plan: StepPlan, layers: torch.Tensor) -> StepPlan:
+    """The plan restricted to ``layers`` (int64 ``[L']``)."""
+    return StepPlan(plan.topology, plan.placement_LE[layers], plan.slot_expert_MLGJ[:, layers],
+                    plan.slot_tokens_MLGJ[:, layers], plan.planner)
 
 
 def _native_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor | None:
