@@ -1,6 +1,6 @@
 """The planner's greedy rounds as torch ran them before they moved to numpy
 (verbatim): references that tests/test_rounds_numpy.py compares the numpy rounds (and
-``balance.align_slots``, the few-op ``residency._within``) against, bit for bit."""
+``balance.align_slots``) against, bit for bit."""
 
 from __future__ import annotations
 
@@ -200,14 +200,6 @@ def even_receive(remote_MLX: torch.Tensor, quota_MLX: torch.Tensor, e_MLX: torch
         flat.index_add_(0, base_P + x_P, -t_P)  # rows are disjoint (m, l, node) slot sets
         flat.index_add_(0, base_P + y_P, t_P)
     return remote
-
-
-def within(event: torch.Tensor, same_prev: torch.Tensor) -> torch.Tensor:
-    """True from an ``event`` onwards while the residency continues (``same_prev``)."""
-    out = event.clone()
-    for m in range(1, event.shape[0]):
-        out[m] |= out[m - 1] & same_prev[m]
-    return out
 
 
 def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,

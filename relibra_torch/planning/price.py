@@ -109,13 +109,21 @@ def _hierarchical_counts(split_BLSGJ: torch.Tensor, slot_expert_BLGJ: torch.Tens
                + torch.arange(S).view(1, 1, S, 1) * N + node_X.view(1, 1, 1, X))
     tokens_BS = tokens_BS.to(torch.int64)
     cross_BLSN = torch.empty(B, L, S, N, dtype=torch.float64)
-    for width in width_B.unique().tolist():  # one flat scatter per width: [B', K, L, S, N]
+    widths = width_B.unique().tolist()
+    for width in widths:  # one flat scatter per width: [B', K, L, S, N]
         bs = (width_B == width).nonzero().squeeze(1)
         n = bs.numel()
-        idx = at_BLSX[bs] + torch.arange(n).view(n, 1, 1, 1) * (width * L * S * N)
+        one = len(widths) == 1  # every micro-batch (no copies of the index)
+        idx = (at_BLSX if one else at_BLSX[bs])
+        if n > 1:
+            idx = idx + torch.arange(n).view(n, 1, 1, 1) * (width * L * S * N)
         flow = torch.zeros(n * width * L * S * N, dtype=torch.int64)
-        flow.scatter_add_(0, idx.reshape(-1), vals_BLSX[bs].reshape(-1))
-        cross_BLSN[bs] = approx_need_batched(flow.view(n, width, L, S, N), tokens_BS[bs], top_k)
+        flow.scatter_add_(0, idx.reshape(-1), (vals_BLSX if one else vals_BLSX[bs]).reshape(-1))
+        need = approx_need_batched(flow.view(n, width, L, S, N), tokens_BS if one else tokens_BS[bs], top_k)
+        if one:
+            cross_BLSN = need
+        else:
+            cross_BLSN[bs] = need
     own = torch.nn.functional.one_hot(torch.arange(G) // g, N).bool()
     cross = cross_BLSN.view(R, S, N).masked_fill(own.unsqueeze(0), 0.0)
     split_BJLSG = (split_BLSGJ * (slot_expert_BLGJ >= 0).unsqueeze(2)).movedim(-1, 1).contiguous()
@@ -133,6 +141,8 @@ def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, m0: int, m1: int) -> torch
     S = loads_MLSE.shape[2]
     loads_BLSE = loads_MLSE[m0:m1].to(torch.int64)
     native_B = (se_BLGJ[..., topo.experts_per_gpu:] < 0).flatten(1).all(1)
+    if not bool(native_B.any()):
+        return general_split(StepPlan(topo, plan.placement_LE, se_BLGJ, plan.slot_tokens_MLGJ[m0:m1]), loads_BLSE)
     idx = se_BLGJ.clamp(min=0).view(B, L, 1, G * J).expand(B, L, S, G * J)
     out = (loads_BLSE.gather(3, idx) * (se_BLGJ >= 0).view(B, L, 1, G * J)).view(B, L, S, G, J)
     if not bool(native_B.all()):
@@ -142,7 +152,10 @@ def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, m0: int, m1: int) -> torch
     return out
 
 
-_CHUNK_BYTES = 16 << 20  # bound on one chunk's int64 [B, L, S, G, J] split (a few more of that size live)
+# bound on one chunk's int64 [B, L, S, G, J] split (a few more of that size live): small, so
+# that a chunk stays in cache (larger chunks ran slower on a 48-layer, 32-GPU step); at that
+# size, one micro-batch at a time
+_CHUNK_BYTES = 2 << 20
 
 
 def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torch.Tensor, torch.Tensor]:

@@ -75,14 +75,11 @@ def residency_masks(slot_expert_MLGJ: torch.Tensor, fill_MLGJ: torch.Tensor,
 
 
 def _within(event: torch.Tensor, same_prev: torch.Tensor) -> torch.Tensor:
-    """True from an ``event`` onwards while the residency continues (``same_prev``): where
-    the last event at or before ``m`` is no earlier than the last break of the run (a
-    micro-batch not continuing the one before, or the first), in a few ops
-    rather than one step per micro-batch."""
-    M = event.shape[0]
-    idx = torch.arange(M).view(M, *([1] * (event.dim() - 1)))
-    last_event = torch.where(event, idx, -1).cummax(0).values
-    return last_event >= torch.where(same_prev, 0, idx).cummax(0).values
+    """True from an ``event`` onwards while the residency continues (``same_prev``)."""
+    out = event.clone()
+    for m in range(1, event.shape[0]):
+        out[m] |= out[m - 1] & same_prev[m]
+    return out
 
 
 @dataclass
