@@ -22,6 +22,8 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   (flat; 0 under hierarchical dispatch, where only an upper bound is at hand) and half of
   its exchange latency. The forward of attention and dense layers is left out: the
   estimate errs towards a smaller window, that is towards keeping the placement.
+  The share assumes split planning (the hook's and the simulator's default); where one
+  thread plans the whole step it overstates the window about ``G``-fold.
 * **floor** ``F``: the one-thread CPU time the full search typically spends on a layer when
   the fast path does not settle it: ``plan_floor_s`` on one node, ``plan_floor_nodes_s``
   across nodes (``ReLibraConfig``), times ``sqrt(top_k)`` (the search builds and prices more
