@@ -187,7 +187,6 @@ def case_workload(case: Case, args, options, tmp: Path):
         loads = domain_loads(case.shape, L, args.micro_batches, G, case.tokens, steps=args.steps,
                              factor=case.factor, seed=seed)
     else:
-        torch.manual_seed(seed)  # standin_loads' per-micro-batch drift draws from torch's global generator
         loads = standin_loads(shape.num_experts, shape.top_k, L, args.micro_batches, G, case.tokens,
                               steps=args.steps, zipf=zipf, collapse=collapse, factor=case.factor, seed=seed)
     path = tmp / (case.name.replace("/", "_") + ".safetensors")

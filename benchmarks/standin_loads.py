@@ -30,6 +30,17 @@ def standin_loads(num_experts: int, top_k: int, num_layers: int, micro_batches: 
     ``collapse``: chance that a token's first expert is its layer's hot expert (0.95 gives
     the collapsed routers of real decoder traces).
     """
+    # the drift's gamma draws come from torch's global generator (Gamma takes no generator):
+    # seed it too, and leave the caller's state as it was, so the loads depend on the seed only
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _standin_loads(num_experts, top_k, num_layers, micro_batches, num_ranks, tokens_per_rank,
+                              steps, zipf, collapse, factor, seed)
+
+
+def _standin_loads(num_experts: int, top_k: int, num_layers: int, micro_batches: int, num_ranks: int,
+                   tokens_per_rank: int, steps: int, zipf: float, collapse: float, factor: int,
+                   seed: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     E, K, L, T = num_experts, top_k, num_layers, tokens_per_rank
     ranks = torch.arange(1, E + 1, dtype=torch.float64)

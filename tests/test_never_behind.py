@@ -95,6 +95,22 @@ def test_relibra_is_never_more_than_one_percent_behind_on_other_settings(case, o
     assert not behind, f"{case.name} {overrides}: relibra's step over these systems' exceeds {nb.BAR}: {behind}"
 
 
+def test_stand_in_loads_depend_on_their_seed_only():
+    """The drift's gamma draws use torch's global generator: seeded inside, state restored."""
+    import torch
+    from standin_loads import standin_loads
+
+    torch.manual_seed(1)
+    a = standin_loads(16, 2, 2, 3, 4, 8, seed=5)
+    state = torch.get_rng_state()
+    torch.manual_seed(2)
+    b = standin_loads(16, 2, 2, 3, 4, 8, seed=5)
+    assert torch.equal(a, b) and not torch.equal(a, standin_loads(16, 2, 2, 3, 4, 8, seed=6))
+    torch.manual_seed(1)
+    standin_loads(16, 2, 2, 3, 4, 8, seed=5)
+    assert torch.equal(state, torch.get_rng_state())  # the caller's generator as it was
+
+
 def test_stand_in_loads_are_deterministic_and_real_shaped(tmp_path):
     """Same case, same figures; the counts multiplied by the factor keep the tokens' routing."""
     case = nb.Case("switch-8", "zipf", 16, 4, 1, 8)
