@@ -27,8 +27,9 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
 * **floor** ``F``: the one-thread CPU time the full search typically spends on a layer when
   the fast path does not settle it: ``plan_floor_s`` on one node, ``plan_floor_nodes_s``
   across nodes (``ReLibraConfig``), times ``sqrt(top_k)`` (the search builds and prices more
-  candidates when each token picks more experts) and ``max(M, 8) / 8`` (fitted at 8
-  micro-batches). Fitted on this project's 2-core machine
+  candidates when each token picks more experts), ``max(M, 8) / 8`` (fitted at 8
+  micro-batches) and, across nodes, ``sqrt(max(E / 64, 1))`` (the hierarchical estimate's
+  columns). Fitted on this project's 2-core machine
   (``planning.pricing.PLAN_FLOOR_S``).
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
@@ -131,10 +132,13 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     L = loads_MLSE.shape[1]
     total = L if total_layers is None else total_layers
     # the search's cost grows with the experts a token picks (more rows pay copies, more
-    # candidates are built and priced; measured: about with the square root of top-k) and
-    # with the micro-batches beyond the 8 it was fitted at (below, per-call costs dominate)
+    # candidates are built and priced; measured: about with the square root of top-k), with
+    # the micro-batches beyond the 8 it was fitted at (below, per-call costs dominate) and,
+    # across nodes, with the (node, expert) columns the hierarchical estimate prices (about
+    # the square root of the experts beyond 64: top-1 16-17 ms at 8-64 experts, 60 at 256)
+    experts = max(topology.num_experts / 64, 1.0) if topology.num_nodes > 1 else 1.0
     floor = (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) \
-        * max(config.top_k, 1) ** 0.5 * max(loads_MLSE.shape[0], 8) / 8
+        * (max(config.top_k, 1) * experts) ** 0.5 * max(loads_MLSE.shape[0], 8) / 8
     if floor <= 0 or L == 0:
         return torch.ones(L, dtype=torch.bool)
     gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
