@@ -183,7 +183,7 @@ LEGEND = {
     "repl. GB": "replica weights filled + gradients returned per step",
     "migr.": "experts whose owner GPU changed (a new placement) per step",
     "migr. GB": "bytes those migrations move (weights + optimizer state)",
-    "plan": "planner CPU time per step (one thread; under split planning the slowest EP rank's share and its collectives)",
+    "plan": "planner CPU per step (one thread; split planning: the slowest EP rank's share + gathers)",
 }
 
 
