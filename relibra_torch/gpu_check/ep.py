@@ -44,7 +44,7 @@ def _step(rank: int, world: int, seed: int, device_type: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
-    from relibra_torch.hook import ReplayBalancer
+    from relibra_torch.hook import ReplayBalancer, relibra_config_for
     from relibra_torch.moe import ReplayBalancedMoE
 
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
@@ -74,7 +74,10 @@ def _step(rank: int, world: int, seed: int, device_type: str) -> dict:
     x_TD = torch.randn(T, D, generator=mine).to(device)
     dout_TD = torch.randn(T, D, generator=mine).to(device)
 
-    balancer = ReplayBalancer(ep_layer, planner="relibra")
+    # a toy layer: the planning guard would keep every layer on a GPU; plan anyway so that
+    # the replica path (fills, quotas, gradient returns) runs over NCCL
+    config = relibra_config_for(ep_layer, plan_floor_s=0.0, plan_floor_nodes_s=0.0)
+    balancer = ReplayBalancer(ep_layer, planner="relibra", planner_kwargs={"config": config})
     balancer.plan_step([ids_TK.unsqueeze(1)])  # one micro-batch, one layer: [T, L=1, K]
     balancer.install(0)
 
