@@ -132,27 +132,29 @@ def token_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     native = _native_split(plan, loads_MLSE)
     if native is not None:
         return native
-    # layers without a replica in any micro-batch take the shortcut too (each row is split
-    # alone): a step where the planner copied in a few layers splits only those in full
+    # (micro-batch, layer) rows without a replica take the shortcut too (each row is split
+    # alone): a step where the planner copied in a few rows splits only those in full
     El = plan.topology.experts_per_gpu
-    copies_L = (plan.slot_expert_MLGJ[..., El:] >= 0).flatten(2).any(-1).any(0)
-    if bool(copies_L.all()):
+    copies_ML = (plan.slot_expert_MLGJ[..., El:] >= 0).flatten(2).any(-1)
+    if bool(copies_ML.all()):
         return general_split(plan, loads_MLSE)
-    kept, copied = (~copies_L).nonzero().flatten(), copies_L.nonzero().flatten()
-    native = _native_split(_layers(plan, kept), loads_MLSE[:, kept])
+    native = _native_split(_rows(plan, ~copies_ML), loads_MLSE[~copies_ML].unsqueeze(0))
     if native is None:
         return general_split(plan, loads_MLSE)
     M, L, S, _ = loads_MLSE.shape
     out = torch.empty(M, L, S, *plan.slot_expert_MLGJ.shape[2:], dtype=torch.int64)
-    out[:, kept] = native
-    out[:, copied] = general_split(_layers(plan, copied), loads_MLSE[:, copied])
+    out[~copies_ML] = native[0]
+    out[copies_ML] = general_split(_rows(plan, copies_ML), loads_MLSE[copies_ML].unsqueeze(0))[0]
     return out
 
 
-def _layers(plan: StepPlan, layers: torch.Tensor) -> StepPlan:
-    """The plan restricted to ``layers`` (int64 ``[L']``)."""
-    return StepPlan(plan.topology, plan.placement_LE[layers], plan.slot_expert_MLGJ[:, layers],
-                    plan.slot_tokens_MLGJ[:, layers], plan.planner)
+def _rows(plan: StepPlan, rows_ML: torch.Tensor) -> StepPlan:
+    """The plan's (micro-batch, layer) rows ``rows_ML`` (bool ``[M, L]``) as one micro-batch
+    of ``L'`` rows, which the rule splits exactly as in place."""
+    M, L, E = *rows_ML.shape, plan.placement_LE.shape[1]
+    return StepPlan(plan.topology, plan.placement_LE.expand(M, L, E)[rows_ML],
+                    plan.slot_expert_MLGJ[rows_ML].unsqueeze(0), plan.slot_tokens_MLGJ[rows_ML].unsqueeze(0),
+                    plan.planner)
 
 
 def _native_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor | None:

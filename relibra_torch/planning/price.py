@@ -45,14 +45,14 @@ from __future__ import annotations
 import torch
 
 from .hier_estimate import approx_need_batched, hierarchical_traffic
-from .plan import StepPlan, general_split
+from .plan import StepPlan, token_split
 from .residency import residencies
 from .topology import Topology
 from .two_hop import hop_routes, two_hop_hubs
 
 __all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
-           "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML", "replica_seconds_ML",
-           "step_seconds", "transfer_seconds", "window_seconds"]
+           "flat_rows", "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML",
+           "replica_seconds_ML", "rows_seconds", "step_seconds", "transfer_seconds", "window_seconds"]
 
 
 def collective_latency_s(topo: Topology, config) -> float:
@@ -133,23 +133,10 @@ def _hierarchical_counts(split_BLSGJ: torch.Tensor, slot_expert_BLGJ: torch.Tens
 
 def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
     """int64 ``[B, L, S, G, J]``: :func:`token_split` of micro-batches ``m0 .. m1 - 1``, each
-    as alone (the rule is per (micro-batch, layer)); one with every expert on its owner only
-    (no replica slot used) sends each source's count to its one slot."""
-    topo = plan.topology
-    se_BLGJ = plan.slot_expert_MLGJ[m0:m1]
-    B, L, G, J = se_BLGJ.shape
-    S = loads_MLSE.shape[2]
-    loads_BLSE = loads_MLSE[m0:m1].to(torch.int64)
-    native_B = (se_BLGJ[..., topo.experts_per_gpu:] < 0).flatten(1).all(1)
-    if not bool(native_B.any()):
-        return general_split(StepPlan(topo, plan.placement_LE, se_BLGJ, plan.slot_tokens_MLGJ[m0:m1]), loads_BLSE)
-    idx = se_BLGJ.clamp(min=0).view(B, L, 1, G * J).expand(B, L, S, G * J)
-    out = (loads_BLSE.gather(3, idx) * (se_BLGJ >= 0).view(B, L, 1, G * J)).view(B, L, S, G, J)
-    if not bool(native_B.all()):
-        rest = (~native_B).nonzero().squeeze(1)
-        sub = StepPlan(topo, plan.placement_LE, se_BLGJ[rest], plan.slot_tokens_MLGJ[m0:m1][rest])
-        out[rest] = general_split(sub, loads_BLSE[rest])
-    return out
+    as alone (the rule is per (micro-batch, layer), with its shortcut for rows without a
+    replica)."""
+    return token_split(StepPlan(plan.topology, plan.placement_LE, plan.slot_expert_MLGJ[m0:m1],
+                                plan.slot_tokens_MLGJ[m0:m1]), loads_MLSE[m0:m1])
 
 
 # bound on one chunk's int64 [B, L, S, G, J] split (a few more of that size live): small, so
@@ -172,10 +159,7 @@ def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torc
     exactly as alone (``tests/test_price_batched.py``)."""
     topo = plan.topology
     M, L, S, _ = loads_MLSE.shape
-    G, g, J = topo.num_gpus, topo.gpus_per_node, topo.slots_per_gpu
-    node_G = torch.arange(G) // g
-    same_node = node_G.view(G, 1) == node_G.view(1, G)
-    same_gpu = torch.eye(G, dtype=torch.bool)
+    G, J = topo.num_gpus, topo.slots_per_gpu
     hier = config.dispatch == "hierarchical" and config.top_k > 0
     out = torch.empty(M, L, dtype=torch.float64)
     cross_out = torch.empty(M, L, dtype=torch.float64)
@@ -188,14 +172,31 @@ def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torc
             cs, cr, is_, ir = _hierarchical_counts(split_BLSGJ, plan.slot_expert_MLGJ[m0:m1], tokens_BS,
                                                    config.top_k, topo)
         else:
-            split_RSG = split_BLSGJ.sum(-1).flatten(0, 1)
-            cross, intra = split_RSG * ~same_node, split_RSG * (same_node & ~same_gpu)
-            cs, cr, is_, ir = cross.sum(2), cross.sum(1), intra.sum(2), intra.sum(1)
-        cross_G = torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
-        out[m0:m1] = (cross_G + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token
-                      ).max(-1).values.view(m1 - m0, L)
-        cross_out[m0:m1] = cross_G.max(-1).values.view(m1 - m0, L)
+            cs, cr, is_, ir = flat_rows(split_BLSGJ.sum(-1).flatten(0, 1), topo)
+        a2a, cross = rows_seconds(cs, cr, is_, ir, config)
+        out[m0:m1], cross_out[m0:m1] = a2a.view(m1 - m0, L), cross.view(m1 - m0, L)
     return out, cross_out
+
+
+def flat_rows(split_XSG: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, ...]:
+    """Per-GPU ``(cross send, cross receive, intra send, intra receive)`` ``[X, G]`` of flat
+    dispatch from the pairs each source sends to each GPU, ``split_XSG`` (any leading ``X``):
+    a source's own GPU costs nothing, its node's other GPUs NVLink, the rest the inter-node link."""
+    G, g = topo.num_gpus, topo.gpus_per_node
+    node_G = torch.arange(G) // g
+    same_node = node_G.view(G, 1) == node_G.view(1, G)
+    cross, intra = split_XSG * ~same_node, split_XSG * (same_node & ~torch.eye(G, dtype=torch.bool))
+    return cross.sum(-1), cross.sum(-2), intra.sum(-1), intra.sum(-2)
+
+
+def rows_seconds(cs: torch.Tensor, cr: torch.Tensor, is_: torch.Tensor, ir: torch.Tensor,
+                 config) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(all-to-all, its inter-node part)`` ``[X]`` from per-GPU rows ``[X, G]``
+    (:func:`flat_rows` or the hierarchical ones): per GPU ``max(send, receive)`` per link at its
+    price, the slowest GPU's time."""
+    cross_XG = torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
+    return ((cross_XG + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token).max(-1).values,
+            cross_XG.max(-1).values)
 
 
 def a2a_seconds_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> torch.Tensor:

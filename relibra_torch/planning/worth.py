@@ -49,7 +49,7 @@ import torch
 
 from .fastpath import keep_plan
 from .plan import StepPlan
-from .price import exchange_latency_s
+from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
 __all__ = ["gain_bound_L", "guarded_plan", "worth_planning_L"]
@@ -77,13 +77,10 @@ def _a2a_rows(flow_MLSG: torch.Tensor, topology: Topology, hierarchical: bool) -
     * intra receive of ``q``: at most every pair sent to it by another GPU."""
     M, L, S, G = flow_MLSG.shape
     N, g = topology.num_nodes, topology.gpus_per_node
-    node_G = torch.arange(G) // g
-    cross_SG = node_G.view(G, 1) != node_G.view(1, G)
-    same_SG = ~cross_SG & ~torch.eye(G, dtype=torch.bool)
-    cross, intra = flow_MLSG * cross_SG, flow_MLSG * same_SG
-    cs, is_ = cross.sum(3), intra.sum(3)
+    cs, cr, is_, ir = flat_rows(flow_MLSG, topology)
     if not hierarchical:
-        return cs, cross.sum(2), is_, intra.sum(2)
+        return cs, cr, is_, ir
+    node_G = torch.arange(G) // g
     node_MLSN = flow_MLSG.view(M, L, S, N, g).sum(-1)                     # pairs to each node
     land_SN = torch.arange(N).view(1, N) * g + (torch.arange(S) % g).view(S, 1)
     at_land = flow_MLSG.gather(3, land_SN.view(1, 1, S, N).expand(M, L, S, N))
@@ -116,8 +113,7 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     # price.a2a_parts_ML's rule; on one node the flat rows bound the hierarchical ones too
     hier = config.dispatch == "hierarchical" and config.top_k > 0
     cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, hier and topology.num_nodes > 1)
-    a2a_ML = (torch.maximum(cs, cr).to(torch.float64) * config.cross_node_s_per_token
-              + torch.maximum(is_, ir).to(torch.float64) * config.intra_node_s_per_token).amax(-1)
+    a2a_ML = rows_seconds(cs, cr, is_, ir, config)[0]
     gain_L = (compute_ML - floor_ML + a2a_ML).sum(0)
     forward_L = (compute_ML / 3 + (0.0 if hier else 0.5) * a2a_ML
                  + 0.5 * exchange_latency_s(topology, config)).sum(0)
@@ -144,7 +140,6 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
     share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
     return gain_L + forward_L * (total / share) >= floor
-
 
 
 def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
