@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from relibra_torch.planning import (EPLBNodeDemandPlanner, EPLBPlanner, StepPlan, Topology, eplb_plan,
-                                    eplb_replica_table, make_planner, validate_plan)
+                                    eplb_node_demand_plan, eplb_replica_table, make_planner, validate_plan)
 from relibra_torch.planning.base import join_layer_shares, layer_share
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,6 +51,11 @@ class WholeStepEPLB(EPLBPlanner):
 
 
 class WholeStepNodeDemand(EPLBNodeDemandPlanner):
+    def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:  # every layer in one call, no slicing
+        return eplb_node_demand_plan(loads_MLSE, self.topology, self.previous_placement(loads_MLSE.shape[1]),
+                                     self.num_groups, self.cross_node_s_per_token,
+                                     self.cross_replica_fill_s_per_expert, self.name)
+
     def plan_layers(self, loads_MLSE, layers):
         raise AssertionError("the reference plans whole steps only")
 

@@ -188,9 +188,7 @@ class EPLBNodeDemandPlanner(Planner):
             "cross_replica_fill_s_per_expert", cross_replica_fill_s_per_expert, 0.0)
 
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
-        return eplb_node_demand_plan(loads_MLSE, self.topology, self.previous_placement(loads_MLSE.shape[1]),
-                                     self.num_groups, self.cross_node_s_per_token,
-                                     self.cross_replica_fill_s_per_expert, self.name)
+        return self.plan_layers(loads_MLSE, list(range(loads_MLSE.shape[1])))
 
     def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int]) -> StepPlan:
         check_loads(loads_MLSE, self.topology)
