@@ -10,10 +10,7 @@ _BIG = torch.iinfo(torch.int64).max
 
 def copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, free: int,
             min_tokens: int, home_K: torch.Tensor | None = None, cap: int = 0) -> torch.Tensor:
-    """int64 ``[B, g, free]`` item (``0..K-1``, ``-1`` none) copied into each free slot.
-    ``w_BK``: each item's step tokens; ``own_BgK``: the GPUs that hold its expert already;
-    ``fixed_Bg``: step tokens of what no copy can share; ``cap > 0``: at most ``cap`` copies
-    fill from one GPU (``home_K``: each item's GPU in the node, the one its copies fill from)."""
+    """``step_set._copies`` as it ran in torch."""
     B, g, K = own_BgK.shape
     rows = torch.arange(B)
     own_BgK = own_BgK.clone()
@@ -47,9 +44,7 @@ def copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, fr
 
 def rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Tensor, items: int,
                rounds: int) -> torch.Tensor:
-    """Quotas ``tok_BgJ`` with tokens moved between instances of one item (same index
-    ``0..items-1`` in ``item_BgJ``; ``-1``: a slot whose tokens stay) from the busiest GPU
-    toward the least loaded (module docstring); a slot keeps at least ``keep_BgJ`` tokens."""
+    """``step_set._rebalance`` as it ran in torch."""
     B, g, J = item_BgJ.shape
     rows = torch.arange(B)
     tok = tok_BgJ.clone()
@@ -84,12 +79,7 @@ def rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Ten
 
 def rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, rep_quota, need_K, El: int, R: int,
             min_tokens: int, min_cross_tokens: int) -> torch.Tensor:
-    """:func:`replicate`'s greedy rounds on ``B`` independent (micro-batch, layer, node) rows,
-    in place (module docstring): ``load [B, g]``, ``target [B]``, ``used [B, g]``, what each
-    GPU can give ``giveable / give_remote / give_expert [B, g, K]`` (its natives, then its
-    prefilled replicas), ``rep_expert / rep_quota [B, g, max(R, 1)]``, ``need_K``. Rows do not
-    interact, so any subset of rows plans as in the whole batch. Returns ``sent [B, g]``:
-    copies each GPU fills."""
+    """``balance._rounds`` as it ran in torch."""
     B, g = load.shape
     rows = torch.arange(B)
     sent = torch.zeros(B, g, dtype=torch.int64)
@@ -139,28 +129,7 @@ def rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, r
 
 def even_receive(remote_MLX: torch.Tensor, quota_MLX: torch.Tensor, e_MLX: torch.Tensor,
                   valid_MLX: torch.Tensor, topo: Topology) -> torch.Tensor:
-    """Move cross-node tokens between instances of one expert inside a node so that the
-    node's busiest-receiving GPU receives less.
-
-    Proportional deficit shares give every instance of an expert the same remote fraction,
-    so a GPU whose experts the other nodes want receives more than its node-mates at equal
-    load. Per round and (m, l, node): take the GPU with the most cross-node receive, and among
-    the pairs (its instance ``x`` of expert ``e``, an instance ``y`` of ``e`` on another GPU of
-    the node) move the largest ``t = min(remote_x, local_y, gap // 2)`` remote tokens from ``x``
-    to ``y`` and as many local ones back (``gap``: the two GPUs' receive difference). Quotas,
-    each (node, expert)'s remote total and the fewest-crossings property are unchanged; the
-    node's maximum never rises and the sum of squared receives falls with every move, so it
-    stops; ``g * J`` rounds bound the work (a few suffice in practice). Integer arithmetic
-    and first-index ties: identical on every rank.
-
-    Args:
-        remote_MLX: int64 ``[M, L, X]`` cross-node tokens each slot receives (X = G * J).
-        quota_MLX: int64 ``[M, L, X]`` slot quotas (0 for empty slots).
-        e_MLX, valid_MLX: the slot's expert (clamped to >= 0) and whether it holds one.
-
-    Returns:
-        int64 ``[M, L, X]``: the new cross-node tokens per slot.
-    """
+    """``plan._even_receive`` as it ran in torch."""
     M, L, X = remote_MLX.shape
     G, J, g, N, E = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node, topo.num_nodes, topo.num_experts
     if g < 2 or N < 2 or M * L == 0:
@@ -204,10 +173,7 @@ def even_receive(remote_MLX: torch.Tensor, quota_MLX: torch.Tensor, e_MLX: torch
 
 def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
                 first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The plan with each GPU's slots ``first..J-1`` permuted per micro-batch so that a copy
-    the GPU also held in the previous micro-batch sits in the same slot: its residency then
-    continues (one fill for the run, ``planning.residency``) instead of ending. Loads and
-    token counts per (GPU, expert) are unchanged. Returns new ``[M, L, G, J]`` tensors."""
+    """``balance.align_slots`` as it ran in torch."""
     se, st = slot_expert_MLGJ.clone(), slot_tokens_MLGJ.clone()
     for m in range(1, se.shape[0] if first < se.shape[-1] else 0):
         prev, cur, tok = se[m - 1, ..., first:], se[m, ..., first:], st[m, ..., first:]
