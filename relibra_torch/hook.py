@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import all_gather_single
-from .moe.schedule import layer_plans
+from .moe.schedule_batch import rank_schedules
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.base import layer_share
 from .planning.evaluate import imbalance
@@ -69,6 +69,9 @@ class StepReport:
             placement without replicas: correct, slower). Filled while the step runs.
         collectives: collectives ``plan_step`` issued on this rank (count gathers, pair
             all-reduce, plan agreement, failure flag, migration): ``step_collectives``.
+        schedules_s: wall time ``plan_step`` spent building every micro-batch's layer
+            schedules of this rank after planning (``moe.schedule_batch.rank_schedules``), so that
+            ``install`` only copies them to the device.
     """
 
     planner_s: float = 0.0
@@ -78,6 +81,7 @@ class StepReport:
     static_imbalance_ML: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 0))
     degraded_micro_batches: set[int] = field(default_factory=set)
     collectives: int = 0
+    schedules_s: float = 0.0
 
 
 def count_loads(routed_experts: Sequence[torch.Tensor], num_layers: int, num_experts: int) -> torch.Tensor:
@@ -152,6 +156,7 @@ class ReplayBalancer:
         self.planner.placement_LE = torch.stack([layer.placement_cpu for layer in self.layers])
         self.plan: StepPlan | None = None
         self.loads_MLSE: torch.Tensor | None = None
+        self._schedules: list = []  # [M][L] (layer plan, this rank's schedule) of the step
         self.report = StepReport()
         self._collectives = 0
 
@@ -340,14 +345,21 @@ class ReplayBalancer:
         for layer in self.layers:
             layer.engine.degraded_micro_batches = self.report.degraded_micro_batches
         self.plan, self.loads_MLSE = plan, loads_MLSE
+        # the install work of every micro-batch, here rather than before each forward
+        t0 = time.perf_counter()
+        self._schedules = rank_schedules(plan, loads_MLSE, self.ep.rank)
+        self.report.schedules_s = time.perf_counter() - t0
         return plan
 
     def install(self, micro_batch: int) -> None:
         """Install micro-batch ``micro_batch``'s plan in every layer (call before its forward)."""
         if self.plan is None or self.loads_MLSE is None:
             raise RuntimeError("install() before plan_step(): plan the step first")
-        for layer, layer_plan in zip(self.layers, layer_plans(self.plan, self.loads_MLSE, micro_batch)):
-            layer.set_plan(layer_plan)
+        M = self.plan.num_micro_batches
+        if not 0 <= micro_batch < M:
+            raise ValueError(f"micro_batch={micro_batch} is outside the plan's [0, {M})")
+        for layer, (layer_plan, schedule) in zip(self.layers, self._schedules[micro_batch]):
+            layer.set_plan(layer_plan, schedule)
 
     def transfer_counts(self) -> dict[str, torch.Tensor]:
         """What this GPU sent in the current step, so far: int64 ``[M, L]`` per key of

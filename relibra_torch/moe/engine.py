@@ -159,18 +159,23 @@ class ExpertEngine:
 
     # ------------------------------------------------------------------ plans
 
-    def set_plan(self, plan: LayerPlan | None, device: torch.device) -> None:
+    def set_plan(self, plan: LayerPlan | None, device: torch.device, schedule: RankSchedule | None = None) -> None:
         """Install ``plan`` for the next forwards (``None``: native placement, no replicas).
 
         The plan stays installed until replaced (activation recomputation in backward reuses
-        it). Raises ``ValueError`` for a plan of another topology or placement.
+        it). Raises ``ValueError`` for a plan of another topology or placement. ``schedule``:
+        this rank's host schedule of ``plan`` built ahead (``schedule_batch.rank_schedules``: a
+        validated plan and its schedule), so only its copy to ``device`` is left; ignored
+        unless the plan is for the placement in force.
         """
         if plan is None:
             self.residents.begin(None, "set_plan(None)")
             self.plan, self._schedule = None, None
             return
-        plan = check_layer_plan(plan, self.topology, self.placement_cpu)
-        schedule = build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank).to(device)
+        if schedule is None or plan.placement_E is None or not torch.equal(plan.placement_E, self.placement_cpu):
+            plan = check_layer_plan(plan, self.topology, self.placement_cpu)
+            schedule = build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank)
+        schedule = schedule.to(device)
         self.residents.begin(schedule, f"installing micro-batch {plan.micro_batch}'s plan")
         self._schedule = schedule
         self.plan = plan

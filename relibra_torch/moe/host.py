@@ -23,7 +23,7 @@ from torch import nn
 from ..distributed.replicas import ReplicaMemory
 from . import checkpoint
 from .engine import EXPERT_PARAMS, ExpertEngine, local_tensor
-from .schedule import LayerPlan
+from .schedule import LayerPlan, RankSchedule
 
 __all__ = ["EngineHost", "load_expert_safetensors", "moe_layers", "save_expert_safetensors",
            "share_replica_memory"]
@@ -95,13 +95,14 @@ class EngineHost:
         return {n: local_tensor(p) for n, p in self.expert_params().items()}
 
     # -- plans and placement --
-    def set_plan(self, plan: LayerPlan | None) -> None:
+    def set_plan(self, plan: LayerPlan | None, schedule: RankSchedule | None = None) -> None:
         """Install the plan for the next forwards (``None``: native placement, no replicas).
 
         The plan stays installed until replaced (activation recomputation in backward reuses
-        it). Raises ``ValueError`` for a plan of another topology or placement.
+        it). Raises ``ValueError`` for a plan of another topology or placement. ``schedule``:
+        this rank's schedule of the validated plan, built ahead (``ExpertEngine.set_plan``).
         """
-        self.engine.set_plan(plan, self.placement_E.device)
+        self.engine.set_plan(plan, self.placement_E.device, schedule)
 
     def apply_placement(self, new_placement_E: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> int:
         """Move expert weights (and gradients, and optimizer state) to ``new_placement_E``.

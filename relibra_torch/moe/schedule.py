@@ -28,7 +28,7 @@ import torch
 
 from ..planning.pair_slots import assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
-from ..planning.residency import residencies, residency_micro_batches
+from ..planning.residency import Residencies, residencies, residency_micro_batches
 from ..planning.topology import Topology
 
 __all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
@@ -72,7 +72,8 @@ class LayerPlan:
     hub_GJ: torch.Tensor | None = None
 
 
-def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> list[LayerPlan]:
+def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int,
+                res: Residencies | None = None) -> list[LayerPlan]:
     """Per-layer :class:`LayerPlan` objects of micro-batch ``micro_batch`` of ``plan``.
 
     Computes :func:`~relibra_torch.planning.token_split` once for all layers.
@@ -81,6 +82,8 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
         plan: the step plan (``M`` micro-batches, ``L`` layers).
         loads_MLSE: int ``[M, L, S, E]`` the counts the plan was made from.
         micro_batch: ``m`` in ``[0, M)``.
+        res: ``residencies(plan)`` when already computed (it spans the whole step, so the
+            caller computes it once for all ``M`` micro-batches).
 
     Returns:
         ``L`` layer plans, in layer order.
@@ -92,7 +95,7 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int) -> l
         raise ValueError(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}, expected [{M}, L, S, E]")
     split_LSGJ = token_split(plan.micro_batch(micro_batch),
                              loads_MLSE[micro_batch : micro_batch + 1])[0]
-    res = residencies(plan)
+    res = residencies(plan) if res is None else res
     fill_mb_LGJ, return_mb_LGJ = residency_micro_batches(plan, micro_batch, res)
     hub_LGJ = res.hubs()[micro_batch]
     return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),

@@ -41,7 +41,7 @@ import torch
 from ..checks import check_int
 from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share
 from ..planning.evaluate import evaluate
-from ..planning.plan import StepPlan, hash_counts, plan_digest, token_split, validate_plan
+from ..planning.plan import StepPlan, hash_counts, plan_digest, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
@@ -416,18 +416,18 @@ def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tens
                       host_splits: bool) -> None:
     """Add the host work that does not fit the overlap window to the step (see the module
     docstring); record host CPU, window and charge in ``host``. ``host_splits``: the system's
-    layer derives every exchange size on the host (``token_split`` per micro-batch, relibra's
-    layer); the baselines' engines pick a replica per token on the GPU, static has none."""
+    layer derives every exchange size on the host: relibra's hook builds every micro-batch's
+    layer plans (``token_split``, residencies) and one rank's schedules after planning
+    (``moe.schedule_batch.rank_schedules``, timed here on rank 0's); the baselines' engines pick a
+    replica per token on the GPU, static has none."""
     window = forward_window_s if options.planning_overlap_s is None else options.planning_overlap_s
     if run_time:  # planned on the critical path, per layer: the cost model charged its latency
         work = 0.0
     elif not host_splits:
         work = planner_s
-    else:
-        def splits():
-            for m in range(loads_MLSE.shape[0]):  # the layer splits once per micro-batch
-                token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])
-        work = planner_s + one_thread_cpu(splits)[1]
+    else:  # what ReplayBalancer.plan_step does after planning: every micro-batch's schedules
+        from ..moe.schedule_batch import rank_schedules  # the layer's host code (imports it on first use)
+        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0))[1]
     charged = max(0.0, work - window)
     c.step_s += charged
     host["host_s"].append(work)

@@ -1,0 +1,111 @@
+"""Every micro-batch's layer plans and one rank's schedules of a step, built at once.
+
+:meth:`relibra_torch.hook.ReplayBalancer.plan_step` calls :func:`rank_schedules` right after
+planning, inside the window the planner hides in, so ``install(m)`` only copies a
+micro-batch's schedules to the device; the simulator charges the same call as host work.
+Built one (micro-batch, layer) at a time (``check_layer_plan`` then ``build_rank_schedule``)
+this took about 0.3 ms per pair on small shapes, most of the host work of a step at 16-64
+tokens per GPU; here every tensor step runs once over all ``B = M * L`` pairs, and only the
+final per-pair objects are made one by one. The result equals the one-pair path field for
+field (``tests/test_schedule_batch.py``). The plan is validated once for the whole step
+(``planning.plan.validate_plan`` with the loads: the same invariants ``check_layer_plan``
+checks per pair, quotas summing to the loads included).
+
+Legend: M micro-batches, L layers, B = M * L pairs, G GPUs (S source ranks = G), J slots
+per GPU, X = G * J, E experts, El native experts per GPU, F fills of the rank in all pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..planning.plan import StepPlan, token_split, validate_plan
+from ..planning.residency import residencies, residency_micro_batches
+from .schedule import LayerPlan, RankSchedule
+
+__all__ = ["rank_schedules"]
+
+
+def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int) -> list[list[tuple[LayerPlan, RankSchedule]]]:
+    """``[M][L]`` ``(layer plan, rank rank's schedule)`` of every micro-batch and layer of
+    ``plan`` (``loads_MLSE``: int ``[M, L, S, E]``, the counts it was made from): what
+    ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair."""
+    validate_plan(plan, loads_MLSE)
+    topo = plan.topology
+    M, L, G, J = plan.slot_expert_MLGJ.shape
+    E, El, X, B = topo.num_experts, topo.experts_per_gpu, G * J, M * L
+    se_BGJ = plan.slot_expert_MLGJ.reshape(B, G, J)
+    # per micro-batch, as the pair path: the split's greedy rounds run to the slowest row
+    sp_BSGJ = torch.cat([token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0] for m in range(M)]).view(B, G, G, J)
+    res = residencies(plan)
+    mb_MLGJ = [torch.stack(t) for t in zip(*(residency_micro_batches(plan, m, res) for m in range(M)))]
+    fill_mb_BGJ, return_mb_BGJ = (t.reshape(B, G, J) for t in mb_MLGJ)
+    hub_BGJ = res.hubs().reshape(B, G, J)
+    placement_BE = plan.placement_LE.repeat(M, 1)
+    owner_BE, local_BE = placement_BE // El, placement_BE % El
+
+    # send side: slots by (expert, slot), empty first (planning.pair_slots.slot_quota_runs per row)
+    se_BX = se_BGJ.reshape(B, X)
+    send_BX = sp_BSGJ[:, rank].reshape(B, X)
+    valid_BX = se_BX >= 0
+    order_BX = torch.where(valid_BX, se_BX * X + torch.arange(X), -1).argsort(dim=1, stable=True)
+    cum_end_BX = (send_BX * valid_BX).gather(1, order_BX).cumsum(1)
+    expected_BE = torch.zeros(B, E, dtype=torch.int64).scatter_add_(1, se_BX.clamp(min=0), send_BX * valid_BX)
+
+    # fills: slots holding an expert owned elsewhere that process tokens
+    owner_BGJ = torch.where(se_BGJ >= 0, owner_BE.gather(1, se_BX.clamp(min=0)).view(B, G, J), -1)
+    fill_BGJ = (se_BGJ >= 0) & (owner_BGJ != torch.arange(G).view(1, G, 1)) & (sp_BSGJ.sum(1) > 0)
+    served = (fill_BGJ & (owner_BGJ == rank)).nonzero()                  # (pair, dest gpu, slot), row-major
+    send_idx = local_BE[served[:, 0], se_BGJ[served[:, 0], served[:, 1], served[:, 2]]]
+    fill_send_BG = torch.zeros(B, G, dtype=torch.int64).index_put_(
+        (served[:, 0], served[:, 1]), torch.ones(len(served), dtype=torch.int64), accumulate=True)
+    mine = fill_BGJ[:, rank].nonzero()                                    # (pair, slot)
+    mine_owner = owner_BGJ[mine[:, 0], rank, mine[:, 1]]
+    mine = mine[(mine[:, 0] * X + mine_owner * J + mine[:, 1]).argsort()]  # by pair, then (owner, slot)
+    mine_owner = owner_BGJ[mine[:, 0], rank, mine[:, 1]]
+    fill_recv_BG = torch.zeros(B, G, dtype=torch.int64).index_put_(
+        (mine[:, 0], mine_owner), torch.ones(len(mine), dtype=torch.int64), accumulate=True)
+    fills_B = torch.bincount(mine[:, 0], minlength=B)
+    nth_F = torch.arange(len(mine)) - (fills_B.cumsum(0) - fills_B)[mine[:, 0]]   # index among the pair's fills
+
+    # receive side: the local group of every slot of this GPU (natives, then fills in receive order)
+    se_BJ = se_BGJ[:, rank]
+    own_BJ = (se_BJ >= 0) & (owner_BE.gather(1, se_BJ.clamp(min=0)) == rank)
+    group_BJ = torch.where(own_BJ, local_BE.gather(1, se_BJ.clamp(min=0)), 0)
+    group_BJ[mine[:, 0], mine[:, 1]] = El + nth_F
+    recv_BSJ = sp_BSGJ[:, :, rank]
+    tokens_BJ = recv_BSJ.sum(1)
+    own_counts_BE = torch.zeros(B, El + 1, dtype=torch.int64).scatter_(
+        1, torch.where(own_BJ, group_BJ, El), torch.where(own_BJ, tokens_BJ, 0))[:, :El]
+    fill_tokens_F = tokens_BJ[mine[:, 0], mine[:, 1]]
+    fill_experts_F = se_BJ[mine[:, 0], mine[:, 1]]
+
+    per = fills_B.tolist()
+    served_B = torch.bincount(served[:, 0], minlength=B).tolist()
+    lists = [x.tolist() for x in (sp_BSGJ[:, rank].sum(-1), recv_BSJ.sum(-1), own_counts_BE, fill_send_BG,
+                                  fill_recv_BG)]
+    slots_B, tokens_B, experts_B = (torch.split(t, per) for t in (mine[:, 1], fill_tokens_F, fill_experts_F))
+    send_idx_B = torch.split(send_idx, served_B)
+    any_fill_B = fill_BGJ.flatten(1).any(1).tolist()
+    own_offsets_BE = own_counts_BE.cumsum(1).to(torch.int32)
+    chunk_group_BX = group_BJ.unsqueeze(1).expand(B, G, J).reshape(B, X)
+    chunk_count_BX = recv_BSJ.reshape(B, X)
+    out: list[list[tuple[LayerPlan, RankSchedule]]] = []
+    for m in range(M):
+        row = []
+        for l in range(L):
+            b = m * L + l
+            lp = LayerPlan(se_BGJ[b], sp_BSGJ[b], plan.placement_LE[l], topo, m, fill_mb_BGJ[b], return_mb_BGJ[b],
+                           hub_BGJ[b])
+            row.append((lp, RankSchedule(
+                rank=rank, send_sizes=lists[0][b], recv_sizes=lists[1][b], expected_counts_E=expected_BE[b],
+                slot_order_X=order_BX[b], slot_cum_end_X=cum_end_BX[b], chunk_group_C=chunk_group_BX[b],
+                chunk_count_C=chunk_count_BX[b], own_counts=lists[2][b], fill_counts=tokens_B[b].tolist(),
+                slot_tokens_J=tokens_BJ[b], any_fill=any_fill_B[b], fill_send_idx=send_idx_B[b],
+                fill_send_sizes=lists[3][b], fill_recv_sizes=lists[4][b], fill_slots=slots_B[b].tolist(),
+                fill_experts=experts_B[b].tolist(), own_offsets=own_offsets_BE[b],
+                fill_offsets=tokens_B[b].cumsum(0).to(torch.int32), slot_expert_GJ=se_BGJ[b],
+                owner_GJ=owner_BGJ[b], active_GJ=fill_BGJ[b], fill_mb_GJ=fill_mb_BGJ[b],
+                return_mb_GJ=return_mb_BGJ[b], local_E=local_BE[b], micro_batch=m, hub_GJ=hub_BGJ[b])))
+        out.append(row)
+    return out

@@ -1,0 +1,105 @@
+"""The step's schedules built at once (``moe.schedule_batch.rank_schedules``) equal the
+one-pair path the layer used to run before every forward (``layer_plans``, then
+``check_layer_plan`` and ``build_rank_schedule``), field for field, on plans with copies,
+two-hop hubs and residencies over several micro-batches. Budget: ~10 s."""
+
+import dataclasses
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from relibra_torch.moe.schedule import LayerPlan, RankSchedule, build_rank_schedule, check_layer_plan, layer_plans
+from relibra_torch.moe.schedule_batch import rank_schedules
+from relibra_torch.planning import Topology, make_planner, static_plan
+
+TOPOLOGIES = [(1, 2, 4, 1), (1, 4, 8, 2), (2, 2, 8, 2), (2, 2, 4, 1), (2, 4, 8, 3), (3, 2, 12, 2), (1, 1, 3, 0)]
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and torch.equal(a, b))
+    if isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _fields_differ(a, b) -> list[str]:
+    return [f.name for f in dataclasses.fields(a) if not _equal(getattr(a, f.name), getattr(b, f.name))]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(shape=st.sampled_from(TOPOLOGIES), M=st.integers(1, 4), L=st.integers(1, 3), seed=st.integers(0, 10_000),
+       kind=st.sampled_from(["relibra", "eplb-oracle", "static"]), hot=st.integers(0, 60))
+def test_batched_schedules_equal_the_one_pair_path(shape, M, L, seed, kind, hot):
+    N, g, E, R = shape
+    topo = Topology(N, g, E, R)
+    gen = torch.Generator().manual_seed(seed)
+    loads = torch.randint(0, 12, (M, L, topo.num_gpus, E), generator=gen)
+    loads[..., int(torch.randint(0, E, (1,), generator=gen))] += hot   # a hot expert: copies pay
+    # some experts idle in some micro-batches: step-long copies then hold slots without tokens
+    loads *= torch.rand(M, 1, 1, E, generator=gen) > 0.3
+    plan = static_plan(loads, topo) if kind == "static" else make_planner(kind, topo).plan(loads)
+    for rank in range(topo.num_gpus):
+        got = rank_schedules(plan, loads, rank)
+        assert len(got) == M and all(len(row) == L for row in got)
+        for m in range(M):
+            for l, ref_lp in enumerate(layer_plans(plan, loads, m)):
+                lp, sched = got[m][l]
+                assert isinstance(lp, LayerPlan) and isinstance(sched, RankSchedule)
+                ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
+                ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank)
+                assert not _fields_differ(lp, ref_lp), (m, l, rank, _fields_differ(lp, ref_lp))
+                assert not _fields_differ(sched, ref), (m, l, rank, _fields_differ(sched, ref))
+
+
+def test_the_batch_covers_fills_and_hubs():
+    """The property above sees plans with fills, second-hop hubs and multi-micro-batch
+    residencies (else it would compare empty lists)."""
+    topo = Topology(2, 2, 8, 2)
+    loads = torch.full((3, 2, 4, 8), 2)
+    loads[..., 0] += 80
+    plan = make_planner("relibra", topo).plan(loads)
+    scheds = [rank_schedules(plan, loads, r) for r in range(topo.num_gpus)]
+    flat = [s for rs in scheds for row in rs for _, s in row]
+    assert any(s.fill_slots for s in flat)
+    assert any(int((s.hub_GJ >= 0).sum()) for s in flat)
+    assert any(int((s.fill_mb_GJ >= 0).sum()) and int((s.fill_mb_GJ != s.return_mb_GJ).sum()) for s in flat)
+
+
+def test_install_uses_the_schedules_built_by_plan_step(monkeypatch):
+    """``plan_step`` builds every micro-batch's schedules; ``install`` then only copies them
+    (the one-pair builder is never called), and its plans are ``layer_plans``'; a schedule
+    built for another placement is not used (the plan is checked again and refused)."""
+    import _moe_fns as fns
+    import pytest
+
+    import relibra_torch.moe.engine as engine_mod
+    from relibra_torch.hook import ReplayBalancer
+
+    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
+    m = fns.build(case, None)
+    m.load_state_dict(fns.logical_state(case))
+    gen = torch.Generator().manual_seed(0)
+    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
+    balancer = ReplayBalancer(m, planner="relibra")
+    plan = balancer.plan_step(ids)
+    assert balancer.report.schedules_s > 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("install rebuilt a schedule")
+
+    monkeypatch.setattr(engine_mod, "build_rank_schedule", refuse)
+    for mb in range(3):
+        balancer.install(mb)
+        ref = layer_plans(plan, balancer.loads_MLSE, mb)[0]
+        assert not _fields_differ(m.plan, check_layer_plan(ref, m.topology, plan.placement_LE[0]))
+        m(torch.randn(5, fns.DIM, generator=gen), ids[mb][:, 0])
+    with pytest.raises(ValueError, match="outside the plan"):
+        balancer.install(3)
+    monkeypatch.undo()
+    lp, schedule = balancer._schedules[0][0]
+    m.apply_placement(torch.arange(6).flip(0))
+    with pytest.raises(ValueError, match="apply_placement"):
+        m.set_plan(lp, schedule)
