@@ -35,14 +35,22 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int) -> list[
     M, L, G, J = plan.slot_expert_MLGJ.shape
     E, El, X, B = topo.num_experts, topo.experts_per_gpu, G * J, M * L
     se_BGJ = plan.slot_expert_MLGJ.reshape(B, G, J)
-    # per micro-batch, as the pair path: the split's greedy rounds run to the slowest row
-    sp_BSGJ = torch.cat([token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0] for m in range(M)]).view(B, G, G, J)
-    res = residencies(plan)
-    mb_MLGJ = [torch.stack(t) for t in zip(*(residency_micro_batches(plan, m, res) for m in range(M)))]
-    fill_mb_BGJ, return_mb_BGJ = (t.reshape(B, G, J) for t in mb_MLGJ)
-    hub_BGJ = res.hubs().reshape(B, G, J)
     placement_BE = plan.placement_LE.repeat(M, 1)
     owner_BE, local_BE = placement_BE // El, placement_BE % El
+    owner_BGJ = torch.where(se_BGJ >= 0, owner_BE.gather(1, se_BGJ.reshape(B, X).clamp(min=0)).view(B, G, J), -1)
+    foreign_BGJ = (se_BGJ >= 0) & (owner_BGJ != torch.arange(G).view(1, G, 1))
+    copies = bool(foreign_BGJ.any())
+    # token_split's rows are independent: with copies per micro-batch (its greedy rounds run
+    # to the slowest row of a call), without one call (every row takes its shortcut)
+    sp_BSGJ = (torch.cat([token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0] for m in range(M)]) if copies
+               else token_split(plan, loads_MLSE)).view(B, G, G, J)
+    if copies:   # residencies span micro-batches: computed once for the step
+        res = residencies(plan)
+        mb_MLGJ = [torch.stack(t) for t in zip(*(residency_micro_batches(plan, m, res) for m in range(M)))]
+        fill_mb_BGJ, return_mb_BGJ = (t.reshape(B, G, J) for t in mb_MLGJ)
+        hub_BGJ = res.hubs().reshape(B, G, J)
+    else:   # no slot holds another GPU's expert: no residency, no hub
+        fill_mb_BGJ = return_mb_BGJ = hub_BGJ = torch.full_like(se_BGJ, -1)
 
     # send side: slots by (expert, slot), empty first (planning.pair_slots.slot_quota_runs per row)
     se_BX = se_BGJ.reshape(B, X)
@@ -53,8 +61,7 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int) -> list[
     expected_BE = torch.zeros(B, E, dtype=torch.int64).scatter_add_(1, se_BX.clamp(min=0), send_BX * valid_BX)
 
     # fills: slots holding an expert owned elsewhere that process tokens
-    owner_BGJ = torch.where(se_BGJ >= 0, owner_BE.gather(1, se_BX.clamp(min=0)).view(B, G, J), -1)
-    fill_BGJ = (se_BGJ >= 0) & (owner_BGJ != torch.arange(G).view(1, G, 1)) & (sp_BSGJ.sum(1) > 0)
+    fill_BGJ = foreign_BGJ & (sp_BSGJ.sum(1) > 0)
     served = (fill_BGJ & (owner_BGJ == rank)).nonzero()                  # (pair, dest gpu, slot), row-major
     send_idx = local_BE[served[:, 0], se_BGJ[served[:, 0], served[:, 1], served[:, 2]]]
     fill_send_BG = torch.zeros(B, G, dtype=torch.int64).index_put_(
@@ -80,32 +87,39 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int) -> list[
     fill_tokens_F = tokens_BJ[mine[:, 0], mine[:, 1]]
     fill_experts_F = se_BJ[mine[:, 0], mine[:, 1]]
 
+    # per pair: views of the batch (unbind, one call per tensor) and slices of flat lists
     per = fills_B.tolist()
-    served_B = torch.bincount(served[:, 0], minlength=B).tolist()
+    ends = fills_B.cumsum(0)
+    starts = (ends - fills_B).tolist()
+    # each fill's cumulative rows within its pair (fills are sorted by pair)
+    csum_F = torch.cat([fill_tokens_F.new_zeros(1), fill_tokens_F.cumsum(0)])
+    fill_offsets_F = (csum_F[1:] - csum_F[(ends - fills_B)[mine[:, 0]]]).to(torch.int32)
     lists = [x.tolist() for x in (sp_BSGJ[:, rank].sum(-1), recv_BSJ.sum(-1), own_counts_BE, fill_send_BG,
                                   fill_recv_BG)]
-    slots_B, tokens_B, experts_B = (torch.split(t, per) for t in (mine[:, 1], fill_tokens_F, fill_experts_F))
-    send_idx_B = torch.split(send_idx, served_B)
+    slots_F, tokens_F, experts_F = mine[:, 1].tolist(), fill_tokens_F.tolist(), fill_experts_F.tolist()
+    send_idx_B = torch.split(send_idx, torch.bincount(served[:, 0], minlength=B).tolist())
+    fill_offsets_B = torch.split(fill_offsets_F, per)
     any_fill_B = fill_BGJ.flatten(1).any(1).tolist()
-    own_offsets_BE = own_counts_BE.cumsum(1).to(torch.int32)
-    chunk_group_BX = group_BJ.unsqueeze(1).expand(B, G, J).reshape(B, X)
-    chunk_count_BX = recv_BSJ.reshape(B, X)
+    views = [t.unbind(0) for t in (se_BGJ, sp_BSGJ, fill_mb_BGJ, return_mb_BGJ, hub_BGJ, expected_BE, order_BX,
+                                   cum_end_BX, group_BJ.unsqueeze(1).expand(B, G, J).reshape(B, X),
+                                   recv_BSJ.reshape(B, X), tokens_BJ, own_counts_BE.cumsum(1).to(torch.int32),
+                                   owner_BGJ, fill_BGJ, local_BE)]
+    se, sp, fmb, rmb, hub, exp, order, cum, cgroup, ccount, tok, own_off, owner, active, local = views
+    placements = plan.placement_LE.unbind(0)
     out: list[list[tuple[LayerPlan, RankSchedule]]] = []
     for m in range(M):
         row = []
         for l in range(L):
-            b = m * L + l
-            lp = LayerPlan(se_BGJ[b], sp_BSGJ[b], plan.placement_LE[l], topo, m, fill_mb_BGJ[b], return_mb_BGJ[b],
-                           hub_BGJ[b])
+            b, a = m * L + l, starts[m * L + l]
+            z = a + per[b]
+            lp = LayerPlan(se[b], sp[b], placements[l], topo, m, fmb[b], rmb[b], hub[b])
             row.append((lp, RankSchedule(
-                rank=rank, send_sizes=lists[0][b], recv_sizes=lists[1][b], expected_counts_E=expected_BE[b],
-                slot_order_X=order_BX[b], slot_cum_end_X=cum_end_BX[b], chunk_group_C=chunk_group_BX[b],
-                chunk_count_C=chunk_count_BX[b], own_counts=lists[2][b], fill_counts=tokens_B[b].tolist(),
-                slot_tokens_J=tokens_BJ[b], any_fill=any_fill_B[b], fill_send_idx=send_idx_B[b],
-                fill_send_sizes=lists[3][b], fill_recv_sizes=lists[4][b], fill_slots=slots_B[b].tolist(),
-                fill_experts=experts_B[b].tolist(), own_offsets=own_offsets_BE[b],
-                fill_offsets=tokens_B[b].cumsum(0).to(torch.int32), slot_expert_GJ=se_BGJ[b],
-                owner_GJ=owner_BGJ[b], active_GJ=fill_BGJ[b], fill_mb_GJ=fill_mb_BGJ[b],
-                return_mb_GJ=return_mb_BGJ[b], local_E=local_BE[b], micro_batch=m, hub_GJ=hub_BGJ[b])))
+                rank=rank, send_sizes=lists[0][b], recv_sizes=lists[1][b], expected_counts_E=exp[b],
+                slot_order_X=order[b], slot_cum_end_X=cum[b], chunk_group_C=cgroup[b], chunk_count_C=ccount[b],
+                own_counts=lists[2][b], fill_counts=tokens_F[a:z], slot_tokens_J=tok[b], any_fill=any_fill_B[b],
+                fill_send_idx=send_idx_B[b], fill_send_sizes=lists[3][b], fill_recv_sizes=lists[4][b],
+                fill_slots=slots_F[a:z], fill_experts=experts_F[a:z], own_offsets=own_off[b],
+                fill_offsets=fill_offsets_B[b], slot_expert_GJ=se[b], owner_GJ=owner[b], active_GJ=active[b],
+                fill_mb_GJ=fmb[b], return_mb_GJ=rmb[b], local_E=local[b], micro_batch=m, hub_GJ=hub[b])))
         out.append(row)
     return out
