@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import all_gather_single
-from .moe.schedule_batch import rank_schedules
+from .moe.schedule_batch import rank_schedules, step_splits
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.base import layer_share
 from .planning.evaluate import imbalance
@@ -70,8 +70,9 @@ class StepReport:
         collectives: collectives ``plan_step`` issued on this rank (count gathers, pair
             all-reduce, plan agreement, failure flag, migration): ``step_collectives``.
         schedules_s: wall time ``plan_step`` spent building every micro-batch's layer
-            schedules of this rank after planning (``moe.schedule_batch.rank_schedules``), so that
-            ``install`` only copies them to the device.
+            schedules of this rank after planning (``moe.schedule_batch.rank_schedules``, and
+            with split planning this rank's share of the token splits), so that ``install``
+            only copies them to the device.
     """
 
     planner_s: float = 0.0
@@ -239,8 +240,12 @@ class ReplayBalancer:
                           "this step runs on the previous placement without replicas", RuntimeWarning)
             return None, 1
 
-    def _gather_plan(self, part: StepPlan | None, loads_MLSE: torch.Tensor, previous_LE: torch.Tensor) -> StepPlan:
-        """Assemble the step plan from every rank's share (one all-gather of a fixed size)."""
+    def _gather_plan(self, part: StepPlan | None, loads_MLSE: torch.Tensor, previous_LE: torch.Tensor
+                     ) -> tuple[StepPlan, torch.Tensor, float]:
+        """Assemble the step plan and its token splits ``[M, L, S, G, J]`` from every rank's
+        share (one all-gather of a fixed size): a rank splits its own layers' tokens
+        (``step_splits``; rows are independent), so no rank splits the whole step. Also
+        returns this rank's seconds in those splits."""
         M, L, _, E = loads_MLSE.shape
         G, J = self.topology.num_gpus, self.topology.slots_per_gpu
         S = self.ep.size
@@ -248,18 +253,22 @@ class ReplayBalancer:
         place = torch.zeros(P, E, dtype=torch.int64)
         se = torch.full((M, P, G, J), -1, dtype=torch.int64)
         st = torch.zeros(M, P, G, J, dtype=torch.int64)
+        sp = torch.zeros(M, P, G, G, J, dtype=torch.int64)
+        split_s = 0.0
         if part is not None:
             n = part.num_layers
             place[:n], se[:, :n], st[:, :n] = part.placement_LE, part.slot_expert_MLGJ, part.slot_tokens_MLGJ
-        flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1)]))
-        place_SP = flat[:, : P * E].view(S, P, E)
-        se_SMP = flat[:, P * E : P * E + M * P * G * J].view(S, M, P, G, J)
-        st_SMP = flat[:, P * E + M * P * G * J :].view(S, M, P, G, J)
+            t0 = time.perf_counter()
+            sp[:, :n] = step_splits(part, loads_MLSE[:, layer_share(self.ep.rank, S, L)])
+            split_s = time.perf_counter() - t0
+        flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1), sp.view(-1)]))
+        sizes = [P * E, M * P * G * J, M * P * G * J, M * P * G * G * J]
+        place_S, se_S, st_S, sp_S = flat.split(sizes, dim=1)
         layer_r, layer_k = torch.arange(L) % S, torch.arange(L) // S
-        return StepPlan(self.topology, place_SP[layer_r, layer_k].clone(),
-                        se_SMP[layer_r, :, layer_k].transpose(0, 1).contiguous(),
-                        st_SMP[layer_r, :, layer_k].transpose(0, 1).contiguous(),
-                        self.planner.name, previous_LE.clone())
+        pick = (lambda t, *shape: t.reshape(S, M, P, *shape)[layer_r, :, layer_k].transpose(0, 1).contiguous())
+        plan = StepPlan(self.topology, place_S.reshape(S, P, E)[layer_r, layer_k].clone(), pick(se_S, G, J),
+                        pick(st_S, G, J), self.planner.name, previous_LE.clone())
+        return plan, pick(sp_S, G, G, J), split_s
 
     def _gather_loads(self, counts_MLE: torch.Tensor) -> torch.Tensor:
         shapes = self._all_gather(torch.tensor(counts_MLE.shape, dtype=torch.int64))
@@ -308,7 +317,7 @@ class ReplayBalancer:
             self._check_agreement(self._inputs_digest(loads_MLSE, pairs_LEE),
                                   "planner inputs (loads, planner state or config)")
         t0 = time.perf_counter()
-        failed, part, plan = 0, None, None
+        failed, part, plan, split_MLSGJ, split_s = 0, None, None, None, 0.0
         if split:
             part, failed = self._plan_share(loads_MLSE, pairs_LEE)
         else:
@@ -327,7 +336,7 @@ class ReplayBalancer:
                               "placement without replicas", RuntimeWarning)
             plan = native_plan(loads_MLSE, self.topology, previous_LE, "fallback", previous_LE)
         elif split:
-            plan = self._gather_plan(part, loads_MLSE, previous_LE)
+            plan, split_MLSGJ, split_s = self._gather_plan(part, loads_MLSE, previous_LE)
         if not split:
             self._check_agreement(int(plan_digest(plan), 16) & ((1 << 62) - 1), "step plans")
 
@@ -347,8 +356,8 @@ class ReplayBalancer:
         self.plan, self.loads_MLSE = plan, loads_MLSE
         # the install work of every micro-batch, here rather than before each forward
         t0 = time.perf_counter()
-        self._schedules = rank_schedules(plan, loads_MLSE, self.ep.rank)
-        self.report.schedules_s = time.perf_counter() - t0
+        self._schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ)
+        self.report.schedules_s = split_s + time.perf_counter() - t0
         return plan
 
     def install(self, micro_batch: int) -> None:

@@ -101,6 +101,7 @@ def split_vs_whole_plans(cfg, steps: int = 3, rank_dependent_config: bool = Fals
     go; return both digests per step. With ``rank_dependent_config`` rank 1 prices its
     planner differently (plan_step must then raise PlanDivergence on every rank)."""
     from relibra_torch.hook import ReplayBalancer, count_loads
+    from relibra_torch.moe.schedule import layer_plans
     from relibra_torch.planning import ReLibraConfig, plan_digest
 
     torch.manual_seed(cfg.seed)
@@ -117,7 +118,13 @@ def split_vs_whole_plans(cfg, steps: int = 3, rank_dependent_config: bool = Fals
         pairs = balancer._gather_pairs(ids)  # the step's co-activation, summed over ranks
         assert (pairs is not None) == hierarchical
         whole = balancer.planner.plan(loads, pairs) if hierarchical else balancer.planner.plan(loads)
-        out.append((plan_digest(balancer.plan_step(ids)), plan_digest(whole)))
+        got = plan_digest(balancer.plan_step(ids))
+        # the installed splits came from the ranks' shares, all-gathered with the plan: each
+        # equals token_split of the whole step's plan
+        ref = [layer_plans(whole, loads, m) for m in range(loads.shape[0])]
+        splits_equal = all(torch.equal(lp.split_SGJ, ref[m][l].split_SGJ)
+                           for m, row in enumerate(balancer._schedules) for l, (lp, _) in enumerate(row))
+        out.append((got, plan_digest(whole), splits_equal))
     return out
 
 

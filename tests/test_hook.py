@@ -91,7 +91,7 @@ def test_split_planning_assembles_the_whole_plan(pool):
                                            max_tokens_per_micro_batch=48, num_layers=6)
     for hierarchical in (False, True):  # hierarchical: co-activation counts all-reduced too
         for rank_digests in pool.run(_hook_fns.split_vs_whole_plans, cfg, 3, False, hierarchical):
-            assert all(split == whole for split, whole in rank_digests), rank_digests
+            assert all(split == whole and splits for split, whole, splits in rank_digests), rank_digests
     # a planner priced differently on every rank: the input digests disagree -> every rank raises
     with pytest.raises(RankFailure) as info:
         pool.run(_hook_fns.split_vs_whole_plans, cfg, 1, True)

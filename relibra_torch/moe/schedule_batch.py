@@ -23,13 +23,37 @@ from ..planning.plan import StepPlan, token_split, validate_plan
 from ..planning.residency import residencies, residency_micro_batches
 from .schedule import LayerPlan, RankSchedule
 
-__all__ = ["rank_schedules"]
+__all__ = ["rank_schedules", "step_splits"]
 
 
-def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int) -> list[list[tuple[LayerPlan, RankSchedule]]]:
+def _owners(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[M * L, G, J]`` owner GPU of every slot's expert (``-1`` empty), and bool
+    ``[M * L, G, J]``: the slot holds an expert another GPU owns (a copy)."""
+    M, L, G, J = plan.slot_expert_MLGJ.shape
+    se_BGJ = plan.slot_expert_MLGJ.reshape(M * L, G, J)
+    owner_LE = plan.placement_LE // plan.topology.experts_per_gpu
+    owner_BGJ = torch.where(se_BGJ >= 0, owner_LE.repeat(M, 1).gather(1, se_BGJ.reshape(M * L, -1).clamp(min=0))
+                            .view(M * L, G, J), -1)
+    return owner_BGJ, (se_BGJ >= 0) & (owner_BGJ != torch.arange(G).view(1, G, 1))
+
+
+def step_splits(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """int64 ``[M, L, S, G, J]``: ``planning.token_split`` of every micro-batch. Its rows are
+    independent, so any share of the layers gives those layers' rows (the hook splits them
+    over the EP ranks as it splits the planning). With copies one call per micro-batch (the
+    split's greedy rounds run to the slowest row of a call); without, one call (every row
+    takes its shortcut)."""
+    if not bool(_owners(plan)[1].any()):
+        return token_split(plan, loads_MLSE)
+    return torch.cat([token_split(plan.micro_batch(m), loads_MLSE[m:m + 1]) for m in range(plan.num_micro_batches)])
+
+
+def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int,
+                   split_MLSGJ: torch.Tensor | None = None) -> list[list[tuple[LayerPlan, RankSchedule]]]:
     """``[M][L]`` ``(layer plan, rank rank's schedule)`` of every micro-batch and layer of
     ``plan`` (``loads_MLSE``: int ``[M, L, S, E]``, the counts it was made from): what
-    ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair."""
+    ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair.
+    ``split_MLSGJ``: :func:`step_splits` of the plan when already at hand."""
     validate_plan(plan, loads_MLSE)
     topo = plan.topology
     M, L, G, J = plan.slot_expert_MLGJ.shape
@@ -37,13 +61,9 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int) -> list[
     se_BGJ = plan.slot_expert_MLGJ.reshape(B, G, J)
     placement_BE = plan.placement_LE.repeat(M, 1)
     owner_BE, local_BE = placement_BE // El, placement_BE % El
-    owner_BGJ = torch.where(se_BGJ >= 0, owner_BE.gather(1, se_BGJ.reshape(B, X).clamp(min=0)).view(B, G, J), -1)
-    foreign_BGJ = (se_BGJ >= 0) & (owner_BGJ != torch.arange(G).view(1, G, 1))
+    owner_BGJ, foreign_BGJ = _owners(plan)
     copies = bool(foreign_BGJ.any())
-    # token_split's rows are independent: with copies per micro-batch (its greedy rounds run
-    # to the slowest row of a call), without one call (every row takes its shortcut)
-    sp_BSGJ = (torch.cat([token_split(plan.micro_batch(m), loads_MLSE[m:m + 1])[0] for m in range(M)]) if copies
-               else token_split(plan, loads_MLSE)).view(B, G, G, J)
+    sp_BSGJ = (step_splits(plan, loads_MLSE) if split_MLSGJ is None else split_MLSGJ).reshape(B, G, G, J)
     if copies:   # residencies span micro-batches: computed once for the step
         res = residencies(plan)
         mb_MLGJ = [torch.stack(t) for t in zip(*(residency_micro_batches(plan, m, res) for m in range(M)))]

@@ -318,7 +318,8 @@ def simulate(workload: Workload, config: SimConfig,
                         window_X[x] = forward_s(costs[-1])
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], window_X[x], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"),
-                                      host_splits=getattr(planner, "host_token_splits", False))
+                                      host_splits=getattr(planner, "host_token_splits", False),
+                                      split_shared=_split_planning(planner, config, loads_MLSE.shape[1]))
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
@@ -336,10 +337,10 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     (:func:`~relibra_torch.planning.base.layer_share`) on its own CPU, and the ranks agree on
     the inputs (a sha256 of the loads and pairs), then all-gather the parts and whether any
     failed: three collectives. The host work is the digest and the slowest rank's share (one
-    thread's CPU time) plus those collectives (latency, and the gathered plan's int64 bytes
-    over the slowest link). Otherwise one thread plans the whole step, then hashes the plan
-    for the ranks to compare (two collectives). Static has no hook: no host work.
-    """
+    thread's CPU time; for relibra with its share's token splits, which travel with the
+    plan) plus those collectives (latency, and the gathered int64 bytes over the slowest
+    link). Otherwise one thread plans the whole step, then hashes the plan for the ranks to
+    compare (two collectives). Static has no hook: no host work."""
     def run(layers=None):
         args = (loads_MLSE,) if layers is None else (loads_MLSE, layers)
         args += () if pairs_LEE is None else (pairs_LEE,)
@@ -352,8 +353,7 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     hw = config.hardware
     latency_us, gbps = ((hw.inter_node_latency_us, hw.inter_node_gbps) if topo.num_nodes > 1
                         else (hw.nvlink_latency_us, hw.nvlink_gbps))
-    if not (config.baseline_options.planning_split and getattr(planner, "splits_layers", False)
-            and ranks > 1 and L > 1):
+    if not _split_planning(planner, config, L):
         plan, secs = one_thread_cpu(run)
         if ranks == 1:
             return plan, secs
@@ -362,14 +362,21 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
 
     # the hook hashes the planner's inputs before the ranks agree on them
     digest_s = one_thread_cpu(lambda: hash_counts(hashlib.sha256(), loads_MLSE, pairs_LEE))[1]
+    splits = getattr(planner, "host_token_splits", False)
+    if splits:
+        from ..moe.schedule_batch import step_splits  # the hook's code (imports the layer on first use)
     parts, secs = [], []
     for r in range(min(ranks, L)):
-        part, s = one_thread_cpu(lambda: run(layer_share(r, ranks, L)))
+        share = layer_share(r, ranks, L)
+        part, s = one_thread_cpu(lambda: run(share))
+        if splits:  # the rank splits its own layers' tokens for the layer's schedules
+            s += one_thread_cpu(lambda: step_splits(part, loads_MLSE[:, share]))[1]
         parts.append(part)
         secs.append(s)
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
     per_rank_layers = -(-L // ranks)  # the hook pads every rank's part to this many layers
-    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * loads_MLSE.shape[0] * ranks * topo.slots_per_gpu)
+    M, J = loads_MLSE.shape[0], topo.slots_per_gpu
+    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J + M * ranks * ranks * J)
     gather_s = 3 * latency_us * 1e-6 + gathered * (ranks - 1) / ranks / (gbps * 1e9)
     return plan, digest_s + max(secs) + gather_s
 
@@ -411,9 +418,15 @@ def forward_s(c: StepCost) -> float:
             + latency_s / 2)
 
 
+def _split_planning(planner: Planner, config: SimConfig, num_layers: int) -> bool:
+    """Whether the hook plans (and splits tokens) per EP rank share (``planning.split``)."""
+    return (config.baseline_options.planning_split and getattr(planner, "splits_layers", False)
+            and config.topology.num_gpus > 1 and num_layers > 1)
+
+
 def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
                       c: StepCost, forward_window_s: float, options: BaselineOptions, run_time: bool,
-                      host_splits: bool) -> None:
+                      host_splits: bool, split_shared: bool = False) -> None:
     """Add the host work that does not fit the overlap window to the step (see the module
     docstring); record host CPU, window and charge in ``host``. ``host_splits``: the system's
     layer derives every exchange size on the host: relibra's hook builds every micro-batch's
@@ -426,8 +439,10 @@ def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tens
     elif not host_splits:
         work = planner_s
     else:  # what ReplayBalancer.plan_step does after planning: every micro-batch's schedules
-        from ..moe.schedule_batch import rank_schedules  # the layer's host code (imports it on first use)
-        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0))[1]
+        from ..moe.schedule_batch import rank_schedules, step_splits  # the layer's host code
+        # with split planning each rank split its share's tokens (in planner_s, plan_as_run)
+        split = step_splits(plan, loads_MLSE) if split_shared else None
+        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0, split))[1]
     charged = max(0.0, work - window)
     c.step_s += charged
     host["host_s"].append(work)
