@@ -275,7 +275,7 @@ def host_planning_line(doc: dict) -> str:
     window = ("static's forward pass" if cfg_window is None
               else f"{format_seconds(cfg_window)} (planning.overlap_s)")
     line = ("host planning ahead of the step (one thread's CPU: the planner, its slowest EP rank's share "
-            "under split planning, + relibra's token splits): "
+            "under split planning, + relibra's layer schedules): "
             + ", ".join(f"{n} {format_seconds(f['host_cpu_s'])}" for n, f in ahead.items())
             + f"; overlap window {window}")
     charged = {n: f["planning_charged_s"] for n, f in ahead.items() if f["planning_charged_s"] > 0}
