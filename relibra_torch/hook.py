@@ -340,6 +340,13 @@ class ReplayBalancer:
         if not split:
             self._check_agreement(int(plan_digest(plan), 16) & ((1 << 62) - 1), "step plans")
 
+        # the install work of every micro-batch, here rather than before each forward; before
+        # any state changes, so that a plan it refuses (validate_plan, the same on every rank)
+        # leaves the previous step's plan, schedules, placement and planner state in force
+        t0 = time.perf_counter()
+        schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ)
+        schedules_s = split_s + time.perf_counter() - t0
+
         moved = 0
         for l, layer in enumerate(self.layers):
             moved += layer.apply_placement(plan.placement_LE[l], optimizer)
@@ -353,11 +360,8 @@ class ReplayBalancer:
         # The layers record degraded micro-batches straight into this step's report.
         for layer in self.layers:
             layer.engine.degraded_micro_batches = self.report.degraded_micro_batches
-        self.plan, self.loads_MLSE = plan, loads_MLSE
-        # the install work of every micro-batch, here rather than before each forward
-        t0 = time.perf_counter()
-        self._schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ)
-        self.report.schedules_s = split_s + time.perf_counter() - t0
+        self.plan, self.loads_MLSE, self._schedules = plan, loads_MLSE, schedules
+        self.report.schedules_s = schedules_s
         return plan
 
     def install(self, micro_batch: int) -> None:

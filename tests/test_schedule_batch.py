@@ -103,3 +103,48 @@ def test_install_uses_the_schedules_built_by_plan_step(monkeypatch):
     m.apply_placement(torch.arange(6).flip(0))
     with pytest.raises(ValueError, match="apply_placement"):
         m.set_plan(lp, schedule)
+
+
+def test_a_plan_step_that_raises_leaves_the_previous_step_installable():
+    """A planner whose plan fails ``validate_plan`` (here: quotas that do not sum to the loads)
+    makes ``plan_step`` raise in ``rank_schedules``; the balancer must then hold the previous
+    step's plan, schedules, placement and planner state together (not the new plan with the
+    old schedules, nor a placement applied for a plan that never runs)."""
+    import _moe_fns as fns
+    import dataclasses as dc
+    import pytest
+
+    from relibra_torch.hook import ReplayBalancer
+    from relibra_torch.planning import ReLibraPlanner
+
+    class BrokenSecondStep(ReLibraPlanner):
+        steps = 0
+
+        def plan(self, loads_MLSE, pairs_LEE=None):
+            plan = super().plan(loads_MLSE)
+            if self.steps == 1:   # a new placement and quotas that double the loads
+                plan = dc.replace(plan, placement_LE=plan.placement_LE.flip(1),
+                                  slot_tokens_MLGJ=plan.slot_tokens_MLGJ * 2)
+            return plan
+
+        def commit(self, plan, loads_MLSE):
+            super().commit(plan, loads_MLSE)
+            self.steps += 1
+
+    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
+    m = fns.build(case, None)
+    m.load_state_dict(fns.logical_state(case))
+    gen = torch.Generator().manual_seed(0)
+    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
+    balancer = ReplayBalancer(m, planner=BrokenSecondStep(m.topology))
+    first = balancer.plan_step(ids)
+    placement = m.placement_cpu.clone()
+    with pytest.raises(ValueError, match="invalid step plan"):
+        balancer.plan_step(ids)
+    assert balancer.plan is first
+    assert torch.equal(m.placement_cpu, placement) and torch.equal(balancer.planner.placement_LE[0], placement)
+    for mb in range(3):   # the previous step's plan still installs and runs
+        balancer.install(mb)
+        ref = check_layer_plan(layer_plans(first, balancer.loads_MLSE, mb)[0], m.topology, placement)
+        assert not _fields_differ(m.plan, ref)
+        m(torch.randn(5, fns.DIM, generator=gen), ids[mb][:, 0])
