@@ -4,6 +4,8 @@ fp32 tolerances: 1e-5 relative (summation order differs between placements and b
 one process and four).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -74,6 +76,22 @@ def test_planner_failure_on_one_rank_falls_back_everywhere(pool, static_run):
     assert "another EP rank" in runs[0]["warnings"][0]
     # slower, never wrong
     _assert_same_training(_losses(static_run), static_run["state"], _losses(runs[0]), runs[0]["state"])
+
+
+def test_split_planning_failure_on_one_rank_falls_back_everywhere(pool, static_run):
+    """Split planning (relibra, 2 layers on 4 ranks: ranks 2 and 3 plan nothing), rank 1's
+    share raises: every rank falls back, builds the fallback's schedules (and splits) itself,
+    equal to the one-pair path's, no forward degrades, and it trains as static does."""
+    cfg = dataclasses.replace(CFG, steps=3)
+    runs = pool.run(_hook_fns.train_checking_schedules, cfg, _hook_fns.FailShareOnRankOne(TOPO))
+    for rank, run in enumerate(runs):
+        assert all(h["fell_back"] for h in run["history"]), rank
+        assert not run["differ"] and not any(run["degraded"]), (rank, run["differ"], run["degraded"])
+        assert run["warnings"], f"rank {rank} did not warn"
+    assert "exploded on rank 1" in runs[1]["warnings"][0]
+    assert "another EP rank" in runs[0]["warnings"][0] and "another EP rank" in runs[3]["warnings"][0]
+    torch.testing.assert_close(torch.tensor(_losses(runs[0]), dtype=torch.float64),
+                               torch.tensor(_losses(static_run)[:3], dtype=torch.float64), rtol=RTOL, atol=0)
 
 
 def test_diverging_plans_raise_on_every_rank_without_hanging(pool):
