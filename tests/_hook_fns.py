@@ -72,16 +72,16 @@ def train(cfg, planner, planner_kwargs=None):
     return custom_loop.train_rank(cfg, planner, planner_kwargs)
 
 
-def train_catching_warnings(cfg, planner):
+def train_catching_warnings(cfg, planner, planner_kwargs=None):
     import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = custom_loop.train_rank(cfg, planner)
+        out = custom_loop.train_rank(cfg, planner, planner_kwargs)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     return out
 
 
-def train_checking_schedules(cfg, planner):
+def train_checking_schedules(cfg, planner, planner_kwargs=None):
     """``train_catching_warnings``, and after every ``plan_step`` this rank's installed
     schedules compared field by field with the one-pair path (``layer_plans``,
     ``check_layer_plan``, ``build_rank_schedule``) of the step's plan; returns the steps
@@ -107,7 +107,7 @@ def train_checking_schedules(cfg, planner):
 
     ReplayBalancer.plan_step = plan_step
     try:
-        out = train_catching_warnings(cfg, planner)
+        out = train_catching_warnings(cfg, planner, planner_kwargs)
     finally:
         ReplayBalancer.plan_step = original
     out.update(differ=differ, degraded=degraded)

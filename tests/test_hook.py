@@ -58,7 +58,12 @@ def test_relibra_matches_one_process_and_balances(pool, static_run):
     # collective latency unpriced (priced, 2 x 25 us per layer's first copy, no copy of this
     # toy's few tokens pays, and the layer would rightly run static's plan)
     config = priced_config(CFG.dim, CFG.hidden_dim, "h200", nvlink_latency_s=0.0, inter_node_latency_s=0.0)
-    relibra = pool.run(_hook_fns.train, CFG, "relibra", {"config": config})[0]
+    runs = pool.run(_hook_fns.train_checking_schedules, CFG, "relibra", {"config": config})
+    # every rank (ranks 2 and 3 plan no layer) installs the one-pair path's schedules, with the
+    # token splits gathered from the ranks' shares, and no forward degrades
+    assert all(not run["differ"] and not any(run["degraded"]) for run in runs), [
+        (run["differ"], run["degraded"]) for run in runs]
+    relibra = runs[0]
     reference = _hook_fns.reference_single_process(CFG)
     _assert_same_training(reference["losses"], reference["state"], _losses(relibra), relibra["state"])
     # balance measured from the layers' counters (the loop also asserts, per rank and
