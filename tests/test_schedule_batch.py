@@ -148,3 +148,28 @@ def test_a_plan_step_that_raises_leaves_the_previous_step_installable():
         ref = check_layer_plan(layer_plans(first, balancer.loads_MLSE, mb)[0], m.topology, placement)
         assert not _fields_differ(m.plan, ref)
         m(torch.randn(5, fns.DIM, generator=gen), ids[mb][:, 0])
+
+
+def test_install_before_plan_step_and_after_clear():
+    """``install`` before any ``plan_step`` names the fix; ``clear`` removes the installed
+    plans (native forwards), and a later ``install`` puts the step's prepared ones back."""
+    import _moe_fns as fns
+    import pytest
+
+    from relibra_torch.hook import ReplayBalancer
+
+    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
+    m = fns.build(case, None)
+    gen = torch.Generator().manual_seed(1)
+    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(2)]
+    balancer = ReplayBalancer(m, planner="relibra")
+    with pytest.raises(RuntimeError, match=r"install\(\) before plan_step\(\)"):
+        balancer.install(0)
+    balancer.plan_step(ids)
+    balancer.install(1)
+    assert m.plan is balancer._schedules[1][0][0]
+    balancer.clear()
+    assert m.plan is None
+    m(torch.randn(5, fns.DIM, generator=gen), ids[1][:, 0])   # native forward, no plan
+    balancer.install(1)
+    assert m.plan is balancer._schedules[1][0][0]
