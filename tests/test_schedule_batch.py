@@ -173,3 +173,42 @@ def test_install_before_plan_step_and_after_clear():
     m(torch.randn(5, fns.DIM, generator=gen), ids[1][:, 0])   # native forward, no plan
     balancer.install(1)
     assert m.plan is balancer._schedules[1][0][0]
+
+
+def _assert_equal_to_one_pair_path(plan, loads, topo):
+    for rank in range(topo.num_gpus):
+        got = rank_schedules(plan, loads, rank)
+        for m in range(plan.num_micro_batches):
+            for l, ref_lp in enumerate(layer_plans(plan, loads, m)):
+                ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
+                ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank)
+                lp, sched = got[m][l]
+                assert not _fields_differ(lp, ref_lp) and not _fields_differ(sched, ref), (plan.planner, m, l, rank)
+
+
+def test_every_planner_and_the_fallback_over_steps():
+    """Every planner name (placements that change from step to step, committed), a
+    hierarchical relibra priced with co-activation, and the hook's fallback plan on the
+    previous placement; an all-idle micro-batch and an all-zero step included."""
+    from relibra_torch.planning import PLANNER_NAMES, ReLibraConfig, native_plan
+    from relibra_torch.replay.counts import count_pairs
+
+    topo = Topology(2, 2, 8, 2)
+    gen = torch.Generator().manual_seed(3)
+    variants = [(n, {}) for n in PLANNER_NAMES] + [
+        ("relibra", {"config": ReLibraConfig(dispatch="hierarchical", top_k=2)})]
+    for name, kwargs in variants:
+        planner = make_planner(name, topo, **kwargs)
+        for step in range(3):
+            loads = torch.randint(0, 8, (2, 2, topo.num_gpus, 8), generator=gen)
+            loads[..., step] += 60
+            loads[1] *= step != 1          # step 1: micro-batch 1 has no token at all
+            loads *= step != 2 or name != "relibra"   # an all-zero step
+            args = (loads,)
+            if getattr(planner, "uses_coactivation", False):
+                args += (count_pairs(torch.randint(0, 8, (16, 2, 2), generator=gen), 8),)
+            plan = planner.plan(*args)
+            _assert_equal_to_one_pair_path(plan, loads, topo)
+            previous = planner.previous_placement(2).clone()
+            _assert_equal_to_one_pair_path(native_plan(loads, topo, previous, "fallback", previous), loads, topo)
+            planner.commit(plan, loads)
