@@ -60,6 +60,16 @@ class FailShareOnRankOne(ReLibraPlanner):
         return super().plan_layers(loads_MLSE, layers, pairs_LEE)
 
 
+class WholeStepShares(ReLibraPlanner):
+    """A planner bug: ``plan_layers`` returns every layer, not the rank's share. With fewer
+    layers than ranks, ranks 2 and 3 plan nothing: all ranks must fall back together (the
+    ranks with a share used to raise outside the failure handling while the others waited
+    in the all-gather)."""
+
+    def plan_layers(self, loads_MLSE, layers, pairs_LEE=None):
+        return super().plan_layers(loads_MLSE, list(range(loads_MLSE.shape[1])), pairs_LEE)
+
+
 class RankDependent(ShufflePlanner):
     """Non-deterministic across ranks (seeded by the rank): must be caught, not hang."""
 

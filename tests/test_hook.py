@@ -99,6 +99,18 @@ def test_split_planning_failure_on_one_rank_falls_back_everywhere(pool, static_r
                                torch.tensor(_losses(static_run)[:3], dtype=torch.float64), rtol=RTOL, atol=0)
 
 
+def test_a_share_of_the_wrong_size_falls_back_everywhere_without_hanging():
+    """``plan_layers`` returning every layer on 4 ranks with 2 layers (ranks 2 and 3 plan
+    nothing): the ranks that planned fall back as on a planner failure, so every rank does."""
+    cfg = dataclasses.replace(CFG, steps=1)
+    with RankPool(4, timeout_s=120) as short:   # a hang fails in 2 minutes, not the pool's 10
+        runs = short.run(_hook_fns.train_catching_warnings, cfg, _hook_fns.WholeStepShares(TOPO))
+    for rank, run in enumerate(runs):
+        assert all(h["fell_back"] for h in run["history"]), rank
+    assert "plan_layers returned 2 layers for a share of 1" in runs[0]["warnings"][0]
+    assert "another EP rank" in runs[2]["warnings"][0]
+
+
 def test_diverging_plans_raise_on_every_rank_without_hanging(pool):
     with pytest.raises(RankFailure) as info:
         pool.run(_hook_fns.train, CFG, _hook_fns.RankDependent(TOPO))
