@@ -100,6 +100,11 @@ def test_install_uses_the_schedules_built_by_plan_step(monkeypatch):
         balancer.install(3)
     monkeypatch.undo()
     lp, schedule = balancer._schedules[0][0]
+    # a schedule of another rank, or a plan of another topology, is not used as given
+    m.set_plan(lp, dataclasses.replace(schedule, rank=1))
+    assert m.engine._schedule.rank == 0
+    with pytest.raises(ValueError, match="another topology"):
+        m.set_plan(dataclasses.replace(lp, topology=Topology(1, 1, 6, 1)), schedule)
     m.apply_placement(torch.arange(6).flip(0))
     with pytest.raises(ValueError, match="apply_placement"):
         m.set_plan(lp, schedule)
