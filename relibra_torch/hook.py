@@ -226,26 +226,34 @@ class ReplayBalancer:
         return pairs_LEE
 
     def _plan_share(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None
-                    ) -> tuple[StepPlan | None, int]:
-        """This rank's share of the layers (every G-th from its rank), or ``None`` on failure."""
+                    ) -> tuple[StepPlan | None, torch.Tensor | None, float, int]:
+        """This rank's share of the layers (every G-th from its rank) and its token splits
+        ``[M, L', S, G, J]`` (``step_splits``), this rank's seconds in those splits, and
+        whether it failed (then ``None``s). A share of the wrong size or splits that raise
+        count as a planner failure: raised here, on this rank only, they would leave the
+        other ranks waiting in the all-gather."""
         mine = layer_share(self.ep.rank, self.ep.size, self.num_layers)
         if not mine:
-            return None, 0
+            return None, None, 0.0, 0
         try:
-            if pairs_LEE is not None:
-                return self.planner.plan_layers(loads_MLSE, mine, pairs_LEE), 0
-            return self.planner.plan_layers(loads_MLSE, mine), 0
+            part = (self.planner.plan_layers(loads_MLSE, mine, pairs_LEE) if pairs_LEE is not None
+                    else self.planner.plan_layers(loads_MLSE, mine))
+            if part.num_layers != len(mine) or part.num_micro_batches != loads_MLSE.shape[0]:
+                raise ValueError(f"plan_layers returned {part.num_layers} layers for a share of {len(mine)} "
+                                 f"({part.num_micro_batches} micro-batches for {loads_MLSE.shape[0]})")
+            t0 = time.perf_counter()
+            split = step_splits(part, loads_MLSE[:, mine])
+            return part, split, time.perf_counter() - t0, 0
         except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
             warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
                           "this step runs on the previous placement without replicas", RuntimeWarning)
-            return None, 1
+            return None, None, 0.0, 1
 
-    def _gather_plan(self, part: StepPlan | None, loads_MLSE: torch.Tensor, previous_LE: torch.Tensor
-                     ) -> tuple[StepPlan, torch.Tensor, float]:
+    def _gather_plan(self, part: StepPlan | None, split: torch.Tensor | None, loads_MLSE: torch.Tensor,
+                     previous_LE: torch.Tensor) -> tuple[StepPlan, torch.Tensor]:
         """Assemble the step plan and its token splits ``[M, L, S, G, J]`` from every rank's
-        share (one all-gather of a fixed size): a rank splits its own layers' tokens
-        (``step_splits``; rows are independent), so no rank splits the whole step. Also
-        returns this rank's seconds in those splits."""
+        share and its splits (one all-gather of a fixed size): a rank splits its own layers'
+        tokens (``step_splits``; rows are independent), so no rank splits the whole step."""
         M, L, _, E = loads_MLSE.shape
         G, J = self.topology.num_gpus, self.topology.slots_per_gpu
         S = self.ep.size
@@ -254,13 +262,10 @@ class ReplayBalancer:
         se = torch.full((M, P, G, J), -1, dtype=torch.int64)
         st = torch.zeros(M, P, G, J, dtype=torch.int64)
         sp = torch.zeros(M, P, G, G, J, dtype=torch.int64)
-        split_s = 0.0
         if part is not None:
             n = part.num_layers
             place[:n], se[:, :n], st[:, :n] = part.placement_LE, part.slot_expert_MLGJ, part.slot_tokens_MLGJ
-            t0 = time.perf_counter()
-            sp[:, :n] = step_splits(part, loads_MLSE[:, layer_share(self.ep.rank, S, L)])
-            split_s = time.perf_counter() - t0
+            sp[:, :n] = split
         flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1), sp.view(-1)]))
         sizes = [P * E, M * P * G * J, M * P * G * J, M * P * G * G * J]
         place_S, se_S, st_S, sp_S = flat.split(sizes, dim=1)
@@ -268,7 +273,7 @@ class ReplayBalancer:
         pick = (lambda t, *shape: t.reshape(S, M, P, *shape)[layer_r, :, layer_k].transpose(0, 1).contiguous())
         plan = StepPlan(self.topology, place_S.reshape(S, P, E)[layer_r, layer_k].clone(), pick(se_S, G, J),
                         pick(st_S, G, J), self.planner.name, previous_LE.clone())
-        return plan, pick(sp_S, G, G, J), split_s
+        return plan, pick(sp_S, G, G, J)
 
     def _gather_loads(self, counts_MLE: torch.Tensor) -> torch.Tensor:
         shapes = self._all_gather(torch.tensor(counts_MLE.shape, dtype=torch.int64))
@@ -319,7 +324,7 @@ class ReplayBalancer:
         t0 = time.perf_counter()
         failed, part, plan, split_MLSGJ, split_s = 0, None, None, None, 0.0
         if split:
-            part, failed = self._plan_share(loads_MLSE, pairs_LEE)
+            part, part_split, split_s, failed = self._plan_share(loads_MLSE, pairs_LEE)
         else:
             try:
                 plan = (self.planner.plan(loads_MLSE, pairs_LEE) if pairs_LEE is not None
@@ -328,7 +333,7 @@ class ReplayBalancer:
                 warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
                               "this step runs on the previous placement without replicas", RuntimeWarning)
                 failed = 1
-        planner_s = time.perf_counter() - t0
+        planner_s = time.perf_counter() - t0 - split_s  # the share's splits count as install work
         # Every rank learns whether any rank failed, so they all fall back together.
         if int(self._all_gather(torch.tensor([failed])).max()):
             if not failed:
@@ -336,9 +341,16 @@ class ReplayBalancer:
                               "placement without replicas", RuntimeWarning)
             plan = native_plan(loads_MLSE, self.topology, previous_LE, "fallback", previous_LE)
         elif split:
-            plan, split_MLSGJ, split_s = self._gather_plan(part, loads_MLSE, previous_LE)
+            plan, split_MLSGJ = self._gather_plan(part, part_split, loads_MLSE, previous_LE)
         if not split:
             self._check_agreement(int(plan_digest(plan), 16) & ((1 << 62) - 1), "step plans")
+
+        # the install work of every micro-batch, here rather than before each forward; before
+        # any state changes, so that a plan it refuses (validate_plan, the same on every rank)
+        # leaves the previous step's plan, schedules, placement and planner state in force
+        t0 = time.perf_counter()
+        schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ)
+        schedules_s = split_s + time.perf_counter() - t0
 
         moved = 0
         for l, layer in enumerate(self.layers):
@@ -353,11 +365,8 @@ class ReplayBalancer:
         # The layers record degraded micro-batches straight into this step's report.
         for layer in self.layers:
             layer.engine.degraded_micro_batches = self.report.degraded_micro_batches
-        self.plan, self.loads_MLSE = plan, loads_MLSE
-        # the install work of every micro-batch, here rather than before each forward
-        t0 = time.perf_counter()
-        self._schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ)
-        self.report.schedules_s = split_s + time.perf_counter() - t0
+        self.plan, self.loads_MLSE, self._schedules = plan, loads_MLSE, schedules
+        self.report.schedules_s = schedules_s
         return plan
 
     def install(self, micro_batch: int) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
 
 import custom_loop  # noqa: E402  (examples/custom_loop.py: the loop under test)
-from relibra_torch.planning import Planner, StepPlan, replicate  # noqa: E402
+from relibra_torch.planning import Planner, ReLibraPlanner, StepPlan, replicate  # noqa: E402
 
 
 class ShufflePlanner(Planner):
@@ -49,6 +49,27 @@ class FailOnRankOne(ShufflePlanner):
         return super().plan(loads_MLSE)
 
 
+class FailShareOnRankOne(ReLibraPlanner):
+    """relibra whose share of the layers raises on EP rank 1 under split planning: every
+    rank must fall back together, and the fallback's token splits come from
+    ``rank_schedules`` itself (no rank's share was split and gathered)."""
+
+    def plan_layers(self, loads_MLSE, layers, pairs_LEE=None):
+        if dist.get_rank() == 1:
+            raise RuntimeError("planner share exploded on rank 1")
+        return super().plan_layers(loads_MLSE, layers, pairs_LEE)
+
+
+class WholeStepShares(ReLibraPlanner):
+    """A planner bug: ``plan_layers`` returns every layer, not the rank's share. With fewer
+    layers than ranks, ranks 2 and 3 plan nothing: all ranks must fall back together (the
+    ranks with a share used to raise outside the failure handling while the others waited
+    in the all-gather)."""
+
+    def plan_layers(self, loads_MLSE, layers, pairs_LEE=None):
+        return super().plan_layers(loads_MLSE, list(range(loads_MLSE.shape[1])), pairs_LEE)
+
+
 class RankDependent(ShufflePlanner):
     """Non-deterministic across ranks (seeded by the rank): must be caught, not hang."""
 
@@ -61,12 +82,45 @@ def train(cfg, planner, planner_kwargs=None):
     return custom_loop.train_rank(cfg, planner, planner_kwargs)
 
 
-def train_catching_warnings(cfg, planner):
+def train_catching_warnings(cfg, planner, planner_kwargs=None):
     import warnings
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = custom_loop.train_rank(cfg, planner)
+        out = custom_loop.train_rank(cfg, planner, planner_kwargs)
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    return out
+
+
+def train_checking_schedules(cfg, planner, planner_kwargs=None):
+    """``train_catching_warnings``, and after every ``plan_step`` this rank's installed
+    schedules compared field by field with the one-pair path (``layer_plans``,
+    ``check_layer_plan``, ``build_rank_schedule``) of the step's plan; returns the steps
+    whose schedules differ and the micro-batches the layers degraded."""
+    from relibra_torch.hook import ReplayBalancer
+    from relibra_torch.moe.schedule import build_rank_schedule, check_layer_plan, layer_plans
+    from test_schedule_batch import _fields_differ
+
+    differ, degraded, original = [], [], ReplayBalancer.plan_step
+
+    def plan_step(self, *args, **kwargs):
+        if self.plan is not None:
+            degraded.append(len(self.report.degraded_micro_batches))
+        plan = original(self, *args, **kwargs)
+        for m in range(plan.num_micro_batches):
+            for l, ref in enumerate(layer_plans(plan, self.loads_MLSE, m)):
+                ref = check_layer_plan(ref, self.topology, plan.placement_LE[l])
+                lp, sched = self._schedules[m][l]
+                ref_sched = build_rank_schedule(self.topology, plan.placement_LE[l], ref, self.ep.rank)
+                if _fields_differ(lp, ref) or _fields_differ(sched, ref_sched):
+                    differ.append((len(degraded), m, l))
+        return plan
+
+    ReplayBalancer.plan_step = plan_step
+    try:
+        out = train_catching_warnings(cfg, planner, planner_kwargs)
+    finally:
+        ReplayBalancer.plan_step = original
+    out.update(differ=differ, degraded=degraded)
     return out
 
 

@@ -4,6 +4,8 @@ fp32 tolerances: 1e-5 relative (summation order differs between placements and b
 one process and four).
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -56,7 +58,12 @@ def test_relibra_matches_one_process_and_balances(pool, static_run):
     # collective latency unpriced (priced, 2 x 25 us per layer's first copy, no copy of this
     # toy's few tokens pays, and the layer would rightly run static's plan)
     config = priced_config(CFG.dim, CFG.hidden_dim, "h200", nvlink_latency_s=0.0, inter_node_latency_s=0.0)
-    relibra = pool.run(_hook_fns.train, CFG, "relibra", {"config": config})[0]
+    runs = pool.run(_hook_fns.train_checking_schedules, CFG, "relibra", {"config": config})
+    # every rank (ranks 2 and 3 plan no layer) installs the one-pair path's schedules, with the
+    # token splits gathered from the ranks' shares, and no forward degrades
+    assert all(not run["differ"] and not any(run["degraded"]) for run in runs), [
+        (run["differ"], run["degraded"]) for run in runs]
+    relibra = runs[0]
     reference = _hook_fns.reference_single_process(CFG)
     _assert_same_training(reference["losses"], reference["state"], _losses(relibra), relibra["state"])
     # balance measured from the layers' counters (the loop also asserts, per rank and
@@ -74,6 +81,34 @@ def test_planner_failure_on_one_rank_falls_back_everywhere(pool, static_run):
     assert "another EP rank" in runs[0]["warnings"][0]
     # slower, never wrong
     _assert_same_training(_losses(static_run), static_run["state"], _losses(runs[0]), runs[0]["state"])
+
+
+def test_split_planning_failure_on_one_rank_falls_back_everywhere(pool, static_run):
+    """Split planning (relibra, 2 layers on 4 ranks: ranks 2 and 3 plan nothing), rank 1's
+    share raises: every rank falls back, builds the fallback's schedules (and splits) itself,
+    equal to the one-pair path's, no forward degrades, and it trains as static does."""
+    cfg = dataclasses.replace(CFG, steps=3)
+    runs = pool.run(_hook_fns.train_checking_schedules, cfg, _hook_fns.FailShareOnRankOne(TOPO))
+    for rank, run in enumerate(runs):
+        assert all(h["fell_back"] for h in run["history"]), rank
+        assert not run["differ"] and not any(run["degraded"]), (rank, run["differ"], run["degraded"])
+        assert run["warnings"], f"rank {rank} did not warn"
+    assert "exploded on rank 1" in runs[1]["warnings"][0]
+    assert "another EP rank" in runs[0]["warnings"][0] and "another EP rank" in runs[3]["warnings"][0]
+    torch.testing.assert_close(torch.tensor(_losses(runs[0]), dtype=torch.float64),
+                               torch.tensor(_losses(static_run)[:3], dtype=torch.float64), rtol=RTOL, atol=0)
+
+
+def test_a_share_of_the_wrong_size_falls_back_everywhere_without_hanging():
+    """``plan_layers`` returning every layer on 4 ranks with 2 layers (ranks 2 and 3 plan
+    nothing): the ranks that planned fall back as on a planner failure, so every rank does."""
+    cfg = dataclasses.replace(CFG, steps=1)
+    with RankPool(4, timeout_s=120) as short:   # a hang fails in 2 minutes, not the pool's 10
+        runs = short.run(_hook_fns.train_catching_warnings, cfg, _hook_fns.WholeStepShares(TOPO))
+    for rank, run in enumerate(runs):
+        assert all(h["fell_back"] for h in run["history"]), rank
+    assert "plan_layers returned 2 layers for a share of 1" in runs[0]["warnings"][0]
+    assert "another EP rank" in runs[2]["warnings"][0]
 
 
 def test_diverging_plans_raise_on_every_rank_without_hanging(pool):

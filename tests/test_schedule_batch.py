@@ -100,6 +100,120 @@ def test_install_uses_the_schedules_built_by_plan_step(monkeypatch):
         balancer.install(3)
     monkeypatch.undo()
     lp, schedule = balancer._schedules[0][0]
+    # a schedule of another rank, or a plan of another topology, is not used as given
+    m.set_plan(lp, dataclasses.replace(schedule, rank=1))
+    assert m.engine._schedule.rank == 0
+    with pytest.raises(ValueError, match="another topology"):
+        m.set_plan(dataclasses.replace(lp, topology=Topology(1, 1, 6, 1)), schedule)
     m.apply_placement(torch.arange(6).flip(0))
     with pytest.raises(ValueError, match="apply_placement"):
         m.set_plan(lp, schedule)
+
+
+def test_a_plan_step_that_raises_leaves_the_previous_step_installable():
+    """A planner whose plan fails ``validate_plan`` (here: quotas that do not sum to the loads)
+    makes ``plan_step`` raise in ``rank_schedules``; the balancer must then hold the previous
+    step's plan, schedules, placement and planner state together (not the new plan with the
+    old schedules, nor a placement applied for a plan that never runs)."""
+    import _moe_fns as fns
+    import dataclasses as dc
+    import pytest
+
+    from relibra_torch.hook import ReplayBalancer
+    from relibra_torch.planning import ReLibraPlanner
+
+    class BrokenSecondStep(ReLibraPlanner):
+        steps = 0
+
+        def plan(self, loads_MLSE, pairs_LEE=None):
+            plan = super().plan(loads_MLSE)
+            if self.steps == 1:   # a new placement and quotas that double the loads
+                plan = dc.replace(plan, placement_LE=plan.placement_LE.flip(1),
+                                  slot_tokens_MLGJ=plan.slot_tokens_MLGJ * 2)
+            return plan
+
+        def commit(self, plan, loads_MLSE):
+            super().commit(plan, loads_MLSE)
+            self.steps += 1
+
+    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
+    m = fns.build(case, None)
+    m.load_state_dict(fns.logical_state(case))
+    gen = torch.Generator().manual_seed(0)
+    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
+    balancer = ReplayBalancer(m, planner=BrokenSecondStep(m.topology))
+    first = balancer.plan_step(ids)
+    placement = m.placement_cpu.clone()
+    with pytest.raises(ValueError, match="invalid step plan"):
+        balancer.plan_step(ids)
+    assert balancer.plan is first
+    assert torch.equal(m.placement_cpu, placement) and torch.equal(balancer.planner.placement_LE[0], placement)
+    for mb in range(3):   # the previous step's plan still installs and runs
+        balancer.install(mb)
+        ref = check_layer_plan(layer_plans(first, balancer.loads_MLSE, mb)[0], m.topology, placement)
+        assert not _fields_differ(m.plan, ref)
+        m(torch.randn(5, fns.DIM, generator=gen), ids[mb][:, 0])
+
+
+def test_install_before_plan_step_and_after_clear():
+    """``install`` before any ``plan_step`` names the fix; ``clear`` removes the installed
+    plans (native forwards), and a later ``install`` puts the step's prepared ones back."""
+    import _moe_fns as fns
+    import pytest
+
+    from relibra_torch.hook import ReplayBalancer
+
+    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
+    m = fns.build(case, None)
+    gen = torch.Generator().manual_seed(1)
+    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(2)]
+    balancer = ReplayBalancer(m, planner="relibra")
+    with pytest.raises(RuntimeError, match=r"install\(\) before plan_step\(\)"):
+        balancer.install(0)
+    balancer.plan_step(ids)
+    balancer.install(1)
+    assert m.plan is balancer._schedules[1][0][0]
+    balancer.clear()
+    assert m.plan is None
+    m(torch.randn(5, fns.DIM, generator=gen), ids[1][:, 0])   # native forward, no plan
+    balancer.install(1)
+    assert m.plan is balancer._schedules[1][0][0]
+
+
+def _assert_equal_to_one_pair_path(plan, loads, topo):
+    for rank in range(topo.num_gpus):
+        got = rank_schedules(plan, loads, rank)
+        for m in range(plan.num_micro_batches):
+            for l, ref_lp in enumerate(layer_plans(plan, loads, m)):
+                ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
+                ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank)
+                lp, sched = got[m][l]
+                assert not _fields_differ(lp, ref_lp) and not _fields_differ(sched, ref), (plan.planner, m, l, rank)
+
+
+def test_every_planner_and_the_fallback_over_steps():
+    """Every planner name (placements that change from step to step, committed), a
+    hierarchical relibra priced with co-activation, and the hook's fallback plan on the
+    previous placement; an all-idle micro-batch and an all-zero step included."""
+    from relibra_torch.planning import PLANNER_NAMES, ReLibraConfig, native_plan
+    from relibra_torch.replay.counts import count_pairs
+
+    topo = Topology(2, 2, 8, 2)
+    gen = torch.Generator().manual_seed(3)
+    variants = [(n, {}) for n in PLANNER_NAMES] + [
+        ("relibra", {"config": ReLibraConfig(dispatch="hierarchical", top_k=2)})]
+    for name, kwargs in variants:
+        planner = make_planner(name, topo, **kwargs)
+        for step in range(3):
+            loads = torch.randint(0, 8, (2, 2, topo.num_gpus, 8), generator=gen)
+            loads[..., step] += 60
+            loads[1] *= step != 1          # step 1: micro-batch 1 has no token at all
+            loads *= step != 2 or name != "relibra"   # an all-zero step
+            args = (loads,)
+            if getattr(planner, "uses_coactivation", False):
+                args += (count_pairs(torch.randint(0, 8, (16, 2, 2), generator=gen), 8),)
+            plan = planner.plan(*args)
+            _assert_equal_to_one_pair_path(plan, loads, topo)
+            previous = planner.previous_placement(2).clone()
+            _assert_equal_to_one_pair_path(native_plan(loads, topo, previous, "fallback", previous), loads, topo)
+            planner.commit(plan, loads)

@@ -166,13 +166,15 @@ class ExpertEngine:
         it). Raises ``ValueError`` for a plan of another topology or placement. ``schedule``:
         this rank's host schedule of ``plan`` built ahead (``schedule_batch.rank_schedules``: a
         validated plan and its schedule), so only its copy to ``device`` is left; ignored
-        unless the plan is for the placement in force.
+        (the plan checked and its schedule rebuilt) unless the plan is for the placement and
+        topology in force and the schedule for this rank.
         """
         if plan is None:
             self.residents.begin(None, "set_plan(None)")
             self.plan, self._schedule = None, None
             return
-        if schedule is None or plan.placement_E is None or not torch.equal(plan.placement_E, self.placement_cpu):
+        if (schedule is None or plan.placement_E is None or schedule.rank != self.ep.rank
+                or plan.topology != self.topology or not torch.equal(plan.placement_E, self.placement_cpu)):
             plan = check_layer_plan(plan, self.topology, self.placement_cpu)
             schedule = build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank)
         schedule = schedule.to(device)

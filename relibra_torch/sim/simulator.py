@@ -376,7 +376,7 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
     per_rank_layers = -(-L // ranks)  # the hook pads every rank's part to this many layers
     M, J = loads_MLSE.shape[0], topo.slots_per_gpu
-    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J + M * ranks * ranks * J)
+    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J + splits * M * ranks * ranks * J)
     gather_s = 3 * latency_us * 1e-6 + gathered * (ranks - 1) / ranks / (gbps * 1e9)
     return plan, digest_s + max(secs) + gather_s
 
