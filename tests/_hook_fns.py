@@ -110,7 +110,7 @@ def train_checking_schedules(cfg, planner, planner_kwargs=None):
             for l, ref in enumerate(layer_plans(plan, self.loads_MLSE, m)):
                 ref = check_layer_plan(ref, self.topology, plan.placement_LE[l])
                 lp, sched = self._schedules[m][l]
-                ref_sched = build_rank_schedule(self.topology, plan.placement_LE[l], ref, self.ep.rank)
+                ref_sched = build_rank_schedule(self.topology, plan.placement_LE[l], ref, self.ep.rank).to("cpu")
                 if _fields_differ(lp, ref) or _fields_differ(sched, ref_sched):
                     differ.append((len(degraded), m, l))
         return plan

@@ -49,7 +49,7 @@ def test_batched_schedules_equal_the_one_pair_path(shape, M, L, seed, kind, hot)
                 lp, sched = got[m][l]
                 assert isinstance(lp, LayerPlan) and isinstance(sched, RankSchedule)
                 ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
-                ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank)
+                ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank).to("cpu")
                 assert not _fields_differ(lp, ref_lp), (m, l, rank, _fields_differ(lp, ref_lp))
                 assert not _fields_differ(sched, ref), (m, l, rank, _fields_differ(sched, ref))
 
@@ -91,8 +91,13 @@ def test_install_uses_the_schedules_built_by_plan_step(monkeypatch):
         raise AssertionError("install rebuilt a schedule")
 
     monkeypatch.setattr(engine_mod, "build_rank_schedule", refuse)
+    # the schedules were moved to the layer's device in plan_step, all at once: installing a
+    # micro-batch copies nothing (a blocking copy to a GPU waits for the queued work)
+    monkeypatch.setattr(RankSchedule, "to", refuse)
     for mb in range(3):
         balancer.install(mb)
+        sched = m.engine._schedule
+        assert sched.device == torch.device("cpu") and len(sched.fill_single_offsets) == len(sched.fill_counts)
         ref = layer_plans(plan, balancer.loads_MLSE, mb)[0]
         assert not _fields_differ(m.plan, check_layer_plan(ref, m.topology, plan.placement_LE[0]))
         m(torch.randn(5, fns.DIM, generator=gen), ids[mb][:, 0])
@@ -186,7 +191,7 @@ def _assert_equal_to_one_pair_path(plan, loads, topo):
         for m in range(plan.num_micro_batches):
             for l, ref_lp in enumerate(layer_plans(plan, loads, m)):
                 ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
-                ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank)
+                ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank).to("cpu")
                 lp, sched = got[m][l]
                 assert not _fields_differ(lp, ref_lp) and not _fields_differ(sched, ref), (plan.planner, m, l, rank)
 

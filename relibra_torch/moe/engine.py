@@ -164,10 +164,9 @@ class ExpertEngine:
 
         The plan stays installed until replaced (activation recomputation in backward reuses
         it). Raises ``ValueError`` for a plan of another topology or placement. ``schedule``:
-        this rank's host schedule of ``plan`` built ahead (``schedule_batch.rank_schedules``: a
-        validated plan and its schedule), so only its copy to ``device`` is left; ignored
-        (the plan checked and its schedule rebuilt) unless the plan is for the placement and
-        topology in force and the schedule for this rank.
+        this rank's schedule of ``plan`` built ahead (``schedule_batch.rank_schedules``), used
+        (not copied again when already on ``device``) only for this rank and the placement and
+        topology in force; else the plan is checked and its schedule rebuilt.
         """
         if plan is None:
             self.residents.begin(None, "set_plan(None)")
@@ -177,7 +176,8 @@ class ExpertEngine:
                 or plan.topology != self.topology or not torch.equal(plan.placement_E, self.placement_cpu)):
             plan = check_layer_plan(plan, self.topology, self.placement_cpu)
             schedule = build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank)
-        schedule = schedule.to(device)
+        if schedule.device != torch.device(device):  # a blocking copy waits for the stream
+            schedule = schedule.to(device)
         self.residents.begin(schedule, f"installing micro-batch {plan.micro_batch}'s plan")
         self._schedule = schedule
         self.plan = plan

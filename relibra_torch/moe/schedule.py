@@ -273,6 +273,7 @@ class RankSchedule:
     micro_batch: int | None = None
     fill_single_offsets: list = dataclasses.field(default_factory=list)
     hub_GJ: torch.Tensor | None = None
+    device: torch.device | None = None  # where :meth:`to` put the index tensors (None: not moved)
 
     _DEVICE_FIELDS = ("slot_order_X", "slot_cum_end_X", "chunk_group_C", "chunk_count_C",
                       "fill_send_idx", "own_offsets", "fill_offsets")
@@ -280,6 +281,7 @@ class RankSchedule:
     def to(self, device: torch.device | str) -> "RankSchedule":
         """A copy whose index tensors live on ``device`` (moved once per plan, not per call)."""
         moved = {f: getattr(self, f).to(device) for f in self._DEVICE_FIELDS}
+        moved["device"] = torch.device(device)
         moved["fill_single_offsets"] = [torch.tensor([n], dtype=torch.int32, device=device)
                                         for n in self.fill_counts]
         return dataclasses.replace(self, **moved)

@@ -17,6 +17,8 @@ per GPU, X = G * J, E experts, El native experts per GPU, F fills of the rank in
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..planning.plan import StepPlan, token_split, validate_plan
@@ -48,12 +50,15 @@ def step_splits(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     return torch.cat([token_split(plan.micro_batch(m), loads_MLSE[m:m + 1]) for m in range(plan.num_micro_batches)])
 
 
-def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int,
-                   split_MLSGJ: torch.Tensor | None = None) -> list[list[tuple[LayerPlan, RankSchedule]]]:
+def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_MLSGJ: torch.Tensor | None = None,
+                   device: torch.device | str = "cpu") -> list[list[tuple[LayerPlan, RankSchedule]]]:
     """``[M][L]`` ``(layer plan, rank rank's schedule)`` of every micro-batch and layer of
     ``plan`` (``loads_MLSE``: int ``[M, L, S, E]``, the counts it was made from): what
-    ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair.
-    ``split_MLSGJ``: :func:`step_splits` of the plan when already at hand."""
+    ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair, the
+    schedules already moved to ``device`` (``RankSchedule.to``) with one copy per dtype for
+    the whole step, so that installing a micro-batch copies nothing (a blocking copy to a
+    GPU would wait for the work queued before it). ``split_MLSGJ``: :func:`step_splits` of
+    the plan when already at hand."""
     validate_plan(plan, loads_MLSE)
     topo = plan.topology
     M, L, G, J = plan.slot_expert_MLGJ.shape
@@ -142,4 +147,29 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int,
                 fill_offsets=fill_offsets_B[b], slot_expert_GJ=se[b], owner_GJ=owner[b], active_GJ=active[b],
                 fill_mb_GJ=fmb[b], return_mb_GJ=rmb[b], local_E=local[b], micro_batch=m, hub_GJ=hub[b])))
         out.append(row)
+    return _moved(out, torch.device(device))
+
+
+def _moved(out: list[list[tuple[LayerPlan, RankSchedule]]], device: torch.device) -> list:
+    """``out`` with every schedule's index tensors on ``device``: the fields of all schedules
+    concatenated per dtype, copied at once (pinned, not blocking, for a GPU) and split back
+    into views; each fill's ``[1]`` row count a view of one int32 tensor."""
+    scheds = [sched for row in out for _, sched in row]
+    fields = list(RankSchedule._DEVICE_FIELDS)
+    parts = [getattr(sched, f).reshape(-1) for sched in scheds for f in fields]
+    fills = torch.tensor([n for sched in scheds for n in sched.fill_counts], dtype=torch.int32)
+    moved, sizes = {}, [p.numel() for p in parts]
+    for dtype in {p.dtype for p in parts}:
+        idx = [k for k, p in enumerate(parts) if p.dtype == dtype]
+        flat = torch.cat([parts[k] for k in idx])
+        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
+        moved.update(zip(idx, flat.split([sizes[k] for k in idx])))
+    fills = (fills.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else fills.to(device)).split(1)
+    k = f = 0
+    for row in out:
+        for i, (lp, sched) in enumerate(row):
+            new = {name: moved[k + j].view(getattr(sched, name).shape) for j, name in enumerate(fields)}
+            n = len(sched.fill_counts)
+            row[i] = (lp, dataclasses.replace(sched, **new, fill_single_offsets=list(fills[f:f + n]), device=device))
+            k, f = k + len(fields), f + n
     return out
