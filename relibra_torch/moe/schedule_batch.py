@@ -17,8 +17,6 @@ per GPU, X = G * J, E experts, El native experts per GPU, F fills of the rank in
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from ..planning.plan import StepPlan, token_split, validate_plan
@@ -55,7 +53,7 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
     """``[M][L]`` ``(layer plan, rank rank's schedule)`` of every micro-batch and layer of
     ``plan`` (``loads_MLSE``: int ``[M, L, S, E]``, the counts it was made from): what
     ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair, the
-    schedules already moved to ``device`` (``RankSchedule.to``) with one copy per dtype for
+    schedules already on ``device`` (as ``RankSchedule.to`` puts them) with one copy per batch tensor for
     the whole step, so that installing a micro-batch copies nothing (a blocking copy to a
     GPU would wait for the work queued before it). ``split_MLSGJ``: :func:`step_splits` of
     the plan when already at hand."""
@@ -122,12 +120,19 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
     lists = [x.tolist() for x in (sp_BSGJ[:, rank].sum(-1), recv_BSJ.sum(-1), own_counts_BE, fill_send_BG,
                                   fill_recv_BG)]
     slots_F, tokens_F, experts_F = mine[:, 1].tolist(), fill_tokens_F.tolist(), fill_experts_F.tolist()
+    any_fill_B = fill_BGJ.flatten(1).any(1).tolist()
+    # the fields the forward indexes with (RankSchedule._DEVICE_FIELDS and each fill's [1] row
+    # count) go to the device here, one copy per batch tensor for the whole step
+    device = torch.device(device)
+    order_BX, cum_end_BX, chunk_group_BX, chunk_count_BX, own_offsets_BE, send_idx, fill_offsets_F, counts_F = (
+        _to(t, device) for t in (order_BX, cum_end_BX, group_BJ.unsqueeze(1).expand(B, G, J).reshape(B, X),
+                                 recv_BSJ.reshape(B, X), own_counts_BE.cumsum(1).to(torch.int32), send_idx,
+                                 fill_offsets_F, fill_tokens_F.to(torch.int32)))
     send_idx_B = torch.split(send_idx, torch.bincount(served[:, 0], minlength=B).tolist())
     fill_offsets_B = torch.split(fill_offsets_F, per)
-    any_fill_B = fill_BGJ.flatten(1).any(1).tolist()
+    singles_F = counts_F.split(1)
     views = [t.unbind(0) for t in (se_BGJ, sp_BSGJ, fill_mb_BGJ, return_mb_BGJ, hub_BGJ, expected_BE, order_BX,
-                                   cum_end_BX, group_BJ.unsqueeze(1).expand(B, G, J).reshape(B, X),
-                                   recv_BSJ.reshape(B, X), tokens_BJ, own_counts_BE.cumsum(1).to(torch.int32),
+                                   cum_end_BX, chunk_group_BX, chunk_count_BX, tokens_BJ, own_offsets_BE,
                                    owner_BGJ, fill_BGJ, local_BE)]
     se, sp, fmb, rmb, hub, exp, order, cum, cgroup, ccount, tok, own_off, owner, active, local = views
     placements = plan.placement_LE.unbind(0)
@@ -145,31 +150,13 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
                 fill_send_idx=send_idx_B[b], fill_send_sizes=lists[3][b], fill_recv_sizes=lists[4][b],
                 fill_slots=slots_F[a:z], fill_experts=experts_F[a:z], own_offsets=own_off[b],
                 fill_offsets=fill_offsets_B[b], slot_expert_GJ=se[b], owner_GJ=owner[b], active_GJ=active[b],
-                fill_mb_GJ=fmb[b], return_mb_GJ=rmb[b], local_E=local[b], micro_batch=m, hub_GJ=hub[b])))
+                fill_mb_GJ=fmb[b], return_mb_GJ=rmb[b], local_E=local[b], micro_batch=m,
+                fill_single_offsets=list(singles_F[a:z]), hub_GJ=hub[b], device=device)))
         out.append(row)
-    return _moved(out, torch.device(device))
-
-
-def _moved(out: list[list[tuple[LayerPlan, RankSchedule]]], device: torch.device) -> list:
-    """``out`` with every schedule's index tensors on ``device``: the fields of all schedules
-    concatenated per dtype, copied at once (pinned, not blocking, for a GPU) and split back
-    into views; each fill's ``[1]`` row count a view of one int32 tensor."""
-    scheds = [sched for row in out for _, sched in row]
-    fields = list(RankSchedule._DEVICE_FIELDS)
-    parts = [getattr(sched, f).reshape(-1) for sched in scheds for f in fields]
-    fills = torch.tensor([n for sched in scheds for n in sched.fill_counts], dtype=torch.int32)
-    moved, sizes = {}, [p.numel() for p in parts]
-    for dtype in {p.dtype for p in parts}:
-        idx = [k for k, p in enumerate(parts) if p.dtype == dtype]
-        flat = torch.cat([parts[k] for k in idx])
-        flat = flat.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else flat.to(device)
-        moved.update(zip(idx, flat.split([sizes[k] for k in idx])))
-    fills = (fills.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else fills.to(device)).split(1)
-    k = f = 0
-    for row in out:
-        for i, (lp, sched) in enumerate(row):
-            new = {name: moved[k + j].view(getattr(sched, name).shape) for j, name in enumerate(fields)}
-            n = len(sched.fill_counts)
-            row[i] = (lp, dataclasses.replace(sched, **new, fill_single_offsets=list(fills[f:f + n]), device=device))
-            k, f = k + len(fields), f + n
     return out
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: for a GPU from pinned memory without blocking (a blocking copy
+    would wait for the work queued before it); on the CPU, ``t`` itself."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
