@@ -71,8 +71,8 @@ class StepReport:
             all-reduce, plan agreement, failure flag, migration): ``step_collectives``.
         schedules_s: wall time ``plan_step`` spent building every micro-batch's layer
             schedules of this rank after planning (``moe.schedule_batch.rank_schedules``, and
-            with split planning this rank's share of the token splits), so that ``install``
-            only copies them to the device.
+            with split planning this rank's share of the token splits), already on the
+            layers' device, so that ``install`` only hands them over.
     """
 
     planner_s: float = 0.0

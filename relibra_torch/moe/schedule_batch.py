@@ -1,8 +1,8 @@
 """Every micro-batch's layer plans and one rank's schedules of a step, built at once.
 
 :meth:`relibra_torch.hook.ReplayBalancer.plan_step` calls :func:`rank_schedules` right after
-planning, inside the window the planner hides in, so ``install(m)`` only copies a
-micro-batch's schedules to the device; the simulator charges the same call as host work.
+planning, inside the window the planner hides in, and moves them to the layers' device, so
+``install(m)`` only hands a micro-batch's schedules over; the simulator charges the same call.
 Built one (micro-batch, layer) at a time (``check_layer_plan`` then ``build_rank_schedule``)
 this took about 0.3 ms per pair on small shapes, most of the host work of a step at 16-64
 tokens per GPU; here every tensor step runs once over all ``B = M * L`` pairs, and only the
