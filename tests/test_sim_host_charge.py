@@ -209,3 +209,21 @@ def test_the_simulator_charges_split_bytes_only_where_splits_travel(monkeypatch)
         gathered = G * 8 * P * (E + 2 * M * G * J + splits * M * G * G * J)
         want = 3 * hw.inter_node_latency_us * 1e-6 + gathered * (G - 1) / G / (hw.inter_node_gbps * 1e9)
         assert abs(secs - want) < 1e-12, (name, secs, want)
+
+
+def test_host_cpu_is_measured_without_garbage_collection_pauses():
+    """A full collection walks the simulator's whole heap (~0.1 s) and would land at random
+    in one system's measured planning; it is paused while a planner runs, as timeit does."""
+    import gc
+
+    from relibra_torch.sim.simulator import one_thread_cpu
+
+    assert gc.isenabled()
+    inside, _ = one_thread_cpu(gc.isenabled)
+    assert inside is False and gc.isenabled()
+    gc.disable()
+    try:  # a caller that paused it keeps it paused
+        one_thread_cpu(lambda: None)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -1,36 +1,32 @@
 """Run balancing systems on the same loads and compare their step times.
 
-Legend (shape suffixes): X steps, M micro-batches, L MoE layers, S source ranks, E experts,
-G GPUs.
+Legend (shape suffixes): X steps, M micro-batches, L MoE layers, S source ranks, E experts, G GPUs.
 
 For each system the simulator walks the steps in order: ``plan = planner.plan(loads)``
-(timed: that is the planner's wall time), ``evaluate(plan, loads)``, the cost model, then
+(timed: one thread's CPU), ``evaluate(plan, loads)``, the cost model, then
 ``planner.commit(plan, loads)`` so that history-based planners (EPLB) learn and the next
 step's migration is counted from the placement actually in force. The first
 ``warmup_steps`` steps are run but left out of the figures (EPLB has no history yet).
 
 Host work ahead of the step (the planner, and for relibra, whose layer derives every
-exchange size on the host, the per-micro-batch token splits; baselines' engines pick
-replicas per token on the GPU) is measured as one thread's CPU time (torch limited to one
-thread: CPU time does not grow on a loaded machine). A planner that plans layers apart runs
-as the training hook runs it (``planning.split``): every EP rank plans its share of the
-layers, and the slowest share plus three small collectives counts. It is charged where it exceeds the
-overlap window (``planning.overlap_s``; default: static's forward pass over the step, the
-same for every system, during which RL pipelines compute old log-probs with the same
-replay, before the plan being made exists). Static has no host work. Systems that plan at
-run time (a ``plan_latency_s`` attribute) are charged that latency per layer and
-micro-batch instead.
+exchange size on the host, the layer schedules of every micro-batch; baselines' engines pick
+replicas per token on the GPU) is measured as one thread's CPU time (:func:`one_thread_cpu`).
+A planner that plans layers apart runs as the training hook runs it (``planning.split``):
+every EP rank plans its share of the layers, and the slowest share plus three small
+collectives counts. It is charged where it exceeds the overlap window (``planning.overlap_s``;
+default: static's forward pass over the step, the same for every system, during which RL
+pipelines compute old log-probs with the same replay, before the plan being made exists).
+Static has no host work. Systems that plan at run time (a ``plan_latency_s`` attribute: the
+online systems) are charged that latency per layer and micro-batch instead.
 
-"static", "uniform" and "bound" are always computed, because the speedup, "of uniform" and
-"of bound" figures are relative to them. ``bound`` is a lower bound no plan can beat
-(:mod:`relibra_torch.sim.bound`); ``uniform`` is the reference of uniform routing on
-balanced GPUs, which a plan can beat (named ``ideal`` before; renamed because it is not one).
-A planner with a ``plan_latency_s`` attribute (the online systems) plans at run time: the
-cost model charges that much per layer and micro-batch.
+"static", "uniform" and "bound" are always computed (the speedup, "of uniform" and "of
+bound" figures are relative to them). ``bound`` is a lower bound no plan can beat
+(:mod:`relibra_torch.sim.bound`); ``uniform``, uniform routing on balanced GPUs, a plan can beat.
 """
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import time
 from dataclasses import dataclass, field
@@ -396,15 +392,19 @@ def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -
 
 
 def one_thread_cpu(fn: Callable[[], object]) -> tuple[object, float]:
-    """``fn()`` and the CPU seconds this thread spent in it, with torch on one thread."""
-    threads = torch.get_num_threads()
+    """``fn()`` and this thread's CPU seconds in it, torch on one thread and Python's garbage
+    collector paused as ``timeit`` pauses it (a full collection walks the simulator's whole
+    heap, ~0.1 s, and landed at random in one system's planning)."""
+    threads, collecting = torch.get_num_threads(), gc.isenabled()
     torch.set_num_threads(1)
+    gc.disable()
     t0 = time.thread_time()
     try:
         out = fn()
     finally:
         secs = time.thread_time() - t0
         torch.set_num_threads(threads)
+        gc.enable() if collecting else None
     return out, secs
 
 
