@@ -47,10 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     original = sim.plan_as_run
 
     def spy(planner, loads, pairs, config):
-        plan, secs = original(planner, loads, pairs, config)
+        plan, secs, split = original(planner, loads, pairs, config)
         if getattr(planner, "host_token_splits", False):  # relibra
             digests.append(plan_digest(plan))
-        return plan, secs
+        return plan, secs, split
 
     sim.plan_as_run = spy
     with tempfile.TemporaryDirectory() as tmp:

@@ -205,7 +205,7 @@ def test_the_simulator_charges_split_bytes_only_where_splits_travel(monkeypatch)
     loads = torch.randint(0, 9, (M, L, G, E), generator=torch.Generator().manual_seed(0))
     P = -(-L // G)
     for name, splits in (("eplb-oracle", 0), ("relibra", 1)):
-        _, secs = sim.plan_as_run(make_planner(name, topo), loads, None, config)
+        _, secs, _ = sim.plan_as_run(make_planner(name, topo), loads, None, config)
         gathered = G * 8 * P * (E + 2 * M * G * J + splits * M * G * G * J)
         want = 3 * hw.inter_node_latency_us * 1e-6 + gathered * (G - 1) / G / (hw.inter_node_gbps * 1e9)
         assert abs(secs - want) < 1e-12, (name, secs, want)

@@ -31,9 +31,8 @@ def _owners(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
     ``[M * L, G, J]``: the slot holds an expert another GPU owns (a copy)."""
     M, L, G, J = plan.slot_expert_MLGJ.shape
     se_BGJ = plan.slot_expert_MLGJ.reshape(M * L, G, J)
-    owner_LE = plan.placement_LE // plan.topology.experts_per_gpu
-    owner_BGJ = torch.where(se_BGJ >= 0, owner_LE.repeat(M, 1).gather(1, se_BGJ.reshape(M * L, -1).clamp(min=0))
-                            .view(M * L, G, J), -1)
+    owner_BGJ = torch.where(se_BGJ >= 0, plan.owner_gpu_LE().repeat(M, 1).gather(
+        1, se_BGJ.reshape(M * L, -1).clamp(min=0)).view(M * L, G, J), -1)
     return owner_BGJ, (se_BGJ >= 0) & (owner_BGJ != torch.arange(G).view(1, G, 1))
 
 
@@ -43,7 +42,12 @@ def step_splits(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     over the EP ranks as it splits the planning). With copies one call per micro-batch (the
     split's greedy rounds run to the slowest row of a call); without, one call (every row
     takes its shortcut)."""
-    if not bool(_owners(plan)[1].any()):
+    return _splits(plan, loads_MLSE, bool(_owners(plan)[1].any()))
+
+
+def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, copies: bool) -> torch.Tensor:
+    """:func:`step_splits`, told whether the plan has a copy."""
+    if not copies:
         return token_split(plan, loads_MLSE)
     return torch.cat([token_split(plan.micro_batch(m), loads_MLSE[m:m + 1]) for m in range(plan.num_micro_batches)])
 
@@ -66,7 +70,7 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
     owner_BE, local_BE = placement_BE // El, placement_BE % El
     owner_BGJ, foreign_BGJ = _owners(plan)
     copies = bool(foreign_BGJ.any())
-    sp_BSGJ = (step_splits(plan, loads_MLSE) if split_MLSGJ is None else split_MLSGJ).reshape(B, G, G, J)
+    sp_BSGJ = (_splits(plan, loads_MLSE, copies) if split_MLSGJ is None else split_MLSGJ).reshape(B, G, G, J)
     if copies:   # residencies span micro-batches: computed once for the step
         res = residencies(plan)
         mb_MLGJ = [torch.stack(t) for t in zip(*(residency_micro_batches(plan, m, res) for m in range(M)))]

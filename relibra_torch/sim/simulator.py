@@ -294,7 +294,7 @@ def simulate(workload: Workload, config: SimConfig,
                 if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
                     r = workload.routing  # the step's exact pair counts, as replay gives them
                     pairs_LEE = count_pairs(r.routed_experts_TLK[r.token_index[x]], topo.num_experts)
-                plan, secs = plan_as_run(planner, loads_MLSE, pairs_LEE, config)
+                plan, secs, split_MLSGJ = plan_as_run(planner, loads_MLSE, pairs_LEE, config)
                 if config.validate:
                     validate_plan(plan, loads_MLSE)
                 if measured:  # a warm-up step only advances the planner's state
@@ -314,8 +314,7 @@ def simulate(workload: Workload, config: SimConfig,
                         window_X[x] = forward_s(costs[-1])
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], window_X[x], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"),
-                                      host_splits=getattr(planner, "host_token_splits", False),
-                                      split_shared=_split_planning(planner, config, loads_MLSE.shape[1]))
+                                      host_splits=getattr(planner, "host_token_splits", False), split_MLSGJ=split_MLSGJ)
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
@@ -325,8 +324,9 @@ def simulate(workload: Workload, config: SimConfig,
 
 
 def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None,
-                config: SimConfig) -> tuple[StepPlan, float]:
-    """The step's plan and its host seconds, as the training hook runs the planner.
+                config: SimConfig) -> tuple[StepPlan, float, torch.Tensor | None]:
+    """The step's plan, its host seconds and, where the ranks split the tokens too, the
+    joined splits ``[M, L, S, G, J]`` (else ``None``), as the training hook runs the planner.
 
     With split planning (``planning.split``, the hook's default) and a planner that plans
     layers independently, each of the ``G`` EP ranks plans its share of the layers
@@ -345,20 +345,23 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     topo, L = config.topology, loads_MLSE.shape[1]
     ranks = topo.num_gpus
     if isinstance(planner, StaticPlanner):  # a static run has no hook: no planning, no collective
-        return run(), 0.0
+        return run(), 0.0, None
     hw = config.hardware
     latency_us, gbps = ((hw.inter_node_latency_us, hw.inter_node_gbps) if topo.num_nodes > 1
                         else (hw.nvlink_latency_us, hw.nvlink_gbps))
-    if not _split_planning(planner, config, L):
+    if not (config.baseline_options.planning_split and getattr(planner, "splits_layers", False)
+            and ranks > 1 and L > 1):
         plan, secs = one_thread_cpu(run)
         if ranks == 1:
-            return plan, secs
+            return plan, secs, None
         # the hook's whole-step path: a digest of the plan, its agreement and the failure flag
-        return plan, secs + one_thread_cpu(lambda: plan_digest(plan))[1] + 2 * latency_us * 1e-6
+        return plan, secs + one_thread_cpu(lambda: plan_digest(plan))[1] + 2 * latency_us * 1e-6, None
 
     # the hook hashes the planner's inputs before the ranks agree on them
     digest_s = one_thread_cpu(lambda: hash_counts(hashlib.sha256(), loads_MLSE, pairs_LEE))[1]
     splits = getattr(planner, "host_token_splits", False)
+    M, J = loads_MLSE.shape[0], topo.slots_per_gpu
+    split_MLSGJ = torch.empty(M, L, ranks, ranks, J, dtype=torch.int64) if splits else None
     if splits:
         from ..moe.schedule_batch import step_splits  # the hook's code (imports the layer on first use)
     parts, secs = [], []
@@ -366,15 +369,15 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
         share = layer_share(r, ranks, L)
         part, s = one_thread_cpu(lambda: run(share))
         if splits:  # the rank splits its own layers' tokens for the layer's schedules
-            s += one_thread_cpu(lambda: step_splits(part, loads_MLSE[:, share]))[1]
+            split_MLSGJ[:, share], t = one_thread_cpu(lambda: step_splits(part, loads_MLSE[:, share]))
+            s += t
         parts.append(part)
         secs.append(s)
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
     per_rank_layers = -(-L // ranks)  # the hook pads every rank's part to this many layers
-    M, J = loads_MLSE.shape[0], topo.slots_per_gpu
     gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J + splits * M * ranks * ranks * J)
     gather_s = 3 * latency_us * 1e-6 + gathered * (ranks - 1) / ranks / (gbps * 1e9)
-    return plan, digest_s + max(secs) + gather_s
+    return plan, digest_s + max(secs) + gather_s, split_MLSGJ
 
 
 def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
@@ -418,31 +421,24 @@ def forward_s(c: StepCost) -> float:
             + latency_s / 2)
 
 
-def _split_planning(planner: Planner, config: SimConfig, num_layers: int) -> bool:
-    """Whether the hook plans (and splits tokens) per EP rank share (``planning.split``)."""
-    return (config.baseline_options.planning_split and getattr(planner, "splits_layers", False)
-            and config.topology.num_gpus > 1 and num_layers > 1)
-
-
 def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
                       c: StepCost, forward_window_s: float, options: BaselineOptions, run_time: bool,
-                      host_splits: bool, split_shared: bool = False) -> None:
+                      host_splits: bool, split_MLSGJ: torch.Tensor | None = None) -> None:
     """Add the host work that does not fit the overlap window to the step (see the module
     docstring); record host CPU, window and charge in ``host``. ``host_splits``: the system's
     layer derives every exchange size on the host: relibra's hook builds every micro-batch's
     layer plans (``token_split``, residencies) and one rank's schedules after planning
     (``moe.schedule_batch.rank_schedules``, timed here on rank 0's); the baselines' engines pick a
-    replica per token on the GPU, static has none."""
+    replica per token on the GPU, static has none. ``split_MLSGJ``: the token splits the
+    ranks made with their planning shares (``plan_as_run``), not charged again."""
     window = forward_window_s if options.planning_overlap_s is None else options.planning_overlap_s
     if run_time:  # planned on the critical path, per layer: the cost model charged its latency
         work = 0.0
     elif not host_splits:
         work = planner_s
     else:  # what ReplayBalancer.plan_step does after planning: every micro-batch's schedules
-        from ..moe.schedule_batch import rank_schedules, step_splits  # the layer's host code
-        # with split planning each rank split its share's tokens (in planner_s, plan_as_run)
-        split = step_splits(plan, loads_MLSE) if split_shared else None
-        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0, split))[1]
+        from ..moe.schedule_batch import rank_schedules  # the layer's host code
+        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0, split_MLSGJ))[1]
     charged = max(0.0, work - window)
     c.step_s += charged
     host["host_s"].append(work)
