@@ -27,7 +27,6 @@ T tokens of one micro-batch on this rank, K top-k.
 
 from __future__ import annotations
 
-import hashlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ from .moe.schedule_batch import rank_schedules, step_splits
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.base import layer_share
 from .planning.evaluate import imbalance
-from .planning.plan import hash_counts
+from .planning.plan import planner_digest
 from .planning.pricing import relibra_config_for
 from .replay.counts import count_micro_batches, count_pairs
 
@@ -183,20 +182,6 @@ class ReplayBalancer:
         all_gather_single(out, t.contiguous().view(-1).to(device), group=self.ep.group)
         return out.cpu().view(self.ep.size, *t.shape)
 
-    def _inputs_digest(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> int:
-        """62-bit digest of everything the planner reads: loads, pair counts, its state and config."""
-        h = hashlib.sha256()
-        h.update(repr((type(self.planner).__qualname__, self.planner.name, self.topology)).encode())
-        hash_counts(h, loads_MLSE, pairs_LEE)
-        for key, value in sorted(vars(self.planner).items()):
-            if key in getattr(self.planner, "rank_local_state", ()):  # this rank's layers only
-                continue
-            h.update(key.encode())
-            items = value if isinstance(value, (list, tuple)) else [value]
-            for v in items:
-                h.update(v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-        return int(h.hexdigest()[:16], 16) & ((1 << 62) - 1)
-
     def _check_agreement(self, digest: int, what: str) -> None:
         digests = self._all_gather(torch.tensor([digest], dtype=torch.int64)).flatten()
         if not (digests == digests[0]).all():
@@ -318,9 +303,9 @@ class ReplayBalancer:
 
         split = (self.split_planning and self.ep.group is not None and self.ep.size > 1
                  and getattr(self.planner, "splits_layers", False))
-        if split:  # agree on the inputs: the assembled plan is then the same everywhere
-            self._check_agreement(self._inputs_digest(loads_MLSE, pairs_LEE),
-                                  "planner inputs (loads, planner state or config)")
+        if split:  # agree on the planner (the counts are gathered): the assembled plan is then the same everywhere
+            self._check_agreement(planner_digest(self.planner, self.topology),
+                                  "planner inputs (planner state or config)")
         t0 = time.perf_counter()
         failed, part, plan, split_MLSGJ, split_s = 0, None, None, None, 0.0
         if split:

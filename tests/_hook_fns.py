@@ -98,7 +98,7 @@ def train_checking_schedules(cfg, planner, planner_kwargs=None):
     whose schedules differ and the micro-batches the layers degraded."""
     from relibra_torch.hook import ReplayBalancer
     from relibra_torch.moe.schedule import build_rank_schedule, check_layer_plan, layer_plans
-    from test_schedule_batch import _fields_differ
+    from test_schedule_batch import pair_differs
 
     differ, degraded, original = [], [], ReplayBalancer.plan_step
 
@@ -111,7 +111,7 @@ def train_checking_schedules(cfg, planner, planner_kwargs=None):
                 ref = check_layer_plan(ref, self.topology, plan.placement_LE[l])
                 lp, sched = self._schedules[m][l]
                 ref_sched = build_rank_schedule(self.topology, plan.placement_LE[l], ref, self.ep.rank).to("cpu")
-                if _fields_differ(lp, ref) or _fields_differ(sched, ref_sched):
+                if pair_differs(lp, sched, ref, ref_sched, self.loads_MLSE[m, l]):
                     differ.append((len(degraded), m, l))
         return plan
 

@@ -202,7 +202,7 @@ def run_degraded(case: Case, planned_ids: list[torch.Tensor]) -> dict:
     run_case's results plus the warnings and the balancer's degraded micro-batches."""
     import warnings
 
-    import relibra_torch.moe.engine as engine_mod
+    import relibra_torch.moe.plan_check as check_mod
     from relibra_torch.hook import ReplayBalancer
 
     torch.manual_seed(1234)
@@ -212,7 +212,7 @@ def run_degraded(case: Case, planned_ids: list[torch.Tensor]) -> dict:
     balancer = ReplayBalancer(m, planner="relibra")
     balancer.plan_step([planned_ids[r].unsqueeze(1)])
     balancer.install(0)
-    engine_mod._MISMATCH_WARNED = False
+    check_mod._MISMATCH_WARNED = False
     xs, gs = inputs(case)
     x = xs[r].clone().requires_grad_()
     with warnings.catch_warnings(record=True) as caught:

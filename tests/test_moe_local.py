@@ -126,8 +126,8 @@ def test_one_process_plan_executes_like_local_path():
     want = m(x, other).detach()
     m.set_plan(native_layer_plan(m.topology, m.placement_E.cpu(), counts))
     with pytest.warns(RuntimeWarning, match="do not match the installed plan"):
-        import relibra_torch.moe.engine as engine_mod
-        engine_mod._MISMATCH_WARNED = False
+        import relibra_torch.moe.plan_check as check_mod
+        check_mod._MISMATCH_WARNED = False
         got = m(x, other).detach()
     fns.close(got.numpy(), want.numpy(), "degraded output")
     assert m.engine.degraded_forwards == 1 and m.engine.degraded_micro_batches == {-1}
@@ -249,3 +249,39 @@ def test_bad_input_raises_value_error_naming_the_problem():
         m.apply_placement(torch.arange(8).flip(0))
         m.set_plan(lp)
     assert isinstance(lp, LayerPlan)
+
+
+def test_a_native_plan_runs_the_native_path_and_checks_its_counts():
+    """``set_plan(plan, NATIVE)`` (what ``rank_schedules`` gives a layer it keeps): the
+    forward counts at run time (no schedule installed) and gives the local result; routed
+    ids other than the plan's are recorded under the plan's micro-batch (the forward is
+    correct either way), or raise with ``on_mismatch="raise"``."""
+    import dataclasses
+
+    import relibra_torch.moe.plan_check as check_mod
+    from relibra_torch.moe.native import NATIVE
+
+    case = _case(E=8, K=2, seed=7, replica_slots=2)
+    m = _module(case)
+    m.apply_placement(torch.randperm(8, generator=torch.Generator().manual_seed(3)))
+    x = torch.randn(6, D)
+    ids = torch.randint(0, 8, (6, 2), generator=torch.Generator().manual_seed(4))
+    local = m(x, ids).detach()
+    counts = torch.bincount(ids.reshape(-1), minlength=8).view(1, 8)
+    plan = dataclasses.replace(native_layer_plan(m.topology, m.placement_E.cpu(), counts), micro_batch=2)
+    m.set_plan(plan, NATIVE)
+    assert m.plan is plan and m.engine._schedule is None
+    fns.close(m(x, ids).detach().numpy(), local.numpy(), "native output")
+    assert m.engine.degraded_forwards == 0
+    other = (ids + 1) % 8
+    m.set_plan(None)
+    want = m(x, other).detach()
+    m.set_plan(plan, NATIVE)
+    check_mod._MISMATCH_WARNED = False
+    with pytest.warns(RuntimeWarning, match="EP ranks \\[0\\]"):
+        got = m(x, other).detach()
+    fns.close(got.numpy(), want.numpy(), "native output of other ids")
+    assert m.engine.degraded_forwards == 1 and m.engine.degraded_micro_batches == {2}
+    m.engine.on_mismatch = "raise"
+    with pytest.raises(ValueError, match="do not match the installed plan"):
+        m(x, other)

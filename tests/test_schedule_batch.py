@@ -1,16 +1,20 @@
 """The step's schedules built at once (``moe.schedule_batch.rank_schedules``) equal the
 one-pair path the layer used to run before every forward (``layer_plans``, then
 ``check_layer_plan`` and ``build_rank_schedule``), field for field, on plans with copies,
-two-hop hubs and residencies over several micro-batches. Budget: ~10 s."""
+two-hop hubs and residencies over several micro-batches. A native layer (every expert on its
+owner for the whole step) gets ``NATIVE`` instead: the schedule its native path builds at
+run time (``moe.native.NativeSchedules``) must then equal the one-pair path's. Budget: ~10 s."""
 
 import dataclasses
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from relibra_torch.moe.native import NATIVE, NativeSchedules
 from relibra_torch.moe.schedule import LayerPlan, RankSchedule, build_rank_schedule, check_layer_plan, layer_plans
-from relibra_torch.moe.schedule_batch import rank_schedules
+from relibra_torch.moe.schedule_batch import native_layers, rank_schedules
 from relibra_torch.planning import Topology, make_planner, static_plan
 
 TOPOLOGIES = [(1, 2, 4, 1), (1, 4, 8, 2), (2, 2, 8, 2), (2, 2, 4, 1), (2, 4, 8, 3), (3, 2, 12, 2), (1, 1, 3, 0)]
@@ -25,8 +29,24 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def _fields_differ(a, b) -> list[str]:
-    return [f.name for f in dataclasses.fields(a) if not _equal(getattr(a, f.name), getattr(b, f.name))]
+def _fields_differ(a, b, skip=()) -> list[str]:
+    return [f.name for f in dataclasses.fields(a)
+            if f.name not in skip and not _equal(getattr(a, f.name), getattr(b, f.name))]
+
+
+def pair_differs(lp, sched, ref_lp, ref, loads_SE: torch.Tensor) -> list[str]:
+    """The fields in which a ``rank_schedules`` pair differs from the one-pair path's
+    ``(ref_lp, ref)`` (``loads_SE``: the pair's counts). A ``NATIVE`` pair is compared with
+    the schedule the layer's native path builds from those counts at run time; its layer
+    plan must hold no copy."""
+    assert isinstance(lp, LayerPlan)
+    out = _fields_differ(lp, ref_lp)
+    if sched is not NATIVE:
+        assert isinstance(sched, RankSchedule)
+        return out + _fields_differ(sched, ref)
+    out += ["a replica slot"] if (ref_lp.slot_expert_GJ[:, ref_lp.topology.experts_per_gpu:] >= 0).any() else []
+    native = NativeSchedules(ref_lp.topology, ref.rank).schedule(ref_lp.placement_E, loads_SE)
+    return out + _fields_differ(native, ref, ("micro_batch", "device"))
 
 
 @settings(max_examples=40, deadline=None, derandomize=True)
@@ -41,17 +61,38 @@ def test_batched_schedules_equal_the_one_pair_path(shape, M, L, seed, kind, hot)
     # some experts idle in some micro-batches: step-long copies then hold slots without tokens
     loads *= torch.rand(M, 1, 1, E, generator=gen) > 0.3
     plan = static_plan(loads, topo) if kind == "static" else make_planner(kind, topo).plan(loads)
+    native_L = native_layers(plan, loads)
     for rank in range(topo.num_gpus):
         got = rank_schedules(plan, loads, rank)
         assert len(got) == M and all(len(row) == L for row in got)
         for m in range(M):
             for l, ref_lp in enumerate(layer_plans(plan, loads, m)):
                 lp, sched = got[m][l]
-                assert isinstance(lp, LayerPlan) and isinstance(sched, RankSchedule)
+                assert (sched is NATIVE) == bool(native_L[l])
                 ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
                 ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank).to("cpu")
-                assert not _fields_differ(lp, ref_lp), (m, l, rank, _fields_differ(lp, ref_lp))
-                assert not _fields_differ(sched, ref), (m, l, rank, _fields_differ(sched, ref))
+                differ = pair_differs(lp, sched, ref_lp, ref, loads[m, l])
+                assert not differ, (m, l, rank, differ)
+
+
+def test_native_layers_are_the_layers_without_copies():
+    """A layer is native exactly when every micro-batch keeps every expert on its owner
+    with the expert's load as quota: a copy in one micro-batch, an empty native slot, a
+    swapped native slot or a quota off by one makes it scheduled (not native)."""
+    topo = Topology(2, 2, 8, 2)
+    loads = torch.randint(1, 9, (3, 2, 4, 8), generator=torch.Generator().manual_seed(2))
+    plan = static_plan(loads, topo)
+    assert native_layers(plan, loads).tolist() == [True, True]
+    copy = dataclasses.replace(plan, slot_expert_MLGJ=plan.slot_expert_MLGJ.clone())
+    copy.slot_expert_MLGJ[1, 0, 3, 2] = 0                   # a copy of GPU 0's expert 0 on GPU 3
+    swap = dataclasses.replace(plan, slot_expert_MLGJ=plan.slot_expert_MLGJ.clone())
+    swap.slot_expert_MLGJ[2, 0, 0, :2] = swap.slot_expert_MLGJ[2, 0, 0, :2].flip(0)
+    quota = dataclasses.replace(plan, slot_tokens_MLGJ=plan.slot_tokens_MLGJ.clone())
+    quota.slot_tokens_MLGJ[0, 0, 1, 0] += 1
+    empty = dataclasses.replace(plan, slot_expert_MLGJ=plan.slot_expert_MLGJ.clone())
+    empty.slot_expert_MLGJ[0, 0, 2, 1] = -1
+    for bad in (copy, swap, quota, empty):
+        assert native_layers(bad, loads).tolist() == [False, True]
 
 
 def test_the_batch_covers_fills_and_hubs():
@@ -62,22 +103,27 @@ def test_the_batch_covers_fills_and_hubs():
     loads[..., 0] += 80
     plan = make_planner("relibra", topo).plan(loads)
     scheds = [rank_schedules(plan, loads, r) for r in range(topo.num_gpus)]
-    flat = [s for rs in scheds for row in rs for _, s in row]
+    flat = [s for rs in scheds for row in rs for _, s in row if s is not NATIVE]
     assert any(s.fill_slots for s in flat)
     assert any(int((s.hub_GJ >= 0).sum()) for s in flat)
     assert any(int((s.fill_mb_GJ >= 0).sum()) and int((s.fill_mb_GJ != s.return_mb_GJ).sum()) for s in flat)
 
 
-def test_install_uses_the_schedules_built_by_plan_step(monkeypatch):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "scheduled"])
+def test_install_uses_the_schedules_built_by_plan_step(monkeypatch, native):
     """``plan_step`` builds every micro-batch's schedules; ``install`` then only copies them
     (the one-pair builder is never called), and its plans are ``layer_plans``'; a schedule
-    built for another placement is not used (the plan is checked again and refused)."""
+    built for another placement is not used (the plan is checked again and refused). On one
+    GPU every layer is native (``NATIVE``: nothing built, the forward counts at run time);
+    ``scheduled`` makes ``rank_schedules`` schedule it anyway."""
     import _moe_fns as fns
-    import pytest
 
     import relibra_torch.moe.engine as engine_mod
+    import relibra_torch.moe.schedule_batch as batch_mod
     from relibra_torch.hook import ReplayBalancer
 
+    if not native:
+        monkeypatch.setattr(batch_mod, "native_layers", lambda plan, loads: torch.zeros(plan.num_layers, dtype=torch.bool))
     case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
     m = fns.build(case, None)
     m.load_state_dict(fns.logical_state(case))
@@ -95,16 +141,24 @@ def test_install_uses_the_schedules_built_by_plan_step(monkeypatch):
     # micro-batch copies nothing (a blocking copy to a GPU waits for the queued work)
     monkeypatch.setattr(RankSchedule, "to", refuse)
     for mb in range(3):
+        x = torch.randn(5, fns.DIM, generator=gen)
         balancer.install(mb)
         sched = m.engine._schedule
-        assert sched.device == torch.device("cpu") and len(sched.fill_single_offsets) == len(sched.fill_counts)
-        ref = layer_plans(plan, balancer.loads_MLSE, mb)[0]
-        assert not _fields_differ(m.plan, check_layer_plan(ref, m.topology, plan.placement_LE[0]))
-        m(torch.randn(5, fns.DIM, generator=gen), ids[mb][:, 0])
+        ref = check_layer_plan(layer_plans(plan, balancer.loads_MLSE, mb)[0], m.topology, plan.placement_LE[0])
+        if native:
+            assert sched is None and balancer._schedules[mb][0][1] is NATIVE
+        else:
+            assert sched.device == torch.device("cpu") and len(sched.fill_single_offsets) == len(sched.fill_counts)
+        assert not _fields_differ(m.plan, ref)
+        y = m(x, ids[mb][:, 0])
+        m.set_plan(None)
+        assert torch.allclose(y, m(x, ids[mb][:, 0]), atol=1e-6)   # the same as a layer without a plan
     with pytest.raises(ValueError, match="outside the plan"):
         balancer.install(3)
     monkeypatch.undo()
-    lp, schedule = balancer._schedules[0][0]
+    lp = balancer._schedules[0][0][0]
+    schedule = build_rank_schedule(m.topology, plan.placement_LE[0], check_layer_plan(
+        layer_plans(plan, balancer.loads_MLSE, 0)[0], m.topology, plan.placement_LE[0]), 0)
     # a schedule of another rank, or a plan of another topology, is not used as given
     m.set_plan(lp, dataclasses.replace(schedule, rank=1))
     assert m.engine._schedule.rank == 0
@@ -122,7 +176,6 @@ def test_a_plan_step_that_raises_leaves_the_previous_step_installable():
     old schedules, nor a placement applied for a plan that never runs)."""
     import _moe_fns as fns
     import dataclasses as dc
-    import pytest
 
     from relibra_torch.hook import ReplayBalancer
     from relibra_torch.planning import ReLibraPlanner
@@ -164,7 +217,6 @@ def test_install_before_plan_step_and_after_clear():
     """``install`` before any ``plan_step`` names the fix; ``clear`` removes the installed
     plans (native forwards), and a later ``install`` puts the step's prepared ones back."""
     import _moe_fns as fns
-    import pytest
 
     from relibra_torch.hook import ReplayBalancer
 
@@ -193,7 +245,7 @@ def _assert_equal_to_one_pair_path(plan, loads, topo):
                 ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
                 ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank).to("cpu")
                 lp, sched = got[m][l]
-                assert not _fields_differ(lp, ref_lp) and not _fields_differ(sched, ref), (plan.planner, m, l, rank)
+                assert not pair_differs(lp, sched, ref_lp, ref, loads[m, l]), (plan.planner, m, l, rank)
 
 
 def test_every_planner_and_the_fallback_over_steps():

@@ -17,11 +17,9 @@ received by this rank.
 
 from __future__ import annotations
 
-import warnings
 from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from .. import ops
 from ..distributed.collectives import all_to_all_autograd
@@ -34,17 +32,13 @@ from ..checks import check_choice
 from ..planning.pair_slots import DISPATCH_MODES
 from ..planning.topology import Topology
 from .counters import TransferCounts, count_dispatch, refetch_counter
+from .native import NATIVE, NativeSchedules, gather_counts
+from .plan_check import MISMATCH_MODES, PlanChecks
 from .residents import ResidentReplicas
 from .schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan,
-                       check_placement, group_permutation, native_layer_plan)
+                       check_placement, group_permutation)
 
 __all__ = ["DISPATCH_MODES", "EXPERT_PARAMS", "MISMATCH_MODES", "ExpertEngine", "expert_ffn", "local_tensor"]
-
-#: What a layer does when routed ids disagree with the installed plan (see ExpertEngine).
-MISMATCH_MODES = ("degrade", "raise")
-
-# One warning per process for degraded micro-batches (they are counted, not re-announced).
-_MISMATCH_WARNED = False
 
 #: Names of the expert weights, torchtitan's layout: ``w1``/``w3`` ``[E, F, D]``, ``w2`` ``[E, D, F]``.
 EXPERT_PARAMS = ("w1_EFD", "w2_EDF", "w3_EFD")
@@ -68,7 +62,7 @@ def expert_ffn(x_RD: torch.Tensor, w1_GFD: torch.Tensor, w2_GDF: torch.Tensor, w
                              w3_GFD.to(dt).transpose(-2, -1), offsets_G)
 
 
-class ExpertEngine:
+class ExpertEngine(PlanChecks):
     """Plan install, planned and local execution, placement and migration of one MoE layer.
 
     Args:
@@ -130,6 +124,7 @@ class ExpertEngine:
         self.identity_placement = True
         self.plan: LayerPlan | None = None
         self._schedule: RankSchedule | None = None
+        self._natives = NativeSchedules(topology, ep.rank)
         #: Expert rows (token-expert pairs) this GPU processed in the last forward, per slot
         #: ``[J]`` and in total (taken from the executed exchange).
         self.last_slot_tokens_J = torch.zeros(topology.slots_per_gpu, dtype=torch.int64)
@@ -166,11 +161,18 @@ class ExpertEngine:
         it). Raises ``ValueError`` for a plan of another topology or placement. ``schedule``:
         this rank's schedule of ``plan`` built ahead (``schedule_batch.rank_schedules``), used
         (not copied again when already on ``device``) only for this rank and the placement and
-        topology in force; else the plan is checked and its schedule rebuilt.
+        topology in force; else the plan is checked and its schedule rebuilt. ``NATIVE``
+        (``moe.native``): the plan keeps every expert on its owner (``schedule_batch.
+        native_layers``), so the layer runs its native path, counts exchanged at run time as
+        static's layer does; the plan is kept for its micro-batch index.
         """
         if plan is None:
             self.residents.begin(None, "set_plan(None)")
             self.plan, self._schedule = None, None
+            return
+        if schedule is NATIVE:  # counts exchanged at run time, as static's layer does
+            self.residents.begin(None, f"installing micro-batch {plan.micro_batch}'s native plan")
+            self.plan, self._schedule = plan, None
             return
         if (schedule is None or plan.placement_E is None or schedule.rank != self.ep.rank
                 or plan.topology != self.topology or not torch.equal(plan.placement_E, self.placement_cpu)):
@@ -225,13 +227,11 @@ class ExpertEngine:
         device = x_TD.device
         J = topo.slots_per_gpu
         planned = sched = self._schedule
-        count = self.transfer_counts.counter(None if planned is None else planned.micro_batch)
-        if sched is None or self.check_plan:
-            counts_E, bad_ids = self._host_counts(ids_TK)
+        count = self.transfer_counts.counter(None if self.plan is None else self.plan.micro_batch)
         if sched is None:
-            sched = self._native_schedule(counts_E, device, bad_ids, count)
-        elif self.check_plan and not self._plan_matches(counts_E, bad_ids, sched, device, count):
-            sched = self._native_schedule(counts_E, device, 0, count)
+            sched = self._native_schedule(ids_TK, device, count)
+        elif self.check_plan and not self._plan_matches(*self._host_counts(ids_TK), sched, device, count):
+            sched = self._native_schedule(ids_TK, device, count)
         if self.dispatch != "hierarchical" or ep.group is None:
             count_dispatch(sched, topo.gpus_per_node, ep.rank, count)  # hierarchical: by its exchange
         on_collective = (lambda: count("collectives", 1)) if ep.group is not None else None
@@ -307,97 +307,21 @@ class ExpertEngine:
                                                       y_send.requires_grad)
         return ops.unpermute(y_send, row_of_TK, gates_TK)
 
-    def _host_counts(self, ids_TK: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """``(counts_E, bad)``: int64 CPU ``[E]`` pairs per expert (pads skipped) and the
-        number of ids outside ``[-1, E)``, from one device-to-host copy."""
-        E = self.num_experts
-        flat = ids_TK.reshape(-1)
-        key = torch.where((flat < -1) | (flat >= E), E + 1, flat + 1)
-        binned = torch.bincount(key, minlength=E + 2).cpu()
-        return binned[1 : E + 1], int(binned[E + 1])
-
-    def _agree(self, flag: int, device: torch.device, count=None) -> torch.Tensor:
-        """int64 CPU ``[G]``: every rank's ``flag`` (one all-reduce; no exchange on one process)."""
-        ep = self.ep
-        flags = torch.zeros(max(ep.size, 1), dtype=torch.int64)
-        flags[ep.rank] = flag
-        if ep.group is not None:
-            if count is not None:
-                count("collectives", 1)
-            flags = flags.to(device)
-            dist.all_reduce(flags, group=ep.group)
-            flags = flags.cpu()
-        return flags
-
-    def _raise_bad_ids(self, flags_G: torch.Tensor) -> None:
-        ranks = flags_G.nonzero().flatten().tolist()
-        raise ValueError(f"routed experts have ids outside [-1, num_experts={self.num_experts}) on EP "
-                         f"ranks {ranks}; allowed: expert ids, or -1 for a pad (no expert)")
-
-    def _plan_matches(self, counts_E: torch.Tensor, bad_ids: int, sched: RankSchedule,
-                      device: torch.device, count=None) -> bool:
-        """Whether every rank's routed ids match the installed plan (all ranks agree).
-
-        One all-reduce of per-rank flags first, so that a mismatch or a bad id on one rank
-        cannot leave the others waiting in the token exchange. Bad ids raise on every rank;
-        a mismatch raises (``on_mismatch="raise"``) or returns ``False`` everywhere, and the
-        caller runs the forward degraded.
-        """
-        global _MISMATCH_WARNED
-        ep = self.ep
-        diff = (counts_E != sched.expected_counts_E).nonzero().flatten()
-        first = int(diff[0]) if len(diff) else -1
-        # Flag per rank: 0 match, E + 1 bad ids, else 1 + first mismatching expert.
-        flags = self._agree(self.num_experts + 1 if bad_ids else first + 1, device, count)
-        if (flags == self.num_experts + 1).any():
-            self._raise_bad_ids(flags == self.num_experts + 1)
-        if not flags.any():
-            return True
-        ranks = flags.nonzero().flatten().tolist()
-        if first >= 0:
-            detail = (f"here (EP rank {ep.rank}) expert {first} has {int(counts_E[first])} token-expert "
-                      f"pairs but the plan's split_SGJ[{ep.rank}] sends {int(sched.expected_counts_E[first])}")
-        else:
-            detail = f"this rank (EP rank {ep.rank}) matches"
-        if self.on_mismatch == "raise":
-            raise ValueError(f"routed experts do not match the installed plan on EP ranks {ranks}: {detail}; "
-                             f"install the plan made from these routed experts' counts")
-        self.degraded_forwards += 1
-        tag = self.plan.micro_batch if self.plan is not None and self.plan.micro_batch is not None else -1
-        self.degraded_micro_batches.add(tag)
-        if not _MISMATCH_WARNED:
-            _MISMATCH_WARNED = True
-            warnings.warn(f"routed experts do not match the installed plan on EP ranks {ranks} ({detail}); "
-                          f"running this forward on the current placement without replicas (correct, "
-                          f"slower). Counted in ReplayBalancer.report.degraded_micro_batches; warned once "
-                          f"per process. on_mismatch='raise' makes this an error.", RuntimeWarning)
-        return False
-
-    def _native_schedule(self, counts_E: torch.Tensor, device: torch.device, bad_ids: int,
-                         count=None) -> RankSchedule:
-        """No usable plan: gather every rank's counts and run the native placement (or the
-        ``runtime_planner``'s plan for those counts).
-
-        The gathered row carries this rank's bad-id count too, so all ranks raise together.
-        """
-        ep = self.ep
-        row = torch.cat([counts_E, torch.tensor([bad_ids])])
-        if ep.group is None:
-            rows_SE = row.unsqueeze(0)
-        else:
-            local = row.to(device)
-            gathered = [torch.empty_like(local) for _ in range(ep.size)]
-            dist.all_gather(gathered, local, group=ep.group)
-            if count is not None:
-                count("collectives", 1)
-            rows_SE = torch.stack(gathered).cpu()
+    def _native_schedule(self, ids_TK: torch.Tensor, device: torch.device, count=None) -> RankSchedule:
+        """No usable plan, or a native one (``set_native``): gather every rank's counts (one
+        all-gather, one copy to the host; ids outside ``[-1, E)`` raise on every rank) and run
+        the native placement (or the ``runtime_planner``'s plan for those counts)."""
+        rows_SE = gather_counts(ids_TK, self.num_experts, self.ep.group, self.ep.size)
+        if self.ep.group is not None and count is not None:
+            count("collectives", 1)
         if rows_SE[:, -1].any():
             self._raise_bad_ids(rows_SE[:, -1] > 0)
+        if self.plan is not None and self._schedule is None and self.check_plan:  # a native plan
+            self._native_matches(rows_SE[:, :-1])
         if self.runtime_planner is None:
-            plan = native_layer_plan(self.topology, self.placement_cpu, rows_SE[:, :-1])
-        else:
-            plan = check_layer_plan(self.runtime_planner(rows_SE[:, :-1]), self.topology, self.placement_cpu)
-        return build_rank_schedule(self.topology, self.placement_cpu, plan, ep.rank).to(device)
+            return self._natives.schedule(self.placement_cpu, rows_SE[:, :-1], device)
+        plan = check_layer_plan(self.runtime_planner(rows_SE[:, :-1]), self.topology, self.placement_cpu)
+        return build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank).to(device)
 
     # ------------------------------------------------------------------ placement
 

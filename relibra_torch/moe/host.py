@@ -100,7 +100,8 @@ class EngineHost:
 
         The plan stays installed until replaced (activation recomputation in backward reuses
         it). Raises ``ValueError`` for a plan of another topology or placement. ``schedule``:
-        this rank's schedule of the validated plan, built ahead (``ExpertEngine.set_plan``).
+        this rank's schedule of the validated plan, built ahead, or ``moe.native.NATIVE``
+        (``ExpertEngine.set_plan``).
         """
         self.engine.set_plan(plan, self.placement_E.device, schedule)
 

@@ -30,7 +30,7 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["StepPlan", "token_split", "validate_plan", "plan_digest", "hash_counts"]
+__all__ = ["StepPlan", "token_split", "validate_plan", "plan_digest", "planner_digest"]
 
 
 @dataclass
@@ -401,13 +401,21 @@ def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
                   f"{int(quota_MLE[m, l, e + 1])} but the expert's load is {int(load_MLE[m, l, e])}")
 
 
-def hash_counts(h, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> None:
-    """Feed the planner's count inputs (``[M, L, S, E]`` loads, optional ``[L, E, E]`` pairs)
-    to the hashlib object ``h``: the bulk of the inputs digest the EP ranks agree on before
-    split planning (the training hook; the simulator times it)."""
-    h.update(loads_MLSE.contiguous().numpy().tobytes())
-    if pairs_LEE is not None:
-        h.update(pairs_LEE.contiguous().numpy().tobytes())
+def planner_digest(planner, topology) -> int:
+    """62-bit digest of what a planner holds on each EP rank: its type, name, topology and
+    state (``vars``, minus the ``rank_local_state`` a rank keeps of its own layers only). The
+    ranks agree on it before split planning (the training hook; the simulator times it). The
+    counts it plans from are not hashed: the ranks all-gather them (loads) or all-reduce
+    them (pairs) in the same step, so they are equal on every rank by construction."""
+    h = hashlib.sha256()
+    h.update(repr((type(planner).__qualname__, planner.name, topology)).encode())
+    for key, value in sorted(vars(planner).items()):
+        if key in getattr(planner, "rank_local_state", ()):
+            continue
+        h.update(key.encode())
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            h.update(v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return int(h.hexdigest()[:16], 16) & ((1 << 62) - 1)
 
 
 def plan_digest(plan: StepPlan) -> str:

@@ -27,7 +27,6 @@ bound" figures are relative to them). ``bound`` is a lower bound no plan can bea
 from __future__ import annotations
 
 import gc
-import hashlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -37,7 +36,7 @@ import torch
 from ..checks import check_int
 from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share
 from ..planning.evaluate import evaluate
-from ..planning.plan import StepPlan, hash_counts, plan_digest, validate_plan
+from ..planning.plan import StepPlan, plan_digest, planner_digest, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
@@ -357,8 +356,8 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
         # the hook's whole-step path: a digest of the plan, its agreement and the failure flag
         return plan, secs + one_thread_cpu(lambda: plan_digest(plan))[1] + 2 * latency_us * 1e-6, None
 
-    # the hook hashes the planner's inputs before the ranks agree on them
-    digest_s = one_thread_cpu(lambda: hash_counts(hashlib.sha256(), loads_MLSE, pairs_LEE))[1]
+    # the hook hashes the planner's state before the ranks agree on it
+    digest_s = one_thread_cpu(lambda: planner_digest(planner, topo))[1]
     splits = getattr(planner, "host_token_splits", False)
     M, J = loads_MLSE.shape[0], topo.slots_per_gpu
     split_MLSGJ = torch.empty(M, L, ranks, ranks, J, dtype=torch.int64) if splits else None
