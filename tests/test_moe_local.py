@@ -108,14 +108,20 @@ def test_placement_and_optimizer_state_move_with_the_experts():
             fns.close(lb[perm].numpy(), la.numpy(), f"{n} {key}")
 
 
-def test_one_process_plan_executes_like_local_path():
+def _reordered_layer_and_its_counts():
+    """A one-process layer with 8 experts on a shuffled placement, its input, routed ids,
+    their local output and their counts ``[1, E]``."""
     case = _case(E=8, K=2, seed=7, replica_slots=2)
     m = _module(case)
     m.apply_placement(torch.randperm(8, generator=torch.Generator().manual_seed(3)))
     x = torch.randn(6, D)
     ids = torch.randint(0, 8, (6, 2), generator=torch.Generator().manual_seed(4))
     local = m(x, ids).detach()
-    counts = torch.bincount(ids.reshape(-1), minlength=8).view(1, 8)
+    return m, x, ids, local, torch.bincount(ids.reshape(-1), minlength=8).view(1, 8)
+
+
+def test_one_process_plan_executes_like_local_path():
+    m, x, ids, local, counts = _reordered_layer_and_its_counts()
     m.set_plan(native_layer_plan(m.topology, m.placement_E.cpu(), counts))
     fns.close(m(x, ids).detach().numpy(), local.numpy(), "planned output")
     assert m.last_expert_tokens == 12
@@ -261,13 +267,7 @@ def test_a_native_plan_runs_the_native_path_and_checks_its_counts():
     import relibra_torch.moe.plan_check as check_mod
     from relibra_torch.moe.native import NATIVE
 
-    case = _case(E=8, K=2, seed=7, replica_slots=2)
-    m = _module(case)
-    m.apply_placement(torch.randperm(8, generator=torch.Generator().manual_seed(3)))
-    x = torch.randn(6, D)
-    ids = torch.randint(0, 8, (6, 2), generator=torch.Generator().manual_seed(4))
-    local = m(x, ids).detach()
-    counts = torch.bincount(ids.reshape(-1), minlength=8).view(1, 8)
+    m, x, ids, local, counts = _reordered_layer_and_its_counts()
     plan = dataclasses.replace(native_layer_plan(m.topology, m.placement_E.cpu(), counts), micro_batch=2)
     m.set_plan(plan, NATIVE)
     assert m.plan is plan and m.engine._schedule is None
