@@ -334,7 +334,10 @@ class ReplayBalancer:
         # any state changes, so that a plan it refuses (validate_plan, the same on every rank)
         # leaves the previous step's plan, schedules, placement and planner state in force
         t0 = time.perf_counter()
-        schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ, self.layers[0].placement_E.device)
+        # a layer with check_plan=False exchanges no counts at run time: its schedules are built here
+        unchecked_L = torch.tensor([not layer.engine.check_plan for layer in self.layers], dtype=torch.bool)
+        schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ, self.layers[0].placement_E.device,
+                                   unchecked_L)
         schedules_s = split_s + time.perf_counter() - t0
 
         moved = 0

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from _moe_cases import DIM, Case, build, get_mesh, logical_state, make_routing
 from relibra_torch.moe import layer_plans
+from relibra_torch.moe.schedule_batch import rank_schedules
 from relibra_torch.planning import StepPlan, Topology, validate_plan
 
 PARAMS = ("w1_EFD", "w2_EDF", "w3_EFD")
@@ -35,6 +36,7 @@ class StepCase:
     refetch: bool = False
     compile: bool = False
     lr: float = 0.01
+    batched: bool = False  # install the step's schedules built ahead (rank_schedules: NATIVE layers too)
 
     @property
     def num_layers(self) -> int:
@@ -153,9 +155,10 @@ def run_steps(case: StepCase) -> dict:
         for l, m in enumerate(mods):
             m.apply_placement(plan.placement_LE[l], opt)
         opt.zero_grad(set_to_none=True)
+        built = rank_schedules(plan, loads, r) if case.batched else None
         for mb in range(plan.num_micro_batches):
-            for m, lp in zip(mods, layer_plans(plan, loads, mb)):
-                m.set_plan(lp)
+            for m, lp in zip(mods, layer_plans(plan, loads, mb) if built is None else built[mb]):
+                m.set_plan(*((lp,) if built is None else lp))
             xs, gs = case.tensors(step, mb)
             x = xs[r].clone().requires_grad_()
             h = x

@@ -139,3 +139,30 @@ def test_hierarchical_layer_counts_equal_the_cost_models(pool, refetch):
         assert (sim["cross_node_rows"] <= flat["cross_node_rows"]).all()  # a token crosses to a node once
     with pytest.raises(ValueError, match="needs routed_ids"):
         transfer_counts(plans["static"], loads, dispatch="hierarchical", expert_params=3 * DIM * HIDDEN)
+
+
+@pytest.mark.parametrize("dispatch,check_plan", [("flat", False), ("hierarchical", True), ("hierarchical", False)])
+def test_native_and_scheduled_layers_in_one_step(pool, dispatch, check_plan):
+    """A step whose layer 0 the plan keeps native (``NATIVE``: counts exchanged at run time
+    with ``check_plan``, scheduled ahead without) and whose layer 1 keeps replicas over
+    micro-batches: the layer's counts, with and without ``check_plan``, are the cost
+    model's (one collective per layer for the check or the count exchange, none without)."""
+    from relibra_torch.moe.schedule_batch import native_layers
+    from relibra_torch.planning import StepPlan
+
+    loads = _loads()
+    routed = routing_from_loads(loads, K)
+    plans = _plans(loads)
+    sta, rel = plans["static"], plans["relibra"]
+    mixed = StepPlan(TOPO, torch.stack([sta.placement_LE[0], rel.placement_LE[1]]),
+                     torch.stack([sta.slot_expert_MLGJ[:, 0], rel.slot_expert_MLGJ[:, 1]], 1),
+                     torch.stack([sta.slot_tokens_MLGJ[:, 0], rel.slot_tokens_MLGJ[:, 1]], 1), "mixed")
+    assert native_layers(mixed, loads).tolist() == [True, False]
+    assert (evaluate(mixed, loads).residency.active_MLGJ[:, 1].sum(0) >= 2).any()   # kept over micro-batches
+    layer = run_plan_transfers(pool, mixed, loads, routed, dispatch=dispatch, top_k=K, dim=DIM, hidden=HIDDEN,
+                               check_plan=check_plan)
+    sim = transfer_counts(mixed, loads, routed, dispatch=dispatch, check_plan=check_plan,
+                          expert_params=3 * DIM * HIDDEN, param_bytes=4, grad_bytes=4)
+    for key in COUNT_KEYS:
+        assert torch.equal(layer[key], sim[key]), (key, layer[key].tolist(), sim[key].tolist())
+    assert torch.equal(layer["step_collectives"], hook_step_collectives(mixed))

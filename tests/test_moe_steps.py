@@ -93,6 +93,28 @@ def test_steps_match_one_process(pool, refetch):
     _check(case, pool.run(sf.run_steps, case))
 
 
+def test_native_layers_next_to_kept_replicas_match_one_process(pool):
+    """Schedules built ahead (``rank_schedules``), as the hook installs them: step 0's layer 0
+    and step 1's layer 1 (after migration) are native for the whole step (``NATIVE``: the
+    native path, counts exchanged at run time) while the other layer keeps replicas over
+    micro-batches, and layer 1's step-0 residencies end at step 1's native install. As one
+    process, fp32 1e-5, every buffer freed."""
+    from relibra_torch.moe.schedule_batch import native_layers
+    from test_moe_native import strip_copies
+
+    case = _case(3)
+    case.batched = True
+    for step, l in ((0, 0), (1, 1)):
+        loads, rows = case.loads(step), torch.zeros(M, L, dtype=torch.bool)
+        rows[:, l] = True
+        case.plans[step] = strip_copies(case.plans[step], loads, rows)
+        assert native_layers(case.plans[step], loads).tolist() == [l == 0, l == 1]
+    res0 = evaluate(case.plans[0], case.loads(0)).residency
+    assert ((res0.held_MLGJ.sum(0) >= 2) & (res0.fill_start_MLGJ.sum(0) == 1))[1].any()
+    assert not torch.equal(case.plans[1].placement_LE[1], case.plans[0].placement_LE[1])
+    _check(case, pool.run(sf.run_steps, case))
+
+
 def test_compiled_steps_match_one_process(pool):
     case = _case(5, compile=True)
     _check(case, pool.run(sf.run_steps, case))

@@ -164,16 +164,23 @@ class ExpertEngine(PlanChecks):
         topology in force; else the plan is checked and its schedule rebuilt. ``NATIVE``
         (``moe.native``): the plan keeps every expert on its owner (``schedule_batch.
         native_layers``), so the layer runs its native path, counts exchanged at run time as
-        static's layer does; the plan is kept for its micro-batch index.
+        static's layer does; the plan is kept for its micro-batch index (checked like any plan
+        when of another topology or placement). With ``check_plan=False`` the layer exchanges
+        no counts, so a ``NATIVE`` plan is scheduled here instead.
         """
         if plan is None:
             self.residents.begin(None, "set_plan(None)")
             self.plan, self._schedule = None, None
             return
-        if schedule is NATIVE:  # counts exchanged at run time, as static's layer does
-            self.residents.begin(None, f"installing micro-batch {plan.micro_batch}'s native plan")
-            self.plan, self._schedule = plan, None
-            return
+        if schedule is NATIVE:
+            if (plan.topology != self.topology or plan.placement_E is None
+                    or not torch.equal(plan.placement_E, self.placement_cpu)):
+                check_layer_plan(plan, self.topology, self.placement_cpu)  # raises, naming the mismatch
+            if self.check_plan:  # counts exchanged at run time, as static's layer does
+                self.residents.begin(None, f"installing micro-batch {plan.micro_batch}'s native plan")
+                self.plan, self._schedule = plan, None
+                return
+            schedule = None  # built below
         if (schedule is None or plan.placement_E is None or schedule.rank != self.ep.rank
                 or plan.topology != self.topology or not torch.equal(plan.placement_E, self.placement_cpu)):
             plan = check_layer_plan(plan, self.topology, self.placement_cpu)
@@ -316,9 +323,10 @@ class ExpertEngine(PlanChecks):
             count("collectives", 1)
         if rows_SE[:, -1].any():
             self._raise_bad_ids(rows_SE[:, -1] > 0)
-        if self.plan is not None and self._schedule is None and self.check_plan:  # a native plan
+        native_plan = self.plan is not None and self._schedule is None  # NATIVE installed
+        if native_plan and self.check_plan:
             self._native_matches(rows_SE[:, :-1])
-        if self.runtime_planner is None:
+        if self.runtime_planner is None or native_plan:  # the installed plan, not a run-time one
             return self._natives.schedule(self.placement_cpu, rows_SE[:, :-1], device)
         plan = check_layer_plan(self.runtime_planner(rows_SE[:, :-1]), self.topology, self.placement_cpu)
         return build_rank_schedule(self.topology, self.placement_cpu, plan, self.ep.rank).to(device)

@@ -47,7 +47,8 @@ def native_layers(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     G, J, E, El = topo.num_gpus, topo.slots_per_gpu, topo.num_experts, topo.experts_per_gpu
     M = plan.slot_expert_MLGJ.shape[0]
     if (tuple(plan.slot_expert_MLGJ.shape) != (M, L, G, J) or plan.slot_tokens_MLGJ.shape != plan.slot_expert_MLGJ.shape
-            or tuple(plan.placement_LE.shape) != (L, E) or tuple(loads_MLSE.shape) != (M, L, G, E)):
+            or tuple(plan.placement_LE.shape) != (L, E) or tuple(loads_MLSE.shape) != (M, L, G, E)
+            or any(t.dtype != torch.int64 for t in (plan.placement_LE, plan.slot_expert_MLGJ, plan.slot_tokens_MLGJ))):
         return torch.zeros(L, dtype=torch.bool)  # validate_plan names what is wrong
     perm_L = (plan.placement_LE.sort(1).values == torch.arange(E)).all(1)
     if not bool(perm_L.any()):
@@ -110,7 +111,8 @@ def _micro_batches(plan: StepPlan, start: int, stop: int) -> StepPlan:
 
 
 def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_MLSGJ: torch.Tensor | None = None,
-                   device: torch.device | str = "cpu") -> list[list[tuple[LayerPlan, RankSchedule | object]]]:
+                   device: torch.device | str = "cpu", scheduled_L: torch.Tensor | None = None
+                   ) -> list[list[tuple[LayerPlan, RankSchedule | object]]]:
     """``[M][L]`` ``(layer plan, rank rank's schedule)`` of every micro-batch and layer of
     ``plan`` (``loads_MLSE``: int ``[M, L, S, E]``, the counts it was made from): what
     ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair, the
@@ -122,10 +124,14 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
     A native layer (:func:`native_layers`: every expert on its owner in every micro-batch)
     gets :data:`~relibra_torch.moe.native.NATIVE` instead of a schedule: the layer counts its
     exchange at run time, as static's layer does, and nothing is built for it here. The
-    other layers are validated (``validate_plan``) and scheduled."""
+    other layers are validated (``validate_plan``) and scheduled. ``scheduled_L``: bool
+    ``[L]``, layers scheduled even where native (a layer with ``check_plan=False`` exchanges
+    no counts at run time: the hook passes those)."""
     native_L = native_layers(plan, loads_MLSE)
     if split_MLSGJ is None:
         split_MLSGJ = _splits(plan, loads_MLSE, native_L)
+    if scheduled_L is not None:
+        native_L = native_L & ~scheduled_L.to(torch.bool)
     M, L = plan.num_micro_batches, plan.num_layers
     out: list[list] = [[None] * L for _ in range(M)]
     nat, rest = native_L.nonzero().flatten(), (~native_L).nonzero().flatten()

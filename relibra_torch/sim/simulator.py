@@ -330,8 +330,8 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     With split planning (``planning.split``, the hook's default) and a planner that plans
     layers independently, each of the ``G`` EP ranks plans its share of the layers
     (:func:`~relibra_torch.planning.base.layer_share`) on its own CPU, and the ranks agree on
-    the inputs (a sha256 of the loads and pairs), then all-gather the parts and whether any
-    failed: three collectives. The host work is the digest and the slowest rank's share (one
+    the planner's state (a sha256; the counts are gathered, equal by construction), then
+    all-gather the parts and whether any failed: three collectives. The host work is the digest and the slowest rank's share (one
     thread's CPU time; for relibra with its share's token splits, which travel with the
     plan) plus those collectives (latency, and the gathered int64 bytes over the slowest
     link). Otherwise one thread plans the whole step, then hashes the plan for the ranks to
