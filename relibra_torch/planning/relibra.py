@@ -5,8 +5,7 @@ node. It minimises, summed over the step's micro-batches,
 
     node_weight * max_n node_load[m, n]  +  cross_weight * cross_node_tokens[m]
 
-plus ``migration_weight`` per expert that changes node (and ``intra_migration_weight`` per
-expert that changes GPU inside its node), so it moves only what pays. The busiest node sets
+plus ``migration_weight`` per expert that changes node, so it moves only what pays. The busiest node sets
 the time because replication inside the node spreads its load over its ``g`` GPUs. Search:
 two starts (the previous placement, and a greedy assignment of experts in decreasing load
 to the node with the smallest objective increase), the better one refined by steepest-
@@ -17,15 +16,10 @@ replicas it will get, busiest node first, so that experts sit near their heavies
 where no replica keeps those tokens home (on the six trace x dispatch tables of
 docs/results.md it cuts relibra's step by 0.4-2.0%).
 
-Replication, per micro-batch: first, cross-node *traffic replicas* (``R // 2`` slots per GPU,
-:mod:`relibra_torch.planning.traffic`) copy each node's most-requested remote experts onto it
-with exactly the node's tokens for them, when the saved inter-node traffic pays for the fill
-(``cross_node_replicas``; step-long sets capped per owner GPU where cheaper, ``fill_spread``).
-Then, per layer and node, balancing moves load from the busiest GPU to the least busy GPU that
-still has a free replica slot, by copying there the busiest GPU's native expert that moves the
-most tokens (those from other nodes counted twice: they leave its inter-node receive too) with
-a quota of exactly what both sides can take, until every GPU is at ``ceil(node_load / g)`` or
-the slots run out. Vectorised over every (micro-batch, layer, node); at most ``g * R`` rounds.
+Replication, per micro-batch: cross-node *traffic replicas* (``R // 2`` slots per GPU,
+:mod:`relibra_torch.planning.traffic`), then balancing copies inside each node
+(:mod:`relibra_torch.planning.balance`), weighed per layer (:mod:`relibra_torch.planning.plain`);
+a layer whose move buys nothing once replicated keeps its placement (``no_worse_than_keeping``).
 
 Integer counts up to float64 objectives, so the same loads give the same plan on every rank
 (``fill_spread`` and ``choose`` price with the hierarchical estimate's exp/log1p: one build).
@@ -51,7 +45,7 @@ from .balance import replicate
 from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
                               traffic_swap_search)
 from .choose import cheapest_plan, chosen_plan
-from .plain import plain_plan as _plain_plan
+from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
 from .worth import guarded_plan
 
@@ -394,26 +388,27 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: relibra_plan(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls]))
-    if guarded is not None:
+    if guarded is not None:  # the guard kept some layers and planned the others
         return guarded
     coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
     fast = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w)
     if fast is not None:  # provably what the full search returns (planning/fastpath.py)
-        return fast
+        return no_worse_than_keeping(fast, loads_MLSE, topology, previous_placement_LE, config, coloc_w)
+
+    def plain(placement_LE: torch.Tensor, c: ReLibraConfig = config) -> StepPlan:  # no worse than keeping
+        return no_worse_than_keeping(_plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE, c),
+                                     loads_MLSE, topology, previous_placement_LE, c, coloc_w)
     if config.choose:  # relibra without traffic replicas reorders without their slots
         both = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE, also_without_traffic=True)
                 if config.reorder else (previous_placement_LE.clone(),) * 2)
         chosen = chosen_plan(loads_MLSE, topology, previous_placement_LE, config, dict(zip((True, False), both)),
                              pairs_LEE, coloc_w)
-        # the plain plans too, with each mechanism and without one: balancing's residency-aware
-        # choice (replicate_step) is no candidate of the sequences
+        # the plain plans too (balancing's residency-aware choice is no candidate of the sequences)
         variants = ((both[0], {}), (both[0], {"balance": False}), (both[1], {"cross_node_replicas": False}))
-        plains = [_plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE,
-                              dataclasses.replace(config, **off)) for placement_LE, off in variants]
+        plains = [plain(placement_LE, dataclasses.replace(config, **off)) for placement_LE, off in variants]
         return cheapest_plan(chosen, plains, loads_MLSE, config)
-    placement_LE = (reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE) if config.reorder
-                    else previous_placement_LE.clone())
-    return _plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE, config)
+    return plain(reorder(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE) if config.reorder
+                 else previous_placement_LE.clone())
 
 
 class ReLibraPlanner(Planner):
@@ -439,8 +434,7 @@ class ReLibraPlanner(Planner):
         return self.config.dispatch == "hierarchical" and self.config.reorder
 
     def plan(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> StepPlan:
-        return relibra_plan(loads_MLSE, self.topology,
-                            self.previous_placement(loads_MLSE.shape[1]), self.config, pairs_LEE)
+        return relibra_plan(loads_MLSE, self.topology, self.previous_placement(loads_MLSE.shape[1]), self.config, pairs_LEE)
 
     def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int],
                     pairs_LEE: torch.Tensor | None = None) -> StepPlan:
