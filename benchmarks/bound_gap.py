@@ -12,7 +12,7 @@ found says how loose the bound is there. relibra's plan, as the simulator config
 plan quality), is priced too, and a second hill climb starts from it: ``relibra / best``
 says how far relibra's plan is from the best plan found (the issue's target: within 5%).
 
-    PYTHONPATH=. python benchmarks/bound_gap.py [--instances 8] [--samples 300] [--climb 600]
+    PYTHONPATH=. python benchmarks/bound_gap.py [--instances 8] [--samples 300] [--climb 600] [--tokens 256]
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU.
 """
@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--instances", type=int, default=8)
     ap.add_argument("--samples", type=int, default=300)
     ap.add_argument("--climb", type=int, default=600)
+    ap.add_argument("--tokens", type=int, default=256,
+                    help="tokens per rank and micro-batch (256: fills rarely pay; 8192: balancing pays)")
     args = ap.parse_args(argv)
     hw = get_hardware("h200")
     out = {}
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
             R, M, E = (0, 1)[i % 2], 1 + (i // 2) % 2, (4, 8)[(i // 4) % 2]
             model = dataclasses.replace(MODEL, num_experts=E)
             c = CostModel(model, hw, CostOptions(dispatch=dispatch))
-            loads, tokens = instance(i, E=E, M=M)
+            loads, tokens = instance(i, E=E, M=M, tokens=args.tokens)
             bound, best, n, relibra = search(loads, tokens, Topology(2, 2, E, R), c, args.samples, args.climb, i)
             ratios.append(bound / best)
             mine.append(relibra / best)
