@@ -206,8 +206,12 @@ def no_worse_than_keeping(plan: StepPlan, loads_MLSE: torch.Tensor, topology: To
     once, so one layer's share of it is not known per layer (and a layer's choice must
     depend on that layer alone, for split planning); leaving it out keeps the rule safe,
     since the step's migration can only fall when a layer keeps its placement: the cost
-    model's step is never higher than with the reordered plan. Not where co-activation is
-    priced (``coactivation_w > 0``): the layer price does not see the pairs a move co-locates."""
+    model's step is never higher than with the reordered plan where the layer price is the
+    cost model's (count-only loads, no ``--refetch-replicas``; ``tests/test_keep_placement.py``).
+    Where it is an estimate (hierarchical dispatch on one node with per-token routing: exact
+    rows, no pairs priced) or the option is unpriced, keeping can cost a little more (seen:
+    1.0002x and 1.002x). Not where co-activation is priced (``coactivation_w > 0``): the layer
+    price does not see the pairs a move co-locates."""
     moved_L = (plan.placement_LE != previous_placement_LE).any(1)
     if coactivation_w or not bool(moved_L.any()):
         return plan
