@@ -361,7 +361,9 @@ def fast_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_L
               coloc_w: float = 0.0) -> StepPlan | None:
     """relibra's plan when :func:`nothing_pays` proves it (else ``None``): the previous
     placement (reordering without ``choose``: in canonical slot order, as :func:`assign_gpus`
-    gives it) with every expert on its owner. With ``choose`` only from static placement's GPUs, where
+    gives it) with every expert on its owner. ``relibra_plan`` then applies
+    ``plain.no_worse_than_keeping`` to it, as to the full search's plan, so a layer whose
+    canonical order differs from the previous one keeps the previous order. With ``choose`` only from static placement's GPUs, where
     static placement, one of its alternatives, costs the same."""
     M, L, S, E = loads_MLSE.shape
     El = topology.experts_per_gpu
