@@ -315,7 +315,7 @@ class ExpertEngine(PlanChecks):
         return ops.unpermute(y_send, row_of_TK, gates_TK)
 
     def _native_schedule(self, ids_TK: torch.Tensor, device: torch.device, count=None) -> RankSchedule:
-        """No usable plan, or a native one (``set_native``): gather every rank's counts (one
+        """No usable plan, or a native one (``set_plan(plan, device, NATIVE)``): gather every rank's counts (one
         all-gather, one copy to the host; ids outside ``[-1, E)`` raise on every rank) and run
         the native placement (or the ``runtime_planner``'s plan for those counts)."""
         rows_SE = gather_counts(ids_TK, self.num_experts, self.ep.group, self.ep.size)

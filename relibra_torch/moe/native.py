@@ -3,9 +3,9 @@
 This is what an EP layer without a plan does (torchtitan's, and static placement's): the
 ranks exchange their per-expert counts, copy them to the host once, and derive the exchange
 sizes from them. relibra's layer takes it for every layer its plan keeps without copies for
-the whole step (``schedule_batch.rank_schedules``, ``ExpertEngine.set_native``): such a
-layer's plan is fully determined by the counts and the placement, so it needs no host
-schedule built ahead, and it costs what static's layer costs.
+the whole step (``schedule_batch.rank_schedules``; ``ExpertEngine.set_plan(plan, device,
+NATIVE)``): such a layer's plan is fully determined by the counts and the placement, so it
+needs no host schedule built ahead, and it costs what static's layer costs.
 
 :func:`build_rank_schedule` of :func:`native_layer_plan` gives the same schedule, but checks
 and builds every field per call (about 0.2 ms per layer on the host, on the critical path of
@@ -28,7 +28,7 @@ from ..planning.pair_slots import slot_quota_runs
 from ..planning.topology import Topology
 from .schedule import RankSchedule
 
-__all__ = ["NATIVE", "NativeSchedules", "gather_counts"]
+__all__ = ["NATIVE", "NativeSchedules", "gather_counts", "routed_counts"]
 
 
 class _Native:
@@ -43,14 +43,19 @@ class _Native:
 NATIVE = _Native()
 
 
-def gather_counts(ids_TK: torch.Tensor, num_experts: int, group, size: int) -> torch.Tensor:
-    """int64 CPU ``[S, E + 1]``: every rank's token-expert pairs per expert and, last, its
-    count of ids outside ``[-1, E)``, with one all-gather on ``ids_TK``'s device and one copy
-    to the host (``group`` ``None``: this rank's row only). Pads (``-1``) are not counted."""
+def routed_counts(ids_TK: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """int64 ``[E + 1]`` on ``ids_TK``'s device: this rank's token-expert pairs per expert
+    and, last, its count of ids outside ``[-1, E)``. Pads (``-1``) are not counted."""
     E = num_experts
     flat = ids_TK.reshape(-1)
     key = torch.where((flat < -1) | (flat >= E), E + 1, flat + 1)
-    row = torch.bincount(key, minlength=E + 2)[1:].to(torch.int64)
+    return torch.bincount(key, minlength=E + 2)[1:].to(torch.int64)
+
+
+def gather_counts(ids_TK: torch.Tensor, num_experts: int, group, size: int) -> torch.Tensor:
+    """int64 CPU ``[S, E + 1]``: every rank's :func:`routed_counts`, with one all-gather on
+    ``ids_TK``'s device and one copy to the host (``group`` ``None``: this rank's row only)."""
+    row = routed_counts(ids_TK, num_experts)
     if group is None:
         return row.unsqueeze(0).cpu()
     gathered = [torch.empty_like(row) for _ in range(size)]

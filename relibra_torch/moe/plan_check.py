@@ -14,6 +14,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from .native import routed_counts
 from .schedule import RankSchedule
 
 __all__ = ["MISMATCH_MODES", "PlanChecks"]
@@ -32,11 +33,8 @@ class PlanChecks:
     def _host_counts(self, ids_TK: torch.Tensor) -> tuple[torch.Tensor, int]:
         """``(counts_E, bad)``: int64 CPU ``[E]`` pairs per expert (pads skipped) and the
         number of ids outside ``[-1, E)``, from one device-to-host copy."""
-        E = self.num_experts
-        flat = ids_TK.reshape(-1)
-        key = torch.where((flat < -1) | (flat >= E), E + 1, flat + 1)
-        binned = torch.bincount(key, minlength=E + 2).cpu()
-        return binned[1 : E + 1], int(binned[E + 1])
+        row = routed_counts(ids_TK, self.num_experts).cpu()
+        return row[:-1], int(row[-1])
 
     def _agree(self, flag: int, device: torch.device, count=None) -> torch.Tensor:
         """int64 CPU ``[G]``: every rank's ``flag`` (one all-reduce; no exchange on one process)."""

@@ -188,9 +188,7 @@ def _layers_price(plan: StepPlan, layers: torch.Tensor, loads_MLSE: torch.Tensor
     """float64 ``[L']``: the price of ``plan``'s layers ``layers`` (each priced apart)."""
     if not layers.numel():
         return torch.zeros(0, dtype=torch.float64)
-    prev = plan.previous_placement_LE
-    part = StepPlan(plan.topology, plan.placement_LE[layers], plan.slot_expert_MLGJ[:, layers],
-                    plan.slot_tokens_MLGJ[:, layers], plan.planner, None if prev is None else prev[layers])
+    part = plan.layers(layers)
     return (moe_seconds_ML(part, loads_MLSE[:, layers], config) + replica_seconds_ML(part, config)).sum(0)
 
 
@@ -220,13 +218,5 @@ def no_worse_than_keeping(plan: StepPlan, loads_MLSE: torch.Tensor, topology: To
     kept = plain_plan(loads_MLSE[:, idx], topology, prev_LE, prev_LE.clone(), config)
     keep = (_layers_price(kept, torch.arange(len(idx)), loads_MLSE[:, idx], config)
             <= _layers_price(plan, idx, loads_MLSE, config))
-    if not bool(keep.any()):
-        return plan
-    out = StepPlan(topology, plan.placement_LE.clone(), plan.slot_expert_MLGJ.clone(), plan.slot_tokens_MLGJ.clone(),
-                   plan.planner, plan.previous_placement_LE)
-    at = idx[keep]
-    out.placement_LE[at] = prev_LE[keep]
-    out.slot_expert_MLGJ[:, at] = kept.slot_expert_MLGJ[:, keep]
-    out.slot_tokens_MLGJ[:, at] = kept.slot_tokens_MLGJ[:, keep]
-    return out
+    return plan.with_layers(idx[keep], kept.layers(keep)) if bool(keep.any()) else plan
 

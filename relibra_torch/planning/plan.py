@@ -75,8 +75,28 @@ class StepPlan:
 
     def micro_batch(self, m: int) -> "StepPlan":
         """The plan restricted to micro-batch ``m`` (``M = 1``)."""
-        return StepPlan(self.topology, self.placement_LE, self.slot_expert_MLGJ[m : m + 1],
-                        self.slot_tokens_MLGJ[m : m + 1], self.planner, self.previous_placement_LE)
+        return self.micro_batches(m, m + 1)
+
+    def micro_batches(self, start: int, stop: int) -> "StepPlan":
+        """The plan restricted to micro-batches ``[start, stop)`` (views)."""
+        return StepPlan(self.topology, self.placement_LE, self.slot_expert_MLGJ[start:stop],
+                        self.slot_tokens_MLGJ[start:stop], self.planner, self.previous_placement_LE)
+
+    def layers(self, layers: torch.Tensor) -> "StepPlan":
+        """The plan restricted to ``layers`` (int64 indices or bool mask ``[L]``), in that order."""
+        prev = None if self.previous_placement_LE is None else self.previous_placement_LE[layers]
+        return StepPlan(self.topology, self.placement_LE[layers], self.slot_expert_MLGJ[:, layers],
+                        self.slot_tokens_MLGJ[:, layers], self.planner, prev)
+
+    def with_layers(self, layers: torch.Tensor, part: "StepPlan") -> "StepPlan":
+        """A copy with ``part``'s placement, slots and quotas in ``layers`` (int64 ``[L']``,
+        ``part`` having ``L'`` layers in that order); the rest and the previous placement kept."""
+        out = StepPlan(self.topology, self.placement_LE.clone(), self.slot_expert_MLGJ.clone(),
+                       self.slot_tokens_MLGJ.clone(), self.planner, self.previous_placement_LE)
+        out.placement_LE[layers] = part.placement_LE
+        out.slot_expert_MLGJ[:, layers] = part.slot_expert_MLGJ
+        out.slot_tokens_MLGJ[:, layers] = part.slot_tokens_MLGJ
+        return out
 
 
 def _interval_overlap(a_start_MLSX, a_end_MLSX, b_start_MLSX, b_end_MLSX) -> torch.Tensor:

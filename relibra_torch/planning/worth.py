@@ -155,7 +155,5 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     layers = worth_L.nonzero().flatten()
     if layers.numel():
         part = search(layers.tolist(), dataclasses.replace(config, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
-        plan.placement_LE[layers] = part.placement_LE
-        plan.slot_expert_MLGJ[:, layers] = part.slot_expert_MLGJ
-        plan.slot_tokens_MLGJ[:, layers] = part.slot_tokens_MLGJ
+        plan = plan.with_layers(layers, part)
     return plan
