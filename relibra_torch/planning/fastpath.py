@@ -212,34 +212,42 @@ def _nothing_pays(own_MLNE: torch.Tensor, topology: Topology, previous_placement
     """:func:`nothing_pays` from the step's demand by source node ``own_MLNE`` (int64 ``[M, L, N, E]``)."""
     M, L, N, E = own_MLNE.shape
     g, R = topology.gpus_per_node, topology.replica_slots
-    if config.choose and config.cross_node_replicas and N > 1 and R:
-        # choose also weighs the plain plan without traffic replicas (relibra.py), whose
-        # candidates include the capped step-long sets: it must make nothing either
-        if not _nothing_pays(own_MLNE, topology, previous_placement_LE,
-                             dataclasses.replace(config, cross_node_replicas=False), coloc_w):
-            return False
+    traffic = bool(config.cross_node_replicas and N > 1 and R)
+    # choose also weighs the plain plan without traffic replicas (relibra.py), whose
+    # candidates include the capped step-long sets: it must make nothing either
+    configs = [config]
+    if config.choose and traffic:
+        configs.append(dataclasses.replace(config, cross_node_replicas=False))
     load_MLE = own_MLNE.sum(2)
     node_LE = previous_placement_LE // topology.experts_per_node
     step_LNE = own_MLNE.sum(0)
     mine_LNE = node_LE.unsqueeze(1) == torch.arange(N).view(1, N, 1)
-    if config.cross_node_replicas and N > 1 and R:
+    if traffic:
         remote_max = int(step_LNE.masked_fill(mine_LNE, 0).max())
         if remote_max * config.cross_node_s_per_token / g > config.cross_replica_fill_s_per_expert:
             return False
-    if config.reorder and N > 1 and not _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g, R, coloc_w):
+    if config.reorder and N > 1 and not _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs, g, R,
+                                                  coloc_w):
         return False
+    if not (config.balance and R):
+        return True
     # balance.replicate_step on the placement the search keeps, after traffic replicas that made
-    # none, in their R // 2 slots and without them (the plain plan weighs both, planning/plain.py)
-    r0s = sorted({R // 2 if config.cross_node_replicas and N > 1 else 0, 0}, reverse=True)
-    return not (config.balance and R) or all(_balancing_copies_none(own_MLNE, load_MLE, previous_placement_LE,
-                                                                     topology, config, r0) for r0 in r0s)
+    # none, in their R // 2 slots and without them (the plain plan weighs both, planning/plain.py).
+    # Without traffic slots the last config's check implies the others': it differs only where
+    # choose's plan without traffic replicas also weighs the capped step-long sets (a superset)
+    checks = ([(config, R // 2)] if traffic and R // 2 else []) + [(configs[-1], 0)]
+    return all(_balancing_copies_none(own_MLNE, load_MLE, previous_placement_LE, topology, c, r0)
+               for c, r0 in checks)
 
 
-def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g: int, R: int, coloc_w: float) -> bool:
-    """Both reordering searches provably keep every expert's node (module docstring)."""
+def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs: list, g: int, R: int, coloc_w: float) -> bool:
+    """Both reordering searches provably keep every expert's node (module docstring), under
+    each of ``configs`` (one ``ReLibraConfig``, or with ``choose`` also the same without traffic
+    replicas: they differ only in the traffic search's replica slots)."""
     M, L, N, E = own_MLNE.shape
     if coloc_w:
         return False
+    config = configs[0]
     two_moves = 2.0 * config.migration_s_per_expert
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
     nl_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, load_MLE)
@@ -260,17 +268,19 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, config, g: int, R:
     send_MLN = own_MLNE.sum(-1) - torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, home_MLE)
     inflow_MLE = load_MLE - home_MLE
     recv_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, inflow_MLE)
-    second = True
-    if config.traffic_search:
-        # traffic objective (reorder_traffic.traffic_objective), previous assignment without replicas
-        tr_now = torch.maximum(send_MLN, recv_MLN).max(-1).values.sum(0).to(torch.float64)
-        slots = g * (R // 2 if config.cross_node_replicas else 0)
-        tr_best = _beyond_top(step_LNE, per_node + slots).max(-1).values.to(torch.float64)
-        second = bool(((tc * (now_max - best_max) + cross_w * (tr_now - tr_best)) <= two_moves).all())
-    if first and second:
-        return True
-    return _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, send_MLN, recv_MLN,
-                             inflow_MLE, config, g, R, first, second)
+    tr_now = torch.maximum(send_MLN, recv_MLN).max(-1).values.sum(0).to(torch.float64)
+    for config in configs:
+        second = True
+        if config.traffic_search:
+            # traffic objective (reorder_traffic.traffic_objective), previous assignment without replicas
+            slots = g * (R // 2 if config.cross_node_replicas else 0)
+            tr_best = _beyond_top(step_LNE, per_node + slots).max(-1).values.to(torch.float64)
+            second = bool(((tc * (now_max - best_max) + cross_w * (tr_now - tr_best)) <= two_moves).all())
+        if not (first and second) and not _no_move_per_swap(
+                own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, send_MLN, recv_MLN, inflow_MLE, config, g,
+                R, first, second):
+            return False
+    return True
 
 
 def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, send_MLN, recv_MLN, inflow_MLE,
