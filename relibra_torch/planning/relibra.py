@@ -47,6 +47,7 @@ from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pa
 from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
+from .reorder_greedy import greedy_nodes
 from .worth import guarded_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
@@ -250,7 +251,6 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     total_LE = load_LME.sum(1)
     prev_gpu_LE = previous_placement_LE // El
     prev_node_LE = prev_gpu_LE // g
-    rows = torch.arange(L)
 
     def node_loads(node_LE: torch.Tensor) -> torch.Tensor:
         onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
@@ -272,23 +272,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     # Start 1: keep the previous nodes. Start 2: greedy in decreasing load.
     best_node_LE = prev_node_LE.clone()
     if N > 1:
-        greedy_LE = torch.empty(L, E, dtype=torch.int64)
-        nl_LMN = torch.zeros(L, M, N, dtype=torch.int64)
-        count_LN = torch.zeros(L, N, dtype=torch.int64)
-        order_LE = total_LE.sort(dim=1, descending=True, stable=True).indices
-        for i in range(E):
-            e_L = order_LE[:, i]
-            add_LM = load_LME[rows, :, e_L]                                # [L, M]
-            new_max_LN = torch.maximum(nl_LMN.max(-1, keepdim=True).values,
-                                       nl_LMN + add_LM.unsqueeze(-1)).sum(1)   # [L, N]
-            cross_LN = total_LE[rows, e_L].unsqueeze(1) - src_node_LNE[rows, :, e_L]
-            moved_LN = (torch.arange(N) != prev_node_LE[rows, e_L].unsqueeze(1)).to(torch.int64)
-            cost_LN = _objective(new_max_LN, cross_LN, moved_LN, config, g)
-            cost_LN = cost_LN.masked_fill(count_LN >= per_node, float("inf"))
-            n_L = cost_LN.argmin(1)
-            greedy_LE[rows, e_L] = n_L
-            nl_LMN[rows, :, n_L] += add_LM
-            count_LN[rows, n_L] += 1
+        greedy_LE = greedy_nodes(load_LME, total_LE, src_node_LNE, prev_node_LE, config, N, g)
         use_greedy_L = full_objective(greedy_LE) < full_objective(best_node_LE)
         best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
         best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
