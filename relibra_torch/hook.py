@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import all_gather_single
-from .moe.schedule_batch import rank_schedules, step_splits
+from .moe.schedule_batch import rank_schedules, share_splits
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.base import layer_share
 from .planning.evaluate import imbalance
@@ -212,8 +212,9 @@ class ReplayBalancer:
 
     def _plan_share(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None
                     ) -> tuple[StepPlan | None, torch.Tensor | None, float, int]:
-        """This rank's share of the layers (every G-th from its rank) and its token splits
-        ``[M, L', S, G, J]`` (``step_splits``), this rank's seconds in those splits, and
+        """This rank's share of the layers (every G-th from its rank), its token splits
+        ``[M, L', S, G, J]`` with its native layers ``[L']`` (``share_splits``), this rank's
+        seconds in those splits, and
         whether it failed (then ``None``s). A share of the wrong size or splits that raise
         count as a planner failure: raised here, on this rank only, they would leave the
         other ranks waiting in the all-gather."""
@@ -227,18 +228,20 @@ class ReplayBalancer:
                 raise ValueError(f"plan_layers returned {part.num_layers} layers for a share of {len(mine)} "
                                  f"({part.num_micro_batches} micro-batches for {loads_MLSE.shape[0]})")
             t0 = time.perf_counter()
-            split = step_splits(part, loads_MLSE[:, mine])
+            split = share_splits(part, loads_MLSE[:, mine])
             return part, split, time.perf_counter() - t0, 0
         except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
             warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
                           "this step runs on the previous placement without replicas", RuntimeWarning)
             return None, None, 0.0, 1
 
-    def _gather_plan(self, part: StepPlan | None, split: torch.Tensor | None, loads_MLSE: torch.Tensor,
-                     previous_LE: torch.Tensor) -> tuple[StepPlan, torch.Tensor]:
-        """Assemble the step plan and its token splits ``[M, L, S, G, J]`` from every rank's
-        share and its splits (one all-gather of a fixed size): a rank splits its own layers'
-        tokens (``step_splits``; rows are independent), so no rank splits the whole step."""
+    def _gather_plan(self, part: StepPlan | None, split: tuple[torch.Tensor, torch.Tensor] | None,
+                     loads_MLSE: torch.Tensor, previous_LE: torch.Tensor
+                     ) -> tuple[StepPlan, torch.Tensor, torch.Tensor]:
+        """Assemble the step plan, its token splits ``[M, L, S, G, J]`` and its native layers
+        ``[L]`` from every rank's share, splits and native mask (``share_splits``; one
+        all-gather of a fixed size): a rank splits its own layers' tokens (rows are
+        independent), so no rank splits the whole step."""
         M, L, _, E = loads_MLSE.shape
         G, J = self.topology.num_gpus, self.topology.slots_per_gpu
         S = self.ep.size
@@ -247,18 +250,19 @@ class ReplayBalancer:
         se = torch.full((M, P, G, J), -1, dtype=torch.int64)
         st = torch.zeros(M, P, G, J, dtype=torch.int64)
         sp = torch.zeros(M, P, G, G, J, dtype=torch.int64)
+        nat = torch.zeros(P, dtype=torch.int64)
         if part is not None:
             n = part.num_layers
             place[:n], se[:, :n], st[:, :n] = part.placement_LE, part.slot_expert_MLGJ, part.slot_tokens_MLGJ
-            sp[:, :n] = split
-        flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1), sp.view(-1)]))
-        sizes = [P * E, M * P * G * J, M * P * G * J, M * P * G * G * J]
-        place_S, se_S, st_S, sp_S = flat.split(sizes, dim=1)
+            sp[:, :n], nat[:n] = split
+        flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1), sp.view(-1), nat]))
+        sizes = [P * E, M * P * G * J, M * P * G * J, M * P * G * G * J, P]
+        place_S, se_S, st_S, sp_S, nat_S = flat.split(sizes, dim=1)
         layer_r, layer_k = torch.arange(L) % S, torch.arange(L) // S
         pick = (lambda t, *shape: t.reshape(S, M, P, *shape)[layer_r, :, layer_k].transpose(0, 1).contiguous())
         plan = StepPlan(self.topology, place_S.reshape(S, P, E)[layer_r, layer_k].clone(), pick(se_S, G, J),
                         pick(st_S, G, J), self.planner.name, previous_LE.clone())
-        return plan, pick(sp_S, G, G, J)
+        return plan, pick(sp_S, G, G, J), nat_S.reshape(S, P)[layer_r, layer_k].to(torch.bool)
 
     def _gather_loads(self, counts_MLE: torch.Tensor) -> torch.Tensor:
         shapes = self._all_gather(torch.tensor(counts_MLE.shape, dtype=torch.int64))
@@ -307,7 +311,7 @@ class ReplayBalancer:
             self._check_agreement(planner_digest(self.planner, self.topology),
                                   "planner inputs (planner state or config)")
         t0 = time.perf_counter()
-        failed, part, plan, split_MLSGJ, split_s = 0, None, None, None, 0.0
+        failed, part, plan, split_MLSGJ, native_L, split_s = 0, None, None, None, None, 0.0
         if split:
             part, part_split, split_s, failed = self._plan_share(loads_MLSE, pairs_LEE)
         else:
@@ -326,7 +330,7 @@ class ReplayBalancer:
                               "placement without replicas", RuntimeWarning)
             plan = native_plan(loads_MLSE, self.topology, previous_LE, "fallback", previous_LE)
         elif split:
-            plan, split_MLSGJ = self._gather_plan(part, part_split, loads_MLSE, previous_LE)
+            plan, split_MLSGJ, native_L = self._gather_plan(part, part_split, loads_MLSE, previous_LE)
         if not split:
             self._check_agreement(int(plan_digest(plan), 16) & ((1 << 62) - 1), "step plans")
 
@@ -337,7 +341,7 @@ class ReplayBalancer:
         # a layer with check_plan=False exchanges no counts at run time: its schedules are built here
         unchecked_L = torch.tensor([not layer.engine.check_plan for layer in self.layers], dtype=torch.bool)
         schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ, self.layers[0].placement_E.device,
-                                   unchecked_L)
+                                   unchecked_L, native_L)
         schedules_s = split_s + time.perf_counter() - t0
 
         moved = 0

@@ -27,7 +27,7 @@ import _step_fns as sf
 import relibra_torch.moe.schedule_batch as batch_mod
 from relibra_torch.moe.native import NATIVE, NativeSchedules
 from relibra_torch.moe.schedule import build_rank_schedule, check_layer_plan, layer_plans, native_layer_plan
-from relibra_torch.moe.schedule_batch import native_layers, rank_schedules, step_splits
+from relibra_torch.moe.schedule_batch import native_layers, rank_schedules, share_splits, step_splits
 from relibra_torch.planning import Topology, static_plan, token_split, validate_plan
 from test_schedule_batch import _fields_differ, pair_differs
 
@@ -77,16 +77,22 @@ def test_native_layers_run_what_the_plan_says(shape, M, L, seed, rows):
         assert torch.equal(step_splits(plan, loads), per_mb)
     finally:
         batch_mod.SPLIT_ROWS = old_rows
+    # the shares' masks and splits joined (as the hook gathers them) are the whole step's
+    shares = [plan.layers(torch.arange(k, L, 2)) for k in range(2)]
+    joined = [share_splits(part, loads[:, k::2]) for k, part in enumerate(shares)]
+    assert torch.equal(torch.stack([joined[l % 2][1][l // 2] for l in range(L)]), native_L)
     for rank in range(topo.num_gpus):
         got = rank_schedules(plan, loads, rank)
+        told = rank_schedules(plan, loads, rank, native_L=native_L)   # told the mask: the same pairs
         forced = rank_schedules(plan, loads, rank, scheduled_L=torch.ones(L, dtype=torch.bool))
         for m in range(M):
             for l, ref_lp in enumerate(layer_plans(plan, loads, m)):
                 ref_lp = check_layer_plan(ref_lp, topo, plan.placement_LE[l])
                 ref = build_rank_schedule(topo, plan.placement_LE[l], ref_lp, rank).to("cpu")
                 lp, sched = got[m][l]
-                assert (sched is NATIVE) == bool(native_L[l])
+                assert (sched is NATIVE) == bool(native_L[l]) == (told[m][l][1] is NATIVE)
                 assert not pair_differs(lp, sched, ref_lp, ref, loads[m, l]), (m, l, rank)
+                assert not pair_differs(*told[m][l], ref_lp, ref, loads[m, l]), (m, l, rank)
                 assert forced[m][l][1] is not NATIVE          # scheduled where asked
                 assert not pair_differs(*forced[m][l], ref_lp, ref, loads[m, l]), (m, l, rank)
 

@@ -193,8 +193,9 @@ def test_relibra_plans_any_layer_share_as_the_whole_step(seed, shape, R, M, toke
 
 def test_the_simulator_charges_split_bytes_only_where_splits_travel(monkeypatch):
     """Under split planning the gathered bytes the simulator charges are the hook's padded
-    all-gather: placements and slot tables for every planner, and the ranks' token splits
-    only for a planner whose layer splits on the host (relibra); the baselines' engines pick
+    all-gather: placements and slot tables for every planner, and the ranks' token splits with
+    each layer's native flag only for a planner whose layer splits on the host (relibra); the
+    baselines' engines pick
     replicas on the GPU and gather no splits. CPU time zeroed to see the gather alone."""
     import relibra_torch.sim.simulator as sim
     from relibra_torch.planning import make_planner
@@ -206,7 +207,7 @@ def test_the_simulator_charges_split_bytes_only_where_splits_travel(monkeypatch)
     P = -(-L // G)
     for name, splits in (("eplb-oracle", 0), ("relibra", 1)):
         _, secs, _ = sim.plan_as_run(make_planner(name, topo), loads, None, config)
-        gathered = G * 8 * P * (E + 2 * M * G * J + splits * M * G * G * J)
+        gathered = G * 8 * P * (E + 2 * M * G * J + splits * (M * G * G * J + 1))   # + each layer's native flag
         want = 3 * hw.inter_node_latency_us * 1e-6 + gathered * (G - 1) / G / (hw.inter_node_gbps * 1e9)
         assert abs(secs - want) < 1e-12, (name, secs, want)
 

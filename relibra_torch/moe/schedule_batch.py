@@ -24,7 +24,7 @@ from ..planning.residency import residencies, residency_micro_batches
 from .native import NATIVE
 from .schedule import LayerPlan, RankSchedule
 
-__all__ = ["native_layers", "rank_schedules", "step_splits"]
+__all__ = ["native_layers", "rank_schedules", "share_splits", "step_splits"]
 
 
 def _owners(plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +68,15 @@ def step_splits(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     sends every source's load of an expert to its one slot (a gather); the others take
     ``token_split``, in calls of about :data:`SPLIT_ROWS` rows where a slot holds a copy,
     else one call."""
-    return _splits(plan, loads_MLSE, native_layers(plan, loads_MLSE))
+    return share_splits(plan, loads_MLSE)[0]
+
+
+def share_splits(plan: StepPlan, loads_MLSE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(step_splits(plan, loads_MLSE), native_layers(plan, loads_MLSE))``: the layers' native
+    mask is per layer too, so the shares' masks joined are the step's, and
+    :func:`rank_schedules` need not find them again."""
+    native_L = native_layers(plan, loads_MLSE)
+    return _splits(plan, loads_MLSE, native_L), native_L
 
 
 def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, native_L: torch.Tensor) -> torch.Tensor:
@@ -98,8 +106,8 @@ SPLIT_ROWS = 32
 
 
 def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_MLSGJ: torch.Tensor | None = None,
-                   device: torch.device | str = "cpu", scheduled_L: torch.Tensor | None = None
-                   ) -> list[list[tuple[LayerPlan, RankSchedule | object]]]:
+                   device: torch.device | str = "cpu", scheduled_L: torch.Tensor | None = None,
+                   native_L: torch.Tensor | None = None) -> list[list[tuple[LayerPlan, RankSchedule | object]]]:
     """``[M][L]`` ``(layer plan, rank rank's schedule)`` of every micro-batch and layer of
     ``plan`` (``loads_MLSE``: int ``[M, L, S, E]``, the counts it was made from): what
     ``moe.schedule.layer_plans`` and ``build_rank_schedule`` give pair by pair, the
@@ -113,8 +121,10 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
     exchange at run time, as static's layer does, and nothing is built for it here. The
     other layers are validated (``validate_plan``) and scheduled. ``scheduled_L``: bool
     ``[L]``, layers scheduled even where native (a layer with ``check_plan=False`` exchanges
-    no counts at run time: the hook passes those)."""
-    native_L = native_layers(plan, loads_MLSE)
+    no counts at run time: the hook passes those). ``native_L``: bool ``[L]``,
+    :func:`native_layers` of the plan when already at hand (:func:`share_splits`)."""
+    if native_L is None:
+        native_L = native_layers(plan, loads_MLSE)
     if split_MLSGJ is None:
         split_MLSGJ = _splits(plan, loads_MLSE, native_L)
     if scheduled_L is not None:
@@ -130,12 +140,15 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
         for m in range(M):
             for i, l in enumerate(rest.tolist()):
                 out[m][l] = built[m][i]
-    placements = plan.placement_LE.unbind(0)
-    none_GJ = torch.full(plan.slot_expert_MLGJ.shape[2:], -1, dtype=torch.int64)  # no residency, no hub
-    for l in nat.tolist():
-        for m in range(M):
-            out[m][l] = (LayerPlan(plan.slot_expert_MLGJ[m, l], split_MLSGJ[m, l], placements[l], plan.topology, m,
-                                   none_GJ, none_GJ, none_GJ), NATIVE)
+    if nat.numel():  # views in bulk (unbind): one indexing call per pair was most of this on small steps
+        placements = plan.placement_LE.unbind(0)
+        none_GJ = torch.full(plan.slot_expert_MLGJ.shape[2:], -1, dtype=torch.int64)  # no residency, no hub
+        se_ML = [t.unbind(0) for t in plan.slot_expert_MLGJ.unbind(0)]
+        split_ML = [t.unbind(0) for t in split_MLSGJ.unbind(0)]
+        for l in nat.tolist():
+            for m in range(M):
+                out[m][l] = (LayerPlan(se_ML[m][l], split_ML[m][l], placements[l], plan.topology, m,
+                                       none_GJ, none_GJ, none_GJ), NATIVE)
     return out
 
 

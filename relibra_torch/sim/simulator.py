@@ -293,7 +293,7 @@ def simulate(workload: Workload, config: SimConfig,
                 if getattr(planner, "uses_coactivation", False) and workload.routing is not None:
                     r = workload.routing  # the step's exact pair counts, as replay gives them
                     pairs_LEE = count_pairs(r.routed_experts_TLK[r.token_index[x]], topo.num_experts)
-                plan, secs, split_MLSGJ = plan_as_run(planner, loads_MLSE, pairs_LEE, config)
+                plan, secs, splits = plan_as_run(planner, loads_MLSE, pairs_LEE, config)
                 if config.validate:
                     validate_plan(plan, loads_MLSE)
                 if measured:  # a warm-up step only advances the planner's state
@@ -313,7 +313,7 @@ def simulate(workload: Workload, config: SimConfig,
                         window_X[x] = forward_s(costs[-1])
                     _charge_host_work(host, plan, loads_MLSE, secs, costs[-1], window_X[x], config.baseline_options,
                                       run_time=hasattr(planner, "plan_latency_s"),
-                                      host_splits=getattr(planner, "host_token_splits", False), split_MLSGJ=split_MLSGJ)
+                                      host_splits=getattr(planner, "host_token_splits", False), splits=splits)
                 planner.commit(plan, loads_MLSE)
             if progress is not None:
                 progress(name, x + 1, X)
@@ -323,9 +323,9 @@ def simulate(workload: Workload, config: SimConfig,
 
 
 def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None,
-                config: SimConfig) -> tuple[StepPlan, float, torch.Tensor | None]:
-    """The step's plan, its host seconds and, where the ranks split the tokens too, the
-    joined splits ``[M, L, S, G, J]`` (else ``None``), as the training hook runs the planner.
+                config: SimConfig) -> tuple[StepPlan, float, tuple[torch.Tensor, torch.Tensor] | None]:
+    """The step's plan, its host seconds and, where the ranks split the tokens too, the joined
+    ``share_splits`` (``[M, L, S, G, J]``, native ``[L]``; else ``None``), as the hook runs it.
 
     With split planning (``planning.split``, the hook's default) and a planner that plans
     layers independently, each of the ``G`` EP ranks plans its share of the layers
@@ -361,22 +361,25 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     splits = getattr(planner, "host_token_splits", False)
     M, J = loads_MLSE.shape[0], topo.slots_per_gpu
     split_MLSGJ = torch.empty(M, L, ranks, ranks, J, dtype=torch.int64) if splits else None
+    native_L = torch.zeros(L, dtype=torch.bool)
     if splits:
-        from ..moe.schedule_batch import step_splits  # the hook's code (imports the layer on first use)
+        from ..moe.schedule_batch import share_splits  # the hook's code (imports the layer on first use)
     parts, secs = [], []
     for r in range(min(ranks, L)):
         share = layer_share(r, ranks, L)
         part, s = one_thread_cpu(lambda: run(share))
         if splits:  # the rank splits its own layers' tokens for the layer's schedules
-            split_MLSGJ[:, share], t = one_thread_cpu(lambda: step_splits(part, loads_MLSE[:, share]))
+            (split_MLSGJ[:, share], native_L[share]), t = one_thread_cpu(
+                lambda: share_splits(part, loads_MLSE[:, share]))
             s += t
         parts.append(part)
         secs.append(s)
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
     per_rank_layers = -(-L // ranks)  # the hook pads every rank's part to this many layers
-    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J + splits * M * ranks * ranks * J)
+    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J
+                                              + splits * (M * ranks * ranks * J + 1))
     gather_s = 3 * latency_us * 1e-6 + gathered * (ranks - 1) / ranks / (gbps * 1e9)
-    return plan, digest_s + max(secs) + gather_s, split_MLSGJ
+    return plan, digest_s + max(secs) + gather_s, (split_MLSGJ, native_L) if splits else None
 
 
 def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
@@ -422,13 +425,13 @@ def forward_s(c: StepCost) -> float:
 
 def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tensor, planner_s: float,
                       c: StepCost, forward_window_s: float, options: BaselineOptions, run_time: bool,
-                      host_splits: bool, split_MLSGJ: torch.Tensor | None = None) -> None:
+                      host_splits: bool, splits: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """Add the host work that does not fit the overlap window to the step (see the module
     docstring); record host CPU, window and charge in ``host``. ``host_splits``: the system's
     layer derives every exchange size on the host: relibra's hook builds every micro-batch's
     layer plans (``token_split``, residencies) and one rank's schedules after planning
     (``moe.schedule_batch.rank_schedules``, timed here on rank 0's); the baselines' engines pick a
-    replica per token on the GPU, static has none. ``split_MLSGJ``: the token splits the
+    replica per token on the GPU, static has none. ``splits``: the token splits and native layers the
     ranks made with their planning shares (``plan_as_run``), not charged again."""
     window = forward_window_s if options.planning_overlap_s is None else options.planning_overlap_s
     if run_time:  # planned on the critical path, per layer: the cost model charged its latency
@@ -437,7 +440,9 @@ def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tens
         work = planner_s
     else:  # what ReplayBalancer.plan_step does after planning: every micro-batch's schedules
         from ..moe.schedule_batch import rank_schedules  # the layer's host code
-        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0, split_MLSGJ))[1]
+        split_MLSGJ, native_L = splits if splits is not None else (None, None)
+        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0, split_MLSGJ,
+                                                                  native_L=native_L))[1]
     charged = max(0.0, work - window)
     c.step_s += charged
     host["host_s"].append(work)
