@@ -138,3 +138,28 @@ def test_floors_reach_the_simulated_and_the_hooked_planner():
     assert off.plan_floor_s == 0.0 and off.plan_floor_nodes_s == PLAN_FLOOR_NODES_S
     with pytest.raises(ValueError, match="relibra.plan_floor_s"):
         BaselineOptions(relibra_plan_floor_s=-1.0)
+
+
+@pytest.mark.parametrize("N", [1, 2])
+def test_layers_the_guard_admits_skip_the_fast_path_and_plan_the_same(monkeypatch, N):
+    """Where the guard runs and admits layers, their search starts without the fast path (its
+    proof rarely holds there, and costs up to 30% of a failed search); with the guard off it
+    is tried first. Either way the plan is the full search's (the fast path only ever returns
+    that plan)."""
+    import relibra_torch.planning.relibra as relibra_mod
+
+    topo, loads_MLSE, placement_LE = _random_case(3, N, 4, 2, 2, 4, 3, 6.0)
+    loads_MLSE = loads_MLSE * 200                                        # copies pay: every layer admitted
+    calls = []
+    real = relibra_mod.fast_plan
+    monkeypatch.setattr(relibra_mod, "fast_plan", lambda *a: calls.append(1) or real(*a))
+    guarded = dataclasses.replace(PRICED, plan_floor_s=1e-6, plan_floor_nodes_s=1e-6)
+    assert bool(worth_planning_L(loads_MLSE, topo, placement_LE, guarded).all())
+    with_guard = relibra_plan(loads_MLSE, topo, placement_LE, guarded)
+    assert calls == []
+    no_guard = relibra_plan(loads_MLSE, topo, placement_LE, dataclasses.replace(PRICED, plan_floor_s=0.0,
+                                                                               plan_floor_nodes_s=0.0))
+    assert calls == [1]
+    assert torch.equal(with_guard.slot_expert_MLGJ, no_guard.slot_expert_MLGJ)
+    assert torch.equal(with_guard.slot_tokens_MLGJ, no_guard.slot_tokens_MLGJ)
+    assert torch.equal(with_guard.placement_LE, no_guard.placement_LE)

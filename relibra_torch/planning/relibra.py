@@ -370,14 +370,26 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     if previous_placement_LE is None:
         previous_placement_LE = topology.static_placement(L)
     guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
-        loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: relibra_plan(
-            loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls]))
+        loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
+            loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],
+            fast=False))
     if guarded is not None:  # the guard kept some layers and planned the others
         return guarded
+    floor = config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s
+    return _search(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
+                   fast=config.choose or floor <= 0 or L == 0)
+
+
+def _search(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
+            config: ReLibraConfig, pairs_LEE: torch.Tensor | None, fast: bool) -> StepPlan:
+    """:func:`relibra_plan`'s search on layers the guard did not keep. ``fast``: try the fast
+    path first (its plan is the search's, sooner); not on layers the guard admitted (its
+    gain bound and window pass the floor): the proof that nothing pays then held on 2 of 81
+    such shares of ``benchmarks/never_behind.py`` and cost up to 30% of a failed search."""
     coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
-    fast = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w)
-    if fast is not None:  # provably what the full search returns (planning/fastpath.py)
-        return no_worse_than_keeping(fast, loads_MLSE, topology, previous_placement_LE, config, coloc_w)
+    plan = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w) if fast else None
+    if plan is not None:  # provably what the full search returns (planning/fastpath.py)
+        return no_worse_than_keeping(plan, loads_MLSE, topology, previous_placement_LE, config, coloc_w)
 
     def plain(placement_LE: torch.Tensor, c: ReLibraConfig = config) -> StepPlan:  # no worse than keeping
         return no_worse_than_keeping(_plain_plan(loads_MLSE, topology, previous_placement_LE, placement_LE, c),
