@@ -211,7 +211,7 @@ class ReplayBalancer:
         return pairs_LEE
 
     def _plan_share(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None
-                    ) -> tuple[StepPlan | None, torch.Tensor | None, float, int]:
+                    ) -> tuple[StepPlan | None, tuple[torch.Tensor, torch.Tensor] | None, float, int]:
         """This rank's share of the layers (every G-th from its rank), its token splits
         ``[M, L', S, G, J]`` with its native layers ``[L']`` (``share_splits``), this rank's
         seconds in those splits, and

@@ -269,15 +269,15 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs: list, g: 
     inflow_MLE = load_MLE - home_MLE
     recv_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, inflow_MLE)
     tr_now = torch.maximum(send_MLN, recv_MLN).max(-1).values.sum(0).to(torch.float64)
-    for config in configs:
+    for cfg in configs:
         second = True
-        if config.traffic_search:
+        if cfg.traffic_search:
             # traffic objective (reorder_traffic.traffic_objective), previous assignment without replicas
-            slots = g * (R // 2 if config.cross_node_replicas else 0)
+            slots = g * (R // 2 if cfg.cross_node_replicas else 0)
             tr_best = _beyond_top(step_LNE, per_node + slots).max(-1).values.to(torch.float64)
             second = bool(((tc * (now_max - best_max) + cross_w * (tr_now - tr_best)) <= two_moves).all())
         if not (first and second) and not _no_move_per_swap(
-                own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, send_MLN, recv_MLN, inflow_MLE, config, g,
+                own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, send_MLN, recv_MLN, inflow_MLE, cfg, g,
                 R, first, second):
             return False
     return True

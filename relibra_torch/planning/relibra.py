@@ -47,8 +47,8 @@ from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pa
 from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
-from .reorder_greedy import greedy_nodes
-from .worth import guarded_plan
+from .reorder_greedy import greedy_nodes, objective
+from .worth import guarded_plan, plan_floor_s
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -218,10 +218,7 @@ class ReLibraConfig:
 def _objective(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:
     """float64 objective (see module docstring) from integer parts of any matching shape:
     the summed per-micro-batch busiest-node load, cross-node tokens, experts moved."""
-    node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
-    return (max_sum.to(torch.float64) * node_w
-            + cross.to(torch.float64) * cfg.cross_node_s_per_token / g
-            + moved.to(torch.float64) * cfg.migration_s_per_expert)
+    return objective(*(x.to(torch.float64) for x in (max_sum, cross, moved)), cfg, g)
 
 
 def _coactivation_weight(config: ReLibraConfig, pairs_LEE: torch.Tensor | None, N: int, g: int) -> float:
@@ -375,9 +372,8 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
             fast=False))
     if guarded is not None:  # the guard kept some layers and planned the others
         return guarded
-    floor = config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s
     return _search(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
-                   fast=config.choose or floor <= 0 or L == 0)
+                   fast=config.choose or plan_floor_s(topology, config) <= 0 or L == 0)
 
 
 def _search(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,

@@ -10,22 +10,30 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["greedy_nodes"]
+__all__ = ["greedy_nodes", "objective"]
+
+
+def objective(max_sum, cross, moved, cfg, g: int):
+    """Reordering's objective (``relibra`` module docstring) from float64 parts of any
+    matching shape, torch tensors or numpy arrays alike: the summed per-micro-batch
+    busiest-node load, cross-node tokens, experts moved (the same products in the same
+    order for both, so the greedy start and the searches rank alike)."""
+    node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
+    return max_sum * node_w + cross * cfg.cross_node_s_per_token / g + moved * cfg.migration_s_per_expert
 
 
 def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: torch.Tensor,
                  prev_node_LE: torch.Tensor, cfg, N: int, g: int) -> torch.Tensor:
     """int64 ``[L, E]``: the greedy start of reordering: experts in decreasing step load
     (stable), each to the node with room (``E / N`` experts) whose objective grows least
-    (``relibra._objective``; ties to the lowest node), all layers at once.
+    (:func:`objective`; ties to the lowest node), all layers at once.
 
     In numpy: one round per expert of a few ops on ``[L, M, N]`` arrays, where torch's
     per-call cost made the loop most of ``reorder``'s time (256 experts: ~40 ms of one
-    thread). The same integers and the same float64 products in the same order as
-    ``relibra._objective``, so the same nodes."""
+    thread). The same integers and the same float64 objective as the torch loop it
+    replaced, so the same nodes."""
     L, M, E = load_LME.shape
     per_node = E // N
-    node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
     order_LE = total_LE.sort(dim=1, descending=True, stable=True).indices.numpy()
     load, total, src, prev = (t.numpy() for t in (load_LME, total_LE, src_node_LNE, prev_node_LE))
     rows, nodes = np.arange(L), np.arange(N)
@@ -38,9 +46,7 @@ def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: t
         new_max_LN = np.maximum(nl_LMN.max(-1, keepdims=True), nl_LMN + add_LM[..., None]).sum(1)   # [L, N]
         cross_LN = total[rows, e_L][:, None] - src[rows, :, e_L]
         moved_LN = (nodes != prev[rows, e_L][:, None]).astype(np.int64)
-        cost_LN = (new_max_LN.astype(np.float64) * node_w
-                   + cross_LN.astype(np.float64) * cfg.cross_node_s_per_token / g
-                   + moved_LN.astype(np.float64) * cfg.migration_s_per_expert)
+        cost_LN = objective(*(x.astype(np.float64) for x in (new_max_LN, cross_LN, moved_LN)), cfg, g)
         cost_LN[count_LN >= per_node] = np.inf
         n_L = cost_LN.argmin(1)
         greedy_LE[rows, e_L] = n_L

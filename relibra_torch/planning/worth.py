@@ -52,7 +52,7 @@ from .plan import StepPlan
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["gain_bound_L", "guarded_plan", "worth_planning_L"]
+__all__ = ["gain_bound_L", "guarded_plan", "plan_floor_s", "worth_planning_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -120,6 +120,12 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     return gain_L, forward_L
 
 
+def plan_floor_s(topology: Topology, config) -> float:
+    """The config's floor for the topology (``plan_floor_nodes_s`` across nodes, else
+    ``plan_floor_s``): 0 turns the guard off."""
+    return config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s
+
+
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
                      total_layers: int | None = None) -> torch.Tensor:
     """bool ``[L]``: whether the full search may repay its host time on each layer (module
@@ -133,8 +139,8 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     # across nodes, with the (node, expert) columns the hierarchical estimate prices (about
     # the square root of the experts beyond 64: top-1 16-17 ms at 8-64 experts, 60 at 256)
     experts = max(topology.num_experts / 64, 1.0) if topology.num_nodes > 1 else 1.0
-    floor = (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) \
-        * (max(config.top_k, 1) * experts) ** 0.5 * max(loads_MLSE.shape[0], 8) / 8
+    floor = plan_floor_s(topology, config) * (max(config.top_k, 1) * experts) ** 0.5 \
+        * max(loads_MLSE.shape[0], 8) / 8
     if floor <= 0 or L == 0:
         return torch.ones(L, dtype=torch.bool)
     gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)

@@ -361,7 +361,7 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     splits = getattr(planner, "host_token_splits", False)
     M, J = loads_MLSE.shape[0], topo.slots_per_gpu
     split_MLSGJ = torch.empty(M, L, ranks, ranks, J, dtype=torch.int64) if splits else None
-    native_L = torch.zeros(L, dtype=torch.bool)
+    native_L = torch.zeros(L, dtype=torch.bool) if splits else None
     if splits:
         from ..moe.schedule_batch import share_splits  # the hook's code (imports the layer on first use)
     parts, secs = [], []
