@@ -304,7 +304,8 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
     import json
 
     from relibra_torch.cli import main
-    from relibra_torch.planning.pricing import PLAN_FLOOR_NODES_S, PLAN_FLOOR_S
+    from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S,
+                                                PLAN_LAYER_S, PLAN_SCHEDULE_S)
     cfg = tmp_path / "c.toml"
     cfg.write_text('[online]\nplan_latency_us = 10\nmin_replica_tokens = 8\n[eplb]\ninterval = 3\n')
     out = tmp_path / "r.json"
@@ -321,7 +322,9 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
         "relibra_cross_node_replicas": True, "relibra_reorder": True, "relibra_traffic_search": True,
         "relibra_balance": True, "relibra_two_hop": True, "relibra_choose": False, "relibra_spread_fills": True,
         "relibra_max_swap_rounds": 64,
-        "relibra_swap_candidates": 8, "relibra_plan_floor_s": PLAN_FLOOR_S, "relibra_plan_floor_nodes_s": PLAN_FLOOR_NODES_S}
+        "relibra_swap_candidates": 8, "relibra_plan_floor_s": PLAN_FLOOR_S, "relibra_plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
+        "relibra_plan_layer_s": PLAN_LAYER_S, "relibra_plan_layer_nodes_s": PLAN_LAYER_NODES_S,
+        "relibra_light_share": LIGHT_SHARE, "relibra_plan_schedule_s": PLAN_SCHEDULE_S}
     assert list(doc["systems"]) == ["static", "eplb", "eplb-oracle-instance", "online-node",
                                     "online-global", "uniform", "bound"]
     assert "run-time planning 10.0 us per layer" in " ".join(capsys.readouterr().out.split())

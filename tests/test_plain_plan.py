@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from benchmarks.standin_loads import standin_loads
 from relibra_torch.planning import PlannedOnlinePlanner, StepPlan, Topology
 from relibra_torch.planning.balance import replicate
-from relibra_torch.planning.plain import _balanced, _has_copies, _layers_price, _traffic, _without_copies, plain_plan
+from relibra_torch.planning.plain import _balanced, _has_copies, layers_price, _traffic, _without_copies, plain_plan
 from relibra_torch.planning.price import moe_seconds_ML, replica_seconds_ML, step_seconds
 from relibra_torch.planning.pricing import priced_config
 
@@ -101,8 +101,8 @@ def test_layers_priced_apart_equal_the_whole_plans_layers():
     plan = plain_plan(loads, topo, place, place, cfg)
     full_L = (moe_seconds_ML(plan, loads, cfg) + replica_seconds_ML(plan, cfg)).sum(0)
     idx = torch.tensor([1, 3, 4])
-    assert torch.allclose(_layers_price(plan, idx, loads, cfg), full_L[idx], rtol=1e-12, atol=0)
-    assert _layers_price(plan, idx[:0], loads, cfg).shape == (0,)
+    assert torch.allclose(layers_price(plan, idx, loads, cfg), full_L[idx], rtol=1e-12, atol=0)
+    assert layers_price(plan, idx[:0], loads, cfg).shape == (0,)
 
 
 def test_one_slot_per_gpu_spreads_a_collapsed_routers_hot_expert_over_both_nodes():

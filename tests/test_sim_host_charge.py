@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from relibra_torch.cli import main
 from relibra_torch.planning import ReLibraConfig, Topology, relibra_plan
-from relibra_torch.planning.pricing import PLAN_FLOOR_NODES_S, PLAN_FLOOR_S
+from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S, PLAN_LAYER_S,
+                                            PLAN_SCHEDULE_S)
 from relibra_torch.sim import SimConfig, get_hardware, simulate, workload_from_loads
 from relibra_torch.sim.baselines import BaselineOptions, baseline_options
 from relibra_torch.sim.presets import ModelSpec
@@ -83,7 +84,9 @@ def test_relibra_section_switches_each_mechanism():
     assert opts.relibra_fields() == {"cross_node_replicas": False, "reorder": True, "traffic_search": False,
                                      "balance": False, "two_hop": True, "choose": False, "spread_fills": True,
                                      "max_swap_rounds": 64, "swap_candidates": 8,
-                                     "plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S}
+                                     "plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
+                                     "plan_layer_s": PLAN_LAYER_S, "plan_layer_nodes_s": PLAN_LAYER_NODES_S,
+                                     "light_share": LIGHT_SHARE, "plan_schedule_s": PLAN_SCHEDULE_S}
     with pytest.raises(ValueError, match="relibra.balance = 'maybe'; allowed: true or false"):
         baseline_options({"relibra": {"balance": "maybe"}})
     loads_MLSE = _loads()[0]

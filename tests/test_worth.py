@@ -18,15 +18,17 @@ from relibra_torch.planning import ReLibraConfig, ReLibraPlanner, Topology, reli
 from relibra_torch.planning.base import layer_share
 from relibra_torch.planning.fastpath import keep_plan
 from relibra_torch.planning.price import exchange_latency_s, moe_seconds_ML
-from relibra_torch.planning.pricing import PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, priced_config, relibra_config_for
-from relibra_torch.planning.worth import gain_bound_L, worth_planning_L
+from relibra_torch.planning.pricing import (PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S, PLAN_LAYER_S,
+                                            priced_config, relibra_config_for)
+from relibra_torch.planning.worth import gain_bound_L, layer_floor_s, worth_planning_L
 from relibra_torch.sim import get_hardware
 from relibra_torch.sim.baselines import BaselineOptions
 from relibra_torch.sim.cost import CostModel
 from relibra_torch.sim.presets import ModelSpec
 from relibra_torch.sim.simulator import default_planner_factory
 
-PRICED = priced_config(2048, 768, "h200", plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S)
+PRICED = priced_config(2048, 768, "h200", plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S,
+                       plan_layer_s=PLAN_LAYER_S, plan_layer_nodes_s=PLAN_LAYER_NODES_S)
 
 
 def _random_case(draw_seed: int, N: int, g: int, El: int, R: int, M: int, L: int, skew: float):
@@ -126,18 +128,51 @@ def test_floors_reach_the_simulated_and_the_hooked_planner():
     assert priced_config(2048, 768).plan_floor_s == 0.0
     hooked = relibra_config_for(SimpleNamespace(dim=2048, hidden_dim=768))           # ReplayBalancer's default
     assert (hooked.plan_floor_s, hooked.plan_floor_nodes_s) == (PLAN_FLOOR_S, PLAN_FLOOR_NODES_S)
+    assert (hooked.plan_layer_s, hooked.plan_layer_nodes_s) == (PLAN_LAYER_S, PLAN_LAYER_NODES_S)
     model = ModelSpec("tiny-moe", num_layers=2, num_moe_layers=2, hidden_size=256, moe_ffn=128,
                       num_experts=8, top_k=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=1000)
     cost = CostModel(model, get_hardware("h200"))
     topo = Topology(2, 2, 8, 2)
     default = default_planner_factory("relibra", topo, cost, BaselineOptions()).config
     assert (default.plan_floor_s, default.plan_floor_nodes_s) == (PLAN_FLOOR_S, PLAN_FLOOR_NODES_S)
+    assert (default.plan_layer_s, default.plan_layer_nodes_s) == (PLAN_LAYER_S, PLAN_LAYER_NODES_S)
     fixed = default_planner_factory("relibra", topo, cost, BaselineOptions(planning_overlap_s=1.0)).config
     assert fixed.plan_floor_s == fixed.plan_floor_nodes_s == 0.0
     off = default_planner_factory("relibra", topo, cost, BaselineOptions(relibra_plan_floor_s=0.0)).config
     assert off.plan_floor_s == 0.0 and off.plan_floor_nodes_s == PLAN_FLOOR_NODES_S
     with pytest.raises(ValueError, match="relibra.plan_floor_s"):
         BaselineOptions(relibra_plan_floor_s=-1.0)
+    with pytest.raises(ValueError, match="relibra.plan_layer_nodes_s"):
+        BaselineOptions(relibra_plan_layer_nodes_s=-1.0)
+
+
+@pytest.mark.parametrize("N", [1, 2])
+def test_the_fixed_floor_is_spread_over_the_rank_share(N):
+    """The search's fixed CPU time is paid once per rank's share: a layer's floor is the fixed
+    part over the share plus the per-layer part (scaled by top-k, the experts across nodes
+    and the micro-batches). So a layer the guard keeps when each rank plans one layer is
+    admitted when each plans eight (the window per rank is the same: the step's forward);
+    with a fixed part of 0 the guard is off whatever the per-layer part."""
+    topo = Topology(N, 2, N * 2 * 32, 2)                                  # 64 experts per node
+    G, E = topo.num_gpus, topo.num_experts
+    cfg = dataclasses.replace(PRICED, top_k=4, plan_floor_s=0.03, plan_floor_nodes_s=0.05, plan_layer_s=0.002,
+                              plan_layer_nodes_s=0.01)
+    fixed, layer = (0.05, 0.01 * (4 * E / 64) ** 0.5) if N > 1 else (0.03, 0.002 * 4 ** 0.5)
+    for share in (1, 3, 8):
+        assert layer_floor_s(topo, cfg, share, 8) == pytest.approx(fixed / share + layer)
+    assert layer_floor_s(topo, cfg, 2, 16) == pytest.approx(2 * layer_floor_s(topo, cfg, 2, 8))
+    assert layer_floor_s(topo, cfg, 2, 3) == pytest.approx(layer_floor_s(topo, cfg, 2, 8))
+    _, loads_MLSE, _ = _random_case(5, N, 2, 32, 2, 8, 1, 6.0)
+    prev = topo.static_placement(1)
+    gain_L, forward_L = gain_bound_L(loads_MLSE, topo, prev, cfg)
+    worth_one_s = float(gain_L[0] + forward_L[0] * G)                     # a rank's window: the step's forward
+    between = dataclasses.replace(cfg, plan_layer_s=0.0, plan_layer_nodes_s=0.0,
+                                  **{"plan_floor_nodes_s" if N > 1 else "plan_floor_s": 2 * worth_one_s})
+    assert not bool(worth_planning_L(loads_MLSE, topo, prev, between, total_layers=G)[0])       # share 1
+    assert bool(worth_planning_L(loads_MLSE, topo, prev, between, total_layers=8 * G)[0])       # share 8
+    off = dataclasses.replace(between, plan_floor_s=0.0, plan_floor_nodes_s=0.0, plan_layer_s=1.0,
+                              plan_layer_nodes_s=1.0)
+    assert bool(worth_planning_L(loads_MLSE, topo, prev, off, total_layers=G).all())
 
 
 @pytest.mark.parametrize("N", [1, 2])
@@ -163,3 +198,18 @@ def test_layers_the_guard_admits_skip_the_fast_path_and_plan_the_same(monkeypatc
     assert torch.equal(with_guard.slot_expert_MLGJ, no_guard.slot_expert_MLGJ)
     assert torch.equal(with_guard.slot_tokens_MLGJ, no_guard.slot_tokens_MLGJ)
     assert torch.equal(with_guard.placement_LE, no_guard.placement_LE)
+
+
+def test_every_rank_pays_the_schedules_of_a_planned_layer():
+    """A layer given copies costs every rank its schedules (``rank_schedules`` builds every
+    layer's), so the guard takes ``plan_schedule_s * M / 8`` per layer out of the window a
+    rank's share plans in: ``L / ceil(L / G)`` times it off the layer's margin."""
+    from relibra_torch.planning.worth import _margin_L
+    topo, loads_MLSE, placement_LE = _random_case(4, 2, 2, 2, 2, 12, 3, 6.0)     # M = 12, L = 3, G = 4
+    base = dataclasses.replace(PRICED, plan_schedule_s=0.0)
+    for total in (3, 10):
+        share = -(-total // topo.num_gpus)
+        m0, f0 = _margin_L(loads_MLSE, topo, placement_LE, base, total)
+        m1, f1 = _margin_L(loads_MLSE, topo, placement_LE, dataclasses.replace(base, plan_schedule_s=2e-3), total)
+        assert f0 == f1
+        torch.testing.assert_close(m0 - m1, torch.full_like(m0, 2e-3 * 12 / 8 * total / share), rtol=1e-9, atol=0)

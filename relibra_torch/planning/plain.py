@@ -61,7 +61,7 @@ from .price import compute_seconds_ML, exchange_latency_s, moe_seconds_ML, repli
 from .topology import Topology
 from .traffic import traffic_replicas
 
-__all__ = ["no_worse_than_keeping", "plain_plan"]
+__all__ = ["layers_price", "no_worse_than_keeping", "plain_plan"]
 
 
 def plain_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
@@ -174,17 +174,17 @@ def _cheapest_per_layer(plans: list[StepPlan], loads_MLSE: torch.Tensor, config,
     price_PL = torch.full(differs_PL.shape, float("inf"), dtype=torch.float64)
     price_PL[0] = 0.0
     idx = differs_PL[0].nonzero().squeeze(1)
-    price_PL[0, idx] = _layers_price(first, idx, loads_MLSE, config)
+    price_PL[0, idx] = layers_price(first, idx, loads_MLSE, config)
     latency = exchange_latency_s(first.topology, config) * loads_MLSE.shape[0]
     for k, p in enumerate(distinct[1:], 1):
         floor_L = compute_seconds_ML(p.slot_tokens_MLGJ, config).sum(0) + latency
         idx = (differs_PL[k] & (floor_L < price_PL[0])).nonzero().squeeze(1)
-        price_PL[k, idx] = _layers_price(p, idx, loads_MLSE, config)
+        price_PL[k, idx] = layers_price(p, idx, loads_MLSE, config)
     se, st = cheapest_per_layer([(p.slot_expert_MLGJ, p.slot_tokens_MLGJ) for p in distinct], price_PL)
     return StepPlan(first.topology, first.placement_LE, se, st, first.planner, first.previous_placement_LE)
 
 
-def _layers_price(plan: StepPlan, layers: torch.Tensor, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
+def layers_price(plan: StepPlan, layers: torch.Tensor, loads_MLSE: torch.Tensor, config) -> torch.Tensor:
     """float64 ``[L']``: the price of ``plan``'s layers ``layers`` (each priced apart)."""
     if not layers.numel():
         return torch.zeros(0, dtype=torch.float64)
@@ -216,7 +216,7 @@ def no_worse_than_keeping(plan: StepPlan, loads_MLSE: torch.Tensor, topology: To
     idx = moved_L.nonzero().flatten()
     prev_LE = previous_placement_LE[idx]
     kept = plain_plan(loads_MLSE[:, idx], topology, prev_LE, prev_LE.clone(), config)
-    keep = (_layers_price(kept, torch.arange(len(idx)), loads_MLSE[:, idx], config)
-            <= _layers_price(plan, idx, loads_MLSE, config))
+    keep = (layers_price(kept, torch.arange(len(idx)), loads_MLSE[:, idx], config)
+            <= layers_price(plan, idx, loads_MLSE, config))
     return plan.with_layers(idx[keep], kept.layers(keep)) if bool(keep.any()) else plan
 

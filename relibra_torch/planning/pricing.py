@@ -24,6 +24,10 @@ __all__ = [
     "HardwareSpec",
     "PLAN_FLOOR_NODES_S",
     "PLAN_FLOOR_S",
+    "PLAN_LAYER_NODES_S",
+    "PLAN_LAYER_S",
+    "LIGHT_SHARE",
+    "PLAN_SCHEDULE_S",
     "ReorderWeights",
     "get_hardware",
     "priced_config",
@@ -206,15 +210,35 @@ def reorder_weights(dim: int, hidden_dim: int, hardware: HardwareSpec, *, activa
     )
 
 
-#: The full search's typical one-thread CPU time per layer where the fast path does not
-#: settle it (``planning.worth``, which scales it by ``sqrt(top_k)``), fitted on this
-#: project's 2-core machine (Python 3.11, torch 2.13 CPU) to the medians over the
-#: never-behind stand-ins at 32 tokens x 8 per GPU and 8 micro-batches: one node 6-10 ms
-#: (top-1), 23-24 ms (top-8); two nodes 16-60 ms (top-1), 31 ms (top-2), 49-64 ms (top-8).
-#: A faster host CPU makes these smaller: measure them with ``benchmarks/planner.py`` on
-#: the training cluster.
-PLAN_FLOOR_S = 8e-3
-PLAN_FLOOR_NODES_S = 2e-2
+#: The full search's one-thread CPU time on an EP rank's share of ``k`` layers where the fast
+#: path does not settle them (``planning.worth``): about ``floor + k * layer * sqrt(top_k *
+#: E')`` at 8 micro-batches (``E' = max(E / 64, 1)`` across nodes, 1 on one node), with a
+#: fixed part (a few thousand small tensor calls, whatever the layer count) that dominates a
+#: share of one or two layers. Least-squares fit on this project's 2-core machine (Python
+#: 3.11, torch 2.13 CPU, an AMD EPYC VM about 2.2x slower per thread than the one of the
+#: earlier fit) to 4 share sizes of the 120 never-behind stand-ins with 8-64x token factors
+#: (``benchmarks/never_behind.py``): one node 33 ms + 2.6 ms per layer, two nodes 47 ms +
+#: 9.3 ms per layer; the measured times lie within 0.5-1.5x of the fit for 80% of the points
+#: (the search's work also follows the loads: how many copies pay). The per-layer parts add
+#: the share's token splits (``moe.schedule_batch.share_splits``, which the rank runs after
+#: planning: 0.9-1.2 ms per layer with copies on one node, 1.1-3.1 ms per unit of the
+#: square root across nodes), so 3.6 and 11.3 ms. A faster host CPU makes them smaller:
+#: measure them with ``benchmarks/planner.py`` on the training cluster.
+PLAN_FLOOR_S = 3.3e-2
+PLAN_FLOOR_NODES_S = 4.7e-2
+PLAN_LAYER_S = 3.6e-3
+PLAN_LAYER_NODES_S = 1.13e-2
+#: Every rank builds every layer's schedules for the step (``moe.schedule_batch.rank_schedules``):
+#: 0.7-2.0 ms per layer with copies at 8 micro-batches on the same machine (0.06 ms for a
+#: layer without copies), so a layer given copies costs this on every rank, out of the
+#: window that planning shares (``planning.worth``).
+PLAN_SCHEDULE_S = 1.3e-3
+#: The light plan's host time (``planning.light``: a step-long set on the kept placement,
+#: priced against it) as a share of the full search's floor, measured on the same machine:
+#: 12-18 ms on a one-node share of 1-2 layers (the full search's fixed part is 33 ms), 15-37
+#: ms across nodes (47 ms); its per-layer part follows the experts rather than top-k
+#: (1 ms per layer at 64 experts, 4 at 256 on one node), which this one share leaves rough.
+LIGHT_SHARE = 0.4
 
 
 def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:
@@ -235,5 +259,7 @@ def relibra_config_for(layer, hardware: str | HardwareSpec = "h200", **overrides
     (``planning.worth``): on a toy model every layer does; ``plan_floor_s=0,
     plan_floor_nodes_s=0`` plans it anyway (``ReplayBalancer`` does so on CPU layers).
     """
-    floors = {"plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S}
+    floors = {"plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
+              "plan_layer_s": PLAN_LAYER_S, "plan_layer_nodes_s": PLAN_LAYER_NODES_S, "light_share": LIGHT_SHARE,
+              "plan_schedule_s": PLAN_SCHEDULE_S}
     return priced_config(layer.dim, layer.hidden_dim, hardware, **{**floors, **overrides})

@@ -114,8 +114,15 @@ class ReLibraConfig:
             fixed latency across nodes / inside one (``ReorderWeights``); ``choose`` prices them,
             and the first balancing copy of a layer and micro-batch adds two latencies (the
             fill, the gradient return; :meth:`fill_latency_s`).
-        plan_floor_s, plan_floor_nodes_s: the full search's least CPU time per layer, on one node
-            and across nodes; layers where it cannot pay keep their placement (``worth``; 0: off).
+        plan_floor_s, plan_floor_nodes_s, plan_layer_s, plan_layer_nodes_s: the full search's
+            CPU time on an EP rank's share of layers, fixed part and per layer, on one node and
+            across nodes; layers where it cannot pay keep their placement (``worth``; a fixed
+            part of 0 turns the guard off).
+        plan_schedule_s: host time every rank spends on one layer's schedules when it has
+            copies (at 8 micro-batches), out of the window the guard shares among planning.
+        light_share: the light plan's host time as a share of the full search's (``light``):
+            layers the guard keeps whose gain bound and window reach this share of the floor
+            get a step-long set on the kept placement where it prices lower (0: off).
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -142,6 +149,10 @@ class ReLibraConfig:
     nvlink_latency_s: float = 0.0
     plan_floor_s: float = 0.0
     plan_floor_nodes_s: float = 0.0
+    plan_layer_s: float = 0.0
+    plan_layer_nodes_s: float = 0.0
+    light_share: float = 0.0
+    plan_schedule_s: float = 0.0
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -203,9 +214,11 @@ class ReLibraConfig:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert",
                      "cross_replica_fill_s_per_expert", "intra_node_s_per_token", "inter_node_latency_s",
-                     "nvlink_latency_s", "plan_floor_s", "plan_floor_nodes_s"):
+                     "nvlink_latency_s", "plan_floor_s", "plan_floor_nodes_s", "plan_layer_s",
+                     "plan_layer_nodes_s", "plan_schedule_s"):
             check_number(name, getattr(self, name), 0)
         check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
+        check_number("light_share", self.light_share, 0, maximum=1)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
         check_int("top_k", self.top_k, 0)
         for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # the switches

@@ -20,17 +20,22 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   each EP rank ``ceil(L / G)`` layers and the whole step's forward pass, so a layer gets
   ``L / ceil(L / G)`` times its own forward: a third of its compute, half of its all-to-all
   (flat; 0 under hierarchical dispatch, where only an upper bound is at hand) and half of
-  its exchange latency. The forward of attention and dense layers is left out: the
+  its exchange latency, less ``plan_schedule_s * M / 8``: every rank builds the schedules of
+  every layer given copies (``moe.schedule_batch.rank_schedules``), so a planned layer
+  takes that out of each rank's window. The forward of attention and dense layers is left out: the
   estimate errs towards a smaller window, that is towards keeping the placement.
   The share assumes split planning (the hook's and the simulator's default); where one
   thread plans the whole step it overstates the window about ``G``-fold.
-* **floor** ``F``: the one-thread CPU time the full search typically spends on a layer when
-  the fast path does not settle it: ``plan_floor_s`` on one node, ``plan_floor_nodes_s``
-  across nodes (``ReLibraConfig``), times ``sqrt(top_k)`` (the search builds and prices more
-  candidates when each token picks more experts), ``max(M, 8) / 8`` (fitted at 8
-  micro-batches) and, across nodes, ``sqrt(max(E / 64, 1))`` (the hierarchical estimate's
-  columns). Fitted on this project's 2-core machine
-  (``planning.pricing.PLAN_FLOOR_S``).
+* **floor** ``F``: the layer's part of the one-thread CPU time the full search typically
+  spends on a rank's share of ``ceil(L / G)`` layers when the fast path does not settle
+  them: a fixed part spread over the share, ``plan_floor_s / ceil(L / G)``, plus a part per
+  layer, ``plan_layer_s * sqrt(top_k)`` (the search builds and prices more candidates when
+  each token picks more experts); across nodes ``plan_floor_nodes_s`` and
+  ``plan_layer_nodes_s * sqrt(top_k * max(E / 64, 1))`` (the hierarchical estimate's
+  columns); both times ``max(M, 8) / 8`` (fitted at 8 micro-batches). The fixed part (a few
+  thousand small tensor calls whatever the layer count) is most of a one- or two-layer
+  share's search, which is what 8-16 EP ranks plan on models of 12-16 layers. Fitted on
+  this project's 2-core machine (``planning.pricing.PLAN_FLOOR_S``).
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
@@ -48,11 +53,12 @@ from typing import Callable
 import torch
 
 from .fastpath import keep_plan
+from .light import light_plan
 from .plan import StepPlan
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["gain_bound_L", "guarded_plan", "plan_floor_s", "worth_planning_L"]
+__all__ = ["gain_bound_L", "guarded_plan", "layer_floor_s", "plan_floor_s", "worth_planning_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -121,9 +127,33 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
 
 
 def plan_floor_s(topology: Topology, config) -> float:
-    """The config's floor for the topology (``plan_floor_nodes_s`` across nodes, else
+    """The config's fixed floor for the topology (``plan_floor_nodes_s`` across nodes, else
     ``plan_floor_s``): 0 turns the guard off."""
     return config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s
+
+
+def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
+    """The floor ``F`` of one layer of a rank's ``share`` layers (module docstring): the fixed
+    floor spread over the share plus the per-layer part, scaled to top-k, the experts across
+    nodes and the micro-batches."""
+    nodes = topology.num_nodes > 1
+    experts = max(topology.num_experts / 64, 1.0) if nodes else 1.0
+    per_layer = config.plan_layer_nodes_s if nodes else config.plan_layer_s
+    return (plan_floor_s(topology, config) / max(share, 1) + per_layer * (max(config.top_k, 1) * experts) ** 0.5) \
+        * max(micro_batches, 8) / 8
+
+
+def _margin_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
+              total_layers: int | None) -> tuple[torch.Tensor, float]:
+    """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` (module docstring)."""
+    L = loads_MLSE.shape[1]
+    total = L if total_layers is None else total_layers
+    share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
+    floor = layer_floor_s(topology, config, share, loads_MLSE.shape[0])
+    gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
+    # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
+    schedule_s = config.plan_schedule_s * loads_MLSE.shape[0] / 8
+    return gain_L + (forward_L - schedule_s) * (total / share), floor
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
@@ -132,34 +162,34 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     docstring); ``total_layers``: the step's layer count ``L`` when ``loads_MLSE`` holds a
     share of it (split planning), so that the window share is the same in both modes."""
     L = loads_MLSE.shape[1]
-    total = L if total_layers is None else total_layers
-    # the search's cost grows with the experts a token picks (more rows pay copies, more
-    # candidates are built and priced; measured: about with the square root of top-k), with
-    # the micro-batches beyond the 8 it was fitted at (below, per-call costs dominate) and,
-    # across nodes, with the (node, expert) columns the hierarchical estimate prices (about
-    # the square root of the experts beyond 64: top-1 16-17 ms at 8-64 experts, 60 at 256)
-    experts = max(topology.num_experts / 64, 1.0) if topology.num_nodes > 1 else 1.0
-    floor = plan_floor_s(topology, config) * (max(config.top_k, 1) * experts) ** 0.5 \
-        * max(loads_MLSE.shape[0], 8) / 8
-    if floor <= 0 or L == 0:
+    if plan_floor_s(topology, config) <= 0 or L == 0:
         return torch.ones(L, dtype=torch.bool)
-    gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
-    share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
-    return gain_L + forward_L * (total / share) >= floor
+    margin_L, floor = _margin_L(loads_MLSE, topology, placement_LE, config, total_layers)
+    return margin_L >= floor
 
 
 def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
                  total_layers: int | None, search: Callable[[list[int], object], StepPlan]) -> StepPlan | None:
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
-    the step's plan: the layers not worth it keep their placement, every expert on its owner
-    (:func:`~relibra_torch.planning.fastpath.keep_plan`), and ``search(layers, config)``
-    plans the others (its ``L'`` layers, in that order) with the guard off."""
-    worth_L = worth_planning_L(loads_MLSE, topology, previous_placement_LE, config, total_layers)
+    the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``
+    layers, in that order) with the guard off; of the others, those worth the light plan
+    (``U_l + W_l >= light_share * F``, :mod:`~relibra_torch.planning.light`) get it, and
+    the rest keep their placement, every expert on its owner
+    (:func:`~relibra_torch.planning.fastpath.keep_plan`)."""
+    L = loads_MLSE.shape[1]
+    if plan_floor_s(topology, config) <= 0 or L == 0:
+        return None
+    margin_L, floor = _margin_L(loads_MLSE, topology, previous_placement_LE, config, total_layers)
+    worth_L = margin_L >= floor
     if bool(worth_L.all()):
         return None
+    light_L = ~worth_L & (margin_L >= config.light_share * floor) & (config.light_share > 0)
     plan = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
-    layers = worth_L.nonzero().flatten()
-    if layers.numel():
-        part = search(layers.tolist(), dataclasses.replace(config, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
-        plan = plan.with_layers(layers, part)
+    for mask, make in ((light_L, lambda idx: light_plan(loads_MLSE[:, idx], topology, previous_placement_LE[idx],
+                                                        config)),
+                       (worth_L, lambda idx: search(idx.tolist(), dataclasses.replace(
+                           config, plan_floor_s=0.0, plan_floor_nodes_s=0.0)))):
+        layers = mask.nonzero().flatten()
+        if layers.numel():
+            plan = plan.with_layers(layers, make(layers))
     return plan

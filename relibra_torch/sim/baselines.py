@@ -11,7 +11,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from ..checks import check_int, check_number
-from ..planning.pricing import PLAN_FLOOR_NODES_S, PLAN_FLOOR_S
+from ..planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S, PLAN_LAYER_S,
+                                PLAN_SCHEDULE_S)
 
 __all__ = ["BaselineOptions", "SECTIONS", "baseline_options"]
 
@@ -45,10 +46,12 @@ class BaselineOptions:
             slowest rank's share plus the gathers is the host work. ``False``: one thread
             plans the whole step (the hook's ``split_planning=False``).
         relibra_*: relibra's mechanisms (``ReLibraConfig`` fields), for ablations;
-            ``plan_floor_s`` and ``plan_floor_nodes_s`` (seconds, 0: off) are the guard that
-            keeps a layer's placement where the full search cannot repay its host time
-            (``planning.worth``; defaults ``planning.pricing.PLAN_FLOOR_S`` and
-            ``PLAN_FLOOR_NODES_S``). A fixed ``planning.overlap_s`` turns the guard off: its
+            ``plan_floor_s``, ``plan_floor_nodes_s`` (seconds, 0: off), ``plan_layer_s`` and
+            ``plan_layer_nodes_s`` are the guard that keeps a layer's placement where the full
+            search cannot repay its host time (``planning.worth``; defaults
+            ``planning.pricing.PLAN_FLOOR_S`` etc.); ``light_share`` (0: off) sends the layers
+            it keeps that can repay a step-long set's host time to ``planning.light``;
+            ``plan_schedule_s``: every rank's schedule time per layer with copies. A fixed ``planning.overlap_s`` turns the guard off: its
             window estimate is the default window's.
     """
 
@@ -70,6 +73,10 @@ class BaselineOptions:
     relibra_swap_candidates: int = 8
     relibra_plan_floor_s: float = PLAN_FLOOR_S
     relibra_plan_floor_nodes_s: float = PLAN_FLOOR_NODES_S
+    relibra_plan_layer_s: float = PLAN_LAYER_S
+    relibra_plan_layer_nodes_s: float = PLAN_LAYER_NODES_S
+    relibra_light_share: float = LIGHT_SHARE
+    relibra_plan_schedule_s: float = PLAN_SCHEDULE_S
 
     def __post_init__(self) -> None:
         check_int("eplb.interval", self.eplb_interval, 1)
@@ -89,6 +96,10 @@ class BaselineOptions:
         check_int("relibra.swap_candidates", self.relibra_swap_candidates, 1)
         check_number("relibra.plan_floor_s", self.relibra_plan_floor_s, 0.0)
         check_number("relibra.plan_floor_nodes_s", self.relibra_plan_floor_nodes_s, 0.0)
+        check_number("relibra.plan_layer_s", self.relibra_plan_layer_s, 0.0)
+        check_number("relibra.plan_layer_nodes_s", self.relibra_plan_layer_nodes_s, 0.0)
+        check_number("relibra.light_share", self.relibra_light_share, 0.0, maximum=1.0)
+        check_number("relibra.plan_schedule_s", self.relibra_plan_schedule_s, 0.0)
 
     def relibra_fields(self) -> dict:
         """The ``ReLibraConfig`` fields set by the ``[relibra]`` section."""
@@ -121,7 +132,9 @@ SECTIONS = {
     "planning": {"overlap_s": float, "split": bool},
     "relibra": {"cross_node_replicas": bool, "reorder": bool, "traffic_search": bool, "balance": bool,
                 "two_hop": bool, "choose": bool, "spread_fills": bool, "max_swap_rounds": int, "swap_candidates": int,
-                "plan_floor_s": float, "plan_floor_nodes_s": float},
+                "plan_floor_s": float, "plan_floor_nodes_s": float, "plan_layer_s": float,
+                "plan_layer_nodes_s": float, "light_share": float,
+                "plan_schedule_s": float},
 }
 """Sections and fields accepted in ``--config`` files and ``--set SECTION.FIELD=VALUE``."""
 

@@ -1,0 +1,54 @@
+"""relibra's light plan: one step-long replica set on the kept placement, for the layers
+where the full search cannot repay its host time but a far cheaper plan can.
+
+The guard (:mod:`relibra_torch.planning.worth`) keeps a layer's placement where the full
+search (reordering, traffic replicas, per-micro-batch balancing, every candidate built and
+priced) costs more host time than the layer's window and gain bound. On small models across
+8-16 EP ranks a rank's share is one or two layers and that search's fixed part alone is
+40-140 ms of one thread, against windows of 10-50 ms; yet a collapsed router's hot expert
+leaves a one-node layer 3x slower than balanced, which a GPU-side planner fixes for free.
+The light plan is relibra's step-long set (:func:`relibra_torch.planning.step_set.step_long_set`:
+every free slot of a node given to its experts with the most step tokens per instance, the
+same copies all step, so each fills once, with per-micro-batch quotas from replay) on the
+placement the guard keeps, no reordering and no traffic replica. Per layer it is priced
+against the kept plan with the plain plan's exact price (:func:`relibra_torch.planning.plain.layers_price`:
+expert compute, all-to-all, fills and returns with their latency) and kept only where it
+is cheaper, so it never prices above keeping. About 0.4 of the full search's host time
+(``ReLibraConfig.light_share``; 12-18 ms on a one-node share of 1-2 layers, 15-37 ms across
+nodes, on the 2-core machine). Layer-local, so split planning gives the same plan.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .fastpath import keep_plan
+from .plain import layers_price
+from .plan import StepPlan
+from .step_set import step_long_set
+from .topology import Topology
+
+__all__ = ["light_plan"]
+
+
+def light_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
+               config) -> StepPlan:
+    """The kept plan (:func:`~relibra_torch.planning.fastpath.keep_plan`) with, in each layer
+    where it prices lower, the step-long set on the same placement (module docstring).
+    ``loads_MLSE``: int ``[M, L, S, E]``; ``previous_placement_LE``: int64 ``[L, E]``;
+    ``config``: a ``ReLibraConfig``."""
+    kept = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
+    L = loads_MLSE.shape[1]
+    if not config.balance or L == 0 or topology.replica_slots == 0:
+        return kept
+    slot_expert_MLGJ, slot_tokens_MLGJ = step_long_set(loads_MLSE, topology, kept.placement_LE,
+                                                       config.min_replica_tokens_on(topology.num_nodes))
+    if not bool((slot_expert_MLGJ[..., topology.experts_per_gpu:] >= 0).any()):  # no copy made
+        return kept
+    spread = StepPlan(topology, kept.placement_LE, slot_expert_MLGJ, slot_tokens_MLGJ, kept.planner,
+                      kept.previous_placement_LE)
+    idx = torch.arange(L)
+    cheaper_L = layers_price(spread, idx, loads_MLSE, config) < layers_price(kept, idx, loads_MLSE, config)
+    return kept.with_layers(idx[cheaper_L], spread.layers(cheaper_L)) if bool(cheaper_L.any()) else kept

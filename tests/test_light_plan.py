@@ -1,0 +1,122 @@
+"""relibra's light plan for the layers the guard keeps (``planning/light.py``) and the tier
+between it and the full search (``planning/worth.py``).
+
+Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from relibra_torch.planning import ReLibraPlanner, Topology, relibra_plan
+from relibra_torch.planning.base import layer_share
+from relibra_torch.planning.fastpath import keep_plan
+from relibra_torch.planning.light import light_plan
+from relibra_torch.planning.plain import layers_price
+from relibra_torch.planning.plan import validate_plan
+from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
+from relibra_torch.planning.worth import _margin_L
+
+PRICED = priced_config(2048, 768, "h200")
+
+
+def _collapsed(topo: Topology, M: int, L: int, seed: int, hot: float, tokens: int = 400) -> torch.Tensor:
+    """int64 ``[M, L, S, E]``: every source sends ``hot`` of its tokens to one expert per
+    layer (a collapsed router), the rest spread at random."""
+    gen = torch.Generator().manual_seed(seed)
+    S, E = topo.num_gpus, topo.num_experts
+    loads = torch.multinomial(torch.ones(E), M * L * S * tokens, replacement=True, generator=gen)
+    loads = torch.zeros(M * L * S, E, dtype=torch.int64).scatter_add_(
+        1, loads.view(M * L * S, tokens), torch.ones(M * L * S, tokens, dtype=torch.int64)).view(M, L, S, E)
+    hot_L = torch.randint(0, E, (L,), generator=gen)
+    loads[:, torch.arange(L), :, hot_L] += int(hot * tokens / (1 - hot))
+    return loads
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2]), g=st.sampled_from([2, 4]), El=st.sampled_from([1, 2]),
+       R=st.sampled_from([1, 2]), M=st.integers(1, 4), L=st.integers(1, 3), hot=st.sampled_from([0.0, 0.5, 0.95]),
+       dispatch=st.sampled_from(["flat", "hierarchical"]))
+def test_light_plan_never_prices_above_keeping_and_is_layer_local(seed, N, g, El, R, M, L, hot, dispatch):
+    """Per layer the light plan prices at most what keeping does (the plain plan's exact
+    price), keeps the kept placement, is a valid plan, and any subset of layers plans as in
+    the whole (split planning)."""
+    topo = Topology(N, g, N * g * El, R)
+    loads = _collapsed(topo, M, L, seed, hot, tokens=50)
+    config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=1)
+    prev = torch.stack([torch.randperm(topo.num_experts, generator=torch.Generator().manual_seed(seed + l))
+                        for l in range(L)])
+    plan = light_plan(loads, topo, prev, config)
+    kept = keep_plan(loads, topo, prev, config)
+    validate_plan(plan, loads)
+    assert torch.equal(plan.placement_LE, kept.placement_LE)
+    idx = torch.arange(L)
+    assert bool((layers_price(plan, idx, loads, config) <= layers_price(kept, idx, loads, config)).all())
+    part = light_plan(loads[:, -1:], topo, prev[-1:], config)
+    assert torch.equal(part.slot_expert_MLGJ, plan.slot_expert_MLGJ[:, -1:])
+    assert torch.equal(part.slot_tokens_MLGJ, plan.slot_tokens_MLGJ[:, -1:])
+
+
+def test_light_plan_spreads_a_collapsed_router_and_keeps_balanced_layers():
+    """A one-node layer whose router sends 95% of tokens to one expert gets that expert's
+    copies on the other GPUs, all step (each fills once), at well under half the kept price;
+    a balanced layer keeps its plan (no copy pays); without balancing nothing is copied."""
+    topo = Topology(1, 8, 8, 2)
+    loads = torch.cat([_collapsed(topo, 8, 1, 0, 0.95, tokens=2000), _collapsed(topo, 8, 1, 1, 0.0, tokens=2000)], 1)
+    prev = topo.static_placement(2)
+    plan = light_plan(loads, topo, prev, PRICED)
+    kept = keep_plan(loads, topo, prev, PRICED)
+    El = topo.experts_per_gpu
+    copies = plan.slot_expert_MLGJ[:, 0, :, El:]
+    hot = int(loads[:, 0].sum((0, 1)).argmax())
+    assert bool((copies == hot).any()) and bool((copies == copies[:1]).all())   # the same copies all step
+    price = layers_price(plan, torch.arange(2), loads, PRICED)
+    kept_price = layers_price(kept, torch.arange(2), loads, PRICED)
+    assert float(price[0]) < 0.5 * float(kept_price[0])
+    assert torch.equal(plan.slot_expert_MLGJ[:, 1], kept.slot_expert_MLGJ[:, 1])
+    off = light_plan(loads, topo, prev, dataclasses.replace(PRICED, balance=False))
+    assert torch.equal(off.slot_expert_MLGJ, kept.slot_expert_MLGJ)
+
+
+@pytest.mark.parametrize("N", [1, 2])
+def test_the_guard_sends_layers_between_the_floors_to_the_light_plan(N):
+    """Three tiers: a layer whose gain bound and window reach the floor gets the full search;
+    one that reaches only ``light_share`` of it the light plan; one below keeps its placement.
+    The floors are set around the layer's own margin, so each tier is met on purpose."""
+    topo = Topology(N, 4, N * 8, 2)
+    loads = _collapsed(topo, 4, 1, 3, 0.95, tokens=500)
+    prev = topo.static_placement(1)
+    cfg = dataclasses.replace(PRICED, plan_layer_s=0.0, plan_layer_nodes_s=0.0, light_share=LIGHT_SHARE)
+    margin = float(_margin_L(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=1.0, plan_floor_nodes_s=1.0),
+                             None)[0][0])
+    full = relibra_plan(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
+    light = light_plan(loads, topo, prev, cfg)
+    kept = keep_plan(loads, topo, prev, cfg)
+    assert not torch.equal(light.slot_expert_MLGJ, kept.slot_expert_MLGJ)      # the light plan copies here
+    for floor, want in ((0.5 * margin, full), (1.5 * margin, light), (3.0 / LIGHT_SHARE * margin, kept)):
+        got = relibra_plan(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=floor, plan_floor_nodes_s=floor))
+        for name in ("placement_LE", "slot_expert_MLGJ", "slot_tokens_MLGJ"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (floor / margin, name)
+    off = relibra_plan(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=1.5 * margin,
+                                                              plan_floor_nodes_s=1.5 * margin, light_share=0.0))
+    assert torch.equal(off.slot_expert_MLGJ, kept.slot_expert_MLGJ)
+
+
+def test_light_tier_decisions_do_not_depend_on_the_share():
+    """Split planning: each rank's share gets the same tiers and plans as the whole step."""
+    topo = Topology(1, 4, 8, 2)
+    loads = torch.cat([_collapsed(topo, 4, 1, s, hot, tokens=300) for s, hot in enumerate([0.95, 0.0, 0.5, 0.95])], 1)
+    cfg = dataclasses.replace(PRICED, plan_floor_s=0.2, plan_layer_s=0.0, light_share=0.01)
+    planner = ReLibraPlanner(topo, cfg)
+    whole = planner.plan(loads)
+    assert bool((whole.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0).any())   # some layer took copies
+    for r in range(topo.num_gpus):
+        layers = layer_share(r, topo.num_gpus, loads.shape[1])
+        part = planner.plan_layers(loads, layers)
+        assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, layers])
+        assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
