@@ -146,8 +146,10 @@ class ReplayBalancer:
                 # the guard (planning.worth) keeps host planning off a GPU step it cannot
                 # shorten; a CPU run (gloo, toy models) has no GPU step: plan every layer
                 on_gpu = any(p.device.type == "cuda" for p in self.layers[0].parameters())
+                # the light plan's price keeps replica buffers (one fill per residency)
+                refetch = {"light_share": 0.0} if self.layers[0].engine.refetch_replicas else {}
                 kwargs["config"] = relibra_config_for(self.layers[0], hardware, **(
-                    {} if on_gpu else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
+                    refetch if on_gpu else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
             planner = make_planner(planner, self.topology, **kwargs)
         elif planner.topology != self.topology:
             raise ValueError(f"planner topology {planner.topology} differs from the layers' {self.topology}")

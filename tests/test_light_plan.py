@@ -18,8 +18,9 @@ from relibra_torch.planning.base import layer_share
 from relibra_torch.planning.fastpath import keep_plan
 from relibra_torch.planning.light import light_plan
 from relibra_torch.planning.plain import layers_price
-from relibra_torch.planning.plan import validate_plan
+from relibra_torch.planning.plan import StepPlan, validate_plan
 from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
+from relibra_torch.planning.step_set import step_long_set
 from relibra_torch.planning.worth import _margin_L
 
 PRICED = priced_config(2048, 768, "h200")
@@ -43,9 +44,10 @@ def _collapsed(topo: Topology, M: int, L: int, seed: int, hot: float, tokens: in
        R=st.sampled_from([1, 2]), M=st.integers(1, 4), L=st.integers(1, 3), hot=st.sampled_from([0.0, 0.5, 0.95]),
        dispatch=st.sampled_from(["flat", "hierarchical"]))
 def test_light_plan_never_prices_above_keeping_and_is_layer_local(seed, N, g, El, R, M, L, hot, dispatch):
-    """Per layer the light plan prices at most what keeping does (the plain plan's exact
-    price), keeps the kept placement, is a valid plan, and any subset of layers plans as in
-    the whole (split planning)."""
+    """Per layer the light plan is the step-long set where that prices strictly lower than
+    keeping (the plain plan's exact price), else the kept layer; so it never prices above
+    keeping. It keeps the kept placement, is a valid plan, and every layer planned alone is
+    the whole step's (split planning; every layer sees the step's tokens per source)."""
     topo = Topology(N, g, N * g * El, R)
     loads = _collapsed(topo, M, L, seed, hot, tokens=50)
     config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=1)
@@ -56,10 +58,17 @@ def test_light_plan_never_prices_above_keeping_and_is_layer_local(seed, N, g, El
     validate_plan(plan, loads)
     assert torch.equal(plan.placement_LE, kept.placement_LE)
     idx = torch.arange(L)
+    se, st = step_long_set(loads, topo, kept.placement_LE, config.min_replica_tokens_on(N))
+    spread = StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
+    cheaper_L = layers_price(spread, idx, loads, config) < layers_price(kept, idx, loads, config)
+    for l in range(L):
+        want = spread if bool(cheaper_L[l]) else kept
+        assert torch.equal(plan.slot_expert_MLGJ[:, l], want.slot_expert_MLGJ[:, l])
+        assert torch.equal(plan.slot_tokens_MLGJ[:, l], want.slot_tokens_MLGJ[:, l])
+        part = light_plan(loads[:, l:l + 1], topo, prev[l:l + 1], config)
+        assert torch.equal(part.slot_expert_MLGJ[:, 0], plan.slot_expert_MLGJ[:, l])
+        assert torch.equal(part.slot_tokens_MLGJ[:, 0], plan.slot_tokens_MLGJ[:, l])
     assert bool((layers_price(plan, idx, loads, config) <= layers_price(kept, idx, loads, config)).all())
-    part = light_plan(loads[:, -1:], topo, prev[-1:], config)
-    assert torch.equal(part.slot_expert_MLGJ, plan.slot_expert_MLGJ[:, -1:])
-    assert torch.equal(part.slot_tokens_MLGJ, plan.slot_tokens_MLGJ[:, -1:])
 
 
 def test_light_plan_spreads_a_collapsed_router_and_keeps_balanced_layers():
@@ -108,15 +117,35 @@ def test_the_guard_sends_layers_between_the_floors_to_the_light_plan(N):
 
 
 def test_light_tier_decisions_do_not_depend_on_the_share():
-    """Split planning: each rank's share gets the same tiers and plans as the whole step."""
+    """Split planning: each rank's share gets the same tiers and plans as the whole step.
+    The floors are set between the layers' whole-step margins, so the four layers meet three
+    tiers (and a share planned without the step's layer count would meet others)."""
     topo = Topology(1, 4, 8, 2)
-    loads = torch.cat([_collapsed(topo, 4, 1, s, hot, tokens=300) for s, hot in enumerate([0.95, 0.0, 0.5, 0.95])], 1)
-    cfg = dataclasses.replace(PRICED, plan_floor_s=0.2, plan_layer_s=0.0, light_share=0.01)
+    loads = torch.cat([_collapsed(topo, 4, 1, s, hot, tokens=300 * (s + 1))
+                       for s, hot in enumerate([0.0, 0.5, 0.95, 0.95])], 1)
+    L = loads.shape[1]
+    prev = topo.static_placement(L)
+    probe = dataclasses.replace(PRICED, plan_floor_s=1.0, plan_layer_s=0.0)
+    margin_L = _margin_L(loads, topo, prev, probe, L)[0]
+    m = margin_L.sort().values
+    floor = float(m[2] + m[3]) / 2                                     # share 1: the floor is plan_floor_s
+    share = float(m[0] + m[1]) / 2 / floor
+    cfg = dataclasses.replace(probe, plan_floor_s=floor, light_share=share)
+    tiers = [2 if x >= floor else 1 if x >= share * floor else 0 for x in margin_L.tolist()]
+    assert sorted(tiers) == [0, 1, 1, 2]
+    alone = _margin_L(loads[:, :1], topo, prev[:1], probe, None)[0]     # without the step's count
+    assert float(alone[0]) < float(margin_L[0])
     planner = ReLibraPlanner(topo, cfg)
     whole = planner.plan(loads)
-    assert bool((whole.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0).any())   # some layer took copies
+    El = topo.experts_per_gpu
+    for l, tier in enumerate(tiers):
+        copies = bool((whole.slot_expert_MLGJ[:, l, :, El:] >= 0).any())
+        assert copies or tier == 0, (l, tier)
+        if tier == 0:
+            assert torch.equal(whole.slot_expert_MLGJ[:, l], keep_plan(loads, topo, prev, cfg).slot_expert_MLGJ[:, l])
     for r in range(topo.num_gpus):
-        layers = layer_share(r, topo.num_gpus, loads.shape[1])
+        layers = layer_share(r, topo.num_gpus, L)
         part = planner.plan_layers(loads, layers)
         assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, layers])
         assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
+        assert torch.equal(part.placement_LE, whole.placement_LE[layers])

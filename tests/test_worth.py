@@ -18,12 +18,12 @@ from relibra_torch.planning import ReLibraConfig, ReLibraPlanner, Topology, reli
 from relibra_torch.planning.base import layer_share
 from relibra_torch.planning.fastpath import keep_plan
 from relibra_torch.planning.price import exchange_latency_s, moe_seconds_ML
-from relibra_torch.planning.pricing import (PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S, PLAN_LAYER_S,
-                                            priced_config, relibra_config_for)
+from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S,
+                                            PLAN_LAYER_S, PLAN_SCHEDULE_S, priced_config, relibra_config_for)
 from relibra_torch.planning.worth import gain_bound_L, layer_floor_s, worth_planning_L
 from relibra_torch.sim import get_hardware
 from relibra_torch.sim.baselines import BaselineOptions
-from relibra_torch.sim.cost import CostModel
+from relibra_torch.sim.cost import CostModel, CostOptions
 from relibra_torch.sim.presets import ModelSpec
 from relibra_torch.sim.simulator import default_planner_factory
 
@@ -136,6 +136,11 @@ def test_floors_reach_the_simulated_and_the_hooked_planner():
     default = default_planner_factory("relibra", topo, cost, BaselineOptions()).config
     assert (default.plan_floor_s, default.plan_floor_nodes_s) == (PLAN_FLOOR_S, PLAN_FLOOR_NODES_S)
     assert (default.plan_layer_s, default.plan_layer_nodes_s) == (PLAN_LAYER_S, PLAN_LAYER_NODES_S)
+    assert (default.light_share, default.plan_schedule_s) == (LIGHT_SHARE, PLAN_SCHEDULE_S) != (0.0, 0.0)
+    assert (hooked.light_share, hooked.plan_schedule_s) == (LIGHT_SHARE, PLAN_SCHEDULE_S)
+    refetch = default_planner_factory("relibra", topo, CostModel(model, get_hardware("h200"),
+                                                                 CostOptions(refetch_replicas=True))).config
+    assert refetch.light_share == 0.0 and refetch.plan_floor_s == PLAN_FLOOR_S   # light plans price kept buffers
     fixed = default_planner_factory("relibra", topo, cost, BaselineOptions(planning_overlap_s=1.0)).config
     assert fixed.plan_floor_s == fixed.plan_floor_nodes_s == 0.0
     off = default_planner_factory("relibra", topo, cost, BaselineOptions(relibra_plan_floor_s=0.0)).config

@@ -13,9 +13,13 @@ same copies all step, so each fills once, with per-micro-batch quotas from repla
 placement the guard keeps, no reordering and no traffic replica. Per layer it is priced
 against the kept plan with the plain plan's exact price (:func:`relibra_torch.planning.plain.layers_price`:
 expert compute, all-to-all, fills and returns with their latency) and kept only where it
-is cheaper, so it never prices above keeping. About 0.4 of the full search's host time
+is cheaper, so it never prices above keeping in that price, which is the cost model's with
+kept replica buffers (one fill per residency): with ``--refetch-replicas`` (a fill per
+micro-batch) the simulator and the hook turn the light tier off. About 0.4 of the full search's host time
 (``ReLibraConfig.light_share``; 12-18 ms on a one-node share of 1-2 layers, 15-37 ms across
-nodes, on the 2-core machine). Layer-local, so split planning gives the same plan.
+nodes, on the 2-core machine). Layer-local, so split planning gives the same plan (where
+every layer sees the step's tokens per source, as replay gives them: the hierarchical price
+reads them from a share's first layer).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU.
 """
@@ -41,10 +45,10 @@ def light_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_
     ``config``: a ``ReLibraConfig``."""
     kept = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
     L = loads_MLSE.shape[1]
-    if not config.balance or L == 0 or topology.replica_slots == 0:
-        return kept
-    slot_expert_MLGJ, slot_tokens_MLGJ = step_long_set(loads_MLSE, topology, kept.placement_LE,
-                                                       config.min_replica_tokens_on(topology.num_nodes))
+    min_tokens = config.min_replica_tokens_on(topology.num_nodes)
+    if not config.balance or L == 0 or topology.replica_slots == 0 or min_tokens == torch.iinfo(torch.int64).max:
+        return kept   # (the last: no token saves anything, so no copy can pay its fill)
+    slot_expert_MLGJ, slot_tokens_MLGJ = step_long_set(loads_MLSE, topology, kept.placement_LE, min_tokens)
     if not bool((slot_expert_MLGJ[..., topology.experts_per_gpu:] >= 0).any()):  # no copy made
         return kept
     spread = StepPlan(topology, kept.placement_LE, slot_expert_MLGJ, slot_tokens_MLGJ, kept.planner,

@@ -39,7 +39,11 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
-the window hides. The rule reads only the layer's own counts, the layer count ``L`` and the
+the window hides; where ``U_l + W_l >= light_share * F`` it gets the light plan instead
+(:mod:`~relibra_torch.planning.light`, about that share of the search's host time). The
+fixed part is spread over the share per layer, while a rank pays it whole once any of its
+layers is searched, and both fixed parts where its share mixes tiers: a share that mixes
+tiers is under-priced (up to its size). The rule reads only the layer's own counts, the layer count ``L`` and the
 topology, so split planning gives every layer the same decision as the whole-step plan.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, N nodes, g GPUs per node.

@@ -51,8 +51,9 @@ class BaselineOptions:
             search cannot repay its host time (``planning.worth``; defaults
             ``planning.pricing.PLAN_FLOOR_S`` etc.); ``light_share`` (0: off) sends the layers
             it keeps that can repay a step-long set's host time to ``planning.light``;
-            ``plan_schedule_s``: every rank's schedule time per layer with copies. A fixed ``planning.overlap_s`` turns the guard off: its
-            window estimate is the default window's.
+            ``plan_schedule_s``: every rank's schedule time per layer with copies. A fixed
+            ``planning.overlap_s`` turns the guard off: its window estimate is the default
+            window's.
     """
 
     eplb_interval: int = 1

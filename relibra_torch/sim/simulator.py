@@ -85,6 +85,8 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
         fields = options.relibra_fields()  # [relibra] ablation switches
         if options.planning_overlap_s is not None:  # a fixed window: the guard's estimate does not apply
             fields.update(plan_floor_s=0.0, plan_floor_nodes_s=0.0)
+        if cost.options.refetch_replicas:  # the light plan's price keeps replica buffers
+            fields.update(light_share=0.0)
         return make_planner(name, topology, config=ReLibraConfig.from_weights(
             cost.reorder_weights(), dispatch=cost.options.dispatch, top_k=cost.model.top_k, **fields))
     kwargs = (options or BaselineOptions()).planner_kwargs(name)
