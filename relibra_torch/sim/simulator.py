@@ -2,11 +2,10 @@
 
 Legend (shape suffixes): X steps, M micro-batches, L MoE layers, S source ranks, E experts, G GPUs.
 
-For each system the simulator walks the steps in order: ``plan = planner.plan(loads)``
-(timed: one thread's CPU), ``evaluate(plan, loads)``, the cost model, then
-``planner.commit(plan, loads)`` so that history-based planners (EPLB) learn and the next
-step's migration is counted from the placement actually in force. The first
-``warmup_steps`` steps are run but left out of the figures (EPLB has no history yet).
+For each system the simulator walks the steps in order: ``plan = planner.plan(loads)`` (timed:
+one thread's CPU), ``evaluate(plan, loads)``, the cost model, then ``planner.commit(plan, loads)``
+so that history-based planners (EPLB) learn and the next step's migration is counted from the
+placement in force. The first ``warmup_steps`` steps are left out of the figures (EPLB has no history yet).
 
 Host work ahead of the step (the planner, and for relibra, whose layer derives every
 exchange size on the host, the layer schedules of every micro-batch; baselines' engines pick
@@ -79,8 +78,7 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
         return StaticPlanner(topology)
     from ..planning import ReLibraConfig, make_planner
     if name == "relibra":
-        # dispatch: under hierarchical dispatch relibra prices co-activation (when the source
-        # has per-token ids to count pairs from)
+        # hierarchical dispatch: relibra prices co-activation (where the source has per-token ids)
         options = options or BaselineOptions()
         fields = options.relibra_fields()  # [relibra] ablation switches
         if options.planning_overlap_s is not None:  # a fixed window: the guard's estimate does not apply
