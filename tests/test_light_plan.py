@@ -53,8 +53,8 @@ def test_light_plan_never_prices_above_keeping_and_is_layer_local(seed, N, g, El
     config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=1)
     prev = torch.stack([torch.randperm(topo.num_experts, generator=torch.Generator().manual_seed(seed + l))
                         for l in range(L)])
-    plan = light_plan(loads, topo, prev, config)
     kept = keep_plan(loads, topo, prev, config)
+    plan = light_plan(loads, kept, config)
     validate_plan(plan, loads)
     assert torch.equal(plan.placement_LE, kept.placement_LE)
     idx = torch.arange(L)
@@ -65,7 +65,7 @@ def test_light_plan_never_prices_above_keeping_and_is_layer_local(seed, N, g, El
         want = spread if bool(cheaper_L[l]) else kept
         assert torch.equal(plan.slot_expert_MLGJ[:, l], want.slot_expert_MLGJ[:, l])
         assert torch.equal(plan.slot_tokens_MLGJ[:, l], want.slot_tokens_MLGJ[:, l])
-        part = light_plan(loads[:, l:l + 1], topo, prev[l:l + 1], config)
+        part = light_plan(loads[:, l:l + 1], keep_plan(loads[:, l:l + 1], topo, prev[l:l + 1], config), config)
         assert torch.equal(part.slot_expert_MLGJ[:, 0], plan.slot_expert_MLGJ[:, l])
         assert torch.equal(part.slot_tokens_MLGJ[:, 0], plan.slot_tokens_MLGJ[:, l])
     assert bool((layers_price(plan, idx, loads, config) <= layers_price(kept, idx, loads, config)).all())
@@ -78,8 +78,8 @@ def test_light_plan_spreads_a_collapsed_router_and_keeps_balanced_layers():
     topo = Topology(1, 8, 8, 2)
     loads = torch.cat([_collapsed(topo, 8, 1, 0, 0.95, tokens=2000), _collapsed(topo, 8, 1, 1, 0.0, tokens=2000)], 1)
     prev = topo.static_placement(2)
-    plan = light_plan(loads, topo, prev, PRICED)
     kept = keep_plan(loads, topo, prev, PRICED)
+    plan = light_plan(loads, kept, PRICED)
     El = topo.experts_per_gpu
     copies = plan.slot_expert_MLGJ[:, 0, :, El:]
     hot = int(loads[:, 0].sum((0, 1)).argmax())
@@ -88,7 +88,7 @@ def test_light_plan_spreads_a_collapsed_router_and_keeps_balanced_layers():
     kept_price = layers_price(kept, torch.arange(2), loads, PRICED)
     assert float(price[0]) < 0.5 * float(kept_price[0])
     assert torch.equal(plan.slot_expert_MLGJ[:, 1], kept.slot_expert_MLGJ[:, 1])
-    off = light_plan(loads, topo, prev, dataclasses.replace(PRICED, balance=False))
+    off = light_plan(loads, kept, dataclasses.replace(PRICED, balance=False))
     assert torch.equal(off.slot_expert_MLGJ, kept.slot_expert_MLGJ)
 
 
@@ -104,8 +104,8 @@ def test_the_guard_sends_layers_between_the_floors_to_the_light_plan(N):
     margin = float(_margin_L(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=1.0, plan_floor_nodes_s=1.0),
                              None)[0][0])
     full = relibra_plan(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
-    light = light_plan(loads, topo, prev, cfg)
     kept = keep_plan(loads, topo, prev, cfg)
+    light = light_plan(loads, kept, cfg)
     assert not torch.equal(light.slot_expert_MLGJ, kept.slot_expert_MLGJ)      # the light plan copies here
     for floor, want in ((0.5 * margin, full), (1.5 * margin, light), (3.0 / LIGHT_SHARE * margin, kept)):
         got = relibra_plan(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=floor, plan_floor_nodes_s=floor))

@@ -15,9 +15,9 @@ against the kept plan with the plain plan's exact price (:func:`relibra_torch.pl
 expert compute, all-to-all, fills and returns with their latency) and kept only where it
 is cheaper, so it never prices above keeping in that price, which is the cost model's with
 kept replica buffers (one fill per residency): with ``--refetch-replicas`` (a fill per
-micro-batch) the simulator and the hook turn the light tier off. About 0.4 of the full search's host time
-(``ReLibraConfig.light_share``; 12-18 ms on a one-node share of 1-2 layers, 15-37 ms across
-nodes, on the 2-core machine). Layer-local, so split planning gives the same plan (where
+micro-batch) the simulator and the hook turn the light tier off. About 0.4 of the full
+search's host time (``ReLibraConfig.light_share``; 12-18 ms on a one-node share of 1-2
+layers, 15-37 ms across nodes, on the 2-core machine). Layer-local, so split planning gives the same plan (where
 every layer sees the step's tokens per source, as replay gives them: the hierarchical price
 reads them from a share's first layer).
 
@@ -28,23 +28,18 @@ from __future__ import annotations
 
 import torch
 
-from .fastpath import keep_plan
 from .plain import layers_price
 from .plan import StepPlan
 from .step_set import step_long_set
-from .topology import Topology
 
 __all__ = ["light_plan"]
 
 
-def light_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
-               config) -> StepPlan:
-    """The kept plan (:func:`~relibra_torch.planning.fastpath.keep_plan`) with, in each layer
-    where it prices lower, the step-long set on the same placement (module docstring).
-    ``loads_MLSE``: int ``[M, L, S, E]``; ``previous_placement_LE``: int64 ``[L, E]``;
-    ``config``: a ``ReLibraConfig``."""
-    kept = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
-    L = loads_MLSE.shape[1]
+def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config) -> StepPlan:
+    """``kept`` (the kept plan of these layers, :func:`~relibra_torch.planning.fastpath.keep_plan`)
+    with, in each layer where it prices lower, the step-long set on the same placement
+    (module docstring). ``loads_MLSE``: int ``[M, L, S, E]``; ``config``: a ``ReLibraConfig``."""
+    topology, L = kept.topology, loads_MLSE.shape[1]
     min_tokens = config.min_replica_tokens_on(topology.num_nodes)
     if not config.balance or L == 0 or topology.replica_slots == 0 or min_tokens == torch.iinfo(torch.int64).max:
         return kept   # (the last: no token saves anything, so no copy can pay its fill)

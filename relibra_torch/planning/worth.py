@@ -22,8 +22,8 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   (flat; 0 under hierarchical dispatch, where only an upper bound is at hand) and half of
   its exchange latency, less ``plan_schedule_s * M / 8``: every rank builds the schedules of
   every layer given copies (``moe.schedule_batch.rank_schedules``), so a planned layer
-  takes that out of each rank's window. The forward of attention and dense layers is left out: the
-  estimate errs towards a smaller window, that is towards keeping the placement.
+  takes that out of each rank's window. The forward of attention and dense layers is left
+  out: the estimate errs towards a smaller window, that is towards keeping the placement.
   The share assumes split planning (the hook's and the simulator's default); where one
   thread plans the whole step it overstates the window about ``G``-fold.
 * **floor** ``F``: the layer's part of the one-thread CPU time the full search typically
@@ -43,8 +43,9 @@ the window hides; where ``U_l + W_l >= light_share * F`` it gets the light plan 
 (:mod:`~relibra_torch.planning.light`, about that share of the search's host time). The
 fixed part is spread over the share per layer, while a rank pays it whole once any of its
 layers is searched, and both fixed parts where its share mixes tiers: a share that mixes
-tiers is under-priced (up to its size). The rule reads only the layer's own counts, the layer count ``L`` and the
-topology, so split planning gives every layer the same decision as the whole-step plan.
+tiers is under-priced (up to its size). The rule reads only the layer's own counts, the
+layer count ``L`` and the topology, so split planning gives every layer the same decision
+as the whole-step plan.
 
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, N nodes, g GPUs per node.
 """
@@ -187,13 +188,12 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     worth_L = margin_L >= floor
     if bool(worth_L.all()):
         return None
-    light_L = ~worth_L & (margin_L >= config.light_share * floor) & (config.light_share > 0)
     plan = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
-    for mask, make in ((light_L, lambda idx: light_plan(loads_MLSE[:, idx], topology, previous_placement_LE[idx],
-                                                        config)),
-                       (worth_L, lambda idx: search(idx.tolist(), dataclasses.replace(
-                           config, plan_floor_s=0.0, plan_floor_nodes_s=0.0)))):
-        layers = mask.nonzero().flatten()
-        if layers.numel():
-            plan = plan.with_layers(layers, make(layers))
+    light = (~worth_L & (margin_L >= config.light_share * floor) & (config.light_share > 0)).nonzero().flatten()
+    if light.numel():
+        plan = plan.with_layers(light, light_plan(loads_MLSE[:, light], plan.layers(light), config))
+    layers = worth_L.nonzero().flatten()
+    if layers.numel():
+        part = search(layers.tolist(), dataclasses.replace(config, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
+        plan = plan.with_layers(layers, part)
     return plan
