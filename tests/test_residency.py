@@ -90,3 +90,49 @@ def test_layer_plans_carry_each_slots_residency():
         lp = layer_plans(plan, loads, m)[0]
         assert (int(lp.fill_mb_GJ[1, 2]), int(lp.return_mb_GJ[1, 2])) == want[m], m
         assert int(lp.fill_mb_GJ[0, 2]) == -1 and int(lp.fill_mb_GJ[0, 0]) == -1
+
+
+@settings(max_examples=150, deadline=None, derandomize=True, database=None)
+@given(st.data())
+def test_every_micro_batchs_residency_matches_a_walk(data):
+    """``step_residency_micro_batches`` (all micro-batches at once) against a walk of each
+    slot's runs: every micro-batch of a fill run names the run's first and last micro-batch
+    with tokens, ``-1`` outside a fill run or in a run without tokens; the per-micro-batch
+    function gives the same rows."""
+    from relibra_torch.planning.residency import residency_micro_batches, step_residency_micro_batches
+
+    M = data.draw(st.integers(1, 7))
+    topo = Topology(1, 2, 4, 2)                   # GPU 0 owns experts 0, 1; GPU 1 owns 2, 3
+    loads = torch.ones(M, 1, 2, 4, dtype=torch.int64)
+    plan = static_plan(loads, topo)
+    cells = st.lists(st.integers(-1, 3), min_size=M, max_size=M)
+    for gpu in range(2):
+        for j in (2, 3):
+            plan.slot_expert_MLGJ[:, 0, gpu, j] = torch.tensor(data.draw(cells))
+            plan.slot_tokens_MLGJ[:, 0, gpu, j] = torch.tensor(data.draw(st.lists(st.integers(0, 2), min_size=M,
+                                                                                   max_size=M)))
+    fill_mb, return_mb = step_residency_micro_batches(plan)
+    se = plan.slot_expert_MLGJ[:, 0]
+    owner = torch.where(se >= 0, se // 2, -1)
+    for gpu in range(2):
+        for j in range(4):
+            want_fill, want_ret = [-1] * M, [-1] * M
+            m = 0
+            while m < M:
+                e = int(se[m, gpu, j])
+                if e < 0 or int(owner[m, gpu, j]) == gpu:
+                    m += 1
+                    continue
+                end = m
+                while end + 1 < M and int(se[end + 1, gpu, j]) == e:
+                    end += 1
+                active = [q for q in range(m, end + 1) if int(plan.slot_tokens_MLGJ[q, 0, gpu, j]) > 0]
+                if active:
+                    want_fill[m:end + 1] = [active[0]] * (end + 1 - m)
+                    want_ret[m:end + 1] = [active[-1]] * (end + 1 - m)
+                m = end + 1
+            assert fill_mb[:, 0, gpu, j].tolist() == want_fill, (gpu, j, se[:, gpu, j].tolist())
+            assert return_mb[:, 0, gpu, j].tolist() == want_ret, (gpu, j, se[:, gpu, j].tolist())
+    for m in range(M):
+        one = residency_micro_batches(plan, m)
+        assert torch.equal(one[0], fill_mb[m]) and torch.equal(one[1], return_mb[m])

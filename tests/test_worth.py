@@ -218,3 +218,32 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
         m1, f1 = _margin_L(loads_MLSE, topo, placement_LE, dataclasses.replace(base, plan_schedule_s=2e-3), total)
         assert f0 == f1
         torch.testing.assert_close(m0 - m1, torch.full_like(m0, 2e-3 * 12 / 8 * total / share), rtol=1e-9, atol=0)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), g=st.sampled_from([1, 2, 4, 8]), El=st.sampled_from([1, 2, 4]),
+       M=st.integers(1, 4), L=st.integers(1, 3), skew=st.sampled_from([1.0, 6.0]),
+       dispatch=st.sampled_from(["flat", "hierarchical"]), top_k=st.sampled_from([0, 1, 2, 8]),
+       light=st.sampled_from([0.0, LIGHT_SHARE]), total=st.integers(1, 48))
+def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M, L, skew, dispatch, top_k,
+                                                                 light, total):
+    """On one node the guard may decide from a cheaper bound (two sums of the loads): it is
+    at least the exact gain bound and window, per layer, and where it keeps every layer the
+    exact margin keeps them too (so the tiers are the same as from the exact margin alone)."""
+    from relibra_torch.planning.worth import _margin_L, _quick_bound_L
+
+    topo, loads_MLSE, placement_LE = _random_case(seed, 1, g, El, 2, M, L, skew)
+    config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=top_k, light_share=light,
+                                 plan_schedule_s=PLAN_SCHEDULE_S)
+    quick_gain_L, quick_forward_L = _quick_bound_L(loads_MLSE, topo, placement_LE, config)
+    gain_L, forward_L = gain_bound_L(loads_MLSE, topo, placement_LE, config)
+    assert bool((quick_gain_L >= gain_L - 1e-15).all()) and bool((quick_forward_L >= forward_L - 1e-15).all())
+    total = max(total, L)
+    margin_L, floor = _margin_L(loads_MLSE, topo, placement_LE, config, total)
+    share = -(-total // topo.num_gpus)
+    exact_L = gain_L + (forward_L - config.plan_schedule_s * M / 8) * (total / share)
+    lowest = floor * (light if light > 0 else 1.0)
+    assert torch.equal(margin_L < lowest, exact_L < lowest)
+    assert torch.equal(margin_L < floor, exact_L < floor)
+    if not bool((exact_L < lowest).all()):  # some layer is planned: the exact margin itself
+        assert torch.allclose(margin_L, exact_L, rtol=0, atol=0)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..planning.plan import StepPlan, token_split, validate_plan
-from ..planning.residency import residencies, residency_micro_batches
+from ..planning.residency import residencies, step_residency_micro_batches
 from .native import NATIVE
 from .schedule import LayerPlan, RankSchedule
 
@@ -83,18 +83,27 @@ def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, native_L: torch.Tensor) ->
     """:func:`step_splits`, told the native layers."""
     M, L, G, J = plan.slot_expert_MLGJ.shape
     S = loads_MLSE.shape[2]
+    if bool(native_L.all()):  # the idle step's common case: one gather, no index copies
+        return _native_splits(plan.slot_expert_MLGJ, loads_MLSE).view(M, L, S, G, J)
     out = torch.zeros(M, L, S, G, J, dtype=torch.int64)
     nat, rest = native_L.nonzero().flatten(), (~native_L).nonzero().flatten()
     if nat.numel():
-        se_MNSX = plan.slot_expert_MLGJ[:, nat].reshape(M, len(nat), 1, G * J).expand(M, len(nat), S, G * J)
-        out[:, nat] = (loads_MLSE[:, nat].to(torch.int64).gather(3, se_MNSX.clamp(min=0))
-                       * (se_MNSX >= 0)).view(M, len(nat), S, G, J)
+        out[:, nat] = _native_splits(plan.slot_expert_MLGJ[:, nat], loads_MLSE[:, nat]).view(M, len(nat), S, G, J)
     if rest.numel():
         sub, sub_loads = plan.layers(rest), loads_MLSE[:, rest]
         step = max(1, SPLIT_ROWS // len(rest)) if bool(_owners(sub)[1].any()) else M
         out[:, rest] = torch.cat([token_split(sub.micro_batches(m, m + step), sub_loads[m:m + step])
                                   for m in range(0, M, step)])
     return out
+
+
+def _native_splits(slot_expert_MLGJ: torch.Tensor, loads_MLSE: torch.Tensor) -> torch.Tensor:
+    """int64 ``[M, L, S, G * J]``: every source's load of each slot's expert (0 for an empty
+    slot), the split of a native layer."""
+    M, L, G, J = slot_expert_MLGJ.shape
+    se_MLSX = slot_expert_MLGJ.reshape(M, L, 1, G * J)
+    return (loads_MLSE.to(torch.int64).gather(3, se_MLSX.clamp(min=0).expand(M, L, loads_MLSE.shape[2], G * J))
+            .masked_fill_(se_MLSX < 0, 0))
 
 
 #: (micro-batch, layer) rows per ``token_split`` call for a plan with copies: its greedy
@@ -166,8 +175,7 @@ def _schedules(plan: StepPlan, rank: int, split_MLSGJ: torch.Tensor,
     sp_BSGJ = split_MLSGJ.reshape(B, G, G, J)
     if copies:   # residencies span micro-batches: computed once for the step
         res = residencies(plan)
-        mb_MLGJ = [torch.stack(t) for t in zip(*(residency_micro_batches(plan, m, res) for m in range(M)))]
-        fill_mb_BGJ, return_mb_BGJ = (t.reshape(B, G, J) for t in mb_MLGJ)
+        fill_mb_BGJ, return_mb_BGJ = (t.reshape(B, G, J) for t in step_residency_micro_batches(plan, res))
         hub_BGJ = res.hubs().reshape(B, G, J)
     else:   # no slot holds another GPU's expert: no residency, no hub
         fill_mb_BGJ = return_mb_BGJ = hub_BGJ = torch.full_like(se_BGJ, -1)

@@ -30,6 +30,7 @@ import torch
 
 from .plain import layers_price
 from .plan import StepPlan
+from .price import moe_seconds_ML
 from .step_set import step_long_set
 
 __all__ = ["light_plan"]
@@ -49,5 +50,6 @@ def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config) -> StepPlan:
     spread = StepPlan(topology, kept.placement_LE, slot_expert_MLGJ, slot_tokens_MLGJ, kept.planner,
                       kept.previous_placement_LE)
     idx = torch.arange(L)
-    cheaper_L = layers_price(spread, idx, loads_MLSE, config) < layers_price(kept, idx, loads_MLSE, config)
+    # the kept plan holds no copy: its price is its MoE time alone (no fill, no return, no latency)
+    cheaper_L = layers_price(spread, idx, loads_MLSE, config) < moe_seconds_ML(kept, loads_MLSE, config).sum(0)
     return kept.with_layers(idx[cheaper_L], spread.layers(cheaper_L)) if bool(cheaper_L.any()) else kept

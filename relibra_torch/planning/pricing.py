@@ -231,8 +231,12 @@ PLAN_LAYER_NODES_S = 1.13e-2
 #: Every rank builds every layer's schedules for the step (``moe.schedule_batch.rank_schedules``):
 #: 0.7-2.0 ms per layer with copies at 8 micro-batches on the same machine (0.06 ms for a
 #: layer without copies), so a layer given copies costs this on every rank, out of the
-#: window that planning shares (``planning.worth``).
-PLAN_SCHEDULE_S = 1.3e-3
+#: window that planning shares (``planning.worth``). Fitted at 1.3 ms; since every
+#: micro-batch's residencies are found at once (``residency.step_residency_micro_batches``,
+#: not one micro-batch at a time) the same light plans of the 103 never-behind stand-ins
+#: with copies take 0.82x (median per layer 1.10 -> 0.87 ms, p10-p90 0.54-1.37 ms, measured
+#: side by side in one session), so 1.1 ms.
+PLAN_SCHEDULE_S = 1.1e-3
 #: The light plan's host time (``planning.light``: a step-long set on the kept placement,
 #: priced against it) as a share of the full search's floor, measured on the same machine:
 #: 12-18 ms on a one-node share of 1-2 layers (the full search's fixed part is 33 ms), 15-37

@@ -29,7 +29,8 @@ import torch
 
 from .two_hop import two_hop_hubs
 
-__all__ = ["Residencies", "residencies", "residency_masks", "residency_micro_batches"]
+__all__ = ["Residencies", "residencies", "residency_masks", "residency_micro_batches",
+           "step_residency_micro_batches"]
 
 
 def residency_masks(slot_expert_MLGJ: torch.Tensor, fill_MLGJ: torch.Tensor,
@@ -154,22 +155,29 @@ def residency_micro_batches(plan, micro_batch: int, res: Residencies | None = No
     ``micro_batch``: where its weights arrive and where its gradient goes home (``-1``: no
     residency with tokens). From :func:`residencies`; ``moe.schedule.layer_plans`` hands
     them to the layer. ``res``: ``residencies(plan)`` if already computed."""
+    fill_mb_MLGJ, return_mb_MLGJ = step_residency_micro_batches(plan, res)
+    return fill_mb_MLGJ[micro_batch], return_mb_MLGJ[micro_batch]
+
+
+def step_residency_micro_batches(plan, res: Residencies | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``[M, L, G, J]``: :func:`residency_micro_batches` of every micro-batch at once.
+
+    A residency is a run of fill micro-batches linked by the same expert (module docstring);
+    numbering the runs of each slot (a cumulative sum over ``M``) gives every micro-batch its
+    run, and one scatter per event gives each run the micro-batch of its fill and of its
+    gradient's return (a run has at most one of each)."""
     res = residencies(plan) if res is None else res
-    M = plan.num_micro_batches
-    idx = torch.arange(M).view(M, 1, 1, 1)
-    same = torch.ones_like(res.fill_MLGJ)
-    same[1:] = plan.slot_expert_MLGJ[1:] == plan.slot_expert_MLGJ[:-1]
-    # the residency containing micro_batch: the run of equal contents around it
-    run = res.fill_MLGJ & (plan.slot_expert_MLGJ == plan.slot_expert_MLGJ[micro_batch])
-    inside = torch.zeros_like(run)
-    inside[micro_batch] = run[micro_batch]
-    for m in range(micro_batch - 1, -1, -1):
-        inside[m] = inside[m + 1] & run[m] & same[m + 1]
-    for m in range(micro_batch + 1, M):
-        inside[m] = inside[m - 1] & run[m] & same[m]
-    none = torch.full_like(plan.slot_expert_MLGJ[0], -1)
-    fill_mb = torch.where((inside & res.fill_start_MLGJ).any(0),
-                          (idx * (inside & res.fill_start_MLGJ)).sum(0), none)
-    return_mb = torch.where((inside & res.grad_return_MLGJ).any(0),
-                            (idx * (inside & res.grad_return_MLGJ)).sum(0), none)
-    return fill_mb, return_mb
+    se_MLGJ, fill_MLGJ = plan.slot_expert_MLGJ, res.fill_MLGJ
+    M = se_MLGJ.shape[0]
+    link_MLGJ = torch.zeros_like(fill_MLGJ)  # m continues m - 1's residency (the same expert: the same fill)
+    link_MLGJ[1:] = fill_MLGJ[1:] & (se_MLGJ[1:] == se_MLGJ[:-1])
+    run_MLGJ = (~link_MLGJ).to(torch.int64).cumsum(0) - 1
+    idx_MLGJ = torch.arange(M).view(M, 1, 1, 1).expand_as(run_MLGJ)
+
+    def at_run(event_MLGJ: torch.Tensor) -> torch.Tensor:
+        event = event_MLGJ.to(torch.int64)
+        when = torch.zeros_like(run_MLGJ).scatter_add_(0, run_MLGJ, event * idx_MLGJ).gather(0, run_MLGJ)
+        seen = torch.zeros_like(run_MLGJ).scatter_add_(0, run_MLGJ, event).gather(0, run_MLGJ)
+        return torch.where(seen > 0, when, -1)  # a micro-batch outside a fill run is a run of its own, without events
+
+    return at_run(res.fill_start_MLGJ), at_run(res.grad_return_MLGJ)

@@ -148,16 +148,44 @@ def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
         * max(micro_batches, 8) / 8
 
 
+def _quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                   config) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gain_bound_L` on one node with each GPU's all-to-all rows bounded by all it
+    sends and all it receives (its own pairs counted too), from two sums of the loads
+    instead of the pairs per (source, GPU): both parts are at least :func:`gain_bound_L`'s."""
+    G = topology.num_gpus
+    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    M, L, E = load_MLE.shape
+    gpu_MLG = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
+        2, (placement_LE // topology.experts_per_gpu).expand(M, L, E), load_MLE)
+    compute_ML = gpu_MLG.amax(-1).to(torch.float64) * config.compute_s_per_token
+    floor_ML = ((gpu_MLG.sum(-1) + G - 1) // G).to(torch.float64) * config.compute_s_per_token
+    rows_ML = torch.maximum(loads_MLSE.sum(3).amax(-1), gpu_MLG.amax(-1))
+    a2a_ML = rows_ML.to(torch.float64) * config.intra_node_s_per_token
+    hier = config.dispatch == "hierarchical" and config.top_k > 0
+    return ((compute_ML - floor_ML + a2a_ML).sum(0),
+            (compute_ML / 3 + (0.0 if hier else 0.5) * a2a_ML + 0.5 * exchange_latency_s(topology, config)).sum(0))
+
+
 def _margin_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
               total_layers: int | None) -> tuple[torch.Tensor, float]:
-    """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` (module docstring)."""
+    """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` (module docstring). On one node,
+    where a cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below the
+    lowest tier (keeping), that bound instead: it decides the same, for a fraction of the
+    host time of a step that plans nothing."""
     L = loads_MLSE.shape[1]
     total = L if total_layers is None else total_layers
     share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
     floor = layer_floor_s(topology, config, share, loads_MLSE.shape[0])
-    gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
     # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
     schedule_s = config.plan_schedule_s * loads_MLSE.shape[0] / 8
+    if topology.num_nodes == 1:
+        gain_L, forward_L = _quick_bound_L(loads_MLSE, topology, placement_LE, config)
+        margin_L = gain_L + (forward_L - schedule_s) * (total / share)
+        lowest = floor * (config.light_share if config.light_share > 0 else 1.0)
+        if bool((margin_L < lowest).all()):
+            return margin_L, floor
+    gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
     return gain_L + (forward_L - schedule_s) * (total / share), floor
 
 
