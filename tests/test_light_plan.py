@@ -7,6 +7,8 @@ Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots pe
 from __future__ import annotations
 
 import dataclasses
+import math
+from unittest import mock
 
 import pytest
 import torch
@@ -21,9 +23,20 @@ from relibra_torch.planning.plain import layers_price
 from relibra_torch.planning.plan import StepPlan, validate_plan
 from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
 from relibra_torch.planning.step_set import step_long_set
-from relibra_torch.planning.worth import _margin_L
+from relibra_torch.planning import relibra as relibra_module
+from relibra_torch.planning import worth
 
 PRICED = priced_config(2048, 768, "h200")
+
+
+def _exact_margin_L(*args):
+    """The guard's exact margin: ``_margin_L`` without its one-node quick bound (an upper
+    bound that stands in where it keeps every layer). The tests set their floors around
+    these values."""
+    def never(loads_MLSE, *rest):
+        return (torch.full((loads_MLSE.shape[1],), math.inf, dtype=torch.float64),) * 2
+    with mock.patch.object(worth, "_quick_bound_L", never):
+        return worth._margin_L(*args)
 
 
 def _collapsed(topo: Topology, M: int, L: int, seed: int, hot: float, tokens: int = 400) -> torch.Tensor:
@@ -101,7 +114,7 @@ def test_the_guard_sends_layers_between_the_floors_to_the_light_plan(N):
     loads = _collapsed(topo, 4, 1, 3, 0.95, tokens=500)
     prev = topo.static_placement(1)
     cfg = dataclasses.replace(PRICED, plan_layer_s=0.0, plan_layer_nodes_s=0.0, light_share=LIGHT_SHARE)
-    margin = float(_margin_L(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=1.0, plan_floor_nodes_s=1.0),
+    margin = float(_exact_margin_L(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=1.0, plan_floor_nodes_s=1.0),
                              None)[0][0])
     full = relibra_plan(loads, topo, prev, dataclasses.replace(cfg, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
     kept = keep_plan(loads, topo, prev, cfg)
@@ -126,17 +139,22 @@ def test_light_tier_decisions_do_not_depend_on_the_share():
     L = loads.shape[1]
     prev = topo.static_placement(L)
     probe = dataclasses.replace(PRICED, plan_floor_s=1.0, plan_layer_s=0.0)
-    margin_L = _margin_L(loads, topo, prev, probe, L)[0]
+    margin_L = _exact_margin_L(loads, topo, prev, probe, L)[0]
     m = margin_L.sort().values
     floor = float(m[2] + m[3]) / 2                                     # share 1: the floor is plan_floor_s
     share = float(m[0] + m[1]) / 2 / floor
     cfg = dataclasses.replace(probe, plan_floor_s=floor, light_share=share)
     tiers = [2 if x >= floor else 1 if x >= share * floor else 0 for x in margin_L.tolist()]
     assert sorted(tiers) == [0, 1, 1, 2]
-    alone = _margin_L(loads[:, :1], topo, prev[:1], probe, None)[0]     # without the step's count
+    alone = _exact_margin_L(loads[:, :1], topo, prev[:1], probe, None)[0]     # without the step's count
     assert float(alone[0]) < float(margin_L[0])
     planner = ReLibraPlanner(topo, cfg)
-    whole = planner.plan(loads)
+    searched = []
+    search = relibra_module._search
+    with mock.patch.object(relibra_module, "_search", lambda loads_MLSE, *a, **k: searched.append(
+            loads_MLSE.shape[1]) or search(loads_MLSE, *a, **k)):
+        whole = planner.plan(loads)
+    assert searched == [tiers.count(2)]                               # the full search ran on its tier
     El = topo.experts_per_gpu
     for l, tier in enumerate(tiers):
         copies = bool((whole.slot_expert_MLGJ[:, l, :, El:] >= 0).any())

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from relibra_torch.moe.native import NATIVE, NativeSchedules
 from relibra_torch.moe.schedule import LayerPlan, RankSchedule, build_rank_schedule, check_layer_plan, layer_plans
-from relibra_torch.moe.schedule_batch import native_layers, rank_schedules
+from relibra_torch.moe.schedule_batch import native_layers, rank_schedules, share_splits
 from relibra_torch.planning import Topology, make_planner, static_plan
 
 TOPOLOGIES = [(1, 2, 4, 1), (1, 4, 8, 2), (2, 2, 8, 2), (2, 2, 4, 1), (2, 4, 8, 3), (3, 2, 12, 2), (1, 1, 3, 0)]
@@ -274,3 +274,12 @@ def test_every_planner_and_the_fallback_over_steps():
             previous = planner.previous_placement(2).clone()
             _assert_equal_to_one_pair_path(native_plan(loads, topo, previous, "fallback", previous), loads, topo)
             planner.commit(plan, loads)
+
+
+def test_splits_of_empty_steps_and_shares():
+    """No micro-batch or no layer: empty splits of the right shape, every layer native."""
+    topo = Topology(1, 2, 4, 1)
+    for M, L in ((0, 2), (2, 0)):
+        loads = torch.zeros(M, L, 2, 4, dtype=torch.int64)
+        split, native = share_splits(static_plan(loads, topo), loads)
+        assert tuple(split.shape) == (M, L, 2, 2, 3) and native.tolist() == [True] * L

@@ -56,8 +56,8 @@ def native_layers(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     native_LX = plan.native_experts_LGl().reshape(L, G * El)
     se_MLGJ, st_MLGJ = plan.slot_expert_MLGJ, plan.slot_tokens_MLGJ
     tokens_MLX = loads_MLSE.sum(2).to(torch.int64).gather(2, native_LX.expand(M, L, G * El))
-    ok_ML = ((se_MLGJ[..., :El].reshape(M, L, -1) == native_LX).all(-1) & (se_MLGJ[..., El:] < 0).flatten(2).all(-1)
-             & (st_MLGJ[..., :El].reshape(M, L, -1) == tokens_MLX).all(-1) & (st_MLGJ[..., El:] == 0).flatten(2).all(-1))
+    ok_ML = ((se_MLGJ[..., :El].reshape(M, L, G * El) == native_LX).all(-1) & (se_MLGJ[..., El:] < 0).flatten(2).all(-1)
+             & (st_MLGJ[..., :El].reshape(M, L, G * El) == tokens_MLX).all(-1) & (st_MLGJ[..., El:] == 0).flatten(2).all(-1))
     return perm_L & ok_ML.all(0)
 
 

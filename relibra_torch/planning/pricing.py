@@ -234,8 +234,8 @@ PLAN_LAYER_NODES_S = 1.13e-2
 #: window that planning shares (``planning.worth``). Fitted at 1.3 ms; since every
 #: micro-batch's residencies are found at once (``residency.step_residency_micro_batches``,
 #: not one micro-batch at a time) the same light plans of the 103 never-behind stand-ins
-#: with copies take 0.82x (median per layer 1.10 -> 0.87 ms, p10-p90 0.54-1.37 ms, measured
-#: side by side in one session), so 1.1 ms.
+#: with copies take a median 0.82x of the time case by case (per layer 1.10 -> 0.87 ms in the
+#: median, p10-p90 0.54-1.37 ms, measured side by side in one session), so 1.3 x 0.82 = 1.1 ms.
 PLAN_SCHEDULE_S = 1.1e-3
 #: The light plan's host time (``planning.light``: a step-long set on the kept placement,
 #: priced against it) as a share of the full search's floor, measured on the same machine:

@@ -164,8 +164,9 @@ def step_residency_micro_batches(plan, res: Residencies | None = None) -> tuple[
 
     A residency is a run of fill micro-batches linked by the same expert (module docstring);
     numbering the runs of each slot (a cumulative sum over ``M``) gives every micro-batch its
-    run, and one scatter per event gives each run the micro-batch of its fill and of its
-    gradient's return (a run has at most one of each)."""
+    run; per event (the fill, the gradient's return; a run has at most one of each) two
+    scatters over the runs, the event's micro-batch and whether it happened, are gathered
+    back to every micro-batch of the run."""
     res = residencies(plan) if res is None else res
     se_MLGJ, fill_MLGJ = plan.slot_expert_MLGJ, res.fill_MLGJ
     M = se_MLGJ.shape[0]
