@@ -113,20 +113,26 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     """float64 ``([L], [L])``: the bound ``U_l`` on what any plan saves per layer against
     ``placement_LE`` without copies, and that plan's forward estimate (module docstring),
     both summed over micro-batches, in the planner's price (``config``: a ``ReLibraConfig``)."""
-    M, L, S, E = loads_MLSE.shape
-    G = topology.num_gpus
-    owner_LE = placement_LE // topology.experts_per_gpu
-    flow_MLSG = _pair_flows(loads_MLSE, owner_LE, G)
-    gpu_MLG = flow_MLSG.sum(2)
-    total_ML = gpu_MLG.sum(-1)
-    compute_ML = gpu_MLG.amax(-1).to(torch.float64) * config.compute_s_per_token
-    floor_ML = ((total_ML + G - 1) // G).to(torch.float64) * config.compute_s_per_token
+    flow_MLSG = _pair_flows(loads_MLSE, placement_LE // topology.experts_per_gpu, topology.num_gpus)
     # price.a2a_parts_ML's rule; on one node the flat rows bound the hierarchical ones too
-    hier = config.dispatch == "hierarchical" and config.top_k > 0
-    cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, hier and topology.num_nodes > 1)
-    a2a_ML = rows_seconds(cs, cr, is_, ir, config)[0]
+    cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, _hierarchical(config) and topology.num_nodes > 1)
+    return _gain_and_forward_L(flow_MLSG.sum(2), rows_seconds(cs, cr, is_, ir, config)[0], topology, config)
+
+
+def _hierarchical(config) -> bool:
+    """Whether ``config`` prices hierarchical dispatch (an unknown top-k is priced flat)."""
+    return config.dispatch == "hierarchical" and config.top_k > 0
+
+
+def _gain_and_forward_L(gpu_MLG: torch.Tensor, a2a_ML: torch.Tensor, topology: Topology,
+                        config) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``([L], [L])`` ``(U_l, forward)`` from each GPU's token-expert pairs ``[M, L, G]``
+    under the kept placement and that placement's all-to-all (or a bound of it) ``[M, L]``."""
+    G = topology.num_gpus
+    compute_ML = gpu_MLG.amax(-1).to(torch.float64) * config.compute_s_per_token
+    floor_ML = ((gpu_MLG.sum(-1) + G - 1) // G).to(torch.float64) * config.compute_s_per_token
     gain_L = (compute_ML - floor_ML + a2a_ML).sum(0)
-    forward_L = (compute_ML / 3 + (0.0 if hier else 0.5) * a2a_ML
+    forward_L = (compute_ML / 3 + (0.0 if _hierarchical(config) else 0.5) * a2a_ML
                  + 0.5 * exchange_latency_s(topology, config)).sum(0)
     return gain_L, forward_L
 
@@ -153,40 +159,34 @@ def _quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     """:func:`gain_bound_L` on one node with each GPU's all-to-all rows bounded by all it
     sends and all it receives (its own pairs counted too), from two sums of the loads
     instead of the pairs per (source, GPU): both parts are at least :func:`gain_bound_L`'s."""
-    G = topology.num_gpus
     load_MLE = loads_MLSE.to(torch.int64).sum(2)
     M, L, E = load_MLE.shape
-    gpu_MLG = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(
+    gpu_MLG = torch.zeros(M, L, topology.num_gpus, dtype=torch.int64).scatter_add_(
         2, (placement_LE // topology.experts_per_gpu).expand(M, L, E), load_MLE)
-    compute_ML = gpu_MLG.amax(-1).to(torch.float64) * config.compute_s_per_token
-    floor_ML = ((gpu_MLG.sum(-1) + G - 1) // G).to(torch.float64) * config.compute_s_per_token
     rows_ML = torch.maximum(loads_MLSE.sum(3).amax(-1), gpu_MLG.amax(-1))
-    a2a_ML = rows_ML.to(torch.float64) * config.intra_node_s_per_token
-    hier = config.dispatch == "hierarchical" and config.top_k > 0
-    return ((compute_ML - floor_ML + a2a_ML).sum(0),
-            (compute_ML / 3 + (0.0 if hier else 0.5) * a2a_ML + 0.5 * exchange_latency_s(topology, config)).sum(0))
+    return _gain_and_forward_L(gpu_MLG, rows_ML.to(torch.float64) * config.intra_node_s_per_token, topology, config)
 
 
 def _margin_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
               total_layers: int | None) -> tuple[torch.Tensor, float]:
     """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` (module docstring). On one node,
     where a cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below the
-    lowest tier (keeping), that bound instead: it decides the same, for a fraction of the
-    host time of a step that plans nothing."""
+    lowest tier (keeping), that bound instead: it decides the same, in about half the time."""
     L = loads_MLSE.shape[1]
     total = L if total_layers is None else total_layers
     share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
     floor = layer_floor_s(topology, config, share, loads_MLSE.shape[0])
     # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
     schedule_s = config.plan_schedule_s * loads_MLSE.shape[0] / 8
+
+    def margin_from(bound) -> torch.Tensor:
+        gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
+        return gain_L + (forward_L - schedule_s) * (total / share)
     if topology.num_nodes == 1:
-        gain_L, forward_L = _quick_bound_L(loads_MLSE, topology, placement_LE, config)
-        margin_L = gain_L + (forward_L - schedule_s) * (total / share)
-        lowest = floor * (config.light_share if config.light_share > 0 else 1.0)
-        if bool((margin_L < lowest).all()):
-            return margin_L, floor
-    gain_L, forward_L = gain_bound_L(loads_MLSE, topology, placement_LE, config)
-    return gain_L + (forward_L - schedule_s) * (total / share), floor
+        quick_L = margin_from(_quick_bound_L)
+        if bool((quick_L < floor * (config.light_share if config.light_share > 0 else 1.0)).all()):
+            return quick_L, floor
+    return margin_from(gain_bound_L), floor
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
