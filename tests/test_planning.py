@@ -327,6 +327,48 @@ def test_traffic_replicas_keep_a_hot_remote_experts_tokens_home():
     assert (split[:, 0, :2, 2:] * held.unsqueeze(1)).sum() == 0             # node 0's never come over
 
 
+def _node_matching_loop(plan, loads):
+    """Step 4 of ``token_split`` alone, one (m, l, node, expert) at a time: the node's sources'
+    tokens in rank order against the node's instances' quotas in slot order."""
+    topo = plan.topology
+    M, L, S, E = loads.shape
+    G, J, g = topo.num_gpus, topo.slots_per_gpu, topo.gpus_per_node
+    out = torch.zeros(M, L, S, G, J, dtype=torch.int64)
+    for m in range(M):
+        for l in range(L):
+            for n in range(topo.num_nodes):
+                for e in range(E):
+                    src = [(s, int(loads[m, l, s, e])) for s in range(n * g, (n + 1) * g)]
+                    dst = [(q, j, int(plan.slot_tokens_MLGJ[m, l, q, j])) for q in range(n * g, (n + 1) * g)
+                           for j in range(J) if int(plan.slot_expert_MLGJ[m, l, q, j]) == e]
+                    si = di = 0
+                    while si < len(src) and di < len(dst):
+                        (s, a), (q, j, b) = src[si], dst[di]
+                        t = min(a, b)
+                        out[m, l, s, q, j] += t
+                        src[si], dst[di] = (s, a - t), (q, j, b - t)
+                        si, di = si + (a == t), di + (b == t)
+    return out
+
+
+@SETTINGS
+@given(problems())
+def test_token_split_without_crossing_tokens_is_the_nodes_own_matching(problem):
+    """Where every node's instances of an expert take exactly that node's tokens of it (always
+    on one node), no token crosses nodes: the split is each node's sources matched to its
+    instances in order (the rule's shortcut), as a loop over every (node, expert) gives it."""
+    topo, loads = problem
+    for name, plan in _plans(topo, loads).items():
+        M, L, S, E = loads.shape
+        g = topo.gpus_per_node
+        node_X = torch.arange(topo.num_gpus * topo.slots_per_gpu) // (g * topo.slots_per_gpu)
+        se = plan.slot_expert_MLGJ.reshape(M, L, -1)
+        cap = torch.zeros(M, L, topo.num_nodes * (E + 1), dtype=torch.int64).scatter_add_(
+            2, node_X * (E + 1) + (se + 1), plan.slot_tokens_MLGJ.reshape(M, L, -1)).view(M, L, -1, E + 1)[..., 1:]
+        if torch.equal(cap, loads.view(M, L, topo.num_nodes, g, E).sum(3)):
+            assert torch.equal(token_split(plan, loads), _node_matching_loop(plan, loads)), name
+
+
 def test_token_split_matches_brute_force():
     topo = Topology(1, 2, 4, 1)
     loads = torch.tensor([[[[3, 0, 1, 2], [2, 5, 0, 0]]]])            # [1, 1, 2, 4]

@@ -99,11 +99,6 @@ class StepPlan:
         return out
 
 
-def _interval_overlap(a_start_MLSX, a_end_MLSX, b_start_MLSX, b_end_MLSX) -> torch.Tensor:
-    """Length of the overlap of two families of half-open intervals (broadcast)."""
-    return (torch.minimum(a_end_MLSX, b_end_MLSX) - torch.maximum(a_start_MLSX, b_start_MLSX)).clamp(min=0)
-
-
 def _cum_floor(weights, cum_weights, total, share):
     """Integer split of ``share`` over items in proportion to ``weights``: the floor of the
     cumulative proportional share, differenced. Exact (sums to ``share``), non-negative,
@@ -218,57 +213,64 @@ def general_split(plan: StepPlan, loads_MLSE: torch.Tensor) -> torch.Tensor:
     cap_MLNE = torch.zeros(M, L, N * E, dtype=torch.int64).scatter_add_(2, group_MLX, quota_MLX).view(M, L, N, E)
     local_MLNE = torch.minimum(demand_MLNE, cap_MLNE)
     surplus_MLNE, deficit_MLNE = demand_MLNE - local_MLNE, cap_MLNE - local_MLNE
+    if not bool(surplus_MLNE.any()) and not bool(deficit_MLNE.any()):
+        # every node's instances take exactly its own tokens (always on one node, where the
+        # quotas sum to the loads): nothing crosses nodes, so steps 1-3 move nothing and the
+        # split is step 4's matching of each node's sources to its instances alone
+        return (_matching(loads_MLSE, quota_MLX, group_MLX, e_MLX, node_S, node_X, N, True)
+                * valid_MLX.unsqueeze(2)).view(M, L, S, G, J)
 
     # Sources: surplus shares in proportion to tokens (cumulative over the node's ranks).
     cum_MLSE = loads_MLSE.view(M, L, N, g, E).cumsum(3).view(M, L, S, E)
     remote_MLSE = _cum_floor(loads_MLSE, cum_MLSE, demand_MLNE[:, :, node_S], surplus_MLNE[:, :, node_S])
     keep_MLSE = loads_MLSE - remote_MLSE
 
-    # Instances: deficit shares in proportion to quota (cumulative over the group's slots in
-    # slot order; slots of one (node, expert) group are contiguous once sorted by group).
-    order_MLX = (group_MLX * X + torch.arange(X)).argsort(dim=2)
-    group_sorted = group_MLX.gather(2, order_MLX)
-    quota_sorted = quota_MLX.gather(2, order_MLX)
-    cum_sorted = quota_sorted.cumsum(2)
-    before_group = torch.zeros(M, L, N * E, dtype=torch.int64).scatter_add_(2, group_MLX, quota_MLX)
-    before_group = (before_group.cumsum(2) - before_group).gather(2, group_sorted)
-    cum_in_group_MLX = torch.empty_like(cum_sorted).scatter_(2, order_MLX, cum_sorted - before_group)
+    # Instances: deficit shares in proportion to quota (cumulative over the group's slots in slot order)
+    cum_in_group_MLX = _cum_in_group(quota_MLX, group_MLX, N * E)
     cap_X = cap_MLNE.view(M, L, N * E).gather(2, group_MLX)
     deficit_X = deficit_MLNE.view(M, L, N * E).gather(2, group_MLX)
     take_remote_MLX = _cum_floor(quota_MLX, cum_in_group_MLX, cap_X, deficit_X)
     take_remote_MLX = _even_receive(take_remote_MLX, quota_MLX, e_MLX, valid_MLX, topo)
     take_local_MLX = quota_MLX - take_remote_MLX
 
-    def intervals_by_expert(amount_MLSE, amount_MLX, same_node):
-        # Source intervals: cumulative over ranks (over the node's ranks when same_node).
-        if same_node:
-            src_end = amount_MLSE.view(M, L, N, g, E).cumsum(3).view(M, L, S, E)
-        else:
-            src_end = amount_MLSE.cumsum(2)
-        src_start = src_end - amount_MLSE
-        # Instance intervals: cumulative over the expert's slots in slot order (over the
-        # node's slots when same_node).
-        key = (group_MLX if same_node else e_MLX) * X + torch.arange(X)
-        order = key.argsort(dim=2)
-        grp = (group_MLX if same_node else e_MLX).gather(2, order)
-        cum = amount_MLX.gather(2, order).cumsum(2)
-        size = N * E if same_node else E
-        tot = torch.zeros(M, L, size, dtype=torch.int64).scatter_add_(
-            2, group_MLX if same_node else e_MLX, amount_MLX)
-        cum = cum - (tot.cumsum(2) - tot).gather(2, grp)
-        dst_end = torch.empty_like(cum).scatter_(2, order, cum)
-        dst_start = dst_end - amount_MLX
-        idx = e_MLX.unsqueeze(2).expand(M, L, S, X)
-        out = _interval_overlap(src_start.gather(3, idx), src_end.gather(3, idx),
-                                dst_start.unsqueeze(2), dst_end.unsqueeze(2))
-        if same_node:
-            out = out * (node_S.view(S, 1) == node_X.view(1, X))
-        return out
-
-    split_MLSX = (intervals_by_expert(keep_MLSE, take_local_MLX, True)
-                  + intervals_by_expert(remote_MLSE, take_remote_MLX, False))
+    split_MLSX = (_matching(keep_MLSE, take_local_MLX, group_MLX, e_MLX, node_S, node_X, N, True)
+                  + _matching(remote_MLSE, take_remote_MLX, group_MLX, e_MLX, node_S, node_X, N, False))
     split_MLSX = split_MLSX * valid_MLX.unsqueeze(2)
     return split_MLSX.view(M, L, S, G, J)
+
+
+def _cum_in_group(amount_MLX: torch.Tensor, group_MLX: torch.Tensor, groups: int) -> torch.Tensor:
+    """int64 ``[M, L, X]``: each slot's ``amount_MLX`` summed over the slots of its group
+    (``group_MLX``, ``0..groups-1``) up to and including itself, in slot order."""
+    M, L, X = amount_MLX.shape
+    order = (group_MLX * X + torch.arange(X)).argsort(dim=2)   # a group's slots contiguous, in slot order
+    cum = amount_MLX.gather(2, order).cumsum(2)
+    tot = torch.zeros(M, L, groups, dtype=torch.int64).scatter_add_(2, group_MLX, amount_MLX)
+    cum = cum - (tot.cumsum(2) - tot).gather(2, group_MLX.gather(2, order))
+    return torch.empty_like(cum).scatter_(2, order, cum)
+
+
+def _matching(amount_MLSE: torch.Tensor, amount_MLX: torch.Tensor, group_MLX: torch.Tensor, e_MLX: torch.Tensor,
+              node_S: torch.Tensor, node_X: torch.Tensor, N: int, same_node: bool) -> torch.Tensor:
+    """int64 ``[M, L, S, X]``: :func:`token_split`'s step 4. Sources' amounts of each expert
+    (``amount_MLSE``) laid end to end in rank order, its instances' amounts (``amount_MLX``) in
+    slot order, each source sending to each instance the overlap of their intervals; with
+    ``same_node`` within each node (the node's ranks against the node's slots of the expert,
+    ``group_MLX`` = node * E + expert per slot), else across the whole cluster."""
+    M, L, S, E = amount_MLSE.shape
+    X, g = amount_MLX.shape[2], S // N
+    # intervals: cumulative over ranks and over the expert's slots in slot order (within each node when same_node)
+    src_end = amount_MLSE.view(M, L, N, g, E).cumsum(3).view(M, L, S, E) if same_node else amount_MLSE.cumsum(2)
+    src_start = src_end - amount_MLSE
+    dst_end = _cum_in_group(amount_MLX, group_MLX if same_node else e_MLX, N * E if same_node else E)
+    dst_start = dst_end - amount_MLX
+    idx = e_MLX.unsqueeze(2).expand(M, L, S, X)
+    # the overlap of the source's and the instance's half-open intervals
+    out = (torch.minimum(src_end.gather(3, idx), dst_end.unsqueeze(2))
+           - torch.maximum(src_start.gather(3, idx), dst_start.unsqueeze(2))).clamp(min=0)
+    if same_node and N > 1:
+        out = out * (node_S.view(S, 1) == node_X.view(1, X))
+    return out
 
 
 def _even_receive(remote_MLX: torch.Tensor, quota_MLX: torch.Tensor, e_MLX: torch.Tensor,
