@@ -6,6 +6,7 @@ Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots pe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from unittest import mock
@@ -22,6 +23,7 @@ from relibra_torch.planning.light import light_plan
 from relibra_torch.planning.plain import layers_price
 from relibra_torch.planning.plan import StepPlan, validate_plan
 from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
+from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE
 from relibra_torch.planning.step_set import step_long_set
 from relibra_torch.planning import relibra as relibra_module
 from relibra_torch.planning import worth
@@ -138,18 +140,28 @@ def test_light_tier_decisions_do_not_depend_on_the_share():
                        for s, hot in enumerate([0.0, 0.5, 0.95, 0.95])], 1)
     L = loads.shape[1]
     prev = topo.static_placement(L)
-    probe = dataclasses.replace(PRICED, plan_floor_s=1.0, plan_layer_s=0.0)
+    probe = dataclasses.replace(PRICED, plan_floor_s=1.0, plan_layer_s=0.0, plan_schedule_s=0.0)
     margin_L = _exact_margin_L(loads, topo, prev, probe, L)[0]
     m = margin_L.sort().values
     floor = float(m[2] + m[3]) / 2                                     # share 1: the floor is plan_floor_s
     share = float(m[0] + m[1]) / 2 / floor
     cfg = dataclasses.replace(probe, plan_floor_s=floor, light_share=share)
+    # no schedules and no per-layer light part: the light floor is light_share of the floor
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.object(worth, "LIGHT_LAYER_S", 0.0))
+    stack.enter_context(mock.patch.object(worth, "LIGHT_EXPERT_S", 0.0))
     tiers = [2 if x >= floor else 1 if x >= share * floor else 0 for x in margin_L.tolist()]
     assert sorted(tiers) == [0, 1, 1, 2]
     alone = _exact_margin_L(loads[:, :1], topo, prev[:1], probe, None)[0]     # without the step's count
     assert float(alone[0]) < float(margin_L[0])
     planner = ReLibraPlanner(topo, cfg)
     searched = []
+    with stack:
+        _plan_and_check(planner, loads, topo, prev, cfg, tiers, searched)
+
+
+def _plan_and_check(planner, loads, topo, prev, cfg, tiers, searched):
+    L = loads.shape[1]
     search = relibra_module._search
     with mock.patch.object(relibra_module, "_search", lambda loads_MLSE, *a, **k: searched.append(
             loads_MLSE.shape[1]) or search(loads_MLSE, *a, **k)):
@@ -167,3 +179,59 @@ def test_light_tier_decisions_do_not_depend_on_the_share():
         assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, layers])
         assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
         assert torch.equal(part.placement_LE, whole.placement_LE[layers])
+
+
+def test_a_light_plan_is_kept_only_where_its_exact_saving_repays_its_host_time():
+    """``light_plan``'s ``min_saving_L``: the guard admits a layer to the light tier on the
+    gain bound, and keeps the step-long set only where the exact saving (keeping's price less
+    the set's) exceeds the host time the window leaves it to repay; a layer whose saving falls
+    short keeps its plan, the others are unchanged."""
+    topo = Topology(1, 8, 8, 2)
+    loads = torch.cat([_collapsed(topo, 8, 1, s, 0.95, tokens=500 * (s + 1)) for s in range(3)], 1)
+    prev = topo.static_placement(3)
+    kept = keep_plan(loads, topo, prev, PRICED)
+    free = light_plan(loads, kept, PRICED)
+    idx = torch.arange(3)
+    saving_L = layers_price(kept, idx, loads, PRICED) - layers_price(free, idx, loads, PRICED)
+    assert bool((saving_L > 0).all())                              # every layer copies with nothing to repay
+    need_L = torch.stack([saving_L[0] * 0.5, saving_L[1] * 1.5, -saving_L[2]])
+    got = light_plan(loads, kept, PRICED, need_L)
+    for l, want in enumerate((free, kept, free)):
+        assert torch.equal(got.slot_expert_MLGJ[:, l], want.slot_expert_MLGJ[:, l]), l
+        assert torch.equal(got.slot_tokens_MLGJ[:, l], want.slot_tokens_MLGJ[:, l]), l
+
+
+@pytest.mark.parametrize("N", [1, 2])
+def test_the_guard_keeps_a_light_plan_only_where_its_exact_saving_pays(N):
+    """The guard admits a layer to the light tier on the gain bound, ``U + W - s >= F'`` (``W``
+    the window, ``s`` the light plan's schedules, ``F'`` its host time), then keeps the
+    step-long set only where the exact saving ``S`` exceeds what the schedules add to the
+    charge once ``F'`` is spent: ``max(0, F' - W + s) - max(0, F' - W)``. So ``s`` where the
+    plan's own time fills the window, nothing where all fits, the overflow in between."""
+    topo = Topology(N, 4, N * 8, 2)
+    loads = _collapsed(topo, 4, 1, 3, 0.95, tokens=500)
+    prev = topo.static_placement(1)
+    cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, light_share=LIGHT_SHARE)  # no full search
+    kept = keep_plan(loads, topo, prev, cfg)
+    light = light_plan(loads, kept, cfg)
+    saving = float(layers_price(kept, torch.arange(1), loads, cfg)[0] - layers_price(light, torch.arange(1), loads, cfg)[0])
+    gain_L, forward_L = worth.gain_bound_L(loads, topo, prev, cfg)      # one layer, share 1: W is the forward
+    bound, w = float(gain_L[0]), float(forward_L[0])
+    assert bound > saving > 0 and w > 0
+    mid = (saving + bound) / 2                                     # above the saving, below the bound
+    over = min(mid, w / 2 + 0.5 * saving)                          # schedules the window cannot all hold
+    cases = ((mid, w + (bound - mid) / 2, kept),                   # window spent by F': needs S > s
+             (0.5 * saving, w + (bound - 0.5 * saving) / 2, light),
+             (0.0, w / 2, light),                                  # all fits: any saving
+             (over, w - over + 0.5 * saving, light))               # overflow 0.5 S of the schedules
+    for sched, light_floor, want in cases:
+        c = dataclasses.replace(cfg, plan_schedule_s=sched / LIGHT_SCHEDULE_SHARE / 0.5)  # M / 8 = 0.5, one layer
+        with mock.patch.object(worth, "light_floor_s", lambda *a, f=light_floor: f), \
+                mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L):
+            t = worth._tiers(loads, topo, prev, c, None)
+            assert not bool(t.full_L()[0]) and bool(t.light_L()[0]), (sched, light_floor)
+            need = max(0.0, light_floor - w + sched) - max(0.0, light_floor - w)
+            torch.testing.assert_close(float(t.light_saving_L()[0]), need, rtol=1e-9, atol=1e-15)
+            got = relibra_plan(loads, topo, prev, c)
+        assert torch.equal(got.slot_expert_MLGJ, want.slot_expert_MLGJ), (sched / saving, light_floor)
+        assert torch.equal(got.slot_tokens_MLGJ, want.slot_tokens_MLGJ), (sched / saving, light_floor)

@@ -209,7 +209,7 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
     """A layer given copies costs every rank its schedules (``rank_schedules`` builds every
     layer's), so the guard takes ``plan_schedule_s * M / 8`` per layer out of the window a
     rank's share plans in: ``L / ceil(L / G)`` times it off the layer's margin."""
-    from relibra_torch.planning.worth import _margin_L
+    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _margin_L, _tiers
     topo, loads_MLSE, placement_LE = _random_case(4, 2, 2, 2, 2, 12, 3, 6.0)     # M = 12, L = 3, G = 4
     base = dataclasses.replace(PRICED, plan_schedule_s=0.0)
     for total in (3, 10):
@@ -218,6 +218,11 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
         m1, f1 = _margin_L(loads_MLSE, topo, placement_LE, dataclasses.replace(base, plan_schedule_s=2e-3), total)
         assert f0 == f1
         torch.testing.assert_close(m0 - m1, torch.full_like(m0, 2e-3 * 12 / 8 * total / share), rtol=1e-9, atol=0)
+        # a light layer's schedules cost LIGHT_SCHEDULE_SHARE of that: one residency per copy
+        w0 = _tiers(loads_MLSE, topo, placement_LE, base, total).light_window_L()
+        w1 = _tiers(loads_MLSE, topo, placement_LE, dataclasses.replace(base, plan_schedule_s=2e-3), total).light_window_L()
+        torch.testing.assert_close(w0 - w1, torch.full_like(w0, LIGHT_SCHEDULE_SHARE * 2e-3 * 12 / 8 * total / share),
+                                   rtol=1e-9, atol=0)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -230,7 +235,7 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     """On one node the guard may decide from a cheaper bound (two sums of the loads): it is
     at least the exact gain bound and window, per layer, and where it keeps every layer the
     exact margin keeps them too (so the tiers are the same as from the exact margin alone)."""
-    from relibra_torch.planning.worth import _margin_L, _quick_bound_L
+    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _margin_L, _quick_bound_L, _tiers
 
     topo, loads_MLSE, placement_LE = _random_case(seed, 1, g, El, 2, M, L, skew)
     config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=top_k, light_share=light,
@@ -240,10 +245,15 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     assert bool((quick_gain_L >= gain_L - 1e-15).all()) and bool((quick_forward_L >= forward_L - 1e-15).all())
     total = max(total, L)
     margin_L, floor = _margin_L(loads_MLSE, topo, placement_LE, config, total)
+    got = _tiers(loads_MLSE, topo, placement_LE, config, total)
+    light_floor = got.light_floor
     share = -(-total // topo.num_gpus)
     exact_L = gain_L + (forward_L - config.plan_schedule_s * M / 8) * (total / share)
-    lowest = floor * (light if light > 0 else 1.0)
-    assert torch.equal(margin_L < lowest, exact_L < lowest)
+    exact_light_L = gain_L + (forward_L - LIGHT_SCHEDULE_SHARE * config.plan_schedule_s * M / 8) * (total / share)
+    assert (light_floor > 0) == (light > 0)
     assert torch.equal(margin_L < floor, exact_L < floor)
-    if not bool((exact_L < lowest).all()):  # some layer is planned: the exact margin itself
+    if light > 0:   # the light tier decides the same from either bound
+        assert torch.equal(~got.light_L(), exact_light_L < light_floor)
+    lowest = (exact_L < floor) & ((exact_light_L < light_floor) | (light == 0))
+    if not bool(lowest.all()):  # some layer is planned: the exact margin itself
         assert torch.allclose(margin_L, exact_L, rtol=0, atol=0)

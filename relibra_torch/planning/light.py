@@ -13,11 +13,12 @@ same copies all step, so each fills once, with per-micro-batch quotas from repla
 placement the guard keeps, no reordering and no traffic replica. Per layer it is priced
 against the kept plan with the plain plan's exact price (:func:`relibra_torch.planning.plain.layers_price`:
 expert compute, all-to-all, fills and returns with their latency) and kept only where it
-is cheaper, so it never prices above keeping in that price, which is the cost model's with
-kept replica buffers (one fill per residency): with ``--refetch-replicas`` (a fill per
-micro-batch) the simulator and the hook turn the light tier off. About 0.4 of the full
-search's host time (``ReLibraConfig.light_share``; 12-18 ms on a one-node share of 1-2
-layers, 15-37 ms across nodes, on the 2-core machine). Layer-local, so split planning gives the same plan (where
+is cheaper (by more than the host time the guard says the window leaves it to repay), so
+it never prices above keeping in that price, which is the cost model's with kept replica
+buffers (one fill per residency): with ``--refetch-replicas`` (a fill per micro-batch) the
+simulator and the hook turn the light tier off. Its host time with its share's token
+splits: 4-6 ms plus 0.4-1.6 ms per layer on one node, 8-15 ms plus 0.5-10 ms per layer
+across nodes, on the 2-core machine (``planning.worth.light_floor_s``). Layer-local, so split planning gives the same plan (where
 every layer sees the step's tokens per source, as replay gives them: the hierarchical price
 reads them from a share's first layer).
 
@@ -36,10 +37,12 @@ from .step_set import step_long_set
 __all__ = ["light_plan"]
 
 
-def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config) -> StepPlan:
+def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config, min_saving_L: torch.Tensor | None = None) -> StepPlan:
     """``kept`` (the kept plan of these layers, :func:`~relibra_torch.planning.fastpath.keep_plan`)
-    with, in each layer where it prices lower, the step-long set on the same placement
-    (module docstring). ``loads_MLSE``: int ``[M, L, S, E]``; ``config``: a ``ReLibraConfig``."""
+    with, in each layer where it prices lower by more than ``min_saving_L`` (float64 ``[L]``
+    seconds, the host time the window leaves it to repay; default 0), the step-long set on
+    the same placement (module docstring). ``loads_MLSE``: int ``[M, L, S, E]``; ``config``:
+    a ``ReLibraConfig``."""
     topology, L = kept.topology, loads_MLSE.shape[1]
     min_tokens = config.min_replica_tokens_on(topology.num_nodes)
     if not config.balance or L == 0 or topology.replica_slots == 0 or min_tokens == torch.iinfo(torch.int64).max:
@@ -51,5 +54,6 @@ def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config) -> StepPlan:
                       kept.previous_placement_LE)
     idx = torch.arange(L)
     # the kept plan holds no copy: its price is its MoE time alone (no fill, no return, no latency)
-    cheaper_L = layers_price(spread, idx, loads_MLSE, config) < moe_seconds_ML(kept, loads_MLSE, config).sum(0)
+    saving_L = moe_seconds_ML(kept, loads_MLSE, config).sum(0) - layers_price(spread, idx, loads_MLSE, config)
+    cheaper_L = saving_L > (0.0 if min_saving_L is None else min_saving_L.clamp(min=0.0))
     return kept.with_layers(idx[cheaper_L], spread.layers(cheaper_L)) if bool(cheaper_L.any()) else kept

@@ -237,12 +237,13 @@ PLAN_LAYER_NODES_S = 1.13e-2
 #: with copies take a median 0.82x of the time case by case (per layer 1.10 -> 0.87 ms in the
 #: median, p10-p90 0.54-1.37 ms, measured side by side in one session), so 1.3 x 0.82 = 1.1 ms.
 PLAN_SCHEDULE_S = 1.1e-3
-#: The light plan's host time (``planning.light``: a step-long set on the kept placement,
-#: priced against it) as a share of the full search's floor, measured on the same machine:
-#: 12-18 ms on a one-node share of 1-2 layers (the full search's fixed part is 33 ms), 15-37
-#: ms across nodes (47 ms); its per-layer part follows the experts rather than top-k
-#: (1 ms per layer at 64 experts, 4 at 256 on one node), which this one share leaves rough.
-LIGHT_SHARE = 0.4
+#: The light plan's fixed host time (``planning.light``: a step-long set on the kept placement,
+#: priced against it, with its share's token splits) as a share of the full search's fixed
+#: floor: 4-6 ms on one node (33 ms), 8-15 ms across nodes (47 ms), measured on the same
+#: machine since its split skips the cross-node rule where no token crosses nodes (before:
+#: 12-18 ms, share 0.4); its per-layer part follows the experts rather than top-k
+#: (``planning.worth.LIGHT_LAYER_S`` and ``LIGHT_EXPERT_S``). 0 turns the light tier off.
+LIGHT_SHARE = 0.15
 
 
 def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:

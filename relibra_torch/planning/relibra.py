@@ -120,9 +120,9 @@ class ReLibraConfig:
             part of 0 turns the guard off).
         plan_schedule_s: host time every rank spends on one layer's schedules when it has
             copies (at 8 micro-batches), out of the window the guard shares among planning.
-        light_share: the light plan's host time as a share of the full search's (``light``):
-            layers the guard keeps whose gain bound and window reach this share of the floor
-            get a step-long set on the kept placement where it prices lower (0: off).
+        light_share: the light plan's fixed host time as a share of the full search's
+            (``light``; per layer ``worth.light_floor_s``): layers the guard keeps whose gain
+            bound and window reach it get a step-long set on the kept placement where it pays (0: off).
         max_swap_rounds: bound on local-search rounds.
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).

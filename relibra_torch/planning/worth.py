@@ -39,8 +39,14 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
-the window hides; where ``U_l + W_l >= light_share * F`` it gets the light plan instead
-(:mod:`~relibra_torch.planning.light`, about that share of the search's host time). The
+the window hides. It gets the light plan instead (:mod:`~relibra_torch.planning.light`)
+where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time (:func:`light_floor_s`:
+``light_share`` of the fixed part, and a part per layer that follows the experts), ``W'_l``
+the window less the light plan's cheaper schedules (one residency per copy,
+:data:`LIGHT_SCHEDULE_SHARE`); and it keeps that plan only where its exact saving (the
+plain plan's price, not the bound) repays what its schedules add to the charge once the
+plan's own host time is spent: ``max(0, F' - W'_l) - max(0, F' - V_l)`` with ``V_l`` the
+window before any schedules. The
 fixed part is spread over the share per layer, while a rank pays it whole once any of its
 layers is searched, and both fixed parts where its share mixes tiers: a share that mixes
 tiers is under-priced (up to its size). The rule reads only the layer's own counts, the
@@ -53,7 +59,7 @@ Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, N nodes, g
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -63,7 +69,8 @@ from .plan import StepPlan
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["gain_bound_L", "guarded_plan", "layer_floor_s", "plan_floor_s", "worth_planning_L"]
+__all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_SHARE",
+           "gain_bound_L", "guarded_plan", "layer_floor_s", "light_floor_s", "plan_floor_s", "worth_planning_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -167,26 +174,90 @@ def _quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     return _gain_and_forward_L(gpu_MLG, rows_ML.to(torch.float64) * config.intra_node_s_per_token, topology, config)
 
 
-def _margin_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
-              total_layers: int | None) -> tuple[torch.Tensor, float]:
-    """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` (module docstring). On one node,
-    where a cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below the
-    lowest tier (keeping), that bound instead: it decides the same, in about half the time."""
-    L = loads_MLSE.shape[1]
+#: The light tier's host time (:mod:`~relibra_torch.planning.light` and its share's token
+#: splits, one thread, at 8 micro-batches) on a rank's share of ``k`` layers of ``E`` experts:
+#: ``light_share * floor + k * (LIGHT_LAYER_S + LIGHT_EXPERT_S * E)`` (one node; across nodes
+#: the ``_NODES`` pair and the across-nodes floor). Fitted on this project's 2-core machine to
+#: the 94 never-behind stand-ins with 256+ tokens per GPU (``benchmarks/never_behind.py``), shares
+#: of 1, 2 and 4 layers: one node 4-6 ms + 0.4-1.6 ms per layer (8 to 256 experts); across
+#: nodes 8-15 ms + 0.5-10 ms per layer. Its per-layer part follows the experts, not top-k.
+LIGHT_LAYER_S, LIGHT_EXPERT_S = 3.5e-4, 4.7e-6
+LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 1.5e-3, 3.7e-5
+#: A light layer's schedules (``moe.schedule_batch.rank_schedules``) against ``plan_schedule_s``
+#: (fitted on the full search's plans): each copy holds its slot all step, one residency,
+#: so 0.3-0.7 ms per layer on the same stand-ins against 1.1 ms.
+LIGHT_SCHEDULE_SHARE = 0.4
+
+
+def light_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
+    """The light tier's host time per layer of a rank's ``share`` layers (constants above):
+    0 when the light plan is off (``light_share`` 0)."""
+    if config.light_share <= 0:
+        return 0.0
+    nodes = topology.num_nodes > 1
+    layer_s = (LIGHT_LAYER_NODES_S + LIGHT_EXPERT_NODES_S * topology.num_experts if nodes
+               else LIGHT_LAYER_S + LIGHT_EXPERT_S * topology.num_experts)
+    return (config.light_share * plan_floor_s(topology, config) / max(share, 1) + layer_s) * max(micro_batches, 8) / 8
+
+
+class Tiers(NamedTuple):
+    """:func:`_tiers`: per layer ``[L]`` (float64 seconds) the gain bound ``U_l`` and the
+    layer's window share before schedules; the schedules a rank builds per planned layer,
+    scaled as the window (full search's; the light plan's are :data:`LIGHT_SCHEDULE_SHARE`
+    of them); the floors ``F`` and ``F'``."""
+
+    gain_L: torch.Tensor
+    window_L: torch.Tensor
+    schedules_s: float
+    floor: float
+    light_floor: float
+
+    def full_L(self) -> torch.Tensor:
+        """bool ``[L]``: worth the full search, ``U_l + W_l >= F``."""
+        return self.gain_L + self.window_L - self.schedules_s >= self.floor
+
+    def light_window_L(self) -> torch.Tensor:
+        """``W'_l``: the window less the light plan's schedules."""
+        return self.window_L - LIGHT_SCHEDULE_SHARE * self.schedules_s
+
+    def light_L(self) -> torch.Tensor:
+        """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'`` (never where it is off)."""
+        return (self.gain_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
+
+    def light_saving_L(self) -> torch.Tensor:
+        """``[L]``: what a made light plan's exact saving must exceed to be kept: the charge
+        its schedules add once its own host time is spent (the window less that time)."""
+        return ((self.light_floor - self.light_window_L()).clamp(min=0)
+                - (self.light_floor - self.window_L).clamp(min=0))
+
+
+def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
+           total_layers: int | None) -> Tiers:
+    """The guard's :class:`Tiers` of each layer (module docstring). On one node, where a
+    cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below both tiers,
+    that bound's instead: it decides the same, in about half the time."""
+    L, M = loads_MLSE.shape[1], loads_MLSE.shape[0]
     total = L if total_layers is None else total_layers
     share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
-    floor = layer_floor_s(topology, config, share, loads_MLSE.shape[0])
-    # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
-    schedule_s = config.plan_schedule_s * loads_MLSE.shape[0] / 8
+    floor, light = layer_floor_s(topology, config, share, M), light_floor_s(topology, config, share, M)
 
-    def margin_from(bound) -> torch.Tensor:
+    def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
-        return gain_L + (forward_L - schedule_s) * (total / share)
+        # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
+        return Tiers(gain_L, forward_L * (total / share), config.plan_schedule_s * M / 8 * (total / share),
+                     floor, light)
     if topology.num_nodes == 1:
-        quick_L = margin_from(_quick_bound_L)
-        if bool((quick_L < floor * (config.light_share if config.light_share > 0 else 1.0)).all()):
-            return quick_L, floor
-    return margin_from(gain_bound_L), floor
+        quick = tiers(_quick_bound_L)
+        if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
+            return quick
+    return tiers(gain_bound_L)
+
+
+def _margin_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
+              total_layers: int | None) -> tuple[torch.Tensor, float]:
+    """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` of the full search (:func:`_tiers`)."""
+    t = _tiers(loads_MLSE, topology, placement_LE, config, total_layers)
+    return t.gain_L + t.window_L - t.schedules_s, t.floor
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
@@ -206,20 +277,21 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
     the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``
     layers, in that order) with the guard off; of the others, those worth the light plan
-    (``U_l + W_l >= light_share * F``, :mod:`~relibra_torch.planning.light`) get it, and
-    the rest keep their placement, every expert on its owner
+    (``U_l + W'_l >= F'``, :class:`Tiers`) get it (:mod:`~relibra_torch.planning.light`)
+    where its exact saving repays its schedules' charge, and the rest keep their placement, every expert on its owner
     (:func:`~relibra_torch.planning.fastpath.keep_plan`)."""
     L = loads_MLSE.shape[1]
     if plan_floor_s(topology, config) <= 0 or L == 0:
         return None
-    margin_L, floor = _margin_L(loads_MLSE, topology, previous_placement_LE, config, total_layers)
-    worth_L = margin_L >= floor
+    tiers = _tiers(loads_MLSE, topology, previous_placement_LE, config, total_layers)
+    worth_L = tiers.full_L()
     if bool(worth_L.all()):
         return None
     plan = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
-    light = (~worth_L & (margin_L >= config.light_share * floor) & (config.light_share > 0)).nonzero().flatten()
-    if light.numel():
-        plan = plan.with_layers(light, light_plan(loads_MLSE[:, light], plan.layers(light), config))
+    light = (~worth_L & tiers.light_L()).nonzero().flatten()
+    if light.numel():   # kept where the exact saving (not the bound) repays its schedules' charge
+        part = light_plan(loads_MLSE[:, light], plan.layers(light), config, tiers.light_saving_L()[light])
+        plan = plan.with_layers(light, part)
     layers = worth_L.nonzero().flatten()
     if layers.numel():
         part = search(layers.tolist(), dataclasses.replace(config, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
