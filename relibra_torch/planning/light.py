@@ -13,12 +13,13 @@ same copies all step, so each fills once, with per-micro-batch quotas from repla
 placement the guard keeps, no reordering and no traffic replica. Per layer it is priced
 against the kept plan with the plain plan's exact price (:func:`relibra_torch.planning.plain.layers_price`:
 expert compute, all-to-all, fills and returns with their latency) and kept only where it
-is cheaper (by more than the host time the guard says the window leaves it to repay), so
+is cheaper (by more than the charge the guard says its schedules add), so
 it never prices above keeping in that price, which is the cost model's with kept replica
 buffers (one fill per residency): with ``--refetch-replicas`` (a fill per micro-batch) the
 simulator and the hook turn the light tier off. Its host time with its share's token
-splits: 4-6 ms plus 0.4-1.6 ms per layer on one node, 8-15 ms plus 0.5-10 ms per layer
-across nodes, on the 2-core machine (``planning.worth.light_floor_s``). Layer-local, so split planning gives the same plan (where
+splits: 4-6 ms plus 0.4-1.6 ms per layer on one node, 8-12 ms plus 0.5-10 ms per layer
+across nodes, on a 2-core machine that ran the full search in 0.7x of its fitted floors
+(``planning.worth.light_floor_s``). Layer-local, so split planning gives the same plan (where
 every layer sees the step's tokens per source, as replay gives them: the hierarchical price
 reads them from a share's first layer).
 

@@ -239,11 +239,13 @@ PLAN_LAYER_NODES_S = 1.13e-2
 PLAN_SCHEDULE_S = 1.1e-3
 #: The light plan's fixed host time (``planning.light``: a step-long set on the kept placement,
 #: priced against it, with its share's token splits) as a share of the full search's fixed
-#: floor: 4-6 ms on one node (33 ms), 8-15 ms across nodes (47 ms), measured on the same
-#: machine since its split skips the cross-node rule where no token crosses nodes (before:
-#: 12-18 ms, share 0.4); its per-layer part follows the experts rather than top-k
-#: (``planning.worth.LIGHT_LAYER_S`` and ``LIGHT_EXPERT_S``). 0 turns the light tier off.
-LIGHT_SHARE = 0.15
+#: floor: 4-6 ms on one node, 8-12 ms across nodes, measured on a machine that ran the full
+#: search in 0.62-0.77x of the floors above (24 ms one node, 36-55 ms across nodes), so
+#: 6-8 and 11-17 ms in the floors' time, against 33 and 47 ms (before the split skipped the
+#: cross-node rule where no token crosses nodes: 12-18 ms, share 0.4); its per-layer part
+#: follows the experts rather than top-k (``planning.worth.LIGHT_LAYER_S`` and
+#: ``LIGHT_EXPERT_S``). 0 turns the light tier off.
+LIGHT_SHARE = 0.25
 
 
 def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:

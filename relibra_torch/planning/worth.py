@@ -177,16 +177,18 @@ def _quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
 #: The light tier's host time (:mod:`~relibra_torch.planning.light` and its share's token
 #: splits, one thread, at 8 micro-batches) on a rank's share of ``k`` layers of ``E`` experts:
 #: ``light_share * floor + k * (LIGHT_LAYER_S + LIGHT_EXPERT_S * E)`` (one node; across nodes
-#: the ``_NODES`` pair and the across-nodes floor). Fitted on this project's 2-core machine to
-#: the 94 never-behind stand-ins with 256+ tokens per GPU (``benchmarks/never_behind.py``), shares
-#: of 1, 2 and 4 layers: one node 4-6 ms + 0.4-1.6 ms per layer (8 to 256 experts); across
-#: nodes 8-15 ms + 0.5-10 ms per layer. Its per-layer part follows the experts, not top-k.
-LIGHT_LAYER_S, LIGHT_EXPERT_S = 3.5e-4, 4.7e-6
-LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 1.5e-3, 3.7e-5
+#: the ``_NODES`` pair and the across-nodes floor), in the full search's floors' time (the
+#: machine they were fitted on). Measured on the 94 never-behind stand-ins with 256+ tokens
+#: per GPU (``benchmarks/never_behind.py``), shares of 1, 2 and 4 layers, on a machine that ran
+#: the full search in 0.62-0.77x of those floors (so times 1.4 here): one node 4-6 ms + 0.4-1.6
+#: ms per layer (8 to 256 experts), across nodes 8-12 ms + 0.5-10 ms per layer. Its per-layer
+#: part follows the experts, not top-k.
+LIGHT_LAYER_S, LIGHT_EXPERT_S = 4.9e-4, 6.6e-6
+LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 3.0e-4, 5.2e-5
 #: A light layer's schedules (``moe.schedule_batch.rank_schedules``) against ``plan_schedule_s``
-#: (fitted on the full search's plans): each copy holds its slot all step, one residency,
-#: so 0.3-0.7 ms per layer on the same stand-ins against 1.1 ms.
-LIGHT_SCHEDULE_SHARE = 0.4
+#: (fitted on the full search's plans): each copy holds its slot all step, one residency, so
+#: 0.3-0.7 ms per layer on the same stand-ins and machine, about half (x 1.4) of 1.1 ms.
+LIGHT_SCHEDULE_SHARE = 0.5
 
 
 def light_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
