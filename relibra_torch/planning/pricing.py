@@ -241,8 +241,8 @@ PLAN_SCHEDULE_S = 1.1e-3
 #: priced against it, with its share's token splits) as a share of the full search's fixed
 #: floor: 4-6 ms on one node, 8-12 ms across nodes, measured on a machine that ran the full
 #: search in 0.62-0.77x of the floors above (24 ms one node, 36-55 ms across nodes), so
-#: 6-8 and 11-17 ms in the floors' time, against 33 and 47 ms (before the split skipped the
-#: cross-node rule where no token crosses nodes: 12-18 ms, share 0.4); its per-layer part
+#: 6-8 and 11-17 ms in the floors' time, against 33 and 47 ms (it was 0.4 of the whole
+#: floor, per-layer part included, before the tier had a floor of its own); its per-layer part
 #: follows the experts rather than top-k (``planning.worth.LIGHT_LAYER_S`` and
 #: ``LIGHT_EXPERT_S``). 0 turns the light tier off.
 LIGHT_SHARE = 0.25
