@@ -369,6 +369,21 @@ def test_token_split_without_crossing_tokens_is_the_nodes_own_matching(problem):
             assert torch.equal(token_split(plan, loads), _node_matching_loop(plan, loads)), name
 
 
+def test_token_split_spreads_a_nodes_spare_quota_over_its_instances():
+    """Quotas above the node's demand (no token has to cross, but the instances can take more
+    than there is): each instance takes the node's tokens less its share of the spare quota, in
+    proportion to its quota (the rule's step 2), not the first instances filled to their quotas
+    in slot order. Two instances of expert 0, quotas 4 and 4, one source with 4 tokens: 2 and 2."""
+    topo = Topology(1, 2, 2, 1)
+    loads = torch.tensor([[[[4, 0], [0, 0]]]])                          # [1, 1, 2, 2]
+    plan = static_plan(loads, topo)
+    plan.slot_expert_MLGJ[0, 0, 1, 1] = 0
+    plan.slot_tokens_MLGJ[0, 0, 0, 0] = 4
+    plan.slot_tokens_MLGJ[0, 0, 1, 1] = 4
+    split = token_split(plan, loads)[0, 0]                              # [S, G, J]
+    assert split[0, 0, 0] == 2 and split[0, 1, 1] == 2 and int(split.sum()) == 4
+
+
 def test_token_split_matches_brute_force():
     topo = Topology(1, 2, 4, 1)
     loads = torch.tensor([[[[3, 0, 1, 2], [2, 5, 0, 0]]]])            # [1, 1, 2, 4]

@@ -229,17 +229,20 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
 @given(seed=st.integers(0, 10_000), g=st.sampled_from([1, 2, 4, 8]), El=st.sampled_from([1, 2, 4]),
        M=st.integers(1, 4), L=st.integers(1, 3), skew=st.sampled_from([1.0, 6.0]),
        dispatch=st.sampled_from(["flat", "hierarchical"]), top_k=st.sampled_from([0, 1, 2, 8]),
-       light=st.sampled_from([0.0, LIGHT_SHARE]), total=st.integers(1, 48))
+       light=st.sampled_from([0.0, LIGHT_SHARE, 1e-3]), total=st.integers(1, 48),
+       scale=st.sampled_from([1, 100, 1000]), floor=st.sampled_from([PLAN_FLOOR_S, 1.0, 10.0]))
 def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M, L, skew, dispatch, top_k,
-                                                                 light, total):
+                                                                 light, total, scale, floor):
     """On one node the guard may decide from a cheaper bound (two sums of the loads): it is
     at least the exact gain bound and window, per layer, and where it keeps every layer the
-    exact margin keeps them too (so the tiers are the same as from the exact margin alone)."""
+    exact margin keeps them too (so the tiers are the same as from the exact margin alone).
+    Loads scaled up to 1000x and floors up to 10 s put layers in either tier, and in neither."""
     from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _margin_L, _quick_bound_L, _tiers
 
     topo, loads_MLSE, placement_LE = _random_case(seed, 1, g, El, 2, M, L, skew)
+    loads_MLSE = loads_MLSE * scale
     config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=top_k, light_share=light,
-                                 plan_schedule_s=PLAN_SCHEDULE_S)
+                                 plan_schedule_s=PLAN_SCHEDULE_S, plan_floor_s=floor)
     quick_gain_L, quick_forward_L = _quick_bound_L(loads_MLSE, topo, placement_LE, config)
     gain_L, forward_L = gain_bound_L(loads_MLSE, topo, placement_LE, config)
     assert bool((quick_gain_L >= gain_L - 1e-15).all()) and bool((quick_forward_L >= forward_L - 1e-15).all())
@@ -248,8 +251,9 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     got = _tiers(loads_MLSE, topo, placement_LE, config, total)
     light_floor = got.light_floor
     share = -(-total // topo.num_gpus)
-    exact_L = gain_L + (forward_L - config.plan_schedule_s * M / 8) * (total / share)
-    exact_light_L = gain_L + (forward_L - LIGHT_SCHEDULE_SHARE * config.plan_schedule_s * M / 8) * (total / share)
+    k, sched = total / share, config.plan_schedule_s * M / 8
+    exact_L = gain_L + forward_L * k - sched * k                    # the guard's own order of operations
+    exact_light_L = gain_L + (forward_L * k - LIGHT_SCHEDULE_SHARE * (sched * k))
     assert (light_floor > 0) == (light > 0)
     assert torch.equal(margin_L < floor, exact_L < floor)
     if light > 0:   # the light tier decides the same from either bound
