@@ -215,7 +215,8 @@ class Tiers(NamedTuple):
     light_floor: float
 
     def full_L(self) -> torch.Tensor:
-        """bool ``[L]``: worth the full search, ``U_l + W_l >= F``."""
+        """bool ``[L]``: worth the full search, ``U_l + W_l >= F`` (``W_l``: the window less
+        the full search's schedules)."""
         return self.gain_L + self.window_L - self.schedules_s >= self.floor
 
     def light_window_L(self) -> torch.Tensor:
