@@ -6,7 +6,6 @@ Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots pe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from unittest import mock
@@ -146,45 +145,37 @@ def test_light_tier_decisions_do_not_depend_on_the_share():
     floor = float(m[2] + m[3]) / 2                                     # share 1: the floor is plan_floor_s
     share = float(m[0] + m[1]) / 2 / floor
     cfg = dataclasses.replace(probe, plan_floor_s=floor, light_share=share)
-    # no schedules and no per-layer light part: the light floor is light_share of the floor
-    stack = contextlib.ExitStack()
-    stack.enter_context(mock.patch.object(worth, "LIGHT_LAYER_S", 0.0))
-    stack.enter_context(mock.patch.object(worth, "LIGHT_EXPERT_S", 0.0))
     tiers = [2 if x >= floor else 1 if x >= share * floor else 0 for x in margin_L.tolist()]
     assert sorted(tiers) == [0, 1, 1, 2]
     alone = _exact_margin_L(loads[:, :1], topo, prev[:1], probe, None)[0]     # without the step's count
     assert float(alone[0]) < float(margin_L[0])
     planner = ReLibraPlanner(topo, cfg)
     searched = []
-    with stack:
-        _plan_and_check(planner, loads, topo, prev, cfg, tiers, searched)
-
-
-def _plan_and_check(planner, loads, topo, prev, cfg, tiers, searched):
-    L = loads.shape[1]
-    search = relibra_module._search
-    with mock.patch.object(relibra_module, "_search", lambda loads_MLSE, *a, **k: searched.append(
-            loads_MLSE.shape[1]) or search(loads_MLSE, *a, **k)):
-        whole = planner.plan(loads)
-    assert searched == [tiers.count(2)]                               # the full search ran on its tier
-    El = topo.experts_per_gpu
-    for l, tier in enumerate(tiers):
-        copies = bool((whole.slot_expert_MLGJ[:, l, :, El:] >= 0).any())
-        assert copies or tier == 0, (l, tier)
-        if tier == 0:
-            assert torch.equal(whole.slot_expert_MLGJ[:, l], keep_plan(loads, topo, prev, cfg).slot_expert_MLGJ[:, l])
-    for r in range(topo.num_gpus):
-        layers = layer_share(r, topo.num_gpus, L)
-        part = planner.plan_layers(loads, layers)
-        assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, layers])
-        assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
-        assert torch.equal(part.placement_LE, whole.placement_LE[layers])
+    # no schedules and no per-layer light part: the light floor is light_share of the floor
+    with mock.patch.object(worth, "LIGHT_LAYER_S", 0.0), mock.patch.object(worth, "LIGHT_EXPERT_S", 0.0):
+        search = relibra_module._search
+        with mock.patch.object(relibra_module, "_search", lambda loads_MLSE, *a, **k: searched.append(
+                loads_MLSE.shape[1]) or search(loads_MLSE, *a, **k)):
+            whole = planner.plan(loads)
+        assert searched == [tiers.count(2)]                               # the full search ran on its tier
+        El = topo.experts_per_gpu
+        for l, tier in enumerate(tiers):
+            copies = bool((whole.slot_expert_MLGJ[:, l, :, El:] >= 0).any())
+            assert copies or tier == 0, (l, tier)
+            if tier == 0:
+                assert torch.equal(whole.slot_expert_MLGJ[:, l], keep_plan(loads, topo, prev, cfg).slot_expert_MLGJ[:, l])
+        for r in range(topo.num_gpus):
+            layers = layer_share(r, topo.num_gpus, L)
+            part = planner.plan_layers(loads, layers)
+            assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, layers])
+            assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
+            assert torch.equal(part.placement_LE, whole.placement_LE[layers])
 
 
 def test_a_light_plan_is_kept_only_where_its_exact_saving_repays_its_host_time():
     """``light_plan``'s ``min_saving_L``: the guard admits a layer to the light tier on the
     gain bound, and keeps the step-long set only where the exact saving (keeping's price less
-    the set's) exceeds the host time the window leaves it to repay; a layer whose saving falls
+    the set's) exceeds the charge its schedules add; a layer whose saving falls
     short keeps its plan, the others are unchanged."""
     topo = Topology(1, 8, 8, 2)
     loads = torch.cat([_collapsed(topo, 8, 1, s, 0.95, tokens=500 * (s + 1)) for s in range(3)], 1)

@@ -41,7 +41,7 @@ __all__ = ["light_plan"]
 def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config, min_saving_L: torch.Tensor | None = None) -> StepPlan:
     """``kept`` (the kept plan of these layers, :func:`~relibra_torch.planning.fastpath.keep_plan`)
     with, in each layer where it prices lower by more than ``min_saving_L`` (float64 ``[L]``
-    seconds, the host time the window leaves it to repay; default 0), the step-long set on
+    seconds, the charge its schedules add, ``worth.Tiers.light_saving_L``; default 0), the step-long set on
     the same placement (module docstring). ``loads_MLSE``: int ``[M, L, S, E]``; ``config``:
     a ``ReLibraConfig``."""
     topology, L = kept.topology, loads_MLSE.shape[1]

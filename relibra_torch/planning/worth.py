@@ -214,10 +214,13 @@ class Tiers(NamedTuple):
     floor: float
     light_floor: float
 
+    def margin_L(self) -> torch.Tensor:
+        """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
+        return self.gain_L + self.window_L - self.schedules_s
+
     def full_L(self) -> torch.Tensor:
-        """bool ``[L]``: worth the full search, ``U_l + W_l >= F`` (``W_l``: the window less
-        the full search's schedules)."""
-        return self.gain_L + self.window_L - self.schedules_s >= self.floor
+        """bool ``[L]``: worth the full search, ``U_l + W_l >= F``."""
+        return self.margin_L() >= self.floor
 
     def light_window_L(self) -> torch.Tensor:
         """``W'_l``: the window less the light plan's schedules."""
@@ -260,7 +263,7 @@ def _margin_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
               total_layers: int | None) -> tuple[torch.Tensor, float]:
     """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` of the full search (:func:`_tiers`)."""
     t = _tiers(loads_MLSE, topology, placement_LE, config, total_layers)
-    return t.gain_L + t.window_L - t.schedules_s, t.floor
+    return t.margin_L(), t.floor
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
@@ -271,8 +274,7 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
     L = loads_MLSE.shape[1]
     if plan_floor_s(topology, config) <= 0 or L == 0:
         return torch.ones(L, dtype=torch.bool)
-    margin_L, floor = _margin_L(loads_MLSE, topology, placement_LE, config, total_layers)
-    return margin_L >= floor
+    return _tiers(loads_MLSE, topology, placement_LE, config, total_layers).full_L()
 
 
 def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
