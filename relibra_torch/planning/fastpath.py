@@ -48,6 +48,7 @@ import torch
 from .balance import replicate_node_rows, step_price_L
 from .choose import native_slots
 from .plan import StepPlan
+from .reorder_greedy import move_price_s
 from .reorder_traffic import replica_min_tokens
 from .fastpath_sets import c_loses, d_loses, search_natives as _search_natives
 from .topology import Topology
@@ -248,7 +249,7 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs: list, g: 
     if coloc_w:
         return False
     config = configs[0]
-    two_moves = 2.0 * config.migration_s_per_expert
+    two_moves = 2.0 * move_price_s(config, g)
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
     nl_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, load_MLE)
     total_ML = load_MLE.sum(-1)
@@ -300,7 +301,7 @@ def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, s
     per_node = E // N
     node_w = (config.compute_s_per_token + config.cross_node_s_per_token) / g
     cross_w = config.cross_node_s_per_token / g
-    mig = config.migration_s_per_expert
+    mig = move_price_s(config, g)
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
     biggest_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_reduce_(2, node_MLE, load_MLE, "amax")
     ceil_ML = (load_MLE.sum(-1) + N - 1) // N

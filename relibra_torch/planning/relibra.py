@@ -5,7 +5,8 @@ node. It minimises, summed over the step's micro-batches,
 
     node_weight * max_n node_load[m, n]  +  cross_weight * cross_node_tokens[m]
 
-plus ``migration_weight`` per expert that changes node, so it moves only what pays. The busiest node sets
+plus ``migration_s_per_expert / g`` per expert that changes node (``reorder_greedy.move_price_s``:
+a node's moves run over its ``g`` GPUs' links side by side), so it moves only what pays. The busiest node sets
 the time because replication inside the node spreads its load over its ``g`` GPUs. Search:
 two starts (the previous placement, and a greedy assignment of experts in decreasing load
 to the node with the smallest objective increase), the better one refined by steepest-

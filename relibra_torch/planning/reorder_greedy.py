@@ -10,7 +10,22 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["greedy_nodes", "objective"]
+__all__ = ["greedy_nodes", "move_price_s", "objective"]
+
+
+def move_price_s(cfg, g: int) -> float:
+    """What one expert that changes node adds to the step's migration, as both reordering
+    searches (and the fast path's proof that they keep the placement) price it:
+    ``migration_s_per_expert / g``. The cost model moves all layers at once and charges the
+    busiest GPU's sent or received bytes (``sim.cost.CostModel.migration``), so moves run
+    side by side over every GPU's links: ``k`` swaps between two nodes spread over their
+    GPUs cost ``ceil(k / g)`` transfers, priced here at ``2 k / g``: exact for a lone swap
+    between 2-GPU nodes, twice the cost model's where many moves spread (the price stays on
+    the side of keeping), a quarter of it for a lone swap between 8-GPU nodes. A transfer
+    per expert (the price before) kept placements that a swap makes faster, and on the
+    default trace priced the 151 experts reordering moved per step at 20x the 10 ms the
+    cost model charges for them (docs/results.md, "Moves priced as they run")."""
+    return cfg.migration_s_per_expert / g
 
 
 def objective(max_sum, cross, moved, cfg, g: int):
@@ -19,7 +34,7 @@ def objective(max_sum, cross, moved, cfg, g: int):
     busiest-node load, cross-node tokens, experts moved (the same products in the same
     order for both, so the greedy start and the searches rank alike)."""
     node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
-    return max_sum * node_w + cross * cfg.cross_node_s_per_token / g + moved * cfg.migration_s_per_expert
+    return max_sum * node_w + cross * cfg.cross_node_s_per_token / g + moved * move_price_s(cfg, g)
 
 
 def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: torch.Tensor,

@@ -7,7 +7,7 @@ micro-batches,
 
     t_compute / g * max_n node_load[m, n]  +  t_cross / g * max_n max(send[m, n], recv[m, n])
 
-plus ``migration_s_per_expert`` per expert that changes node, where ``send`` and ``recv`` are
+plus ``move_price_s`` per expert that changes node (``reorder_greedy``), where ``send`` and ``recv`` are
 each node's cross-node tokens *left after its traffic replicas*: the planner copies each
 node's most-requested remote experts onto it (:mod:`relibra_torch.planning.traffic`), so
 those tokens never cross and an objective that counted them would push experts toward
@@ -40,6 +40,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .reorder_greedy import move_price_s
 
 __all__ = ["SwapPairs", "swap_pairs", "swap_candidates", "max_without_pair", "coactivation_gain",
            "colocated_pairs", "replica_min_tokens", "traffic_objective", "traffic_swap_search"]
@@ -168,7 +170,7 @@ def traffic_objective(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: t
     nl, send, recv, _ = _residual(node_LE, load_LME, own_LMNE, replicated)
     obj = (config.compute_s_per_token / g * nl.max(-1).values.sum(1).to(torch.float64)
            + config.cross_node_s_per_token / g * torch.maximum(send, recv).max(-1).values.sum(1).to(torch.float64)
-           + config.migration_s_per_expert * (node_LE != prev_node_LE).sum(1).to(torch.float64))
+           + move_price_s(config, g) * (node_LE != prev_node_LE).sum(1).to(torch.float64))
     if coloc_w:
         obj = obj - coloc_w * colocated_pairs(pairs_LEE, node_LE, N).to(torch.float64)
     return obj
@@ -272,7 +274,7 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
                     + (nb != pa).to(torch.int64) - (na != pa).to(torch.int64)
                     + (na != pb).to(torch.int64) - (nb != pb).to(torch.int64))
         obj_LW = (tc * nl_max.reshape(L, -1).to(torch.float64) + tx * tr_max.reshape(L, -1).to(torch.float64)
-                  + config.migration_s_per_expert * moved_LW.to(torch.float64))
+                  + move_price_s(config, g) * moved_LW.to(torch.float64))
         if coloc_w:
             gain_LW = colocated_pairs(pairs_LEE, node_LE, N).unsqueeze(1) + coactivation_gain(
                 pairs_LEE, node_LE, a_LW, b_LW, pairs, N)

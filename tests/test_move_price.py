@@ -1,0 +1,68 @@
+"""Reordering prices a move at ``migration_s_per_expert / g`` (``planning.reorder_greedy.move_price_s``):
+the cost model moves all experts at once over every GPU's links, so a lone swap between two
+nodes of 2 GPUs costs one transfer, which the price before (a transfer per expert) counted twice
+and so kept placements that a swap would have made faster."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from relibra_torch.planning import StepPlan, Topology, evaluate, native_plan
+from relibra_torch.planning.reorder_greedy import move_price_s
+from relibra_torch.sim import CostModel, CostOptions, get_hardware
+from relibra_torch.sim.presets import ModelSpec
+from relibra_torch.sim.simulator import default_planner_factory
+
+MODEL = ModelSpec("tiny-moe", num_layers=1, num_moe_layers=1, hidden_size=1024, moe_ffn=256,
+                  num_experts=4, top_k=2, num_heads=8, num_kv_heads=2, head_dim=64, vocab_size=1000)
+# one micro-batch, one layer, 4 source ranks x 4 experts (8,192 tokens per rank, top-2): each
+# rank prefers other experts, so where an expert sits sets the busiest rank's cross-node sends
+LOADS_MLSE = torch.tensor([[[[7893, 8164, 123, 204], [7467, 727, 340, 7850],
+                             [3116, 2924, 2978, 7366], [8116, 7177, 566, 525]]]])
+TOKENS_MS = torch.full((1, 4), 8192)
+
+
+def _cost() -> CostModel:
+    return CostModel(MODEL, get_hardware("h200"), CostOptions(dispatch="flat"))
+
+
+def _relibra(topo: Topology, cost: CostModel, **overrides):
+    planner = default_planner_factory("relibra", topo, cost)
+    planner.config = dataclasses.replace(planner.config, plan_floor_s=0.0, plan_floor_nodes_s=0.0, **overrides)
+    return planner
+
+
+def _step_s(plan: StepPlan, cost: CostModel) -> float:
+    return cost.step_cost(plan, evaluate(plan, LOADS_MLSE), TOKENS_MS, TOKENS_MS.double()).step_s
+
+
+def test_a_lone_swap_on_two_gpu_nodes_costs_what_reordering_prices():
+    topo, cost = Topology(2, 2, 4, 0), _cost()
+    config = _relibra(topo, cost).config
+    swapped = native_plan(LOADS_MLSE, topo, torch.tensor([[0, 2, 1, 3]]), "swap", topo.static_placement(1))
+    seconds, moved, _ = cost.migration(swapped)
+    assert moved == 2
+    assert seconds == pytest.approx(2 * move_price_s(config, topo.gpus_per_node), rel=1e-12)
+    assert seconds == pytest.approx(config.migration_s_per_expert, rel=1e-12)   # one transfer, not two
+
+
+def test_reordering_takes_the_swap_that_pays_one_transfer():
+    """relibra's plan is the cheapest of all 24 placements here (the optimum: ``R = 0``, one
+    expert per GPU); priced at a transfer per expert it kept static placement, 1.16x that."""
+    topo, cost = Topology(2, 2, 4, 0), _cost()
+    best_s = min(_step_s(native_plan(LOADS_MLSE, topo, torch.tensor([list(p)]), "enumerated",
+                                     topo.static_placement(1)), cost)
+                 for p in itertools.permutations(range(4)))
+    mine = _relibra(topo, cost).plan(LOADS_MLSE)
+    assert _step_s(mine, cost) == pytest.approx(best_s, rel=1e-9)
+    assert not torch.equal(mine.placement_LE, topo.static_placement(1))
+    # the old price (a whole transfer per moved expert = g times this one) keeps static placement
+    old = _relibra(topo, cost)
+    old.config = dataclasses.replace(old.config, migration_s_per_expert=old.config.migration_s_per_expert * 2)
+    kept = old.plan(LOADS_MLSE)
+    assert torch.equal(kept.placement_LE, topo.static_placement(1))
+    assert _step_s(kept, cost) > 1.1 * best_s
