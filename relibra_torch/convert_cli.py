@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-config", metavar="CONFIG.json",
                         help="the model's Hugging Face config.json: expert count, top-k, which layers are MoE, name")
     parser.add_argument("--num-experts", type=int, help="routed experts E (default: from --model-config)")
-    parser.add_argument("--top-k", type=int, help="experts per token (SGLang's flat buffer; default: from --model-config)")
+    parser.add_argument("--top-k", type=int, help="experts per token: splits SGLang's flat buffer, and a record "
+                                                  "holding another top-k is refused (default: from --model-config)")
     parser.add_argument("--moe-layers", metavar="SPEC",
                         help="layers to keep, as indices of the layer dim the engine sends, e.g. 3-60 or "
                              "0-11 (default: the MoE layers of --model-config)")
@@ -147,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{where}: a sample with no real token (all rows are pads)")
         if 0 in s.ids.shape[1:]:
             raise ValueError(f"{where} has [layers, top_k] = {list(s.ids.shape[1:])}; allowed: >= 1 each")
+        if args.top_k is not None and s.ids.shape[2] != args.top_k:
+            raise ValueError(f"{where} holds top-k {s.ids.shape[2]} but --top-k is {args.top_k}; pass the top-k of "
+                             f"the model that served IN, or leave --top-k out (nested lists carry their top-k)")
         if hf is not None and args.moe_layers is None and s.ids.shape[2] != hf.spec.top_k:
             raise ValueError(f"{where} holds top-k {s.ids.shape[2]} but --model-config has top_k "
                              f"{hf.spec.top_k}; pass the config of the model that served IN")

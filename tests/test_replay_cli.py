@@ -132,6 +132,9 @@ def test_inspect_errors(tmp_path, capsys, cli_main):
     text = tmp_path / "notes.txt"
     text.write_text("just some text, not a safetensors file\n")
     _assert_one_line_error(capsys, cli_main(["inspect", str(text)]), "header length", "not a safetensors file")
+    text.write_bytes(b'{"a": 1}')  # 8 bytes: no room for a header after its length
+    _assert_one_line_error(capsys, cli_main(["inspect", str(text)]), "8 bytes is too short for a safetensors file",
+                           "at least 10 bytes")
 
     other = tmp_path / "other.safetensors"
     write_raw(other, {"w": torch.zeros(2)}, {"format": "pt"})

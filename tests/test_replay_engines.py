@@ -208,6 +208,97 @@ def test_record_steps_become_sample_steps_and_give_simulate_a_warmup_step(known,
     assert rc == 2 and "record 1 has step = -1" in err
 
 
+def verl_batch(ids, offsets):
+    """A right-padded verl batch [B, P, L, K] (pads hold expert 0) and its 0/1 mask [B, P] as lists."""
+    P = max(LENGTHS) + 2
+    batch = torch.zeros(len(LENGTHS), P, L, K, dtype=torch.int64)
+    mask = torch.zeros(len(LENGTHS), P, dtype=torch.int64)
+    for b, s in enumerate(samples(ids, offsets)):
+        batch[b, :len(s)] = s
+        mask[b, :len(s)] = 1
+    return batch.tolist(), mask.tolist()
+
+
+@pytest.mark.parametrize("value,needle", [
+    (1.5, "] = 1.5 is not a whole number; allowed: a rectangular array of integer expert ids"),
+    (True, "] = true is a boolean; allowed: a rectangular array of integer expert ids"),
+])
+@pytest.mark.parametrize("layout", ["batch", "row"])
+def test_verl_fractional_or_boolean_id_is_refused_not_truncated(known, tmp_path, capsys, value, needle, layout):
+    cfg, ids, offsets = known
+    batch, mask = verl_batch(ids, offsets)
+    batch[0][0][0][0] = value  # was read as int(value): 1.5 -> 1, true -> 1
+    record = ({"routed_experts": batch, "attention_mask": mask} if layout == "batch"
+              else {"routed_experts": batch[0], "attention_mask": mask[0]})
+    rc, err, _ = convert(capsys, tmp_path, "verl", [record], "--num-experts", str(E))
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    index = "0, 0, 0, 0" if layout == "batch" else "0, 0, 0"
+    assert f"record 0: routed_experts[{index}{needle}" in err, err
+
+
+def test_verl_whole_number_floats_are_read_as_ints(known, tmp_path, capsys):
+    cfg, ids, offsets = known
+    batch, mask = verl_batch(ids, offsets)
+    batch = [[[[float(x) for x in k] for k in pos] for pos in row] for row in batch]  # a float array's tolist()
+    rc, err, out = convert(capsys, tmp_path, "verl", [{"routed_experts": batch, "attention_mask": mask}],
+                           "--num-experts", str(E))
+    assert rc == 0, err
+    assert_same(out, ids, offsets)
+
+
+@pytest.mark.parametrize("lengths,needle", [
+    ([LENGTHS[0], 100, *LENGTHS[2:]], f"record 0: lengths[1] = 100 > {max(LENGTHS) + 2} positions of its row; "
+                                      f"allowed: {len(LENGTHS)} ints in [1, {max(LENGTHS) + 2}]"),
+    ([LENGTHS[0], 0, *LENGTHS[2:]], f"record 0: lengths[1] = 0; allowed: {len(LENGTHS)} ints in [1, "),
+    ([LENGTHS[0], 2.5, *LENGTHS[2:]], "record 0: lengths[1] = 2.5 is not a whole number; allowed: "),
+])
+def test_verl_lengths_past_the_row_are_refused_not_cut(known, tmp_path, capsys, lengths, needle):
+    cfg, ids, offsets = known
+    batch, _ = verl_batch(ids, offsets)
+    rc, err, _ = convert(capsys, tmp_path, "verl", [{"routed_experts": batch, "lengths": lengths}],
+                         "--num-experts", str(E))
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert needle in err, err
+
+
+def test_verl_mask_errors_name_the_value_or_the_ragged_row(known, tmp_path, capsys):
+    cfg, ids, offsets = known
+    batch, mask = verl_batch(ids, offsets)
+    mask[0][3] = 2
+    rc, err, _ = convert(capsys, tmp_path, "verl", [{"routed_experts": batch, "attention_mask": mask}],
+                         "--num-experts", str(E))
+    assert rc == 2 and "record 0: attention_mask[0, 3] = 2; allowed: 0 or 1" in err, err
+    assert "shape" not in err, err
+    mask[0][3] = 1
+    full_row, mask[1] = mask[1], mask[1][:-1]
+    rc, err, _ = convert(capsys, tmp_path, "verl", [{"routed_experts": batch, "attention_mask": mask}],
+                         "--num-experts", str(E))
+    P = max(LENGTHS) + 2
+    assert rc == 2 and (f"record 0: attention_mask has rows of different lengths: attention_mask[1] has {P - 1} "
+                        f"entries but attention_mask[0] has {P}; allowed: 0 or 1 in [B, P] = [{len(LENGTHS)}, {P}]"
+                        in err), err
+    mask[1] = full_row
+    rc, err, _ = convert(capsys, tmp_path, "verl", [{"routed_experts": batch, "attention_mask": mask[:-1]}],
+                         "--num-experts", str(E))
+    assert rc == 2 and f"record 0: attention_mask has shape [{len(LENGTHS) - 1}, {P}]; allowed: [B, P] = " in err
+    # a per-row record's mask (any engine): the value, not the shape
+    rc, err, _ = convert(capsys, tmp_path, "slime", [{"routed_experts": ids[:3].tolist(), "attention_mask": [1, 2, 1]}],
+                         "--num-experts", str(E))
+    assert rc == 2 and "record 0: attention_mask[1] = 2; allowed: 0 or 1" in err, err
+
+
+def test_top_k_flag_that_disagrees_with_the_file_is_refused(known, tmp_path, capsys):
+    cfg, ids, offsets = known
+    batch, mask = verl_batch(ids, offsets)
+    record = {"routed_experts": batch, "attention_mask": mask}
+    rc, err, _ = convert(capsys, tmp_path, "verl", [record], "--num-experts", str(E), "--top-k", str(K - 1))
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"record 0: routed_experts[0] holds top-k {K} but --top-k is {K - 1}" in err, err
+    rc, err, out = convert(capsys, tmp_path, "verl", [record], "--num-experts", str(E), "--top-k", str(K))
+    assert rc == 0, err
+    assert_same(out, ids, offsets)
+
+
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 

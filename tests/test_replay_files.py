@@ -204,6 +204,8 @@ def _good_bytes(tmp_path) -> bytes:
     [
         (lambda b: b[:5], r"5 bytes is too short for a safetensors file"),
         (lambda b: b"", r"0 bytes is too short"),
+        (lambda b: b'{"a": 1}', r"8 bytes is too short for a safetensors file; allowed: at least 10 bytes"),
+        (lambda b: b[:9], r"9 bytes is too short for a safetensors file"),
         (lambda b: b[:-1], r"tensors cover \d+ data bytes but the file has \d+; truncated or extended file"),
         (lambda b: b + b"\0" * 8, r"tensors cover \d+ data bytes but the file has \d+"),
         (lambda b: b[: len(b) // 2], r"header length \d+ is impossible|truncated"),
@@ -213,7 +215,7 @@ def _good_bytes(tmp_path) -> bytes:
         (lambda b: b[:8] + b"{\xff" + b[10:], r"header is not UTF-8"),
         (lambda b: b[:8] + b"{{" + b[10:], r"header is not valid JSON"),
     ],
-    ids=["5 bytes", "empty", "cut 1 byte", "8 extra bytes", "half", "text", "huge header length", "json array", "not utf8", "bad json"],
+    ids=["5 bytes", "empty", "8-byte json", "9 bytes", "cut 1 byte", "8 extra bytes", "half", "text", "huge header length", "json array", "not utf8", "bad json"],
 )
 def test_truncated_or_not_safetensors(tmp_path, edit, match):
     path = tmp_path / "bad.safetensors"

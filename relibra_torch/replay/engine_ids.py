@@ -15,13 +15,15 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["LayerIndices", "Piece", "check_pieces", "decode_ids", "from_per_layer", "parse_layer_spec",
+__all__ = ["LayerIndices", "Piece", "check_pieces", "decode_ids", "from_per_layer", "json_ints", "parse_layer_spec",
            "select_layers", "select_moe_layers"]
 
 _NPY_MAGIC = b"\x93NUMPY"
@@ -96,6 +98,87 @@ def check_pieces(pieces: Sequence[Piece], num_experts: int) -> None:
                              f"with --moe-layers or --model-config)")
 
 
+def _holds_bool(value) -> bool:
+    """Whether a nested list holds a JSON boolean (numpy and torch read ``true`` as 1)."""
+    if not isinstance(value, list):
+        return isinstance(value, bool)
+    if value and isinstance(value[0], list):
+        return any(_holds_bool(v) for v in value)
+    return bool in set(map(type, value))
+
+
+def _not_int(v) -> str | None:
+    """Why one JSON scalar is not an integer id, or None when it is one."""
+    if isinstance(v, bool):
+        return f"= {json.dumps(v)} is a boolean"
+    if isinstance(v, int):
+        return None if -2**63 <= v < 2**63 else f"is an integer of {v.bit_length()} bits (too large)"
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            return f"= {json.dumps(v)} is not a finite number"
+        if not v.is_integer():
+            return f"= {v!r} is not a whole number"
+        return None if abs(v) < 2**63 else f"= {v!r} is too large"
+    text = json.dumps(v, default=str)
+    return f"= {text if len(text) <= 40 else text[:37] + '...'} is not a number"
+
+
+def _why_not_ints(value, name: str) -> str:
+    """The first entry of a nested list that keeps it from being an integer array, in words."""
+    def at(idx):
+        return f"{name}[{', '.join(map(str, idx))}]" if idx else name
+
+    def walk(v, idx):
+        if not isinstance(v, list):
+            why = _not_int(v)
+            return None if why is None else f"{at(idx)} {why}"
+        nested = [isinstance(c, list) for c in v]
+        if any(nested) and not all(nested):
+            j = nested.index(not nested[0])
+            return (f"{at(idx)} mixes lists and numbers: {at(idx + (0,))} is "
+                    f"{'a list' if nested[0] else 'a number'}, {at(idx + (j,))} is not")
+        if v and nested[0]:
+            for j, c in enumerate(v):
+                if len(c) != len(v[0]):
+                    return (f"{name} has rows of different lengths: {at(idx + (j,))} has {len(c)} entries but "
+                            f"{at(idx + (0,))} has {len(v[0])}")
+        for j, c in enumerate(v):
+            why = walk(c, idx + (j,))
+            if why is not None:
+                return why
+        return None
+
+    return walk(value, ()) or f"{name} is not a rectangular array (its rows nest to different depths)"
+
+
+def json_ints(value, what: str, allowed: str = "integer expert ids") -> torch.Tensor:
+    """An int64 tensor of a JSON number or nested list of integers.
+
+    Whole-number floats (``3.0``) are read as integers; a fraction (``1.5``), a boolean,
+    NaN/Infinity, a non-number or a ragged array is refused with one line naming the first
+    bad entry, e.g. ``record 0: routed_experts[0, 0, 0, 0] = 1.5 is not a whole number;
+    allowed: integer expert ids``. ``what`` is ``"record i: field"``; ``allowed`` ends the
+    message.
+    """
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError, RecursionError):
+        arr = None
+    if arr is not None and arr.dtype.kind in "iuf":
+        if arr.dtype.kind == "f":
+            ok = bool(np.all(np.isfinite(arr) & (arr == np.round(arr)) & (np.abs(arr) < 2.0**63)))
+        else:
+            ok = arr.dtype.kind == "i" or arr.size == 0 or int(arr.max()) < 2**63
+        if ok and not _holds_bool(value):
+            return torch.from_numpy(np.ascontiguousarray(arr).astype(np.int64, copy=False))
+    prefix, sep, name = what.rpartition(": ")
+    try:
+        why = _why_not_ints(value, name)
+    except RecursionError:
+        why = f"{name} is nested too deeply"
+    raise ValueError(f"{prefix}{sep}{why}; allowed: {allowed}")
+
+
 def _b64(text: str, what: str) -> bytes:
     try:
         return base64.b64decode(text, validate=True)
@@ -138,7 +221,11 @@ def _flat(raw: bytes, what: str, flat_shape, rows) -> torch.Tensor:
     return _as_tensor(flat.reshape(-1, H, K), what)
 
 
-def _decode(value, what: str, flat_shape, rows) -> torch.Tensor:
+LIST_IDS_ALLOWED = ("a rectangular array of integer expert ids (for layers with different token counts send "
+                 "routed_experts_by_layer)")
+
+
+def _decode(value, what: str, flat_shape, rows, allowed: str = LIST_IDS_ALLOWED) -> torch.Tensor:
     if isinstance(value, dict):
         if value.get("encoding") != "base64" or str(value.get("dtype")) not in _INT_DTYPES:
             raise ValueError(f"{what} is an object with encoding {value.get('encoding')!r}, dtype "
@@ -161,11 +248,9 @@ def _decode(value, what: str, flat_shape, rows) -> torch.Tensor:
             except (ValueError, EOFError, OSError) as exc:
                 raise ValueError(f"{what} is a damaged .npy buffer ({' '.join(str(exc).split())})") from None
         return _flat(raw, what, flat_shape, rows)
-    try:
-        return torch.as_tensor(value, dtype=torch.int64)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        raise ValueError(f"{what} is not a rectangular array of ints (ragged, or not numbers); "
-                         f"for layers with different token counts send routed_experts_by_layer") from None
+    if isinstance(value, torch.Tensor):  # already read (verl_samples)
+        return value
+    return json_ints(value, what, allowed)
 
 
 def decode_ids(value, what: str, *, flat_shape: tuple[int | None, int | None] | None = None,
@@ -261,7 +346,8 @@ def from_per_layer(ids_per_layer: Sequence, moe_map: Sequence[bool] | None, what
     """
     if not isinstance(ids_per_layer, (list, tuple)) or not ids_per_layer:
         raise ValueError(f"{what} is not a non-empty list of [tokens, top_k] arrays (one per layer)")
-    layers = [_decode(layer, f"{what}[{i}]", None, None) for i, layer in enumerate(ids_per_layer)]
+    layers = [_decode(layer, f"{what}[{i}]", None, None, "integer expert ids")
+              for i, layer in enumerate(ids_per_layer)]
     for i, t in enumerate(layers):
         if t.dim() != 2:
             raise ValueError(f"{what}[{i}] has shape {tuple(t.shape)}; allowed: [tokens, top_k]")

@@ -48,8 +48,8 @@ from typing import Sequence
 
 import torch
 
-from .engine_ids import (LayerIndices, Piece, check_pieces, decode_ids, from_per_layer, parse_layer_spec,
-                         select_layers, select_moe_layers)
+from .engine_ids import (LIST_IDS_ALLOWED, LayerIndices, Piece, check_pieces, decode_ids, from_per_layer,
+                         json_ints, parse_layer_spec, select_layers, select_moe_layers)
 
 __all__ = ["ENGINES", "EngineSample", "LayerIndices", "Piece", "check_pieces", "decode_ids", "from_per_layer",
            "parse_layer_spec", "select_moe_layers", "sglang_samples", "slime_samples", "vllm_samples",
@@ -92,25 +92,24 @@ def _int(d, key: str) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def _ints(value, what: str) -> torch.Tensor:
-    """An integer tensor from JSON, or ValueError naming ``what``."""
-    try:
-        t = torch.as_tensor(value)
-    except (TypeError, ValueError, RuntimeError, OverflowError):
-        t = None
-    if t is None or t.dtype.is_floating_point or t.dtype == torch.bool or t.is_complex():
-        raise ValueError(f"{what} is not an array of ints")
-    return t
+def _mask(value, what: str, shape: tuple[int, ...], allowed: str) -> torch.Tensor:
+    """A 0/1 ``attention_mask`` of ``shape`` from JSON; the error names the bad entry or the shape."""
+    mask = json_ints(value, f"{what}: attention_mask", f"0 or 1 in {allowed}")
+    if tuple(mask.shape) != shape:
+        raise ValueError(f"{what}: attention_mask has shape {list(mask.shape)}; allowed: {allowed} of 0 or 1")
+    bad = (mask != 0) & (mask != 1)
+    if bool(bad.any()):
+        idx = ", ".join(str(int(i)) for i in bad.nonzero()[0])
+        raise ValueError(f"{what}: attention_mask[{idx}] = {int(mask[tuple(bad.nonzero()[0])])}; allowed: 0 or 1 "
+                         f"(1 = real token, 0 = pad)")
+    return mask.bool()
 
 
 def _kept_rows(n: int, record: dict, what: str) -> torch.Tensor:
     """The rows of ``n`` that are real tokens (``attention_mask`` 1, or before ``length``)."""
     keep = torch.arange(n)
     if record.get("attention_mask") is not None:
-        mask = _ints(record["attention_mask"], f"{what}: attention_mask")
-        if mask.dim() != 1 or mask.numel() != n or bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError(f"{what}: attention_mask must be 0/1 per row ({n} rows), got shape {tuple(mask.shape)}")
-        keep = keep[mask.bool()]
+        keep = keep[_mask(record["attention_mask"], what, (n,), f"[{n}] (one per row)")]
     if record.get("length") is not None:
         m = record["length"]
         if isinstance(m, bool) or not isinstance(m, int) or not 0 < m <= keep.numel():
@@ -278,34 +277,33 @@ def verl_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_k
     for i, rec in enumerate(records):
         what = f"record {i}"
         raw = rec.get("routed_experts")
-        arr = None
-        if raw is not None and not isinstance(raw, str):
-            try:
-                arr = torch.as_tensor(raw, dtype=torch.int64)
-            except (TypeError, ValueError, RuntimeError, OverflowError):
-                arr = None  # decode_ids below says what is wrong
+        arr = json_ints(raw, f"{what}: routed_experts", LIST_IDS_ALLOWED) if isinstance(raw, list) else None
         if arr is not None and arr.dim() == 4:
             B, P = arr.shape[:2]
             if rec.get("attention_mask") is not None:
-                mask = _ints(rec["attention_mask"], f"{what}: attention_mask")
+                mask = _mask(rec["attention_mask"], what, (B, P), f"[B, P] = [{B}, {P}] (routed_experts' batch)")
             elif rec.get("lengths") is not None:
-                lengths = _ints(rec["lengths"], f"{what}: lengths")
+                allowed = f"{B} ints in [1, {P}] (one per batch row, routed_experts' [B, P] = [{B}, {P}])"
+                lengths = json_ints(rec["lengths"], f"{what}: lengths", allowed)
                 if lengths.dim() != 1 or lengths.numel() != B:
-                    raise ValueError(f"{what}: lengths must be {B} ints (one per batch row), got shape "
-                                     f"{tuple(lengths.shape)}")
+                    raise ValueError(f"{what}: lengths has shape {list(lengths.shape)}; allowed: {allowed}")
+                for b, m in enumerate(lengths.tolist()):
+                    if m > P:
+                        raise ValueError(f"{what}: lengths[{b}] = {m} > {P} positions of its row; allowed: {allowed}")
+                    if m < 1:
+                        raise ValueError(f"{what}: lengths[{b}] = {m}; allowed: {allowed}")
                 mask = torch.arange(P)[None, :] < lengths[:, None]
             else:
                 raise ValueError(f"{what}: a padded batch needs attention_mask [B, P] or lengths [B] "
                                  f"(no pad row may count as expert 0)")
-            if tuple(mask.shape) != (B, P) or bool(((mask != 0) & (mask != 1)).any()):
-                raise ValueError(f"{what}: attention_mask must be 0/1 of shape [{B}, {P}], got {tuple(mask.shape)}")
             for b in range(B):
                 keep = mask[b].bool().nonzero().flatten()
                 if keep.numel() == 0:
                     raise ValueError(f"{what}: batch row {b} has no real token")
                 ids, layers = select_layers(arr[b][keep], moe_map, f"{what}: routed_experts[{b}]")
                 out.append(EngineSample(i, [Piece(ids, i, f"routed_experts[{b}]", keep, layers, "position")]))
-        else:
-            fld, ids, layers = _ids_of(rec, ("routed_experts",), what, moe_map)
+        else:  # one row per record [P, L, K] (arr: the list already read), or routed_experts_by_layer
+            fld, ids, layers = _ids_of(rec if arr is None else {"routed_experts": arr}, ("routed_experts",), what,
+                                       moe_map)
             out.append(EngineSample(i, [_piece(ids, rec, i, fld, moe_map, "position", layers=layers)]))
     return out

@@ -126,10 +126,10 @@ def read_header(path) -> SafetensorsHeader:
     if not os.path.isfile(path):
         raise ValueError(f"file {path!r} is not a regular file; allowed: a safetensors file")
     size = os.path.getsize(path)
-    if size < 8:
+    if size < 10:  # the smallest safetensors file: an 8-byte header length and the header "{}"
         raise ValueError(
-            f"file {path!r}: {size} bytes is too short for a safetensors file "
-            "(allowed: an 8-byte header length, a JSON header, the tensor data)"
+            f"file {path!r}: {size} bytes is too short for a safetensors file; allowed: at least 10 bytes "
+            "(an 8-byte header length, a JSON header of at least 2 bytes, the tensor data)"
         )
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
