@@ -45,6 +45,35 @@ def test_bad_trace_is_a_one_line_error_with_exit_2(tmp_path, capsys):
     assert err.count("\n") == 0 and "bad.csv row 2: ContextTokens = '-3'" in err
 
 
+@pytest.mark.parametrize("option,message", [
+    (["--json", "{tmp}"], "--json '{tmp}' is a folder; pass a file name such as '{tmp}/out.json'"),
+    (["--json", "{tmp}/file.json/out.json"],
+     "--json '{tmp}/file.json/out.json': '{tmp}/file.json' is a file, not a folder"),
+    (["--plot", "{tmp}/out.txt"], "--plot '{tmp}/out.txt' has the wrong extension; allowed: .png, .svg, .pdf"),
+    (["--systems", ","], "--systems is empty; allowed: expertplex,pd-colocate,pd-disagg,colocated,chunked-prefill,"
+                         "expertplex-repl"),
+    (["--seed", "-1"], "--seed = -1; allowed: an int in [0, 9223372036854775807]"),
+    (["--window", "-5"], "--window = -5.0; allowed: a finite number > 0 (seconds), or 0 for the whole trace"),
+])
+def test_options_are_checked_before_the_trace_is_read(tmp_path, capsys, option, message):
+    # the trace is bad too: an option's error first shows nothing was read (or searched) before it
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.1,-3,4\n")
+    (tmp_path / "file.json").write_text("{}")
+    option = [o.format(tmp=tmp_path) for o in option]
+    assert main(["serve-sim", "--trace", str(bad), "--systems", "pd-disagg", *option]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.endswith(message.format(tmp=tmp_path)), err
+
+
+def test_outputs_are_written_into_folders_that_do_not_exist_yet(tmp_path):
+    from relibra_torch.serving.report import write_json
+
+    out = tmp_path / "new" / "out.json"
+    write_json({"a": 1}, str(out))  # check_output_path lets a missing folder through: it is created
+    assert json.loads(out.read_text()) == {"a": 1}
+
+
 def test_unknown_system_and_bad_set_are_rejected(capsys):
     assert main(["serve-sim", "--systems", "vllm"]) == 2
     assert "unknown system 'vllm'" in capsys.readouterr().err

@@ -69,6 +69,75 @@ def test_unknown_suffix_and_missing_file():
         load_trace("/nonexistent/t.csv")
 
 
+def _row(**fields) -> str:
+    row = {"timestamp": 0, "input_length": 4, "output_length": 2}
+    row.update(fields)
+    return json.dumps(row) + "\n"
+
+
+BIG = 10 ** 30  # 31 digits: past int64 (an OverflowError in _finish before)
+LENGTHS = r"allowed: a whole number >= 1 and <= 2147483647$"
+MS = r"allowed: a finite number of milliseconds"
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("big.jsonl", _row() + _row(input_length=BIG), rf"^big.jsonl line 2: input_length = {BIG}; {LENGTHS}"),
+    ("e30.jsonl", _row(output_length=1e30), rf"^e30.jsonl line 1: output_length = 1e\+30; {LENGTHS}"),
+    ("e30.csv", AZURE + "2023-11-16 18:15:46.1,1e30,4\n", rf"^e30.csv row 2: ContextTokens = '1e30'; {LENGTHS}"),
+    ("big.csv", AZURE + f"2023-11-16 18:15:46.1,5,{BIG}\n", rf"^big.csv row 2: GeneratedTokens = '{BIG}'; {LENGTHS}"),
+    ("just.jsonl", _row(input_length=2 ** 31), rf"^just.jsonl line 1: input_length = 2147483648; {LENGTHS}"),
+    ("bool.jsonl", _row(output_length=True), rf"^bool.jsonl line 1: output_length = true; {LENGTHS}"),
+    ("boolts.jsonl", _row(timestamp=True), rf"^boolts.jsonl line 1: timestamp = true; {MS}$"),
+    ("ts.jsonl", _row(timestamp=1e30),
+     rf"^ts.jsonl line 1: timestamp = 1e\+30; {MS} in \[-9223372036854775807, 9223372036854775807\]$"),
+    ("hugets.jsonl", _row(timestamp=10 ** 400), rf"^hugets.jsonl line 1: timestamp = 1000+\.\.\.; {MS} in "),
+])
+def test_lengths_and_times_past_their_range_and_booleans_are_refused(tmp_path, name, text, match):
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ValueError, match=match):
+        load_trace(path)
+
+
+@pytest.mark.parametrize("name,text,match", [
+    ("inf.jsonl", _row() + _row(timestamp=math.inf), rf"^inf.jsonl line 2: timestamp = inf; {MS}$"),
+    ("ninf.jsonl", _row(timestamp=-math.inf), rf"^ninf.jsonl line 1: timestamp = -inf; {MS}$"),
+    ("nan.jsonl", _row(timestamp=math.nan), rf"^nan.jsonl line 1: timestamp = nan; {MS}$"),
+    ("nanlen.jsonl", _row(input_length=math.nan), rf"^nanlen.jsonl line 1: input_length = nan; {LENGTHS}"),
+    ("inf.csv", AZURE + "2023-11-16 18:15:46.1,inf,4\n", rf"^inf.csv row 2: ContextTokens = 'inf'; {LENGTHS}"),
+    ("stamp.csv", AZURE + "2023-11-16 18:15:46.5e999,5,4\n",
+     r"^stamp.csv row 2: TIMESTAMP = '2023-11-16 18:15:46.5e999'; allowed: 'YYYY-MM-DD HH:MM:SS.ffff'$"),
+])
+def test_non_finite_numbers_are_refused(tmp_path, name, text, match):
+    path = _write(tmp_path, name, text)
+    with pytest.raises(ValueError, match=match):
+        load_trace(path)
+
+
+def test_requests_refuse_non_finite_arrival_times():
+    with pytest.raises(ValueError, match=r"^x: request 1 arrives at nan s; allowed: finite times$"):
+        Requests(np.array([0.0, math.nan]), np.array([5, 6]), np.array([1, 2]), "x")
+
+
+def test_csv_header_with_a_byte_order_mark_and_spaces_is_read(tmp_path):
+    rows = "2023-11-16 18:15:46.1,374,44\n2023-11-16 18:15:47.1, 396, 109\n"
+    p = tmp_path / "bom.csv"
+    p.write_bytes(b"\xef\xbb\xbf" + ("TIMESTAMP, ContextTokens ,GeneratedTokens\r\n" + rows).encode())
+    r = load_trace(str(p))
+    assert r.arrival_N.tolist() == pytest.approx([0.0, 1.0]) and r.prompt_N.tolist() == [374, 396]
+    assert r.output_N.tolist() == [44, 109]
+    bom = _write(tmp_path, "bom.jsonl", "\ufeff" + _row())
+    assert load_trace(bom).prompt_N.tolist() == [4]
+
+
+@pytest.mark.parametrize("text", ["[" + _row().strip() + "]\n", "[\n  " + _row() + "]\n"])
+def test_a_json_array_says_one_object_per_line_is_expected(tmp_path, text):
+    path = _write(tmp_path, "trace.json", text)
+    with pytest.raises(ValueError, match=r"^trace.json line 1: a JSON array, not a JSON object; allowed: one JSON "
+                                         r"object per line \(JSONL, the Mooncake format\) with timestamp, "
+                                         r"input_length, output_length$"):
+        load_trace(path)
+
+
 def test_scaling_divides_inter_arrival_times_and_windows_shift_to_zero():
     r = Requests(np.array([0.0, 1.0, 3.0, 6.0]), np.array([5, 6, 7, 8]), np.array([1, 2, 3, 4]), "x")
     assert r.scaled(2.0).arrival_N.tolist() == [0.0, 0.5, 1.5, 3.0]

@@ -23,11 +23,13 @@ examples:
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 from ..checks import check_int, check_number
 from ..planning.pricing import HARDWARE, get_hardware
 from ..sim.presets import MODELS, apply_overrides, get_model
+from ..sim.run_checks import check_output_path
 from .constants import DEFAULT_CONSTANTS, override_constants
 
 HELP = "P90 goodput of MoE serving systems (ExpertPlex, PD disaggregation/colocation) on a request trace"
@@ -85,6 +87,36 @@ def _overrides(items: list[str]) -> dict[str, dict[str, str]]:
     return out
 
 
+def _systems(text: str) -> tuple[str, ...]:
+    """``--systems`` as a tuple of known systems (at least one)."""
+    systems = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not systems:
+        raise ValueError(f"--systems is empty; allowed: {','.join(DEFAULT_SYSTEMS)}")
+    for s in systems:
+        if s not in DEFAULT_SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r}; allowed: {', '.join(DEFAULT_SYSTEMS)}")
+    return systems
+
+
+def _window(args) -> tuple[float, float]:
+    """``--window-start`` and ``--window`` (0: the whole trace)."""
+    start = check_number("--window-start", args.window_start, 0)
+    if not math.isfinite(args.window) or args.window < 0:
+        raise ValueError(f"--window = {args.window}; allowed: a finite number > 0 (seconds), or 0 for the whole trace")
+    return start, float(args.window)
+
+
+def check_options(args) -> None:
+    """Check what needs no file read, before any work: the output paths, the systems, the
+    seed, the window and the worker count (one line naming the option)."""
+    check_output_path("json", args.json)
+    check_output_path("plot", args.plot)
+    _systems(args.systems)
+    check_int("--seed", args.seed, 0, (1 << 63) - 1)
+    _window(args)
+    check_int("--jobs", args.jobs)
+
+
 def setup_from_args(args):
     """A :class:`~relibra_torch.serving.compare.CompareSetup` from parsed options."""
     from ..sim.data_refs import shared_data_dir
@@ -93,6 +125,8 @@ def setup_from_args(args):
     from .requests import load_trace, poisson_requests
     from .routing import popularity_from_file, synthetic_popularity
 
+    check_options(args)  # before any file is read and the search runs
+    systems = _systems(args.systems)
     sets = _overrides(args.set)
     if args.model_config:
         from ..sim.hf_config import model_from_hf_config
@@ -118,9 +152,9 @@ def setup_from_args(args):
     else:
         path = args.trace or str(shared_data_dir() / DEFAULT_TRACE)
         reqs = load_trace(path)
-        if args.window:
-            reqs = reqs.window(check_number("--window-start", args.window_start, 0),
-                               check_number("--window", args.window, 0, strict=True))
+        start, window = _window(args)
+        if window:
+            reqs = reqs.window(start, window)
         if args.rate is not None:
             reqs = poisson_requests(args.rate, args.num_requests, reqs, args.seed)
         if args.output_len is not None:
@@ -138,10 +172,6 @@ def setup_from_args(args):
         tile_us, tile_src = tile_time_us(args.gpu_check), f"measured, {args.gpu_check}"
     if args.tile_time_us is not None:
         tile_us, tile_src = check_number("--tile-time-us", args.tile_time_us, 0, strict=True), "--tile-time-us"
-    systems = tuple(s.strip() for s in args.systems.split(",") if s.strip())
-    for s in systems:
-        if s not in DEFAULT_SYSTEMS:
-            raise ValueError(f"--systems: unknown system {s!r}; allowed: {', '.join(DEFAULT_SYSTEMS)}")
     return CompareSetup(model, hardware, consts, nodes, gpn, reqs, pi, systems, routing, tile_us, tile_src,
                         args.allow_idle, args.seed)
 
@@ -152,7 +182,7 @@ def run(args) -> int:
     from .compare import compare
     from .report import print_report, write_json, write_plot
 
-    setup = setup_from_args(args)
+    setup = setup_from_args(args)  # checks the options before the trace is read (check_options)
     jobs = check_int("--jobs", args.jobs)
     console = Console()
     if not console.is_terminal:  # a file or pipe: wide enough for the table's columns

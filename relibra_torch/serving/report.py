@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 __all__ = ["print_report", "write_json", "write_plot"]
 
@@ -50,6 +51,8 @@ def print_report(doc: dict, console=None) -> None:
 
 
 def write_json(doc: dict, path: str) -> None:
+    """Write ``doc`` to ``path`` (parent folders created, as ``check_output_path`` allows)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as fh:
         json.dump(doc, fh, indent=1, allow_nan=False)
         fh.write("\n")
@@ -78,5 +81,6 @@ def write_plot(doc: dict, path: str) -> None:
     ax.set_title(f"{s['model']['name']} on {s['nodes']}x{s['gpus_per_node']} {s['hardware']['name'].upper()}")
     ax.legend(fontsize=8)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -9,7 +9,9 @@ Three sources, one type (:class:`Requests`):
 * Poisson arrivals at a given rate with lengths drawn (seeded) from a real trace's lengths.
 
 Every reader rejects a bad trace with one line naming the file, the row and the fix:
-negative or non-integer lengths, unsorted times, an empty file, missing columns.
+negative, non-integer or huge lengths, booleans, non-finite (NaN, Infinity) or huge
+timestamps, unsorted times, an empty file, missing columns, a JSON array instead of JSONL. A
+UTF-8 byte order mark and spaces around the CSV header's names are accepted.
 
 Legend: N requests.
 """
@@ -31,6 +33,12 @@ __all__ = ["Requests", "load_trace", "poisson_requests", "read_azure_csv", "read
 
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
+# Lengths up to 2^31 - 1 tokens: sums and products of two lengths (prompt + output, the
+# attention's prompt x context) stay exact in int64 and float64. Timestamps (ms) up to the
+# int64 range in magnitude.
+MAX_LENGTH = (1 << 31) - 1
+MAX_TIMESTAMP_MS = (1 << 63) - 1
+JSONL_HINT = "allowed: one JSON object per line (JSONL, the Mooncake format) with " + ", ".join(MOONCAKE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -55,6 +63,10 @@ class Requests:
             raise ValueError(f"{self.source}: no requests; allowed: a trace with at least one request")
         if len(self.prompt_N) != n or len(self.output_N) != n:
             raise ValueError(f"{self.source}: arrival, prompt and output arrays differ in length")
+        if not np.all(np.isfinite(self.arrival_N)):
+            i = int(np.argmax(~np.isfinite(self.arrival_N)))
+            raise ValueError(f"{self.source}: request {i} arrives at {float(self.arrival_N[i])} s; "
+                             f"allowed: finite times")
         if np.any(np.diff(self.arrival_N) < 0):
             i = int(np.argmax(np.diff(self.arrival_N) < 0)) + 1
             raise ValueError(f"{self.source}: request {i} arrives before request {i - 1}; allowed: "
@@ -123,15 +135,52 @@ def _fail(path: str, where: str, what: str) -> ValueError:
     return ValueError(f"{os.path.basename(path)}{where}: {what}")
 
 
+def _show(raw) -> str:
+    """``repr(raw)`` (JSON's ``true``, ``false``, ``null`` as JSON spells them), shortened for
+    long values (a 400-digit number)."""
+    text = json.dumps(raw) if raw is None or isinstance(raw, bool) else repr(raw)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _number(raw) -> int | float | None:
+    """A JSON number or a numeric string as an exact ``int`` or a ``float``; ``None`` for
+    anything else (``bool`` included: ``true`` is no count or time)."""
+    if isinstance(raw, bool):
+        return None
+    if isinstance(raw, (int, float)):
+        return raw
+    if isinstance(raw, str):
+        text = raw.strip()
+        try:
+            return int(text)
+        except ValueError:
+            pass
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    return None
+
+
 def _length(path: str, where: str, column: str, raw) -> int:
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise _fail(path, where, f"{column} = {raw!r}; allowed: a whole number >= 1") from None
-    if not value.is_integer() or value < 1:
-        raise _fail(path, where, f"{column} = {raw!r}; allowed: a whole number >= 1 (negative or zero "
-                                 f"lengths are not requests)")
+    allowed = f"allowed: a whole number >= 1 and <= {MAX_LENGTH}"
+    value = _number(raw)
+    if value is None or (isinstance(value, float) and not value.is_integer()) or value > MAX_LENGTH:
+        raise _fail(path, where, f"{column} = {_show(raw)}; {allowed}")  # nan and inf included
+    if value < 1:
+        raise _fail(path, where, f"{column} = {_show(raw)}; {allowed} (negative or zero lengths are not requests)")
     return int(value)
+
+
+def _millis(path: str, where: str, raw) -> float:
+    """A Mooncake ``timestamp`` (ms) in seconds."""
+    allowed = "allowed: a finite number of milliseconds"
+    value = _number(raw)
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        raise _fail(path, where, f"timestamp = {_show(raw)}; {allowed}")
+    if abs(value) > MAX_TIMESTAMP_MS:
+        raise _fail(path, where, f"timestamp = {_show(raw)}; {allowed} in [-{MAX_TIMESTAMP_MS}, {MAX_TIMESTAMP_MS}]")
+    return float(value) / 1000.0
 
 
 def _finish(path: str, times: list[float], prompt: list[int], output: list[int], label: str,
@@ -151,10 +200,11 @@ def read_azure_csv(path: str) -> Requests:
     if not os.path.exists(path):
         raise FileNotFoundError(f"--trace {path!r} does not exist")
     times, prompt, output, rows = [], [], [], []
-    with open(path, newline="", encoding="utf-8") as fh:
+    with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
         reader = csv.DictReader(fh)
         if reader.fieldnames is None:
             raise _fail(path, "", "the file is empty; allowed: a CSV with header " + ",".join(AZURE_COLUMNS))
+        reader.fieldnames = [name.strip() for name in reader.fieldnames]  # "TIMESTAMP, ContextTokens"
         missing = [c for c in AZURE_COLUMNS if c not in reader.fieldnames]
         if missing:
             raise _fail(path, "", f"missing column(s) {', '.join(missing)}; allowed: a header with "
@@ -166,8 +216,10 @@ def read_azure_csv(path: str) -> Requests:
             try:
                 # Azure stamps carry 7 fractional digits; Python parses at most 6.
                 head, _, frac = stamp.partition(".")
+                if frac and not (frac.isascii() and frac.isdigit()):  # "0.5e999" would be inf
+                    raise ValueError(frac)
                 t = datetime.fromisoformat(head).timestamp() + (float("0." + frac) if frac else 0.0)
-            except ValueError:
+            except (ValueError, OverflowError, OSError):
                 raise _fail(path, where, f"TIMESTAMP = {stamp!r}; allowed: 'YYYY-MM-DD HH:MM:SS.ffff'") from None
             times.append(t)
             prompt.append(_length(path, where, "ContextTokens", row["ContextTokens"]))
@@ -180,27 +232,25 @@ def read_mooncake_jsonl(path: str) -> Requests:
     if not os.path.exists(path):
         raise FileNotFoundError(f"--trace {path!r} does not exist")
     times, prompt, output, rows = [], [], [], []
-    with open(path, encoding="utf-8") as fh:
+    with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
         for i, line in enumerate(fh):
             if not line.strip():
                 continue
             where = f" line {i + 1}"
             rows.append(where)
+            if line.lstrip().startswith("["):  # a .json file holding one array of requests
+                raise _fail(path, where, f"a JSON array, not a JSON object; {JSONL_HINT}")
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
-                raise _fail(path, where, f"not valid JSON ({exc.msg})") from None
+                raise _fail(path, where, f"not valid JSON ({exc.msg}); {JSONL_HINT}") from None
             if not isinstance(obj, dict):
-                raise _fail(path, where, "not a JSON object")
+                raise _fail(path, where, f"not a JSON object; {JSONL_HINT}")
             missing = [k for k in MOONCAKE_KEYS if k not in obj]
             if missing:
                 raise _fail(path, where, f"missing key(s) {', '.join(missing)}; allowed: objects with "
                             + ", ".join(MOONCAKE_KEYS))
-            try:
-                t = float(obj["timestamp"]) / 1000.0
-            except (TypeError, ValueError):
-                raise _fail(path, where, f"timestamp = {obj['timestamp']!r}; allowed: milliseconds") from None
-            times.append(t)
+            times.append(_millis(path, where, obj["timestamp"]))
             prompt.append(_length(path, where, "input_length", obj["input_length"]))
             output.append(_length(path, where, "output_length", obj["output_length"]))
     return _finish(path, times, prompt, output, f"mooncake:{os.path.basename(path)}", rows)
