@@ -98,6 +98,29 @@ def test_empty_micro_batches_of_a_loads_file_are_reported_and_left_out(tmp_path,
         assert pad["systems"]["static"][key] == full["systems"]["static"][key], key
 
 
+def test_a_loads_file_without_tokens_in_its_measured_steps_is_refused(tmp_path, capsys):
+    # (serve-sim refuses such a file too; simulated, every step costs nothing and the speedups say nothing)
+    g = torch.Generator().manual_seed(0)
+    picks = (torch.rand(2, 2, 48, 4, 64, 128, generator=g) + 0.4 * torch.linspace(1, 0, 128)).topk(8, -1).indices
+    loads = torch.zeros(2, 2, 48, 4, 128, dtype=torch.int64)
+    loads.scatter_add_(-1, picks.flatten(-2), torch.ones_like(picks.flatten(-2)))
+    cases = {"zeros": (torch.zeros_like(loads), "holds no tokens\n"),
+             "warm-up only": (torch.cat([loads[:1], torch.zeros_like(loads[1:])]),
+                              "holds no tokens in its measured step 1 (after --warmup-steps=1); "
+                              "pass fewer --warmup-steps\n")}
+    for name, (tensor, said) in cases.items():
+        f = tmp_path / f"{name.replace(' ', '-')}.safetensors"
+        save_loads(str(f), tensor, 8)
+        rc = main(["simulate", str(f), *SMALL])
+        err = capsys.readouterr().err
+        errors = [line for line in err.splitlines() if "error:" in line]  # (--ignore-memory warns too)
+        assert rc == 2 and len(errors) == 1, (name, err)
+        assert err.endswith(f"relibra simulate: error: loads file {f.name} {said}"), (name, err)
+    # the same warm-up-only file measured from step 0 runs; its empty step is noted, as before
+    doc = simulate_json(tmp_path, capsys, str(tmp_path / "warm-up-only.safetensors"), *SMALL, "--warmup-steps", "0")
+    assert doc["config"]["empty_micro_batches"] == 2
+
+
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.integers(1, 50), min_size=1, max_size=40), ranks=st.integers(1, 8),
        requested=st.integers(1, 40))

@@ -337,3 +337,17 @@ def test_damaged_configs_load_or_fail_with_one_value_error(name, data):
         model_from_hf_config(cfg)
     except ValueError as exc:
         assert "\n" not in str(exc) and "--model-config" in str(exc) or str(exc).startswith("model.")
+
+
+@pytest.mark.parametrize("E,K,gpus", [(4, 2, 2), (2, 1, 2), (7, 2, 7), (8, 8, 2)])
+def test_models_with_few_experts_or_top_k_of_all_run_the_synthetic_trace(tmp_path, capsys, E, K, gpus):
+    # the trace's hot experts per task default to min(8, E); top_k == E picks every expert
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps({"model_type": "mixtral", "hidden_size": 1024, "intermediate_size": 2048,
+                             "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,
+                             "num_local_experts": E, "num_experts_per_tok": K, "vocab_size": 32000}))
+    rc, out, err = run(capsys, "--model-config", str(f), "--nodes", "1", "--gpus-per-node", str(gpus),
+                       "--micro-batches", "2", "--steps", "1", "--systems", "static,eplb,relibra",
+                       "--no-progress", "--ignore-memory")
+    assert rc == 0, err
+    assert "source: synthetic RL trace" in out and "relibra" in out

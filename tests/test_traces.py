@@ -91,7 +91,7 @@ def test_shared_data_dir_override_and_missing(monkeypatch, tmp_path):
     ("num_layers", 0, ValueError),
     ("num_experts", 1, ValueError),
     ("num_experts", 2.0, TypeError),
-    ("top_k", 128, ValueError),
+    ("top_k", 129, ValueError),  # top_k == num_experts (128) is allowed: every token takes every expert
     ("top_k", True, TypeError),
     ("tasks", (), ValueError),
     ("tasks", ("math", "math", "x", "y"), ValueError),
@@ -236,6 +236,65 @@ def test_routing_methods_agree_on_loads():
     assert int(hot.sum()) >= 8
     rel = ((ls - lg) / lg)[hot]
     assert float(rel.abs().mean()) < 0.05, rel
+
+
+# ---------------------------------------------------------------------------- small expert counts
+
+
+@pytest.mark.parametrize("E,K,hot", [(128, 8, 8), (16, 8, 8), (9, 1, 8), (8, 2, 8), (8, 6, 8),
+                                     (7, 2, 7), (4, 2, 4), (2, 1, 2), (4, 4, 4)])
+def test_default_hot_experts_fit_the_expert_count(E, K, hot):
+    # min(8, E): models with 8 or more experts keep exactly the config (and trace) they had
+    cfg = TraceConfig(num_layers=2, num_experts=E, top_k=K)
+    assert cfg.hot_experts_per_task == hot
+    same = TraceConfig(num_layers=2, num_experts=E, top_k=K, hot_experts_per_task=hot)
+    assert cfg == same and hash(cfg) == hash(same) and cfg == dataclasses.replace(cfg)
+    t = generate_load_trace(cfg, 2, 2, 600, steps=2)
+    assert torch.equal(t.loads_XMLSE.sum(-1), K * t.tokens_XMS.unsqueeze(2).expand(2, 2, 2, 2))
+    assert bool((t.loads_XMLSE <= t.tokens_XMS[:, :, None, :, None]).all())
+    ids = generate_routing(cfg, 3, step=1).routed_experts_TLK
+    assert _distinct(ids) and int(ids.min()) >= 0 and int(ids.max()) < E
+
+
+def test_default_trace_keeps_eight_hot_experts_and_explicit_values_are_checked():
+    assert TraceConfig() == TraceConfig(hot_experts_per_task=8)
+    assert TraceConfig(num_experts=4, top_k=2, hot_experts_per_task=1).hot_experts_per_task == 1
+    with pytest.raises(ValueError, match=r"TraceConfig.hot_experts_per_task = 5; allowed: an int in \[0, 4\]"):
+        TraceConfig(num_experts=4, top_k=2, hot_experts_per_task=5)
+    with pytest.raises(ValueError, match=r"TraceConfig.top_k = 5; allowed: an int in \[1, 4\]"):
+        TraceConfig(num_experts=4, top_k=5)
+
+
+def test_synthetic_popularity_of_small_models():
+    from relibra_torch.serving.routing import synthetic_popularity  # serve-sim's synthetic routing
+    for L, E, K in [(4, 4, 2), (4, 2, 1), (4, 7, 2)]:
+        pi = synthetic_popularity(L, E, K)
+        assert tuple(pi.shape) == (L, E) and float(pi.max()) < 1
+        torch.testing.assert_close(pi.sum(-1), torch.full((L,), float(K), dtype=torch.float64))
+    assert torch.equal(synthetic_popularity(4, 8, 8), torch.ones(4, 8, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("E", [2, 4, 8])
+def test_top_k_equal_to_the_expert_count_takes_every_expert(E):
+    from relibra_torch.sim.trace_families import family_config, generate_sample_trace
+    from relibra_torch.sim.traces.families import FAMILIES
+    cfg = TraceConfig(num_layers=3, num_experts=E, top_k=E)
+    ones = torch.ones(3, E, dtype=torch.float64)
+    assert torch.equal(base_inclusion_LE(cfg), ones)
+    assert torch.equal(task_inclusion_ALE(cfg, step=1), ones.expand(4, 3, E))
+    for name, generate in FAMILIES.items():  # every count is the rank's tokens
+        t = generate(cfg, 2, 2, 500, steps=2)
+        assert bool((t.tokens_XMS > 0).all()), name
+        assert torch.equal(t.loads_XMLSE, t.tokens_XMS[:, :, None, :, None].expand(2, 2, 3, 2, E)), name
+    for method in ("systematic", "gumbel"):
+        r = generate_routing(cfg, 3, step=1, method=method)
+        T = int(r.sample_offsets_N1[-1])
+        assert torch.equal(r.routed_experts_TLK.sort(-1).values,
+                           torch.arange(E, dtype=torch.int16).expand(T, 3, E)), method
+        r.to_replay()  # a valid routing replay
+    for step in generate_sample_trace(family_config("long-tail", num_layers=3, num_experts=E, top_k=E),
+                                      2, 2, 500, steps=2):
+        assert torch.equal(step.counts_NLE.to(torch.int64), step.lengths_N[:, None, None].expand(-1, 3, E))
 
 
 # ---------------------------------------------------------------------------- loads

@@ -44,7 +44,7 @@ from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
 from .memory import MemoryBreakdown, MemoryOptions, capacity_bytes, check_fits, ideal_memory, plan_memory
 from .presets import HardwareSpec, ModelSpec
-from .workload import Workload
+from .workload import Workload, measured_micro_batches
 
 __all__ = ["REFERENCES", "SYSTEMS", "SimConfig", "SystemResult", "SimResult", "simulate", "default_planner_factory",
            "parse_systems"]
@@ -259,11 +259,7 @@ def simulate(workload: Workload, config: SimConfig,
             return default_planner_factory(name, topology, cost_model, config.baseline_options)
     if cost.options.dispatch == "hierarchical":  # say how remote nodes per token were counted
         workload.notes["dispatch"] = EXACT_NOTE if workload.routing is not None else ESTIMATE_NOTE
-    active_XM = workload.tokens_XMS[config.warmup_steps:].sum(-1) > 0
-    empty = int((~active_XM).sum())
-    if empty:  # e.g. a loads file of dynamic batches with trailing empty micro-batches
-        workload.notes["empty micro-batches"] = (f"{empty} of {active_XM.numel()} measured micro-batches hold no "
-                                                 f"tokens; left out of the imbalance figures")
+    active_XM = measured_micro_batches(workload, config.warmup_steps)  # refuses tokenless measured steps
     results: dict[str, SystemResult] = {}
     # the ratios need static and the references: always run them (references last)
     systems = [n for n in config.systems if n not in REFERENCES]

@@ -23,7 +23,7 @@ from .dispatch import TokenRouting, token_routing_from_bins
 from .presets import ModelSpec
 
 __all__ = ["Workload", "causal_pairs", "packed_pairs", "workload_from_loads", "synthetic_workload",
-           "workload_from_file", "fit_micro_batches", "DEFAULT_SAMPLE_TOKENS"]
+           "workload_from_file", "fit_micro_batches", "measured_micro_batches", "DEFAULT_SAMPLE_TOKENS"]
 
 # RL post-training responses run from a few hundred to tens of thousands of tokens (long
 # chain-of-thought); 4096 is a middle value for the quadratic attention term when a source
@@ -60,6 +60,27 @@ class Workload:
     @property
     def num_micro_batches(self) -> int:
         return self.loads_XMLSE.shape[1]
+
+
+def measured_micro_batches(workload: Workload, warmup_steps: int) -> torch.Tensor:
+    """bool ``[X - warmup_steps, M]``: the measured micro-batches that hold tokens on some rank.
+
+    Empty ones (e.g. a loads file of dynamic batches with trailing empty micro-batches) get
+    a note in ``workload.notes``; measured steps with no token at all are refused
+    (``ValueError``): every system's step would cost nothing and the speedups say nothing.
+    """
+    active_XM = workload.tokens_XMS[warmup_steps:].sum(-1) > 0
+    if not bool(active_XM.any()):
+        last = workload.num_steps - 1
+        steps = f"step {last}" if warmup_steps == last else f"steps {warmup_steps}..{last}"
+        where = "" if not bool(workload.tokens_XMS.any()) else (
+            f" in its measured {steps} (after --warmup-steps={warmup_steps}); pass fewer --warmup-steps")
+        raise ValueError(f"{workload.source} holds no tokens{where}")
+    empty = int((~active_XM).sum())
+    if empty:
+        workload.notes["empty micro-batches"] = (f"{empty} of {active_XM.numel()} measured micro-batches hold no "
+                                                 f"tokens; left out of the imbalance figures")
+    return active_XM
 
 
 def causal_pairs(lengths: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,11 @@ from dataclasses import dataclass
 
 from ...checks import check_int, check_number, describe
 
-__all__ = ["TraceConfig", "check_cfg"]
+__all__ = ["TraceConfig", "check_cfg", "DEFAULT_HOT_EXPERTS"]
+
+# Hot experts per task and layer when ``hot_experts_per_task`` is not given: this many, but
+# at most ``num_experts`` (see :class:`TraceConfig`).
+DEFAULT_HOT_EXPERTS = 8
 
 
 def _fail(name: str, value, allowed: str, exc=ValueError):
@@ -23,7 +27,9 @@ def _fail(name: str, value, allowed: str, exc=ValueError):
 class TraceConfig:
     """Configuration of the synthetic RL trace model (all fields validated).
 
-    Shape: ``num_layers`` MoE layers of ``num_experts`` experts, ``top_k`` per token.
+    Shape: ``num_layers`` MoE layers of ``num_experts`` experts, ``top_k`` per token
+    (``1 <= top_k <= num_experts``; ``top_k == num_experts``: every token takes every expert,
+    so every count equals the tokens and the other expert fields have no effect).
 
     Tasks: ``tasks`` names the task types; every per-task tuple below has one entry per
     task. ``task_weights`` are the sample mixing weights (normalised internally).
@@ -36,6 +42,12 @@ class TraceConfig:
     ``hot_strength[task]``; in addition every (task, layer, expert) weight is multiplied by
     ``exp(task_spread * z)``, ``z ~ N(0, 1)``, a smooth task affinity. The base is then
     calibrated so that the task mixture reproduces the reference heat.
+    ``hot_experts_per_task=None`` (the default) means ``min(8, num_experts)``
+    (:data:`DEFAULT_HOT_EXPERTS`): 8 for every model with 8 or more experts, as always, and
+    every expert of a smaller model. A hot set of all ``E`` experts multiplies a task's
+    weights by one constant, which changes nothing (inclusion only depends on weight
+    ratios), so with ``E <= 8`` tasks differ only through ``task_spread``, as they already
+    did for 8-expert models. An explicit value must lie in ``[0, num_experts]``.
 
     Samples: each sample's weights get a lognormal factor (mean 1) per (layer, expert):
     ``group_noise`` is shared by the ``group_size`` responses of one prompt (GRPO groups;
@@ -66,7 +78,7 @@ class TraceConfig:
     max_prompt_len: int = 2048
     min_response_len: int = 8
     max_response_len: int = 8192
-    hot_experts_per_task: int = 8
+    hot_experts_per_task: int | None = None
     hot_strength: tuple[float, ...] = (4.0, 4.0, 3.0, 2.5)
     hot_bias: float = 0.5
     task_spread: float = 0.6
@@ -90,7 +102,9 @@ class TraceConfig:
 
         as_int("num_layers", 1)
         E = as_int("num_experts", 2, 32767)  # ids are stored as int16
-        as_int("top_k", 1, E - 1)
+        as_int("top_k", 1, E)
+        if self.hot_experts_per_task is None:
+            object.__setattr__(self, "hot_experts_per_task", min(DEFAULT_HOT_EXPERTS, E))
         as_int("hot_experts_per_task", 0, E)
         as_int("group_size", 1)
         as_int("seed", 0, (1 << 63) - 1)

@@ -90,8 +90,11 @@ def _solve_tau(w_RE: torch.Tensor, K: int, eps_H: torch.Tensor | None = None,
     accurate to about 1-2% for 128 experts, top-8 (measured in docs/traces.md). With
     ``eps_H``/``g_H`` the expectation over a multiplicative noise factor is a quadrature.
     The sum is concave increasing in tau and ``K / sum(w)`` lies below the root, so Newton
-    clamped at that bound converges monotonically.
+    clamped at that bound converges monotonically. ``K >= E`` (every expert in every
+    top-k): no finite root, ``tau = inf``.
     """
+    if K >= w_RE.shape[-1]:
+        return torch.full(w_RE.shape[:-1], math.inf, dtype=w_RE.dtype, device=w_RE.device)
     if eps_H is not None:
         w_RE = w_RE.unsqueeze(-1) * eps_H  # [R, E, H]
         sw = (w_RE * g_H).sum((-1, -2))
@@ -117,6 +120,8 @@ def _solve_tau(w_RE: torch.Tensor, K: int, eps_H: torch.Tensor | None = None,
 def _inclusion(w_RE: torch.Tensor, K: int, eps_H=None, g_H=None,
                tau0_R: torch.Tensor | None = None) -> torch.Tensor:
     """Expected per-token inclusion probabilities ``[R, E]`` (sum K) of weights ``w_RE``."""
+    if K >= w_RE.shape[-1]:  # top-k of all experts: every expert is in every token's top-k
+        return torch.ones_like(w_RE)
     tau_R = _solve_tau(w_RE, K, eps_H, g_H, tau0_R=tau0_R, tol=1e-10 * K)
     if eps_H is None:
         return -torch.expm1(-tau_R.unsqueeze(-1) * w_RE)
@@ -176,9 +181,12 @@ def base_inclusion_LE(cfg: TraceConfig) -> torch.Tensor:
     shapes: layer ``l`` uses reference layer ``floor((l + 0.5) * 48 / L)`` (even spacing for
     fewer layers, repetition for more); experts are resampled by quantiles
     (:func:`_resample_experts`); shares are scaled to sum ``top_k`` and water-filled below
-    ``min(0.95, ...)`` per expert. The returned tensor is cached: do not modify it.
+    ``min(0.95, ...)`` per expert; ``top_k == num_experts`` gives all ones. The returned
+    tensor is cached: do not modify it.
     """
     check_cfg(cfg)
+    if cfg.top_k >= cfg.num_experts:
+        return torch.ones(cfg.num_layers, cfg.num_experts, dtype=torch.float64)
     ref = qwen3_expert_heat()
     heat = ref.heat_LE.to(torch.float64) + _HEAT_FLOOR
     L0, E0 = heat.shape
@@ -254,6 +262,8 @@ def _model(cfg: TraceConfig) -> _Model:
     else:
         eps_H, g_H = torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
 
+    if K >= E:  # every token takes every expert: nothing to calibrate, weights are moot
+        return _Model(torch.zeros(L, E, dtype=torch.float64), log_mult, mix, eps_H, g_H)
     h_target = -torch.log1p(-target)
     log_b = h_target.log()
     mult = log_mult.exp()
@@ -392,6 +402,8 @@ def sample_inclusion(w_nLE: torch.Tensor, K: int, tau0_nL: torch.Tensor,
     (measured), a third costs time for nothing the counts can show.
     """
     E = w_nLE.shape[-1]
+    if K >= E:  # every expert in every token's top-k
+        return torch.ones_like(w_nLE)
     lo = K / w_nLE.sum(-1)
     tau = torch.maximum(tau0_nL, lo)
     e = torch.empty_like(w_nLE)

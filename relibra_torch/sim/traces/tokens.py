@@ -173,6 +173,10 @@ def generate_routing(cfg: TraceConfig, num_samples: int, *, step: int = 0,
     torch.cumsum(length_N, 0, out=offsets_N1[1:])
     T = int(offsets_N1[-1])
     out_TLK = torch.empty(T, L, K, dtype=torch.int16)
+    if K == E:  # every token takes every expert (either method); weights do not matter
+        out_TLK.copy_(torch.arange(E, dtype=torch.int16).expand(T, L, K))
+        return SyntheticRouting(out_TLK, offsets_N1, task_N.clone(), length_N, prompt_N.clone(),
+                                cfg.tasks, E, step, method)
 
     g_noise = seeded_generator(cfg.seed, "routing-noise", step)
     g_tables = seeded_generator(cfg.seed, "routing-tables", step)
