@@ -121,9 +121,7 @@ def test_unknown_model_type_with_moe_fields_loads_by_meaning():
     jamba = model_from_hf_config({"model_type": "wrapper", "llm_config": _moe(
         model_type="x", num_experts=8, num_experts_per_tok=2, expert_layer_period=2, expert_layer_offset=1)})
     assert jamba.moe_layers == (False, True, False, True) and jamba.spec.moe_ffn == 256
-    nemotron = model_from_hf_config(_moe(model_type="nemotron_h", n_routed_experts=8, num_experts_per_tok=2,
-                                         moe_intermediate_size=32, hybrid_override_pattern="ME*E"))
-    assert nemotron.moe_layers == (False, True, False, True) and "1 linear-attention / Mamba" in nemotron.notes[0]
+    assert moe_layer_map(_moe(model_type="nemotron_h", hybrid_override_pattern="ME*E")) == (False, True, False, True)
     step3 = model_from_hf_config({"model_type": "step3_vl", "text_config": _moe(
         model_type="step3_text", moe_num_experts=8, moe_top_k=3, moe_intermediate_size=32, moe_layers_enum="2,3")})
     assert step3.moe_layers == (False, False, True, True) and step3.spec.top_k == 3
@@ -148,6 +146,60 @@ def test_features_the_cost_model_lacks_are_approximated_with_a_note_not_refused(
     assert "3 linear-attention / Mamba layers" in " ".join(hybrid.notes)
     assert "DeepSeek sparse attention" in " ".join(model_from_hf_config(config_path("GLM-5")).notes)
     assert "chunked attention" in " ".join(model_from_hf_config(config_path("Llama-4-Scout-17B-16E")).notes)
+
+
+def test_arctic_moe_layer_frequency_is_read():
+    # Snowflake Arctic: layer i is MoE when (i + 1) % moe_layer_frequency == 0, else a dense MLP of intermediate_size
+    arctic = model_from_hf_config(_moe(model_type="arctic", num_local_experts=8, num_experts_per_tok=2,
+                                       moe_layer_frequency=2))
+    assert arctic.moe_layers == (False, True, False, True) and arctic.spec.dense_ffn == 256
+    residual = model_from_hf_config(_moe(model_type="arctic", num_local_experts=8, num_experts_per_tok=2,
+                                         use_residual=True)).spec
+    assert (residual.num_shared_experts, residual.shared_ffn) == (1, 64)
+
+
+def test_per_modality_lists_are_read_for_the_text_modality():
+    # ERNIE-4.5-VL: [text, vision] pairs, not per-layer lists: the text (first) element is read
+    vl = model_from_hf_config(_moe(model_type="ernie4_5_moe_vl", moe_num_experts=[16, 8], moe_k=2,
+                                   moe_intermediate_size=[48, 16], moe_layer_start_index=[1, 2],
+                                   moe_layer_end_index=[5, 3]))
+    assert (vl.spec.num_experts, vl.spec.moe_ffn, vl.moe_layers) == (16, 48, (False, True, True, True))
+    assert "text modality" in " ".join(vl.notes)
+    assert moe_layer_map({"num_hidden_layers": 3, "moe_layer_start_index": [2, 1]}) == (False, False, True)
+
+
+@pytest.mark.parametrize("fields,match", [
+    (dict(hybrid_override_pattern="ME*E"), "hybrid Mamba configs are not supported .*1 Mamba 'M' and 1 attention"),
+    (dict(hybrid_override_pattern="MEE"), "hybrid_override_pattern has 3 characters; allowed: one of M/E/\\*/- per "
+                                          "layer \\(4, num_hidden_layers\\)"),
+    (dict(hybrid_override_pattern="MEXE"), "hybrid_override_pattern has 4 characters \\('X' unknown\\); allowed: one of M/E"),
+    (dict(mlp_only_layers=[1, 100]), "mlp_only_layers = \\[1, 100\\]; allowed: a list of layer indices 0..3"),
+    (dict(moe_layers=[4]), "moe_layers = \\[4\\]; allowed: a list of layer indices 0..3"),
+    (dict(moe_layers_enum="1,9"), "moe_layers_enum = '1,9'; allowed: layer indices 0..3"),
+    (dict(num_key_value_heads=8), "num_key_value_heads = 8 with num_attention_heads = 4; allowed: a divisor of 4"),
+    (dict(num_key_value_heads=3), "num_key_value_heads = 3 with num_attention_heads = 4; allowed: a divisor of 4"),
+    (dict(n_group=2, topk_group=3), "topk_group = 3 with n_group = 2; allowed: 0..2"),
+    (dict(moe_intermediate_size=[32, 64]), "moe_intermediate_size has 2 entries; allowed: one int, or one per layer"),
+])
+def test_impossible_values_are_refused_naming_the_field(fields, match):
+    cfg = _moe(model_type="x", n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    with pytest.raises(ValueError, match="^--model-config config: " + match) as exc:
+        model_from_hf_config({**cfg, **fields})
+    assert "\n" not in str(exc.value)
+
+
+def test_name_without_name_or_path_is_the_file_stem_or_model_type_not_a_generic_folder(tmp_path):
+    cfg = _moe(model_type="arctic", architectures=["ArcticForCausalLM"], num_local_experts=8, num_experts_per_tok=2)
+    (tmp_path / "cfg").mkdir()
+    for file, name in (("arctic-480b.json", "arctic-480b"), ("config.json", "cfg")):
+        (tmp_path / "cfg" / file).write_text(json.dumps(cfg))
+        assert model_from_hf_config(str(tmp_path / "cfg" / file)).spec.name == name
+    snapshot = tmp_path / ("0123456789abcdef" * 3)[:40]  # a hub-cache snapshots/<commit>/config.json
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text(json.dumps(cfg))
+    assert model_from_hf_config(str(snapshot / "config.json")).spec.name == "arctic"
+    del cfg["model_type"]
+    assert model_from_hf_config(cfg).spec.name == "ArcticForCausalLM"
 
 
 @pytest.mark.parametrize("cfg", [

@@ -5,8 +5,12 @@ the routed-expert count, top-k, the expert width and the shared experts, which l
 MoE, the expert groups, the attention (GQA, or DeepSeek's MLA when ``kv_lora_rank`` is set)
 and the text model of a multimodal wrapper. Checked on the public configs of
 :data:`FAMILIES` (``tests/fixtures/hf_configs``); another ``model_type`` loads the same way
-when it spells its fields like one of them. Only a config with no routed experts is refused
-("not an MoE").
+when it spells its fields like one of them. Refused, with a one-line ValueError naming the
+field: a config with no routed experts ("not an MoE"), a hybrid Mamba config
+(``hybrid_override_pattern`` with ``M`` / ``*`` layers, which have no FFN), and impossible values
+(layer indices or a per-layer list beyond ``num_hidden_layers``, ``num_key_value_heads`` not
+dividing ``num_attention_heads``, ``topk_group > n_group``). ERNIE-4.5-VL's per-modality
+``[text, vision]`` lists are read for the text modality.
 
 Expert width: a dedicated spelling (``moe_intermediate_size``, ...) when the config has one,
 and then ``intermediate_size`` is the dense layers' width; otherwise ``intermediate_size``
@@ -30,7 +34,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .hf_fields import Fields, find_moe_config, layer_map
+from .hf_fields import Fields, find_moe_config, layer_map, text_modality
 from .presets import ModelSpec
 
 __all__ = ["FAMILIES", "HFModel", "load_hf_config", "model_from_hf_config", "moe_layer_map"]
@@ -89,21 +93,33 @@ def moe_layer_map(cfg: dict, where: str = "config") -> tuple[bool, ...]:
         inner = find_moe_config(cfg, where)
     except ValueError:
         inner = cfg
-    return layer_map(inner, where)
+    return layer_map(inner, where)  # layer_map reads ERNIE-VL's text modality itself
 
 
 def _name(outer: dict, inner: dict, path: str | None) -> str:
-    """``_name_or_path`` (its last part), else the folder of the config, else ``model_type``."""
+    """``_name_or_path`` (its last part); else a folder passed as the path; else the file's stem
+    unless it is ``config`` (``cfg/arctic.json``: "arctic"); else the folder of a ``config.json``
+    (a Hugging Face download's layout) unless it is a hub-cache commit hash; else the
+    ``model_type``, else the first of ``architectures``."""
     for cfg in (outer, inner):
         named = cfg.get("_name_or_path")
         if isinstance(named, str) and named.strip():
             return os.path.basename(named.strip().rstrip("/")) or named.strip()
     if path:
-        folder = path if os.path.isdir(path) else os.path.dirname(path)
-        name = os.path.basename(os.path.abspath(folder))
-        if name:
-            return name
-    return str(inner.get("model_type") or outer.get("model_type"))
+        if os.path.isdir(path):
+            return os.path.basename(os.path.abspath(path)) or path
+        stem = os.path.splitext(os.path.basename(path))[0]
+        if stem and stem != "config":
+            return stem
+        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        if folder and not (len(folder) == 40 and all(c in "0123456789abcdef" for c in folder)):
+            return folder
+    for cfg in (inner, outer):
+        arch = cfg.get("architectures")
+        for named in (cfg.get("model_type"), arch[0] if isinstance(arch, list) and arch else None):
+            if isinstance(named, str) and named.strip():
+                return named.strip()
+    return "hf-model"
 
 
 def _attention(f: Fields, D: int, notes: list[str]) -> dict:
@@ -111,6 +127,9 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
     cfg = f.cfg
     heads = f.int("heads")
     kv_heads = f.int("kv_heads", heads)
+    if (kv_heads > heads or heads % kv_heads) and not f.int("kv_lora_rank", 0, minimum=0):
+        raise ValueError(f"--model-config {f.where}: {f.key('kv_heads')} = {kv_heads} with {f.key('heads')} = "
+                         f"{heads}; allowed: a divisor of {heads} (grouped-query attention)")
     out = dict(num_heads=heads, num_kv_heads=kv_heads,
                head_dim=f.int("head_dim", D // heads if D % heads == 0 else None))
     if f.int("kv_lora_rank", 0, minimum=0):
@@ -131,8 +150,6 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
     kinds = [t for t in (types[0] if types else []) if isinstance(t, str) and any(w in t for w in ("linear", "mamba"))]
     attn = cfg.get("attn_type_list")
     kinds += [t for t in (attn if isinstance(attn, list) else []) if t == 0]  # MiniMax: 0 = lightning attention
-    pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: "M" = Mamba layer
-    kinds += [c for c in (pattern if isinstance(pattern, str) else "") if c == "M"]
     if kinds:
         notes.append(f"{len(kinds)} linear-attention / Mamba layers priced as full-attention layers")
     return out
@@ -187,15 +204,26 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
     if not isinstance(outer, dict):
         raise TypeError(f"--model-config is {type(outer).__name__}; allowed: a dict or a path")
     where = repr(path) if path else "config"
-    cfg = find_moe_config(outer, where)
+    cfg, modal = text_modality(find_moe_config(outer, where), where)
     kind = str(cfg.get("model_type") or outer.get("model_type"))
     f = Fields(cfg, where)
     moe = layer_map(cfg, where)
     H, D = len(moe), f.int("hidden")
+    pattern = str(cfg.get("hybrid_override_pattern") or "")  # Nemotron-H, checked by layer_map
+    if "M" in pattern or "*" in pattern:  # a Mamba or attention-only layer has no FFN: no ModelSpec layer
+        raise ValueError(f"--model-config {where}: hybrid Mamba configs are not supported (hybrid_override_"
+                         f"pattern: {pattern.count('M')} Mamba 'M' and {pattern.count('*')} attention '*' layers "
+                         f"without an FFN); allowed: a config whose every layer has an FFN (MoE or dense); for its "
+                         f"{sum(moe)} MoE layers alone pass --model PRESET with --set model.num_layers={sum(moe)} ...")
     notes: list[str] = []
+    if modal:
+        notes.append(f"per-modality [text, vision] {', '.join(modal)}: the text modality (first) is read")
     fields: dict = dict(hidden_size=D, vocab_size=f.int("vocab"), **_attention(f, D, notes))
     fields.update(_experts(f, kind, notes))
-    groups = f.int("groups", 1)
+    groups, topk_group = f.int("groups", 1), f.int("topk_group", 0, minimum=0)
+    if topk_group > groups:
+        raise ValueError(f"--model-config {where}: topk_group = {topk_group} with {f.key('groups') or 'n_group'} = "
+                         f"{groups}; allowed: 0..{groups} (groups a token may route to)")
     if fields["num_experts"] % groups:
         notes.append(f"{groups} expert groups do not divide {fields['num_experts']} experts; groups ignored")
         groups = 1
@@ -210,6 +238,11 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
                       shared_ffn=fields.get("shared_ffn", 0) + dense2)
         notes.append(f"each layer's two dense FFNs are priced as one shared expert of width {dense2}; "
                      f"its second attention block is not priced")
+    if kind == "arctic" and cfg.get("use_residual") is True:  # Arctic: a dense residual MLP beside each MoE
+        fields.update(num_shared_experts=fields.get("num_shared_experts", 0) + 1,
+                      shared_ffn=fields.get("shared_ffn", 0) + D)
+        notes.append(f"use_residual: each MoE layer's residual MLP (width hidden_size {D}) is priced as a "
+                     f"shared expert")
     if num_moe < H:  # intermediate_size_mlp (Llama 4) first: there intermediate_size is the experts'
         fields["dense_ffn"] = f.int("dense_ffn")
     mtp_key = f.key("mtp")
@@ -218,4 +251,4 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
         notes.append(f"{mtp} multi-token-prediction (MTP) layer(s) ({mtp_key}) not modelled")
     spec = ModelSpec(name or _name(outer, cfg, path), num_layers=H, num_moe_layers=num_moe,
                      num_expert_groups=groups, **fields)
-    return HFModel(spec, moe, kind, tuple(notes), f.int("topk_group", 0, minimum=0))
+    return HFModel(spec, moe, kind, tuple(notes), topk_group)

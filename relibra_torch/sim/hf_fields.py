@@ -12,7 +12,8 @@ Layer legend: H hidden (transformer) layers; the MoE map is a bool per hidden la
 
 from __future__ import annotations
 
-__all__ = ["SPELLINGS", "NESTED", "MERGED", "MOE_TYPES", "Fields", "find_moe_config", "layer_map"]
+__all__ = ["SPELLINGS", "NESTED", "MERGED", "MOE_TYPES", "PER_MODALITY", "Fields", "find_moe_config", "layer_map",
+           "text_modality"]
 
 # quantity -> its spellings, in the order they are tried
 SPELLINGS: dict[str, tuple[str, ...]] = {
@@ -47,6 +48,9 @@ MERGED = ("ffn_config", "attn_config", "moe_config")
 MOE_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_vl_moe_text", "qwen3_next", "deepseek_v2", "deepseek_v3",
              "kimi_k2", "glm4_moe", "glm_moe_dsa", "mixtral", "olmoe", "gpt_oss", "llama4_text",
              "minimax_m2", "bailing_moe", "longcat_flash", "ernie4_5_moe", "hunyuan_v1_moe", "dots1")
+# ERNIE-4.5-VL: these may be [text, vision] pairs (one per modality, not per layer)
+PER_MODALITY = ("moe_num_experts", "moe_intermediate_size", "moe_layer_start_index", "moe_layer_end_index",
+                "moe_k", "moe_num_shared_experts")
 
 
 def _is_int(v) -> bool:
@@ -86,14 +90,34 @@ class Fields:
         if isinstance(value, list) and value:
             if not all(_is_int(v) and v >= minimum for v in value):
                 raise ValueError(f"--model-config {self.where}: {key} = {value!r}; allowed: ints >= {minimum}")
+            H = self.int("layers")
+            if len(value) != H:
+                raise ValueError(f"--model-config {self.where}: {key} has {len(value)} entries; allowed: one int, "
+                                 f"or one per layer ({H}, num_hidden_layers)")
             return round(sum(value) / len(value)), list(value)
         return self.int(quantity, default, minimum), None
 
-    def int_list(self, key: str) -> list[int]:
+    def int_list(self, key: str, layers: int) -> list[int]:
+        """Layer indices, each in ``0..layers-1``."""
         value = self.cfg.get(key) or []
-        if not isinstance(value, list) or not all(_is_int(v) and v >= 0 for v in value):
-            raise ValueError(f"--model-config {self.where}: {key} = {value!r}; allowed: a list of layer indices >= 0")
+        if not isinstance(value, list) or not all(_is_int(v) and 0 <= v < layers for v in value):
+            raise ValueError(f"--model-config {self.where}: {key} = {value!r}; allowed: a list of layer indices "
+                             f"0..{layers - 1} (num_hidden_layers {layers})")
         return value
+
+
+def text_modality(cfg: dict, where: str) -> tuple[dict, tuple[str, ...]]:
+    """ERNIE-4.5-VL's per-modality ``[text, vision]`` lists (:data:`PER_MODALITY`, recognised by a
+    list ``moe_layer_start_index`` / ``moe_layer_end_index``) reduced to their text (first)
+    element: ``(config, the keys reduced)``; any other config is returned as is."""
+    if not any(isinstance(cfg.get(k), list) for k in ("moe_layer_start_index", "moe_layer_end_index")):
+        return cfg, ()
+    keys = tuple(k for k in PER_MODALITY if isinstance(cfg.get(k), list))
+    for k in keys:
+        if not cfg[k] or not _is_int(cfg[k][0]):
+            raise ValueError(f"--model-config {where}: {k} = {cfg[k]!r}; allowed: an int, or per-modality "
+                             f"[text, vision] ints (the text one, first, is read)")
+    return {**cfg, **{k: cfg[k][0] for k in keys}}, keys
 
 
 def _has_experts(cfg: dict) -> bool:
@@ -142,15 +166,22 @@ def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:
     ``moe_layer_freq`` as a 0/1 list). Otherwise layer ``i`` is MoE when
     ``i >= first_k_dense_replace`` (or ``first_k_dense``, ``moe_layer_start_index``), ``i <=
     moe_layer_end_index`` (ERNIE; -1 = the last), ``i % moe_layer_freq == 0`` (DeepSeek),
-    ``(i + 1) % decoder_sparse_step == 0`` (Qwen), ``(i + 1) % interleave_moe_layer_step == 0``
-    (Llama 4), ``(i + 1) % moe_layer_interval == 0`` (ERNIE), ``i % expert_layer_period ==
-    expert_layer_offset`` (Jamba), and ``i`` is not in ``mlp_only_layers`` (Qwen).
+    ``(i + 1) % decoder_sparse_step == 0`` (Qwen), ``(i + 1) % moe_layer_frequency == 0``
+    (Arctic), ``(i + 1) % interleave_moe_layer_step == 0`` (Llama 4), ``(i + 1) %
+    moe_layer_interval == 0`` (ERNIE), ``i % expert_layer_period == expert_layer_offset``
+    (Jamba), and ``i`` is not in ``mlp_only_layers`` (Qwen). ERNIE-4.5-VL's per-modality lists
+    are read for the text modality (:func:`text_modality`).
+
+    Raises:
+        ValueError naming the field: a layer index outside ``0..H-1``, or a pattern / flag
+        list whose length is not ``H`` (``hybrid_override_pattern``: one of ``M/E/*/-`` per layer).
     """
+    cfg, _ = text_modality(cfg, where)
     f = Fields(cfg, where)
     H = f.int("layers")
     explicit = cfg.get("moe_layers")
     if explicit is not None:
-        idx = set(f.int_list("moe_layers"))
+        idx = set(f.int_list("moe_layers", H))
         return tuple(i in idx for i in range(H))
     types = cfg.get("mlp_layer_types")
     if isinstance(types, list):
@@ -158,7 +189,13 @@ def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:
             raise ValueError(f"--model-config {where}: mlp_layer_types needs {H} entries of 'dense'/'sparse'")
         return tuple(t == "sparse" for t in types)
     pattern = cfg.get("hybrid_override_pattern")  # Nemotron-H: one char per layer, "E" = MoE
-    if isinstance(pattern, str) and len(pattern) == H:
+    if pattern is not None:
+        if not isinstance(pattern, str) or len(pattern) != H or set(pattern) - set("ME*-"):
+            bad = sorted(set(pattern) - set("ME*-")) if isinstance(pattern, str) else ()
+            n = (f"{len(pattern)} characters" + (f" ({', '.join(map(repr, bad))} unknown)" if bad else "")
+                 if isinstance(pattern, str) else f"{pattern!r}")
+            raise ValueError(f"--model-config {where}: hybrid_override_pattern has {n}; allowed: one of "
+                             f"M/E/*/- per layer ({H}, num_hidden_layers)")
         return tuple(c == "E" for c in pattern)
     blocks = cfg.get("layers_block_type")
     if isinstance(blocks, list) and len(blocks) == H and "moe" in blocks:
@@ -170,6 +207,9 @@ def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:
         except ValueError:
             raise ValueError(f"--model-config {where}: moe_layers_enum = {enum!r}; allowed: comma-separated "
                              f"layer indices") from None
+        if idx and not 0 <= min(idx) <= max(idx) < H:
+            raise ValueError(f"--model-config {where}: moe_layers_enum = {enum!r}; allowed: layer indices "
+                             f"0..{H - 1} (num_hidden_layers {H})")
         return tuple(i in idx for i in range(H))
     freq = cfg.get("moe_layer_freq")
     if isinstance(freq, list):
@@ -181,11 +221,12 @@ def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:
     last = H - 1 if end is None or end == -1 else f.int("moe_layer_end_index", minimum=0)
     freq = f.int("moe_layer_freq", 1)
     step = f.int("decoder_sparse_step", 1)
+    arctic = f.int("moe_layer_frequency", 1)
     inter = f.int("interleave_moe_layer_step", 1)
     interval = f.int("moe_layer_interval", 1)
     period = f.int("expert_layer_period", 1)
     offset = f.int("expert_layer_offset", 0, minimum=0)
-    dense = set(f.int_list("mlp_only_layers"))
-    return tuple(first <= i <= last and i % freq == 0 and (i + 1) % step == 0 and (i + 1) % inter == 0
-                 and (i + 1) % interval == 0 and i % period == offset % period and i not in dense
+    dense = set(f.int_list("mlp_only_layers", H))
+    return tuple(first <= i <= last and i % freq == 0 and (i + 1) % step == 0 and (i + 1) % arctic == 0
+                 and (i + 1) % inter == 0 and (i + 1) % interval == 0 and i % period == offset % period and i not in dense
                  for i in range(H))
