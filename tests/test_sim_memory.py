@@ -23,7 +23,8 @@ from relibra_torch.planning.plan import StepPlan
 from relibra_torch.planning.topology import Topology
 from relibra_torch.sim import cli as sim_cli
 from relibra_torch.sim.memory import (MemoryOptions, activation_bytes_MG, capacity_bytes, param_counts,
-                                      plan_memory, precheck, state_breakdown)
+                                      plan_memory, state_breakdown)
+from relibra_torch.sim.memory_fit import precheck
 from relibra_torch.sim.presets import ModelSpec, get_hardware, get_model
 
 # D 8, F 4, E 4, top-2, GQA 2 heads / 1 KV head x 4, V 16; one dense layer (FFN 6), one MoE
@@ -80,7 +81,7 @@ def test_plan_memory_takes_the_busiest_gpu_and_its_live_slots():
     assert plan_memory(TINY, MemoryOptions(), moved, rows_MLG, tokens_MS).migration_staging == 768
 
 
-def _need(model: ModelSpec, G: int, R: int) -> float:
+def _need(model: ModelSpec, G: int, R: int, act: float = 0.0) -> float:
     """The default recipe counted independently: all-MoE GQA model, untied head, no shared
     experts; 18 bytes per expert parameter, 6 + 12/G per dense one, bf16 + fp32 per slot."""
     D, F, E, L = model.hidden_size, model.moe_ffn, model.num_experts, model.num_layers
@@ -88,7 +89,7 @@ def _need(model: ModelSpec, G: int, R: int) -> float:
     dense = L * (2 * D * h * dh + 2 * D * kv * dh + 2 * D + D * E) + 2 * model.vocab_size * D + D
     experts = L * E * 3 * D * F
     staging = 3 * (E // G) * D * F * 4
-    return experts * 18 / G + dense * (6 + 12 / G) + max(L * R * 3 * D * F * 6, staging)
+    return experts * 18 / G + dense * (6 + 12 / G) + max(L * R * 3 * D * F * 6 + act, staging)
 
 
 @settings(max_examples=40, deadline=None)
@@ -107,7 +108,8 @@ def test_refusal_iff_the_need_exceeds_the_capacity(D, F, L, log_E, nodes, gpn, R
     for k, v in sets.items():
         argv += ["--set", f"model.{k}={v}"]
     model = dataclasses.replace(get_model("qwen3-30b-a3b"), **sets)
-    need = _need(model, nodes * gpn, R)
+    from relibra_torch.sim.memory_fit import synthetic_activations  # the default trace's 8192 tokens per GPU
+    need = _need(model, nodes * gpn, R, synthetic_activations(model, MemoryOptions(), 8192))
     cap = get_hardware(hardware).hbm_gb * 1e9 * 0.9
     try:
         sim_cli.resolve(build_parser().parse_args(argv))
@@ -159,7 +161,7 @@ def test_refusal_is_one_line_before_any_trace(capsys, monkeypatch):
     assert len(lines) == 1 and "Traceback" not in err
     assert lines[0].startswith("relibra simulate: error: memory: qwen3-235b-a22b on 2 x 8 h200 (EP 16, R=2) needs ")
     assert "GB per GPU" in lines[0] and "126.9 GB is available" in lines[0]
-    assert "--nodes 16 or more" in lines[0] and "--set memory.shard=params" in lines[0]
+    assert "--nodes 16 (EP 128)" in lines[0] and "--set memory.shard=grads (now optimizer) with --nodes 8" in lines[0]
 
 
 def test_ignore_memory_runs_with_a_warning_and_the_json_has_the_peaks(tmp_path, capsys):
@@ -241,3 +243,40 @@ def test_memory_section_of_config_and_set(tmp_path):
         memory("--set", "memory.recompute=some")
     with pytest.raises(ValueError, match=r"memory.grad_bytes = 'x'; allowed: an int"):
         memory("--set", "memory.grad_bytes=x")
+
+
+def test_advice_counts_activations_and_names_only_changes_that_fit(capsys):
+    """Mixtral on one node of 8: the early check counts the activations, says the exact
+    replica slots, and no --nodes (no EP size above 8 divides 8 experts); the fix it names
+    passes the same check."""
+    from relibra_torch.sim.memory_fit import TraceShape, precheck, synthetic_activations
+    model = dataclasses.replace(get_model("qwen3-30b-a3b"), name="mix", num_experts=8, top_k=2, hidden_size=4096,
+                                moe_ffn=14336, num_layers=32, num_moe_layers=32)
+    hw, o = get_hardware("h200"), MemoryOptions()
+    act = synthetic_activations(model, o, 8192)
+    trace = TraceShape("synthetic", 8192)
+    msg = precheck(model, Topology(1, 8, 8, 2), hw, o, True, act, trace)
+    assert f"activations {act / 1e9:,.1f} GB" in msg and act > 0
+    assert "or fewer" not in msg and "--nodes 2" not in msg and "more --nodes cannot help" in msg
+    # no single change fits: the first pair does (the same terms, activations included)
+    sh, r = re.search(r"fix: --set memory.shard=(\w+) \(now optimizer\) with --replica-slots (\d+) \(now 2\);",
+                      msg).groups()
+    assert precheck(model, Topology(1, 8, 8, int(r)), hw, dataclasses.replace(o, shard=sh), True, act, trace) is None
+    assert precheck(model, Topology(1, 8, 8, int(r)), hw, o, True, act, trace) is not None
+    # loads file: the tokens are the file's, --micro-batch-tokens does not apply, no --nodes
+    b = precheck(model, Topology(1, 8, 8, 0), hw, o, True, 1e12, TraceShape("loads", 10 ** 6))
+    assert "--micro-batch-tokens does not apply" in b and "a smaller --micro-batch-tokens" not in b
+    assert "--nodes" not in b.split("; or --ignore-memory")[0].replace("more --nodes cannot help", "")
+    # synthetic: the smaller --micro-batch-tokens it names fits
+    s = precheck(model, Topology(1, 8, 8, 0), hw, o, True, 20e9, TraceShape("synthetic", 8192))
+    T = int(re.search(r"--micro-batch-tokens (\d+) \(now 8192\)", s).group(1))
+    assert T < 8192 and precheck(model, Topology(1, 8, 8, 0), hw, o, True, 20e9 * T / 8192) is None
+
+
+def test_loads_file_refusal_does_not_advise_micro_batch_tokens(tmp_path, capsys):
+    from test_sim_cli import loads_file
+    loads_file(tmp_path / "l.safetensors")
+    rc, _, err = _run(capsys, str(tmp_path / "l.safetensors"), "--nodes", "1", "--gpus-per-node", "4",
+                      "--no-progress", "--set", "hardware.hbm_gb=1")
+    assert rc == 2 and "memory: qwen3-30b-a3b on 1 x 4" in err
+    assert "--micro-batch-tokens" not in err.replace("--micro-batch-tokens does not apply", "")

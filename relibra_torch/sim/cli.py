@@ -36,7 +36,8 @@ from .baselines import SECTIONS as BASELINE_SECTIONS
 from .baselines import baseline_options
 from .cost import CostOptions
 from .dispatch import DISPATCH_MODES
-from .memory import memory_settings, memory_verdict, peak_warnings, precheck, replicating, workload_activations
+from .memory import memory_settings, memory_verdict, peak_warnings, replicating, workload_activations
+from .memory_fit import TraceShape, home_activations, precheck, synthetic_activations
 from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_config_file,
                       parse_override)
@@ -246,9 +247,15 @@ def resolve(args: argparse.Namespace) -> dict:
     if not isinstance(opts["refetch_replicas"], bool):
         raise ValueError(f"--refetch-replicas = {opts['refetch_replicas']!r}; allowed: true or false")
     memory = memory_settings(file_cfg, args.set or [])
-    # weights, gradients, optimizer state and replica slots: refused before any trace or plan
-    warnings = memory_verdict(precheck(model, topology, hardware, memory, replicating(systems)),
-                              opts["ignore_memory"], [])
+    # the state, replica slots and the ideal system's activations: refused before any trace
+    # when a synthetic trace of fixed packing sets them (every rank holds --micro-batch-tokens);
+    # otherwise once the trace or file is read (run), so the advice counts the same terms
+    warnings = []
+    if not args.file and opts["trace"] in FAMILIES and opts["packing"] == "fixed":
+        act = synthetic_activations(model, memory, opts["micro_batch_tokens"])
+        warnings = memory_verdict(precheck(model, topology, hardware, memory, replicating(systems), act,
+                                           TraceShape("synthetic", opts["micro_batch_tokens"])),
+                                  opts["ignore_memory"], [])
     return {**opts, "memory": memory, "memory_warnings": warnings,
             "model_spec": model, "hardware_spec": hardware, "topology": topology,
             "systems": systems,
@@ -360,11 +367,14 @@ def run(args: argparse.Namespace) -> int:
                                    s["skew"])
     # the ideal system's activations are a lower bound for every plan: refuse before planning
     act = workload_activations(model, s["memory"], workload, s["warmup_steps"])
-    memory_verdict(precheck(model, topo, s["hardware_spec"], s["memory"], replicating(s["systems"]), act),
+    trace = _trace_shape(args, s, workload)
+    home = home_activations(model, s["memory"], workload, s["warmup_steps"])
+    memory_verdict(precheck(model, topo, s["hardware_spec"], s["memory"], replicating(s["systems"]), act, trace,
+                            home),
                    s["ignore_memory"], s["memory_warnings"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
                        baseline_options=s["baseline_options"], memory=s["memory"],
-                       memory_check=not s["ignore_memory"])
+                       memory_check=not s["ignore_memory"], memory_trace=trace)
     if getattr(args, "compare_ep", None):
         from .layouts import run_compare  # --compare-ep
         return run_compare(args, s, workload, config)
@@ -414,6 +424,14 @@ def run(args: argparse.Namespace) -> int:
         write_plot(result, s["plot"])
         out.print(f"wrote {s['plot']}")
     return 0
+
+
+def _trace_shape(args, s: dict, workload) -> TraceShape:
+    """What sets the activations, for a memory refusal's advice (memory_fit.TraceShape)."""
+    if not args.file:
+        return TraceShape("synthetic", s["micro_batch_tokens"], workload.num_micro_batches)
+    kind = "loads" if workload.source.startswith("loads file") else "routing"
+    return TraceShape(kind, int(workload.tokens_XMS.max()), workload.num_micro_batches)
 
 
 def _memory_warnings(err, texts: list[str]) -> None:

@@ -33,7 +33,7 @@ from .presets import HardwareSpec, ModelSpec, parse_override
 
 __all__ = ["MemoryOptions", "MemoryBreakdown", "SHARD_LEVELS", "RECOMPUTE_MODES", "memory_options",
            "param_counts", "capacity_bytes", "state_breakdown", "activation_bytes_MG",
-           "plan_memory", "ideal_memory", "check_fits", "fit_hint", "precheck", "memory_settings",
+           "plan_memory", "ideal_memory", "check_fits", "memory_settings",
            "memory_verdict", "replicating", "workload_activations", "peak_warnings"]
 
 SHARD_LEVELS = ("none", "optimizer", "grads", "params")
@@ -298,20 +298,6 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:,.1f} GB"
 
 
-def fit_hint(model: ModelSpec, gpus_per_node: int, options: MemoryOptions, capacity: float,
-             live_slots: int, activations: float = 0.0) -> int | None:
-    """The fewest nodes (an EP size that divides the experts) at which the state,
-    ``live_slots`` replica buffers and ``activations`` fit ``capacity``; ``None`` if none."""
-    for nodes in range(1, model.num_experts // gpus_per_node + 1):
-        G = nodes * gpus_per_node
-        if model.num_experts % G:
-            continue
-        b = dataclasses.replace(state_breakdown(model, G, options, live_slots), activations=activations)
-        if b.peak <= capacity:
-            return nodes
-    return None
-
-
 def check_fits(b: MemoryBreakdown, capacity: float, what: str, advice: str) -> str | None:
     """``None`` when ``b.peak`` fits ``capacity``; else the one-line message (for a
     ``ValueError``, or a warning under ``--ignore-memory``)."""
@@ -323,40 +309,6 @@ def check_fits(b: MemoryBreakdown, capacity: float, what: str, advice: str) -> s
              f"{_gb(b.migration_staging)}")
     return (f"memory: {what} needs {_gb(b.peak)} per GPU ({parts}) but {_gb(capacity)} is available; "
             f"{advice}; or --ignore-memory for a what-if run")
-
-
-def precheck(model: ModelSpec, topology, hardware: HardwareSpec, options: MemoryOptions,
-             replicating: bool, activations: float = 0.0) -> str | None:
-    """The check before any planning: weights, gradients, optimizer state, every replica
-    slot filled (when a replicating system runs; EPLB fills them all), migration staging and
-    ``activations`` (the ideal system's, a lower bound for every plan). ``None`` if it fits,
-    else the one-line message with what to change."""
-    R, g = topology.replica_slots, topology.gpus_per_node
-    L = model.num_moe_layers if replicating else 0
-    b = dataclasses.replace(state_breakdown(model, topology.num_gpus, options, L * R), activations=activations)
-    cap = capacity_bytes(hardware, options)
-    if b.peak <= cap:
-        return None
-    fixes = []
-    nodes = fit_hint(model, g, options, cap, L * R, activations)
-    if nodes is not None and nodes != topology.num_nodes:
-        fixes.append(f"--nodes {nodes} or more")
-    if options.shard != "params":
-        sharded = dataclasses.replace(options, shard="params")
-        nodes = fit_hint(model, g, sharded, cap, L * R, activations)
-        if nodes is not None:
-            fixes.append(f"--set memory.shard=params (now {options.shard}; dense weights, gradients and "
-                         f"optimizer state sharded over the GPUs) with --nodes {nodes} or more")
-    fewer = [r for r in range(R) if dataclasses.replace(b, replica_slots=float(
-        L * r * model.expert_params() * (options.param_bytes + options.grad_bytes))).peak <= cap]
-    if fewer:
-        fixes.append(f"--replica-slots {max(fewer)} or fewer (now {R})")
-    if activations and not fixes:
-        fixes.append("a smaller --micro-batch-tokens")
-    what = (f"{model.name} on {topology.num_nodes} x {g} {hardware.name} "
-            f"(EP {topology.num_gpus}, R={R})")
-    return check_fits(b, cap, what, "fix: " + ("; or ".join(fixes) if fixes else
-                                                 "nothing in reach (the experts do not fit at any EP size)"))
 
 
 # --- the CLI's side: settings, the checks around planning, warnings ----------------------

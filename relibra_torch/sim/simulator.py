@@ -42,7 +42,8 @@ from .baselines import BaselineOptions
 from .bound import balanced_at_own_bytes_s, bound_step_cost
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
-from .memory import MemoryBreakdown, MemoryOptions, capacity_bytes, check_fits, ideal_memory, plan_memory
+from .memory import MemoryBreakdown, MemoryOptions, ideal_memory, plan_memory
+from .memory_fit import TraceShape, refusal
 from .presets import HardwareSpec, ModelSpec
 from .workload import Workload, measured_micro_batches
 
@@ -117,6 +118,7 @@ class SimConfig:
     memory: MemoryOptions = field(default_factory=MemoryOptions)
     memory_check: bool = False
     memory_world: int | None = None  # GPUs of the dense part's data-parallel group (None: the EP size)
+    memory_trace: TraceShape | None = None  # what sets the activations (a refusal's advice)
 
     def __post_init__(self) -> None:
         if self.topology.num_experts != self.model.num_experts:
@@ -379,15 +381,13 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
 
 
 def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
-    """Refuse (``ValueError``) a plan whose busiest GPU does not fit, when asked to."""
-    if not config.memory_check:
-        return
+    """Refuse (``ValueError``) a plan whose busiest GPU does not fit, when asked to, with the
+    changes after which the plan's terms fit (memory_fit.refusal)."""
     topo = config.topology
-    msg = check_fits(b, capacity_bytes(config.hardware, config.memory),
-                     f"{name}'s plan of step {step} ({config.model.name} on {topo.num_nodes} x "
-                     f"{topo.gpus_per_node} {config.hardware.name}, R={topo.replica_slots})",
-                     "use more --nodes, fewer --replica-slots, a smaller --micro-batch-tokens or "
-                     "--set memory.shard=params (dense weights, gradients and optimizer state sharded)")
+    msg = config.memory_check and refusal(
+        b, config.model, topo, config.hardware, config.memory,
+        f"{name}'s plan of step {step} ({config.model.name} on {topo.num_nodes} x {topo.gpus_per_node} "
+        f"{config.hardware.name}, R={topo.replica_slots})", config.memory_trace)
     if msg:
         raise ValueError(msg)
 
