@@ -46,7 +46,8 @@ class ExpertClient:
         timeout_s: how long to wait for an expert rank's ``DONE``.
 
     ``events`` records, per request, the expert rank's tiles done per phase when ``READY``
-    was raised and when ``DONE`` was seen (``(expert_rank, layer, tiles_at_ready,
+    was raised (read just before and just after raising it; the later where a tile ended in
+    between) and when ``DONE`` was seen (``(expert_rank, layer, tiles_at_ready,
     tiles_at_done)``): what the no-cross-phase-blocking test counts.
     """
 
@@ -80,8 +81,13 @@ class ExpertClient:
         b.set_flag(m, LAYER, layer)
         b.set_flag(m, ROWS, n)
         self.seq[r] += 1
-        self.events.append((r, layer, self._tiles(r), []))
+        before = self._tiles(r)
         b.set_flag(m, READY, self.seq[r])  # last: the data above is visible before it
+        after = self._tiles(r)
+        # the counts when READY was raised: exact where no tile ended while it was written,
+        # else the later counts (a tile ended between the reads: the earlier ones would charge
+        # that tile to the wait)
+        self.events.append((r, layer, before if before == after else after, []))
 
     def receive(self, r: int, n: int) -> torch.Tensor:
         """Wait for the DONE of the last request to expert rank ``r``; its ``n`` output rows."""
