@@ -31,13 +31,14 @@ PRICED = priced_config(2048, 768, "h200")
 
 
 def _exact_margin_L(*args):
-    """The guard's exact margin: ``_margin_L`` without its one-node quick bound (an upper
-    bound that stands in where it keeps every layer). The tests set their floors around
-    these values."""
+    """The guard's exact margin ``U_l + W_l`` and the full search's floor ``F``
+    (``worth.Tiers``) without its one-node quick bound (an upper bound that stands in where
+    it keeps every layer). The tests set their floors around these values."""
     def never(loads_MLSE, *rest):
         return (torch.full((loads_MLSE.shape[1],), math.inf, dtype=torch.float64),) * 2
     with mock.patch.object(worth, "_quick_bound_L", never):
-        return worth._margin_L(*args)
+        tiers = worth._tiers(*args)
+    return tiers.margin_L(), tiers.floor
 
 
 def _collapsed(topo: Topology, M: int, L: int, seed: int, hot: float, tokens: int = 400) -> torch.Tensor:

@@ -209,14 +209,15 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
     """A layer given copies costs every rank its schedules (``rank_schedules`` builds every
     layer's), so the guard takes ``plan_schedule_s * M / 8`` per layer out of the window a
     rank's share plans in: ``L / ceil(L / G)`` times it off the layer's margin."""
-    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _margin_L, _tiers
+    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _tiers
     topo, loads_MLSE, placement_LE = _random_case(4, 2, 2, 2, 2, 12, 3, 6.0)     # M = 12, L = 3, G = 4
     base = dataclasses.replace(PRICED, plan_schedule_s=0.0)
     for total in (3, 10):
         share = -(-total // topo.num_gpus)
-        m0, f0 = _margin_L(loads_MLSE, topo, placement_LE, base, total)
-        m1, f1 = _margin_L(loads_MLSE, topo, placement_LE, dataclasses.replace(base, plan_schedule_s=2e-3), total)
-        assert f0 == f1
+        t0 = _tiers(loads_MLSE, topo, placement_LE, base, total)
+        t1 = _tiers(loads_MLSE, topo, placement_LE, dataclasses.replace(base, plan_schedule_s=2e-3), total)
+        assert t0.floor == t1.floor
+        m0, m1 = t0.margin_L(), t1.margin_L()
         torch.testing.assert_close(m0 - m1, torch.full_like(m0, 2e-3 * 12 / 8 * total / share), rtol=1e-9, atol=0)
         # a light layer's schedules cost LIGHT_SCHEDULE_SHARE of that: one residency per copy
         w0 = _tiers(loads_MLSE, topo, placement_LE, base, total).light_window_L()
@@ -237,7 +238,7 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     at least the exact gain bound and window, per layer, and where it keeps every layer the
     exact margin keeps them too (so the tiers are the same as from the exact margin alone).
     Loads scaled up to 1000x and floors up to 10 s put layers in either tier, and in neither."""
-    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _margin_L, _quick_bound_L, _tiers
+    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _quick_bound_L, _tiers
 
     topo, loads_MLSE, placement_LE = _random_case(seed, 1, g, El, 2, M, L, skew)
     loads_MLSE = loads_MLSE * scale
@@ -247,8 +248,8 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     gain_L, forward_L = gain_bound_L(loads_MLSE, topo, placement_LE, config)
     assert bool((quick_gain_L >= gain_L - 1e-15).all()) and bool((quick_forward_L >= forward_L - 1e-15).all())
     total = max(total, L)
-    margin_L, floor = _margin_L(loads_MLSE, topo, placement_LE, config, total)
     got = _tiers(loads_MLSE, topo, placement_LE, config, total)
+    margin_L, floor = got.margin_L(), got.floor
     light_floor = got.light_floor
     share = -(-total // topo.num_gpus)
     k, sched = total / share, config.plan_schedule_s * M / 8

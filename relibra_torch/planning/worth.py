@@ -259,13 +259,6 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     return tiers(gain_bound_L)
 
 
-def _margin_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
-              total_layers: int | None) -> tuple[torch.Tensor, float]:
-    """float64 ``[L]`` ``U_l + W_l`` and the floor ``F`` of the full search (:func:`_tiers`)."""
-    t = _tiers(loads_MLSE, topology, placement_LE, config, total_layers)
-    return t.margin_L(), t.floor
-
-
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
                      total_layers: int | None = None) -> torch.Tensor:
     """bool ``[L]``: whether the full search may repay its host time on each layer (module
