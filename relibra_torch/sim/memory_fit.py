@@ -19,7 +19,8 @@ from .memory import (SHARD_LEVELS, MemoryBreakdown, MemoryOptions, activation_by
                      check_fits, state_breakdown)
 from .presets import HardwareSpec, ModelSpec
 
-__all__ = ["TraceShape", "synthetic_activations", "home_activations", "fit_fixes", "refusal", "precheck"]
+__all__ = ["TraceShape", "synthetic_activations", "home_activations", "larger_ep_nodes", "fit_fixes", "refusal",
+           "precheck"]
 
 
 def synthetic_activations(model: ModelSpec, options: MemoryOptions, tokens_per_gpu: int) -> float:
@@ -51,6 +52,12 @@ def home_activations(model: ModelSpec, options: MemoryOptions, workload, warmup_
         2).view(M, L, S, E // S).sum(-1)).max()) for x in range(warmup_steps, X)), default=0.0)
 
 
+def larger_ep_nodes(model: ModelSpec, topology) -> list[int]:
+    """Node counts above ``topology``'s whose EP size (nodes x GPUs per node) divides the experts."""
+    g = topology.gpus_per_node
+    return [n for n in range(topology.num_nodes + 1, model.num_experts // g + 1) if model.num_experts % (n * g) == 0]
+
+
 def fit_fixes(b: MemoryBreakdown, model: ModelSpec, topology, hardware: HardwareSpec, options: MemoryOptions,
               trace: TraceShape | None = None) -> list[str]:
     """Option changes after which ``b`` fits: every single change that does (its least step
@@ -61,8 +68,7 @@ def fit_fixes(b: MemoryBreakdown, model: ModelSpec, topology, hardware: Hardware
     the GPUs. Only EP sizes that divide the experts are tried."""
     cap, g, G0, R = capacity_bytes(hardware, options), topology.gpus_per_node, topology.num_gpus, topology.replica_slots
     kind = trace.kind if trace else ""
-    nodes = [] if kind == "loads" else [n for n in range(topology.num_nodes + 1, model.num_experts // g + 1)
-                                        if model.num_experts % (n * g) == 0]
+    nodes = [] if kind == "loads" else larger_ep_nodes(model, topology)
     shards = list(SHARD_LEVELS[SHARD_LEVELS.index(options.shard) + 1:])
     slots = list(range(R - 1, -1, -1)) if b.replica_slots > 0 else []
 
@@ -119,24 +125,25 @@ def fit_fixes(b: MemoryBreakdown, model: ModelSpec, topology, hardware: Hardware
 
 
 def refusal(b: MemoryBreakdown, model: ModelSpec, topology, hardware: HardwareSpec, options: MemoryOptions,
-            what: str, trace: TraceShape | None = None, advice: MemoryBreakdown | None = None) -> str | None:
+            what: str, trace: TraceShape | None = None, advice: MemoryBreakdown | None = None,
+            after: str = "") -> str | None:
     """:func:`check_fits` with the :func:`fit_fixes` of ``b`` as the advice (and, when no
     larger EP size divides the experts, the EP sizes that do); ``advice``: the terms the fixes
-    must fit instead of ``b``'s."""
+    must fit instead of ``b``'s; ``after``: said after the advice (what the fixes count)."""
     cap = capacity_bytes(hardware, options)
     if b.peak <= cap:
         return None
     fixes = fit_fixes(advice or b, model, topology, hardware, options, trace)
     E, G = model.num_experts, topology.num_gpus
     note = ""
-    if not any(E % (n * topology.gpus_per_node) == 0 for n in range(topology.num_nodes + 1, E + 1)):
+    if not larger_ep_nodes(model, topology):
         note = (f" (more --nodes cannot help: no EP size above {G} divides the {E} experts; EP sizes: "
                 f"{', '.join(str(d) for d in range(1, E + 1) if E % d == 0)})")
     elif trace and trace.kind == "loads":
         note = " (a loads file is used as batched: its GPUs are fixed)"
     advice = ("fix: " + "; or ".join(fixes) if fixes else
               "nothing in reach by one or two of --set memory.shard, --replica-slots, --nodes, the tokens")
-    return check_fits(b, cap, what, advice + note)
+    return check_fits(b, cap, what, advice + note + after)
 
 
 def precheck(model: ModelSpec, topology, hardware: HardwareSpec, options: MemoryOptions,
@@ -156,6 +163,5 @@ def precheck(model: ModelSpec, topology, hardware: HardwareSpec, options: Memory
         return refusal(b, model, topology, hardware, options, what, trace)
     # the fixes make the busiest GPU of the unbalanced plan fit too (a plan's own check)
     worst = dataclasses.replace(b, activations=advice_activations)
-    msg = refusal(b, model, topology, hardware, options, what, trace, worst)
-    return msg and msg.replace("; or --ignore-memory", f" (the fixes count static's activations, "
-                                                       f"{advice_activations / 1e9:,.1f} GB); or --ignore-memory")
+    return refusal(b, model, topology, hardware, options, what, trace, worst,
+                   f" (the fixes count static's activations, {advice_activations / 1e9:,.1f} GB)")
