@@ -106,15 +106,17 @@ def _window(args) -> tuple[float, float]:
     return start, float(args.window)
 
 
-def check_options(args) -> None:
+def check_options(args) -> tuple[tuple[str, ...], tuple[float, float]]:
     """Check what needs no file read, before any work: the output paths, the systems, the
-    seed, the window and the worker count (one line naming the option)."""
+    seed, the window and the worker count (one line naming the option). Returns the systems
+    and ``(window start, window)``."""
     check_output_path("json", args.json)
     check_output_path("plot", args.plot)
-    _systems(args.systems)
+    systems = _systems(args.systems)
     check_int("--seed", args.seed, 0, (1 << 63) - 1)
-    _window(args)
+    window = _window(args)
     check_int("--jobs", args.jobs)
+    return systems, window
 
 
 def setup_from_args(args):
@@ -125,8 +127,7 @@ def setup_from_args(args):
     from .requests import load_trace, poisson_requests
     from .routing import popularity_from_file, synthetic_popularity
 
-    check_options(args)  # before any file is read and the search runs
-    systems = _systems(args.systems)
+    systems, (start, window) = check_options(args)  # before any file is read and the search runs
     sets = _overrides(args.set)
     if args.model_config:
         from ..sim.hf_config import model_from_hf_config
@@ -152,7 +153,6 @@ def setup_from_args(args):
     else:
         path = args.trace or str(shared_data_dir() / DEFAULT_TRACE)
         reqs = load_trace(path)
-        start, window = _window(args)
         if window:
             reqs = reqs.window(start, window)
         if args.rate is not None:
@@ -182,8 +182,8 @@ def run(args) -> int:
     from .compare import compare
     from .report import print_report, write_json, write_plot
 
-    setup = setup_from_args(args)  # checks the options before the trace is read (check_options)
-    jobs = check_int("--jobs", args.jobs)
+    setup = setup_from_args(args)  # checks the options, --jobs included, before the trace is read
+    jobs = args.jobs
     console = Console()
     if not console.is_terminal:  # a file or pipe: wide enough for the table's columns
         console = Console(width=180)
