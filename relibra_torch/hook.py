@@ -40,7 +40,7 @@ from .moe.schedule_batch import rank_schedules, share_splits
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.base import layer_share
 from .planning.evaluate import imbalance
-from .planning.plan import planner_digest
+from .planning.base import planner_digest
 from .planning.pricing import relibra_config_for
 from .replay.counts import count_micro_batches, count_pairs
 
@@ -253,17 +253,22 @@ class ReplayBalancer:
         st = torch.zeros(M, P, G, J, dtype=torch.int64)
         sp = torch.zeros(M, P, G, G, J, dtype=torch.int64)
         nat = torch.zeros(P, dtype=torch.int64)
+        g = self.topology.gpus_per_node
+        rel = torch.zeros(M, P, G, g, dtype=torch.int64)  # relays (planning.relay)
         if part is not None:
             n = part.num_layers
             place[:n], se[:, :n], st[:, :n] = part.placement_LE, part.slot_expert_MLGJ, part.slot_tokens_MLGJ
             sp[:, :n], nat[:n] = split
-        flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1), sp.view(-1), nat]))
-        sizes = [P * E, M * P * G * J, M * P * G * J, M * P * G * G * J, P]
-        place_S, se_S, st_S, sp_S, nat_S = flat.split(sizes, dim=1)
+            if part.relay_MLGg is not None:
+                rel[:, :n] = part.relay_MLGg
+        flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1), sp.view(-1), nat, rel.view(-1)]))
+        sizes = [P * E, M * P * G * J, M * P * G * J, M * P * G * G * J, P, M * P * G * g]
+        place_S, se_S, st_S, sp_S, nat_S, rel_S = flat.split(sizes, dim=1)
         layer_r, layer_k = torch.arange(L) % S, torch.arange(L) // S
         pick = (lambda t, *shape: t.reshape(S, M, P, *shape)[layer_r, :, layer_k].transpose(0, 1).contiguous())
+        relay = pick(rel_S, G, g)
         plan = StepPlan(self.topology, place_S.reshape(S, P, E)[layer_r, layer_k].clone(), pick(se_S, G, J),
-                        pick(st_S, G, J), self.planner.name, previous_LE.clone())
+                        pick(st_S, G, J), self.planner.name, previous_LE.clone(), relay if relay.any() else None)
         return plan, pick(sp_S, G, G, J), nat_S.reshape(S, P)[layer_r, layer_k].to(torch.bool)
 
     def _gather_loads(self, counts_MLE: torch.Tensor) -> torch.Tensor:

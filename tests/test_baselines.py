@@ -321,6 +321,7 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
         "planning_split": True,
         "relibra_cross_node_replicas": True, "relibra_reorder": True, "relibra_traffic_search": True,
         "relibra_balance": True, "relibra_two_hop": True, "relibra_choose": False, "relibra_spread_fills": True,
+        "relibra_relay": True,
         "relibra_max_swap_rounds": 64,
         "relibra_swap_candidates": 8, "relibra_plan_floor_s": PLAN_FLOOR_S, "relibra_plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
         "relibra_plan_layer_s": PLAN_LAYER_S, "relibra_plan_layer_nodes_s": PLAN_LAYER_NODES_S,

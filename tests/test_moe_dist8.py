@@ -107,3 +107,39 @@ def test_hierarchical_dispatch_on_2x4(pool):
         results = pool.run(fns.run_dispatch_modes, case)
         fns.check_dispatch_modes(case, results)
         check_rows_against_the_simulator(case, plan, loads, results, (7, 6))
+
+
+def random_relays(tokens: list[int], gpus_per_node: int, gen: torch.Generator) -> torch.Tensor:
+    """int64 ``[1, 1, G, g]``: every rank hands a random part of its tokens to random GPUs of
+    its node (never itself), at most all of them."""
+    G, g = len(tokens), gpus_per_node
+    relay = torch.zeros(1, 1, G, g, dtype=torch.int64)
+    for r, T in enumerate(tokens):
+        k = int(torch.randint(0, T + 1, (1,), generator=gen))
+        for _ in range(k):
+            p = int(torch.randint(0, g, (1,), generator=gen))
+            if p != r % g:
+                relay[0, 0, r, p] += 1
+    return relay
+
+
+def test_relays_on_2x4(pool):
+    """Relayed tokens (planning.relay) under hierarchical dispatch: outputs and every gradient
+    equal to flat dispatch and to one process; rows per GPU, relayed rows and collectives
+    equal to what the simulator counts (7 + 3 forward, 6 + 3 backward)."""
+    from test_moe_dist4 import check_rows_against_the_simulator
+    gen = torch.Generator().manual_seed(61)
+    tokens = [7, 0, 3, 9, 2, 5, 1, 6]
+    relayed = 0
+    for i, kind in enumerate(["random-general", "relibra", "static"]):
+        ids = fns.with_pads(fns.make_routing("skewed", tokens, 16, 3, gen), gen)
+        case = fns.Case(N, GPN, 16, 3, 2, 120 + i, ids, refetch=i == 1, shared=i == 2)
+        loads = fns.loads_of(ids, 16)
+        plan = dataclasses.replace(fns.planner_plan(kind, case.topology(), loads, gen),
+                                   relay_MLGg=random_relays(tokens, GPN, gen))
+        case = fns.with_plan(case, plan)
+        results = pool.run(fns.run_dispatch_modes, case)
+        fns.check_dispatch_modes(case, results)
+        check_rows_against_the_simulator(case, plan, loads, results, (10, 9))
+        relayed += sum(res["hierarchical"]["exchange"]["relay_rows"] for res in results)
+    assert relayed > 0

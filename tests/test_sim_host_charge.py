@@ -83,7 +83,7 @@ def test_relibra_section_switches_each_mechanism():
                                          "choose": "false"}})
     assert opts.relibra_fields() == {"cross_node_replicas": False, "reorder": True, "traffic_search": False,
                                      "balance": False, "two_hop": True, "choose": False, "spread_fills": True,
-                                     "max_swap_rounds": 64, "swap_candidates": 8,
+                                     "relay": True, "max_swap_rounds": 64, "swap_candidates": 8,
                                      "plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
                                      "plan_layer_s": PLAN_LAYER_S, "plan_layer_nodes_s": PLAN_LAYER_NODES_S,
                                      "light_share": LIGHT_SHARE, "plan_schedule_s": PLAN_SCHEDULE_S}
@@ -210,7 +210,8 @@ def test_the_simulator_charges_split_bytes_only_where_splits_travel(monkeypatch)
     P = -(-L // G)
     for name, splits in (("eplb-oracle", 0), ("relibra", 1)):
         _, secs, _ = sim.plan_as_run(make_planner(name, topo), loads, None, config)
-        gathered = G * 8 * P * (E + 2 * M * G * J + splits * (M * G * G * J + 1))   # + each layer's native flag
+        g = topo.gpus_per_node  # every planner's relays travel too (planning.relay; zeros where none)
+        gathered = G * 8 * P * (E + 2 * M * G * J + M * G * g + splits * (M * G * G * J + 1))   # + native flags
         want = 3 * hw.inter_node_latency_us * 1e-6 + gathered * (G - 1) / G / (hw.inter_node_gbps * 1e9)
         assert abs(secs - want) < 1e-12, (name, secs, want)
 

@@ -62,8 +62,10 @@ class ExchangeCounts:
             hierarchical: see the module docstring). Combine sends as many back.
         cross_node_recv_rows / intra_node_recv_rows: the same, received.
         collectives_forward / collectives_backward: collectives of the exchange (size
-            exchange, dispatch, combine) in forward and in the backward that follows it
+            exchange, dispatch, combine, relays) in forward and in the backward that follows it
             (fills and the plan check are not included).
+        relay_rows / relay_recv_rows: tokens handed to / taken from GPUs of this node before
+            the exchange (``distributed.relay``); combine hands as many back.
     """
 
     cross_node_rows: int = 0
@@ -72,6 +74,8 @@ class ExchangeCounts:
     intra_node_recv_rows: int = 0
     collectives_forward: int = 0
     collectives_backward: int = 0
+    relay_rows: int = 0
+    relay_recv_rows: int = 0
 
     def __add__(self, other: "ExchangeCounts") -> "ExchangeCounts":
         return ExchangeCounts(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -155,7 +159,8 @@ def _fan_out(code_RK: torch.Tensor, gates_RK: torch.Tensor, width: int, pieces: 
 
 
 def hierarchical_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: torch.Tensor,
-                          topology: Topology, rank: int, group: dist.ProcessGroup) -> HierarchicalExchange:
+                          topology: Topology, rank: int, group: dist.ProcessGroup,
+                          counts: ExchangeCounts | None = None) -> HierarchicalExchange:
     """Send this rank's pairs to their slots in two stages (see the module docstring).
 
     Args:
@@ -163,11 +168,12 @@ def hierarchical_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: t
         dest_TK: int64 destination slot ``gpu * J + j`` of every pair, ``X`` for pads
             (``moe.schedule.assign_slots``).
         topology: the EP layout; rank: this EP rank; group: the EP process group.
+        counts: the exchange's counts so far (a relay's), or ``None``.
     """
     G, g, N, J = topology.num_gpus, topology.gpus_per_node, topology.num_nodes, topology.slots_per_gpu
     T, K = dest_TK.shape
     dev = x_TD.device
-    counts = ExchangeCounts()
+    counts = ExchangeCounts() if counts is None else counts
     pad = dest_TK >= G * J
     gpu_TK = torch.where(pad, G, dest_TK // J)
 

@@ -25,6 +25,7 @@ from .. import ops
 from ..distributed.collectives import all_to_all_autograd
 from ..distributed.hierarchical import (ExchangeCounts, flat_exchange_counts, hierarchical_combine,
                                         hierarchical_dispatch)
+from ..distributed.relay import relay_combine, relay_dispatch
 from ..distributed.mesh import EPGroup
 from ..distributed.migration import move_expert_rows, native_experts
 from ..distributed.replicas import FillSpec, ReplicaMemory, refetch_replica_ffn
@@ -235,10 +236,13 @@ class ExpertEngine(PlanChecks):
         J = topo.slots_per_gpu
         planned = sched = self._schedule
         count = self.transfer_counts.counter(None if self.plan is None else self.plan.micro_batch)
+        degraded = self.degraded_forwards
         if sched is None:
             sched = self._native_schedule(ids_TK, device, count)
         elif self.check_plan and not self._plan_matches(*self._host_counts(ids_TK), sched, device, count):
             sched = self._native_schedule(ids_TK, device, count)
+        # relays (planning.relay) run as planned unless this forward degraded (every rank alike)
+        relay = getattr(self.plan, "relay_Gg", None) if degraded == self.degraded_forwards else None
         if self.dispatch != "hierarchical" or ep.group is None:
             count_dispatch(sched, topo.gpus_per_node, ep.rank, count)  # hierarchical: by its exchange
         on_collective = (lambda: count("collectives", 1)) if ep.group is not None else None
@@ -249,7 +253,12 @@ class ExpertEngine(PlanChecks):
         dest_TK = assign_slots(ids_TK, sched)
         hier = self.dispatch == "hierarchical" and ep.group is not None
         if hier:  # one row per (token, node), then per (token, GPU); arrives as pairs
-            hx = hierarchical_dispatch(x_TD, dest_TK, gates_TK, topo, ep.rank, ep.group)
+            relayed, back = ExchangeCounts(), None
+            if relay is not None and bool(relay.any()):
+                x_TD_, dest_TK, gates_TK_, back = relay_dispatch(x_TD, dest_TK, gates_TK, relay, topo, ep.rank,
+                                                                 ep.group, relayed)
+            hx = hierarchical_dispatch(x_TD if back is None else x_TD_, dest_TK,
+                                       gates_TK if back is None else gates_TK_, topo, ep.rank, ep.group, relayed)
             x_recv, perm = hx.x_PD, hx.group_permutation(sched.chunk_group_C[:J])
         else:
             x_sorted, row_of_TK, _ = ops.permute(dest_TK, x_TD, X + 1)
@@ -301,9 +310,11 @@ class ExpertEngine(PlanChecks):
         if hier:
             self.last_exchange = hx.counts  # combine's collectives are added as it runs
             y_TD = hierarchical_combine(y_recv, hx).to(x_TD.dtype)
+            if back is not None:
+                y_TD = relay_combine(y_TD, back, hx.counts)
             c = hx.counts  # rows and collectives (backward ones counted when recorded) of both stages
             count("cross_node_rows", c.cross_node_rows)
-            count("intra_node_rows", c.intra_node_rows)
+            count("intra_node_rows", c.intra_node_rows + c.relay_rows)
             count("collectives", c.collectives_forward + c.collectives_backward)
             return y_TD
         y_send = all_to_all_autograd(y_recv, sched.recv_sizes, sched.send_sizes, ep.group, on_collective)

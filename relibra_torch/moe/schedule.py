@@ -28,6 +28,7 @@ import torch
 
 from ..planning.pair_slots import assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
+from ..planning.relay import check_relays
 from ..planning.residency import Residencies, residencies, residency_micro_batches
 from ..planning.topology import Topology
 
@@ -60,6 +61,8 @@ class LayerPlan:
             residency fills from and reduces its gradient into over NVLink
             (``planning.two_hop``), ``-1`` for every other slot. Set by :func:`layer_plans`;
             ``None``: every fill comes from its owner.
+        relay_Gg: optional int64 ``[G, g]``: tokens EP rank ``q`` hands to the GPU of its node
+            with local index ``p`` before a hierarchical exchange (``planning.relay``).
     """
 
     slot_expert_GJ: torch.Tensor
@@ -70,6 +73,7 @@ class LayerPlan:
     fill_mb_GJ: torch.Tensor | None = None
     return_mb_GJ: torch.Tensor | None = None
     hub_GJ: torch.Tensor | None = None
+    relay_Gg: torch.Tensor | None = None
 
 
 def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int,
@@ -98,9 +102,11 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int,
     res = residencies(plan) if res is None else res
     fill_mb_LGJ, return_mb_LGJ = residency_micro_batches(plan, micro_batch, res)
     hub_LGJ = res.hubs()[micro_batch]
+    relay = plan.relay_MLGg
     return [LayerPlan(plan.slot_expert_MLGJ[micro_batch, l].clone(), split_LSGJ[l].clone(),
                       plan.placement_LE[l].clone(), plan.topology, micro_batch,
-                      fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone(), hub_LGJ[l].clone())
+                      fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone(), hub_LGJ[l].clone(),
+                      relay[micro_batch, l].clone() if relay is not None and relay[micro_batch, l].any() else None)
             for l in range(plan.num_layers)]
 
 
@@ -187,7 +193,11 @@ def check_layer_plan(layer_plan: object, topology: Topology,
         hub = hub.detach().to("cpu", torch.int64)
         if ((hub < -1) | (hub >= G * J)).any():
             raise ValueError(f"LayerPlan.hub_GJ has values outside [-1, {G * J - 1}] (flat slots gpu * J + j)")
-    return LayerPlan(se, sp, pl, layer_plan.topology, layer_plan.micro_batch, *res, hub)
+    relay = layer_plan.relay_Gg
+    if relay is not None:
+        relay = torch.as_tensor(relay).detach().to("cpu", torch.int64)
+        check_relays(relay.view(1, 1, *relay.shape), (1, 1), topology)  # [G, g], >= 0, none to itself
+    return LayerPlan(se, sp, pl, layer_plan.topology, layer_plan.micro_batch, *res, hub, relay)
 
 
 def native_layer_plan(topology: Topology, placement_E: torch.Tensor,

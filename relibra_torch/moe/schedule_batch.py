@@ -17,6 +17,8 @@ per GPU, X = G * J, E experts, El native experts per GPU, F fills of the rank in
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..planning.plan import StepPlan, token_split, validate_plan
@@ -158,6 +160,9 @@ def rank_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, rank: int, split_ML
             for m in range(M):
                 out[m][l] = (LayerPlan(se_ML[m][l], split_ML[m][l], placements[l], plan.topology, m,
                                        none_GJ, none_GJ, none_GJ), NATIVE)
+    if plan.relay_MLGg is not None:  # relays (planning.relay) ride on native and scheduled layers alike
+        for m, l in plan.relay_MLGg.flatten(2).any(-1).nonzero().tolist():
+            out[m][l] = (dataclasses.replace(out[m][l][0], relay_Gg=plan.relay_MLGg[m, l]), out[m][l][1])
     return out
 
 

@@ -6,6 +6,7 @@ El native experts per GPU.
 
 from __future__ import annotations
 
+import hashlib
 from abc import ABC, abstractmethod
 
 import torch
@@ -14,7 +15,8 @@ from ..checks import check_tensor
 from .plan import StepPlan
 from .topology import Topology
 
-__all__ = ["Planner", "StaticPlanner", "check_loads", "join_layer_shares", "layer_share", "native_plan", "static_plan"]
+__all__ = ["Planner", "StaticPlanner", "check_loads", "join_layer_shares", "layer_share", "native_plan", "planner_digest",
+           "static_plan"]
 
 
 def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
@@ -88,8 +90,14 @@ def join_layer_shares(parts: list[StepPlan], ranks: int, previous_placement_LE: 
     back_L = torch.empty_like(order_L)
     back_L[order_L] = torch.arange(L)
     cat = (lambda name, dim: torch.cat([getattr(p, name) for p in parts], dim).index_select(dim, back_L))
+    relay = None
+    if any(p.relay_MLGg is not None for p in parts):  # relays (planning.relay) of the shares that have them
+        G, g = parts[0].topology.num_gpus, parts[0].topology.gpus_per_node
+        relay = torch.cat([p.relay_MLGg if p.relay_MLGg is not None else
+                           torch.zeros(p.slot_expert_MLGJ.shape[0], p.num_layers, G, g, dtype=torch.int64)
+                           for p in parts], 1).index_select(1, back_L)
     return StepPlan(parts[0].topology, cat("placement_LE", 0), cat("slot_expert_MLGJ", 1),
-                    cat("slot_tokens_MLGJ", 1), planner, previous_placement_LE.clone())
+                    cat("slot_tokens_MLGJ", 1), planner, previous_placement_LE.clone(), relay)
 
 
 class Planner(ABC):
@@ -147,3 +155,20 @@ class StaticPlanner(Planner):
 
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
         return static_plan(loads_MLSE, self.topology)
+
+
+def planner_digest(planner, topology) -> int:
+    """62-bit digest of what a planner holds on each EP rank: its type, name, topology and
+    state (``vars``, minus the ``rank_local_state`` a rank keeps of its own layers only). The
+    ranks agree on it before split planning (the training hook; the simulator times it). The
+    counts it plans from are not hashed: the ranks all-gather them (loads) or all-reduce
+    them (pairs) in the same step, so they are equal on every rank by construction."""
+    h = hashlib.sha256()
+    h.update(repr((type(planner).__qualname__, planner.name, topology)).encode())
+    for key, value in sorted(vars(planner).items()):
+        if key in getattr(planner, "rank_local_state", ()):
+            continue
+        h.update(key.encode())
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            h.update(v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return int(h.hexdigest()[:16], 16) & ((1 << 62) - 1)

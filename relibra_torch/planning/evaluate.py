@@ -52,6 +52,8 @@ class PlanMetrics:
         migrated_cross_node_L: of those, experts that changed node.
         lis_ML: float64 Load-Imbalance Score of the loads (max expert / equal share, summed
             over source ranks; ``nan`` for an empty micro-batch): the same for every plan.
+        relay_send_MLG / relay_recv_MLG: hierarchical dispatch with relays (``planning.relay``):
+            tokens a GPU hands to / takes from GPUs of its node before the exchange; else ``None``.
     """
 
     gpu_load_MLG: torch.Tensor
@@ -70,6 +72,8 @@ class PlanMetrics:
     migrated_cross_node_L: torch.Tensor
     lis_ML: torch.Tensor
     residency: Residencies | None = None
+    relay_send_MLG: torch.Tensor | None = None
+    relay_recv_MLG: torch.Tensor | None = None
 
 
 def evaluate(plan: StepPlan, loads_MLSE: torch.Tensor) -> PlanMetrics:

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .relay import check_relays
 from .topology import Topology
 
-__all__ = ["StepPlan", "token_split", "validate_plan", "plan_digest", "planner_digest"]
+__all__ = ["StepPlan", "token_split", "validate_plan", "plan_digest"]
 
 
 @dataclass
@@ -45,6 +46,8 @@ class StepPlan:
         planner: name of the planner that produced it (for reports).
         previous_placement_LE: int64 ``[L, E]`` the placement before this step, if the
             planner knew it (used to count migrated experts); ``None`` means unknown.
+        relay_MLGg: optional int64 ``[M, L, G, g]``: tokens GPU ``r`` hands to the GPU of its
+            node with local index ``p`` before a hierarchical exchange (``planning.relay``).
     """
 
     topology: Topology
@@ -53,6 +56,7 @@ class StepPlan:
     slot_tokens_MLGJ: torch.Tensor
     planner: str = ""
     previous_placement_LE: torch.Tensor | None = None
+    relay_MLGg: torch.Tensor | None = None
 
     @property
     def num_micro_batches(self) -> int:
@@ -80,13 +84,15 @@ class StepPlan:
     def micro_batches(self, start: int, stop: int) -> "StepPlan":
         """The plan restricted to micro-batches ``[start, stop)`` (views)."""
         return StepPlan(self.topology, self.placement_LE, self.slot_expert_MLGJ[start:stop],
-                        self.slot_tokens_MLGJ[start:stop], self.planner, self.previous_placement_LE)
+                        self.slot_tokens_MLGJ[start:stop], self.planner, self.previous_placement_LE,
+                        None if self.relay_MLGg is None else self.relay_MLGg[start:stop])
 
     def layers(self, layers: torch.Tensor) -> "StepPlan":
         """The plan restricted to ``layers`` (int64 indices or bool mask ``[L]``), in that order."""
         prev = None if self.previous_placement_LE is None else self.previous_placement_LE[layers]
         return StepPlan(self.topology, self.placement_LE[layers], self.slot_expert_MLGJ[:, layers],
-                        self.slot_tokens_MLGJ[:, layers], self.planner, prev)
+                        self.slot_tokens_MLGJ[:, layers], self.planner, prev,
+                        None if self.relay_MLGg is None else self.relay_MLGg[:, layers])
 
     def with_layers(self, layers: torch.Tensor, part: "StepPlan") -> "StepPlan":
         """A copy with ``part``'s placement, slots and quotas in ``layers`` (int64 ``[L']``,
@@ -96,6 +102,11 @@ class StepPlan:
         out.placement_LE[layers] = part.placement_LE
         out.slot_expert_MLGJ[:, layers] = part.slot_expert_MLGJ
         out.slot_tokens_MLGJ[:, layers] = part.slot_tokens_MLGJ
+        if self.relay_MLGg is not None or part.relay_MLGg is not None:
+            G, g = self.topology.num_gpus, self.topology.gpus_per_node
+            out.relay_MLGg = (self.relay_MLGg.clone() if self.relay_MLGg is not None
+                              else torch.zeros(*self.slot_expert_MLGJ.shape[:2], G, g, dtype=torch.int64))
+            out.relay_MLGg[:, layers] = 0 if part.relay_MLGg is None else part.relay_MLGg
         return out
 
 
@@ -389,6 +400,7 @@ def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
         _fail("slot_tokens_MLGJ has negative quotas")
     if ((se < 0) & (plan.slot_tokens_MLGJ != 0)).any():
         _fail("an empty slot (-1) carries tokens")
+    check_relays(plan.relay_MLGg, (M, L), topo)
     # At most one instance of an expert per GPU: sort each GPU's slots and look for repeats.
     s_sorted = se.sort(dim=-1).values
     dup = (s_sorted[..., 1:] == s_sorted[..., :-1]) & (s_sorted[..., 1:] >= 0)
@@ -421,30 +433,12 @@ def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
             m, l, e = (quota_MLE[..., 1:] != load_MLE).nonzero()[0].tolist()
             _fail(f"micro-batch {m}, layer {l}, expert {e}: slot quotas sum to "
                   f"{int(quota_MLE[m, l, e + 1])} but the expert's load is {int(load_MLE[m, l, e])}")
-
-
-def planner_digest(planner, topology) -> int:
-    """62-bit digest of what a planner holds on each EP rank: its type, name, topology and
-    state (``vars``, minus the ``rank_local_state`` a rank keeps of its own layers only). The
-    ranks agree on it before split planning (the training hook; the simulator times it). The
-    counts it plans from are not hashed: the ranks all-gather them (loads) or all-reduce
-    them (pairs) in the same step, so they are equal on every rank by construction."""
-    h = hashlib.sha256()
-    h.update(repr((type(planner).__qualname__, planner.name, topology)).encode())
-    for key, value in sorted(vars(planner).items()):
-        if key in getattr(planner, "rank_local_state", ()):
-            continue
-        h.update(key.encode())
-        for v in value if isinstance(value, (list, tuple)) else [value]:
-            h.update(v.contiguous().numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
-    return int(h.hexdigest()[:16], 16) & ((1 << 62) - 1)
-
-
 def plan_digest(plan: StepPlan) -> str:
     """A short hash of the plan's tensors, for cross-rank agreement checks."""
     h = hashlib.sha256()
     h.update(repr(plan.topology).encode())
-    for t in (plan.placement_LE, plan.slot_expert_MLGJ, plan.slot_tokens_MLGJ):
+    relay = () if plan.relay_MLGg is None else (plan.relay_MLGg,)
+    for t in (plan.placement_LE, plan.slot_expert_MLGJ, plan.slot_tokens_MLGJ, *relay):
         h.update(str(tuple(t.shape)).encode())
         h.update(t.contiguous().numpy().tobytes())
     return h.hexdigest()[:16]

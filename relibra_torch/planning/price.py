@@ -51,7 +51,7 @@ from .topology import Topology
 from .two_hop import hop_routes, two_hop_hubs
 
 __all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
-           "flat_rows", "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML",
+           "flat_rows", "hierarchical_estimate", "split_chunks", "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML",
            "replica_seconds_ML", "rows_seconds", "step_seconds", "transfer_seconds", "window_seconds"]
 
 
@@ -84,7 +84,15 @@ def _hierarchical_counts(split_BLSGJ: torch.Tensor, slot_expert_BLGJ: torch.Tens
                          top_k: int, topo: Topology) -> tuple[torch.Tensor, ...]:
     """The simulator's count-level hierarchical rows (``sim.dispatch.approx_cross_tokens``,
     ``approx_gpu_copies``, ``hierarchical_traffic``) of ``B`` micro-batches (``tokens_BS``:
-    each one's tokens per source), ``[B L, G]`` each.
+    each one's tokens per source), ``[B L, G]`` each."""
+    return hierarchical_traffic(*hierarchical_estimate(split_BLSGJ, slot_expert_BLGJ, tokens_BS, top_k, topo), topo)
+
+
+def hierarchical_estimate(split_BLSGJ: torch.Tensor, slot_expert_BLGJ: torch.Tensor, tokens_BS: torch.Tensor,
+                          top_k: int, topo: Topology) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``(copies [B L, S, G], cross [B L, S, N])``: the count-level estimate of each
+    source's (token, GPU) copies and (token, remote node) rows that :func:`_hierarchical_counts`
+    turns into per-GPU rows.
 
     The node flow keeps, per row, only the (node, expert) columns some slot holds (at most
     ``g J`` per node of ``E``), in the simulator's column order: absent experts add zeros.
@@ -128,7 +136,7 @@ def _hierarchical_counts(split_BLSGJ: torch.Tensor, slot_expert_BLGJ: torch.Tens
     cross = cross_BLSN.view(R, S, N).masked_fill(own.unsqueeze(0), 0.0)
     split_BJLSG = (split_BLSGJ * (slot_expert_BLGJ >= 0).unsqueeze(2)).movedim(-1, 1).contiguous()
     copies = approx_need_batched(split_BJLSG, tokens_BS, top_k).view(R, S, G)
-    return hierarchical_traffic(copies, cross, topo)
+    return copies, cross
 
 
 def _splits(plan: StepPlan, loads_MLSE: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
@@ -159,14 +167,10 @@ def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torc
     exactly as alone (``tests/test_price_batched.py``)."""
     topo = plan.topology
     M, L, S, _ = loads_MLSE.shape
-    G, J = topo.num_gpus, topo.slots_per_gpu
     hier = config.dispatch == "hierarchical" and config.top_k > 0
     out = torch.empty(M, L, dtype=torch.float64)
     cross_out = torch.empty(M, L, dtype=torch.float64)
-    chunk = max(1, _CHUNK_BYTES // max(1, L * S * G * J * 8))
-    for m0 in range(0, M, chunk):
-        m1 = min(M, m0 + chunk)
-        split_BLSGJ = _splits(plan, loads_MLSE, m0, m1)
+    for m0, m1, split_BLSGJ in split_chunks(plan, loads_MLSE):
         if hier:
             tokens_BS = loads_MLSE[m0:m1, 0].to(torch.int64).sum(-1) // config.top_k
             cs, cr, is_, ir = _hierarchical_counts(split_BLSGJ, plan.slot_expert_MLGJ[m0:m1], tokens_BS,
@@ -176,6 +180,16 @@ def a2a_parts_ML(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> tuple[torc
         a2a, cross = rows_seconds(cs, cr, is_, ir, config)
         out[m0:m1], cross_out[m0:m1] = a2a.view(m1 - m0, L), cross.view(m1 - m0, L)
     return out, cross_out
+
+
+def split_chunks(plan: StepPlan, loads_MLSE: torch.Tensor):
+    """Yield ``(m0, m1, split_BLSGJ)``: the plan's token splits a chunk of micro-batches at a
+    time (``_CHUNK_BYTES`` bounds each)."""
+    M, L, S, _ = loads_MLSE.shape
+    chunk = max(1, _CHUNK_BYTES // max(1, L * S * plan.topology.num_gpus * plan.topology.slots_per_gpu * 8))
+    for m0 in range(0, M, chunk):
+        m1 = min(M, m0 + chunk)
+        yield m0, m1, _splits(plan, loads_MLSE, m0, m1)
 
 
 def flat_rows(split_XSG: torch.Tensor, topo: Topology) -> tuple[torch.Tensor, ...]:

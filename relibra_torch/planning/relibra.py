@@ -22,8 +22,9 @@ Replication, per micro-batch: cross-node *traffic replicas* (``R // 2`` slots pe
 (:mod:`relibra_torch.planning.balance`), weighed per layer (:mod:`relibra_torch.planning.plain`);
 a layer whose move buys nothing once replicated keeps its placement (``no_worse_than_keeping``).
 
-Integer counts up to float64 objectives, so the same loads give the same plan on every rank
-(``fill_spread`` and ``choose`` price with the hierarchical estimate's exp/log1p: one build).
+Under hierarchical dispatch relays then spread each node's inter-node rows over its GPUs
+(:mod:`relibra_torch.planning.relay`). Integer counts up to float64 objectives, so the same loads give
+the same plan on every rank (``fill_spread``, ``relay`` and ``choose`` use the estimate's exp/log1p: one build).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs,
 g GPUs per node, El native experts per GPU, R replica slots per GPU, J = El + R,
@@ -49,6 +50,7 @@ from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
 from .reorder_greedy import greedy_nodes, objective
+from .relay_choice import add_relays
 from .worth import guarded_plan, plan_floor_s
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
@@ -106,6 +108,8 @@ class ReLibraConfig:
             default: ~1 ms of CPU per (micro-batch, layer) row and candidate at EP 32, more
             than the forward pass hides at ~1,000 tokens per GPU (docs/architecture.md).
         spread_fills: hierarchical: step-long traffic sets capped per owner GPU if cheaper (``fill_spread``).
+        relay: hierarchical: per (micro-batch, layer), GPUs hand tokens to GPUs of their node that send
+            fewer inter-node rows, where the priced all-to-all pays for it (``planning.relay``).
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
@@ -143,6 +147,7 @@ class ReLibraConfig:
     balance: bool = True
     choose: bool = False
     spread_fills: bool = True
+    relay: bool = True
     intra_node_s_per_token: float = 4.1e-8
     top_k: int = 0
     fill_weight_share: float = 1.0 / 3.0
@@ -230,8 +235,7 @@ class ReLibraConfig:
 
 
 def _objective(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:
-    """float64 objective (see module docstring) from integer parts of any matching shape:
-    the summed per-micro-batch busiest-node load, cross-node tokens, experts moved."""
+    """float64 objective (module docstring) of integer parts: summed busiest-node load, cross-node tokens, moves."""
     return objective(*(x.to(torch.float64) for x in (max_sum, cross, moved)), cfg, g)
 
 
@@ -301,13 +305,10 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 
 def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective,
                  pairs_LEE=None, coloc_w=0.0):
-    """Steepest-descent node swaps, all layers at once, until no layer improves.
-
-    Candidates per round: on every node its ``swap_candidates`` heaviest and as many lightest experts (by
-    step load); every pair of candidates on two different nodes is scored exactly. Only the
-    two nodes of a swap change, so the new per-micro-batch maximum is
-    ``max(max over the other nodes, new load of node a, new load of node b)``.
-    """
+    """Steepest-descent node swaps, all layers at once, until no layer improves. Candidates per
+    round: each node's ``swap_candidates`` heaviest and as many lightest experts (step load); every
+    pair on two nodes is scored exactly (only its two nodes change: the new per-micro-batch maximum
+    is ``max(max over the other nodes, new load of node a, new load of node b)``)."""
     L, M, E = load_LME.shape
     per_side = min(cfg.swap_candidates, E // N // 2) or 1
     C = 2 * per_side
@@ -384,10 +385,10 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],
             fast=False))
-    if guarded is not None:  # the guard kept some layers and planned the others
-        return guarded
-    return _search(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
-                   fast=config.choose or plan_floor_s(topology, config) <= 0 or L == 0)
+    plan = guarded if guarded is not None else _search(  # guarded: some layers kept, the others planned
+        loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
+        fast=config.choose or plan_floor_s(topology, config) <= 0 or L == 0)
+    return add_relays(plan, loads_MLSE, config)
 
 
 def _search(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,

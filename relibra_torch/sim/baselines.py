@@ -70,6 +70,7 @@ class BaselineOptions:
     relibra_two_hop: bool = True
     relibra_choose: bool = False
     relibra_spread_fills: bool = True
+    relibra_relay: bool = True
     relibra_max_swap_rounds: int = 64
     relibra_swap_candidates: int = 8
     relibra_plan_floor_s: float = PLAN_FLOOR_S
@@ -90,7 +91,7 @@ class BaselineOptions:
         if not isinstance(self.planning_split, bool):
             raise TypeError(f"planning.split is {self.planning_split!r}; allowed: true or false")
         for name in ("cross_node_replicas", "reorder", "traffic_search", "balance", "two_hop", "choose",
-                     "spread_fills"):
+                     "spread_fills", "relay"):
             if not isinstance(getattr(self, f"relibra_{name}"), bool):
                 raise TypeError(f"relibra.{name} is {getattr(self, f'relibra_{name}')!r}; allowed: true or false")
         check_int("relibra.max_swap_rounds", self.relibra_max_swap_rounds, 0)
@@ -132,7 +133,7 @@ SECTIONS = {
     "online": {"plan_latency_us": float, "min_replica_tokens": int},
     "planning": {"overlap_s": float, "split": bool},
     "relibra": {"cross_node_replicas": bool, "reorder": bool, "traffic_search": bool, "balance": bool,
-                "two_hop": bool, "choose": bool, "spread_fills": bool, "max_swap_rounds": int, "swap_candidates": int,
+                "two_hop": bool, "choose": bool, "spread_fills": bool, "relay": bool, "max_swap_rounds": int, "swap_candidates": int,
                 "plan_floor_s": float, "plan_floor_nodes_s": float, "plan_layer_s": float,
                 "plan_layer_nodes_s": float, "light_share": float,
                 "plan_schedule_s": float},

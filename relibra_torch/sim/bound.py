@@ -34,7 +34,11 @@ step. :func:`bound_step_cost` takes:
   - an NVLink pair costs ``1 / V`` in flat dispatch; in hierarchical dispatch one NVLink row
     per (token, destination GPU) carries up to ``min(K, J)`` of the token's pairs (a GPU
     holds at most ``J`` distinct experts), so ``1 / (min(K, J) V)``; forwarded rows
-    (hierarchical) are left out (``>= 0``).
+    (hierarchical) are left out (``>= 0``);
+  - with relays (``planning.relay``: hierarchical, ``N > 1``, ``g > 1``) a GPU may hand a token
+    (up to ``K`` pairs) to another GPU of its node, which sends its inter-node rows: an NVLink
+    pair then costs ``1 / (K V)``, and the per-GPU term is ``Lm_q min(1 / (kappa_q X), 1 / (K V))``
+    (the node and global terms keep their form, at that NVLink price).
 
   Per GPU ``a2a_q >= b * min over c >= cmin_q of [c / (kappa_q X) + max(0, Lm_q - c) / V]``;
   the busiest GPU of a node carries at least the node's mean, with ``c`` summed over the node
@@ -107,9 +111,13 @@ def a2a_lower_bound_ML(loads_MLSE: torch.Tensor, tokens_MS: torch.Tensor, topolo
     else:
         kappa_MLS = torch.ones_like(pairs_MLS)
     a_MLS = 1.0 / (kappa_MLS * X)
-    # NVLink rows: per pair (flat); per (token, destination GPU) (hierarchical), at most min(K, J) pairs each
-    v = 1.0 / (V * (min(top_k, J) if cost.options.dispatch == "hierarchical" else 1))
-    gpu_ML = _min_cost(cmin_MLS, leave_MLS, a_MLS, v).amax(-1)
+    # NVLink rows: per pair (flat); per (token, destination GPU) (hierarchical), at most min(K, J)
+    # pairs each; where relays can run (hierarchical, N > 1, g > 1) a relayed token's row carries
+    # up to K pairs, and its inter-node rows leave from another GPU of the node
+    relays = cost.options.dispatch == "hierarchical" and N > 1 and g > 1
+    v = 1.0 / (V * (top_k if relays else min(top_k, J) if cost.options.dispatch == "hierarchical" else 1))
+    gpu_ML = ((leave_MLS * torch.minimum(a_MLS, torch.full_like(a_MLS, v))) if relays
+              else _min_cost(cmin_MLS, leave_MLS, a_MLS, v)).amax(-1)
     a_MLN = a_MLS.view(M, L, N, g).amin(-1)
     cn_MLN = must_cross_pairs_MLN(loads_MLSE, topology)
     leave_MLN = torch.maximum(leave_MLS.view(M, L, N, g).sum(-1), cn_MLN)

@@ -51,20 +51,17 @@ Per micro-batch ``m`` and MoE layer ``l``:
   time, at ``bf16_tflops * dense_efficiency``. Norms, embeddings, the loss and the
   optimizer step are the same for every system and are left out.
 
-  Which tokens cross which link depends on ``CostOptions.dispatch``: ``flat`` (one copy per
-  token-expert pair, ``evaluate``'s counts) or ``hierarchical`` (one copy per token and
-  remote node, then one NVLink copy per (token, GPU) from the source or the landing GPU,
-  the rows the layer's hierarchical exchange sends; :mod:`relibra_torch.sim.dispatch`
-  replaces the four per-GPU counts). The per-GPU time rule is the same for both.
+  Which tokens cross which link depends on ``CostOptions.dispatch``: ``flat`` (a copy per
+  token-expert pair, ``evaluate``'s counts) or ``hierarchical`` (a copy per token and remote
+  node, then per (token, GPU) over NVLink, as the layer sends them, :mod:`relibra_torch.sim.dispatch`;
+  relayed tokens add an NVLink stage of their own). One per-GPU time rule for both.
 
-The uniform reference (named "ideal" before: it can be beaten, so it is not one; the lower
-bound is :mod:`relibra_torch.sim.bound`) gets the mean expert load on every GPU, the
-all-to-all traffic of uniform routing spread evenly (flat: each source sends ``(G - g) / G`` of its pairs to other nodes
-and ``(g - 1) / G`` to the other GPUs of its node; hierarchical: each token crosses to
-``(N - 1) * (1 - C(E - E/N, K) / C(E, K))`` remote nodes, and over NVLink to
-``N * (g - 1) * (1 - C(E - E/G, K) / C(E, K))`` GPUs (the source's or the landing GPU's
-node-mates holding one of its experts); every GPU receives the mean), no replicas and no migration. A system whose routing sends fewer bytes than uniform
-routing can therefore exceed 1.0 of it.
+The uniform reference (not a bound: :mod:`relibra_torch.sim.bound` is) gets the mean expert
+load on every GPU, uniform routing's all-to-all spread evenly (flat: a source sends ``(G - g) / G``
+of its pairs to other nodes, ``(g - 1) / G`` to its node's other GPUs; hierarchical: a token
+crosses to ``(N - 1) * (1 - C(E - E/N, K) / C(E, K))`` remote nodes and over NVLink to
+``N * (g - 1) * (1 - C(E - E/G, K) / C(E, K))`` GPUs; every GPU receives the mean), no
+replicas, no migration: a system whose routing sends fewer bytes can exceed 1.0 of it.
 """
 
 from __future__ import annotations
@@ -79,11 +76,10 @@ from ..planning.plan import StepPlan
 from ..planning.pricing import ReorderWeights, reorder_weights
 from ..planning.residency import residencies
 from .dispatch import DISPATCH_MODES, uniform_remote_node_probability
-from .transfers import exchange_collectives, layer_collectives_ML, replica_traffic
+from .transfers import exchange_collectives, layer_collectives_ML, plan_relays_ML, replica_traffic
 from .presets import HardwareSpec, ModelSpec
 
-# ReorderWeights lives with the planner's pricing (relibra_torch.planning.pricing); it is
-# re-exported here, where it was first defined.
+# ReorderWeights (planning.pricing) is re-exported here, where it was first defined.
 __all__ = ["CostOptions", "CostModel", "StepCost", "ReorderWeights", "expert_cost_model"]
 
 
@@ -181,16 +177,18 @@ class CostModel:
         fwd = max_gpu_tokens.to(torch.float64) * self.expert_fwd_flops_per_token / self.expert_flops_per_s
         return fwd, 2.0 * fwd
 
-    def all_to_all_s(self, cross_send_G: torch.Tensor, cross_recv_G: torch.Tensor,
-                     intra_send_G: torch.Tensor, intra_recv_G: torch.Tensor) -> torch.Tensor:
+    def all_to_all_s(self, cross_send_G: torch.Tensor, cross_recv_G: torch.Tensor, intra_send_G: torch.Tensor,
+                     intra_recv_G: torch.Tensor, relay_G: torch.Tensor | None = None) -> torch.Tensor:
         """One all-to-all (a dispatch, or a combine) in seconds.
 
         Args: token counts per GPU, shape ``[..., G]`` (tokens sent to / received from other
-            nodes, and to / from other GPUs of the node).
+            nodes, and to / from other GPUs of the node); ``relay_G``: ``max(send, receive)``
+            of relayed tokens (``planning.relay``), a stage of its own over NVLink before the exchange.
         Returns: float64 ``[...]``, the slowest GPU's time.
         """
         cross = torch.maximum(cross_send_G, cross_recv_G).to(torch.float64)
         intra = torch.maximum(intra_send_G, intra_recv_G).to(torch.float64)
+        intra = intra if relay_G is None else intra + relay_G.to(torch.float64)
         per_gpu = self.token_bytes * (cross / self.inter_node_bytes_per_s + intra / self.nvlink_bytes_per_s)
         return per_gpu.max(-1).values
 
@@ -350,8 +348,10 @@ class CostModel:
             res = metrics.residency if metrics.residency is not None else residencies(plan)
             rows_MLG = (plan.slot_tokens_MLGJ * res.active_MLGJ).sum(-1)
             expert_bwd = self.expert_compute_s((2 * metrics.gpu_load_MLG + rows_MLG).max(-1).values)[0]
+        relay = (None if metrics.relay_send_MLG is None
+                 else torch.maximum(metrics.relay_send_MLG, metrics.relay_recv_MLG))
         a2a_one = self.all_to_all_s(metrics.cross_send_MLG, metrics.cross_recv_MLG,
-                                    metrics.intra_send_MLG, metrics.intra_recv_MLG)
+                                    metrics.intra_send_MLG, metrics.intra_recv_MLG, relay)
         counts = self.replica_counts(plan, metrics)
         fill_fwd, grad_bwd = self.replica_s(counts)
         fetches = int(sum(counts[k].sum() for k in ("fetch_recv_intra", "fetch_recv_cross", "fetch2_recv")))
@@ -361,11 +361,11 @@ class CostModel:
         dense = self.dense_s(tokens_MS, attn_pairs_MS)
         res = metrics.residency if metrics.residency is not None else residencies(plan)
         latency_ML = self.collective_latency_s(
-            layer_collectives_ML(res, plan.topology, self.options.dispatch, self.options.refetch_replicas),
-            plan.topology.num_nodes)
-        out = self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s,
-                            migrated, mig_bytes, metrics.cross_send_MLG.sum(),
-                            metrics.intra_send_MLG.sum(), replica_bytes, plan_latency_s, latency_ML)
+            layer_collectives_ML(res, plan.topology, self.options.dispatch, self.options.refetch_replicas,
+                                 relay_ML=plan_relays_ML(plan, self.options.dispatch)), plan.topology.num_nodes)
+        intra = metrics.intra_send_MLG.sum() + (0 if relay is None else metrics.relay_send_MLG.sum())
+        out = self._combine(expert_fwd, expert_bwd, a2a_one, fill_fwd, grad_bwd, dense, mig_s, migrated, mig_bytes,
+                            metrics.cross_send_MLG.sum(), intra, replica_bytes, plan_latency_s, latency_ML)
         out.cross_node_recv_imbalance = float(imbalance(metrics.cross_recv_MLG).mean())
         return out
 

@@ -57,6 +57,7 @@ import torch
 from ..planning.evaluate import PlanMetrics
 from ..planning.pair_slots import DISPATCH_MODES, assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
+from ..planning.relay import exec_ranks, relay_rows, relayed_counts
 from ..planning.hier_estimate import approx_need as _approx_need
 from ..planning.hier_estimate import hierarchical_traffic
 from ..planning.topology import Topology
@@ -181,8 +182,8 @@ def approx_gpu_copies(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, t
 
 
 def exact_copies(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, ids_TLK: torch.Tensor,
-                 source_T: torch.Tensor, topo: Topology, rows_T: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 source_T: torch.Tensor, topo: Topology, rows_T: torch.Tensor | None = None,
+                 relay_LSg: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(cross_LSN, copies_LSG)`` int64: tokens of source ``s`` with at least one pair bound
     for remote node ``n`` (0 for the own node), and with at least one pair on GPU ``g``,
     from the per-token ids of one micro-batch.
@@ -194,6 +195,8 @@ def exact_copies(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, ids_TL
     Pairs go to slots by the layer's own rule, :func:`planning.pair_slots.assign_pair_slots`
     (a source's pairs of expert ``e`` in flat ``t * K + k`` order fill ``e``'s instances in
     slot order, each up to its quota ``split[s, g, j]``). One layer at a time (memory ``O(T K)``).
+    With ``relay_LSg`` (``planning.relay``) a relayed token is counted for the GPU that exchanges
+    it (its slots still follow its source's quotas): ``[L, S, ...]`` are then per exchanging GPU.
     """
     L, S, G, J = split_LSGJ.shape
     X, E, N, g = G * J, topo.num_experts, topo.num_nodes, topo.gpus_per_node
@@ -213,8 +216,9 @@ def exact_copies(split_LSGJ: torch.Tensor, slot_expert_LGJ: torch.Tensor, ids_TL
         need_TG = torch.zeros(T, G + 1, dtype=torch.bool).scatter_(1, gpu_TK, True)[:, :G]
         need_TN = need_TG.view(T, N, g).any(-1)
         need_TN[torch.arange(T), node_S[source_T]] = False
-        cross[l].index_add_(0, source_T, need_TN.to(torch.int64))
-        copies[l].index_add_(0, source_T, need_TG.to(torch.int64))
+        at_T = source_T if relay_LSg is None or not relay_LSg[l].any() else exec_ranks(source_T, relay_LSg[l], g)
+        cross[l].index_add_(0, at_T, need_TN.to(torch.int64))
+        copies[l].index_add_(0, at_T, need_TG.to(torch.int64))
     return cross, copies
 
 
@@ -233,22 +237,31 @@ def hierarchical_metrics(plan: StepPlan, metrics: PlanMetrics, loads_MLSE: torch
     The replaced fields are int64 when exact, float64 (expected tokens) when estimated.
     """
     topo = plan.topology
-    M = loads_MLSE.shape[0]
-    parts: list[list[torch.Tensor]] = [[], [], [], []]
+    M, L = loads_MLSE.shape[:2]
+    parts: list[list[torch.Tensor]] = [[], [], [], [], [], []]
     for m in range(M):  # one micro-batch at a time keeps the [L, S, G, J] split small
         split_LSGJ = token_split(plan.micro_batch(m), loads_MLSE[m : m + 1])[0]
         slot_expert_LGJ = plan.slot_expert_MLGJ[m]
+        relay_LSg = None if plan.relay_MLGg is None else plan.relay_MLGg[m]
         if routing is not None:
             rows_T, source_T = routing.micro_batch(step, m)
             cross, copies = exact_copies(split_LSGJ, slot_expert_LGJ, routing.routed_experts_TLK, source_T,
-                                         topo, rows_T)
+                                         topo, rows_T, relay_LSg)
         else:
             cross = approx_cross_tokens(split_LSGJ, slot_expert_LGJ, tokens_MS[m], top_k, topo)
             copies = approx_gpu_copies(split_LSGJ, slot_expert_LGJ, tokens_MS[m], top_k, topo)
+            if relay_LSg is not None:  # a relayed token's expected rows go with it
+                copies, cross = relayed_counts(copies, cross, relay_LSg, tokens_MS[m].expand(L, -1),
+                                               topo.gpus_per_node)[:2]
         for acc, t in zip(parts, hierarchical_traffic(copies, cross, topo)):
             acc.append(t)
-    cs, cr, is_, ir = (torch.stack(p) for p in parts)
-    return replace(metrics, cross_send_MLG=cs, cross_recv_MLG=cr, intra_send_MLG=is_, intra_recv_MLG=ir)
+        if relay_LSg is not None:
+            for acc, t in zip(parts[4:], relay_rows(relay_LSg)):
+                acc.append(t)
+    cs, cr, is_, ir = (torch.stack(p) for p in parts[:4])
+    relay_s, relay_r = (torch.stack(p) if p else None for p in parts[4:])
+    return replace(metrics, cross_send_MLG=cs, cross_recv_MLG=cr, intra_send_MLG=is_, intra_recv_MLG=ir,
+                   relay_send_MLG=relay_s, relay_recv_MLG=relay_r)
 
 
 def hierarchical_rows(plan: StepPlan, loads_MLSE: torch.Tensor,
@@ -263,16 +276,22 @@ def hierarchical_rows(plan: StepPlan, loads_MLSE: torch.Tensor,
 
     Returns:
         int64 ``[M, L, G]`` tensors ``cross_node_rows``, ``intra_node_rows``,
-        ``cross_node_recv_rows``, ``intra_node_recv_rows`` (units: :func:`hierarchical_traffic`).
+        ``cross_node_recv_rows``, ``intra_node_recv_rows`` (units: :func:`hierarchical_traffic`),
+        ``relay_rows``, ``relay_recv_rows`` (tokens handed to / taken from GPUs of the node, ``planning.relay``).
     """
     topo = plan.topology
+    M, L = loads_MLSE.shape[:2]
     out: dict[str, list[torch.Tensor]] = {k: [] for k in ("cross_node_rows", "cross_node_recv_rows",
-                                                          "intra_node_rows", "intra_node_recv_rows")}
-    for m in range(loads_MLSE.shape[0]):
+                                                          "intra_node_rows", "intra_node_recv_rows",
+                                                          "relay_rows", "relay_recv_rows")}
+    for m in range(M):
         split_LSGJ = token_split(plan.micro_batch(m), loads_MLSE[m : m + 1])[0]
         ids = [torch.as_tensor(t).to(torch.int64) for t in routed_ids[m]]
         source_T = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([t.shape[0] for t in ids]))
-        cross, copies = exact_copies(split_LSGJ, plan.slot_expert_MLGJ[m], torch.cat(ids), source_T, topo)
-        for key, t in zip(out, hierarchical_traffic(copies, cross, topo)):
+        relay_LSg = (torch.zeros(L, topo.num_gpus, topo.gpus_per_node, dtype=torch.int64)
+                     if plan.relay_MLGg is None else plan.relay_MLGg[m])
+        cross, copies = exact_copies(split_LSGJ, plan.slot_expert_MLGJ[m], torch.cat(ids), source_T, topo,
+                                     relay_LSg=relay_LSg)
+        for key, t in zip(out, (*hierarchical_traffic(copies, cross, topo), *relay_rows(relay_LSg))):
             out[key].append(t)
     return {k: torch.stack(v) for k, v in out.items()}

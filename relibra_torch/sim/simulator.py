@@ -33,9 +33,9 @@ from typing import Callable
 import torch
 
 from ..checks import check_int
-from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share
+from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share, planner_digest
 from ..planning.evaluate import evaluate
-from ..planning.plan import StepPlan, plan_digest, planner_digest, validate_plan
+from ..planning.plan import StepPlan, plan_digest, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
@@ -374,7 +374,7 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
         secs.append(s)
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
     per_rank_layers = -(-L // ranks)  # the hook pads every rank's part to this many layers
-    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J
+    gathered = ranks * 8 * per_rank_layers * (topo.num_experts + 2 * M * ranks * J + M * ranks * topo.gpus_per_node
                                               + splits * (M * ranks * ranks * J + 1))
     gather_s = 3 * latency_us * 1e-6 + gathered * (ranks - 1) / ranks / (gbps * 1e9)
     return plan, digest_s + max(secs) + gather_s, (split_MLSGJ, native_L) if splits else None

@@ -17,11 +17,12 @@ import torch
 from ..checks import check_choice, check_int
 from ..planning.evaluate import PlanMetrics, evaluate
 from ..planning.plan import StepPlan
+from ..planning.relay import RELAY_COLLECTIVES
 from ..planning.residency import Residencies, residencies
 from ..planning.two_hop import hop_routes, sequential_hops
 from .dispatch import DISPATCH_MODES, hierarchical_rows
 
-__all__ = ["COUNT_KEYS", "hook_step_collectives", "replica_traffic", "transfer_counts"]
+__all__ = ["COUNT_KEYS", "hook_step_collectives", "plan_relays_ML", "replica_traffic", "transfer_counts"]
 
 #: The layer's per (micro-batch, layer, GPU) keys (``moe.counters.COUNT_KEYS``; sim cannot
 #: import the layer, tests check the two tuples are equal).
@@ -97,10 +98,10 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
     traffic = replica_traffic(res, refetch)
     weight, grad = expert_params * param_bytes, expert_params * grad_bytes
     M, L, G, _ = res.fill_MLGJ.shape
-    per_layer = layer_collectives_ML(res, plan.topology, dispatch, refetch, check_plan)
-    if dispatch == "hierarchical":
+    per_layer = layer_collectives_ML(res, plan.topology, dispatch, refetch, check_plan, plan_relays_ML(plan, dispatch))
+    if dispatch == "hierarchical":  # relayed tokens are NVLink rows too
         rows = hierarchical_rows(plan, loads_MLSE, routed_ids)
-        cross_MLG, intra_MLG = rows["cross_node_rows"], rows["intra_node_rows"]
+        cross_MLG, intra_MLG = rows["cross_node_rows"], rows["intra_node_rows"] + rows["relay_rows"]
     else:
         cross_MLG, intra_MLG = metrics.cross_send_MLG.clone(), metrics.intra_send_MLG.clone()
     return {
@@ -115,14 +116,14 @@ def transfer_counts(plan: StepPlan, loads_MLSE: torch.Tensor, routed_ids=None, d
 
 
 def layer_collectives_ML(res: Residencies, topology, dispatch: str = "flat", refetch: bool = False,
-                         check_plan: bool = True) -> torch.Tensor:
+                         check_plan: bool = True, relay_ML: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[M, L]``: collectives one layer issues per micro-batch, forward + backward (every
     rank joins each one, so the count is every GPU's): plan check, the token exchange (flat:
     dispatch and combine each way; hierarchical: :func:`hierarchical_collectives`), a fill
     where a residency starts and a gradient return where one ends, and one more where a
     second hop must wait for its hub in the same micro-batch (``two_hop.sequential_hops``);
     with ``refetch``: fetch, fetch, return wherever a replica
-    computes. None on one GPU."""
+    computes; ``planning.relay.RELAY_COLLECTIVES`` more where ``relay_ML`` (bool ``[M, L]``). None on one GPU."""
     if refetch:
         fills = 3 * res.active_MLGJ.flatten(2).any(-1).to(torch.int64)  # fetch, fetch, return
     else:
@@ -131,7 +132,15 @@ def layer_collectives_ML(res: Residencies, topology, dispatch: str = "flat", ref
                     for ev, seq in ((res.fill_start_MLGJ, seq_fill), (res.grad_return_MLGJ, seq_ret))
                     for mask in (ev & ~seq, seq))
     exchange = exchange_collectives(topology.num_nodes, topology.gpus_per_node, dispatch)
-    return (exchange + int(check_plan) + fills) * int(topology.num_gpus > 1)
+    relays = 0 if relay_ML is None else RELAY_COLLECTIVES * relay_ML.to(torch.int64)
+    return (exchange + int(check_plan) + fills + relays) * int(topology.num_gpus > 1)
+
+
+def plan_relays_ML(plan: StepPlan, dispatch: str) -> torch.Tensor | None:
+    """bool ``[M, L]``: where the plan relays tokens (hierarchical dispatch only), else ``None``."""
+    if plan.relay_MLGg is None or dispatch != "hierarchical":
+        return None
+    return plan.relay_MLGg.flatten(2).any(-1)
 
 
 def exchange_collectives(num_nodes: int, gpus_per_node: int, dispatch: str) -> int:

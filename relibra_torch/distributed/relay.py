@@ -1,0 +1,80 @@
+"""Relays on the layer: tokens handed to another GPU of the node before the hierarchical
+exchange, and their outputs handed back after combine (``planning.relay`` plans them).
+
+Legend (shape suffixes): T this rank's tokens, K top-k, D model dim, G EP ranks, g GPUs per
+node, k tokens this rank relays, r tokens it takes, T' = T - k + r tokens it exchanges.
+
+Every rank knows every size from the plan's ``relay_Gg`` ``[G, g]`` (tokens rank ``q`` hands
+to the GPU of its node with local index ``p``), so the relay is two all-to-alls over the EP
+group with zero sizes outside each node (rows, then their routes: fp32 gates with autograd
+and destination slots, exact in fp32), and one back after combine. Which tokens go follows
+``planning.relay.relay_token_index`` (evenly spaced, in local-index order), the rule the
+simulator counts with. The taking rank exchanges its own tokens first, then the ones it took
+in source-rank order; a relayed token keeps the slots its source assigned (its quotas).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..planning.relay import relay_sizes, relay_token_index
+from ..planning.topology import Topology
+from .collectives import all_to_all_autograd
+from .hierarchical import ExchangeCounts
+
+__all__ = ["RelayBack", "relay_combine", "relay_dispatch"]
+
+
+@dataclass
+class RelayBack:
+    """What :func:`relay_combine` needs: ``keep_T`` (int64 tokens exchanged here, in order),
+    ``sent_k`` (int64 tokens handed away, in send order), the sizes each way, the group."""
+
+    keep_T: torch.Tensor
+    sent_k: torch.Tensor
+    sizes: tuple[list[int], list[int]]
+    num_tokens: int
+    group: dist.ProcessGroup
+
+
+def relay_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: torch.Tensor, relay_Gg: torch.Tensor,
+                   topology: Topology, rank: int, group: dist.ProcessGroup, counts: ExchangeCounts
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, RelayBack]:
+    """``(x_T'D, dest_T'K, gates_T'K, back)``: the tokens this rank exchanges after the relay.
+
+    Args:
+        x_TD, dest_TK, gates_TK: this rank's tokens, their destination slots (``X`` for pads)
+            and gates (fp32, autograd).
+        relay_Gg: int64 ``[G, g]`` the layer's relays; counts: rows and collectives are added.
+    """
+    T, K = dest_TK.shape
+    dev = x_TD.device
+    send, recv = relay_sizes(relay_Gg, rank, topology.gpus_per_node)
+    sent_k, _ = relay_token_index(T, relay_Gg[rank], dev)
+    keep = torch.ones(T, dtype=torch.bool, device=dev)
+    keep[sent_k] = False
+    keep_T = keep.nonzero().flatten()
+    route_k = torch.cat([gates_TK.index_select(0, sent_k).float(), dest_TK.index_select(0, sent_k).float()], dim=1)
+    x_r = all_to_all_autograd(x_TD.index_select(0, sent_k), send, recv, group)
+    route_r = all_to_all_autograd(route_k, send, recv, group)
+    counts.relay_rows, counts.relay_recv_rows = sum(send), sum(recv)
+    counts.collectives_forward += 2
+    counts.collectives_backward += int(x_r.requires_grad) + int(route_r.requires_grad)
+    x_ex = torch.cat([x_TD.index_select(0, keep_T), x_r])
+    gates_ex = torch.cat([gates_TK.index_select(0, keep_T), route_r[:, :K]])
+    dest_ex = torch.cat([dest_TK.index_select(0, keep_T), route_r[:, K:].long()])
+    return x_ex, dest_ex, gates_ex, RelayBack(keep_T, sent_k, (send, recv), T, group)
+
+
+def relay_combine(y_exD: torch.Tensor, back: RelayBack, counts: ExchangeCounts) -> torch.Tensor:
+    """``[T, D]``: the combined outputs of this rank's own tokens, the relayed ones handed back."""
+    n_keep = back.keep_T.numel()
+    send, recv = back.sizes
+    y_back = all_to_all_autograd(y_exD[n_keep:], recv, send, back.group)
+    counts.collectives_forward += 1
+    counts.collectives_backward += int(y_back.requires_grad)
+    out = y_exD.new_zeros(back.num_tokens, y_exD.shape[1])
+    return out.index_copy(0, back.keep_T, y_exD[:n_keep]).index_copy(0, back.sent_k, y_back)

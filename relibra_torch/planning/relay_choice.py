@@ -1,0 +1,49 @@
+"""Which relays relibra keeps: :mod:`relibra_torch.planning.relay`'s rule where the priced
+all-to-all pays for it (the planner's pricing, :mod:`relibra_torch.planning.price`).
+
+Legend (shape suffixes): M micro-batches, L MoE layers, B rows (micro-batch, layer), S source
+ranks (= G), N nodes, g GPUs per node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from .hier_estimate import hierarchical_traffic
+from .price import hierarchical_estimate, rows_seconds, split_chunks
+from .relay import RELAY_COLLECTIVES, plan_relays, relayed_counts
+
+__all__ = ["add_relays"]
+
+
+def add_relays(plan, loads_MLSE: torch.Tensor, config):
+    """``plan`` with relays (``relay_MLGg``) where they make the priced all-to-all faster by
+    more than their collectives' latency; ``plan`` itself when none pays (or relays are off,
+    the dispatch is flat, one node or one GPU per node). ``config``: relibra's
+    (``relay``, ``dispatch``, ``top_k``, link prices and ``inter_node_latency_s``)."""
+    topo = plan.topology
+    N, g = topo.num_nodes, topo.gpus_per_node
+    if not (config.relay and config.dispatch == "hierarchical" and config.top_k > 0 and N > 1 and g > 1):
+        return plan
+    M, L, S, _ = loads_MLSE.shape
+    tokens_MS = loads_MLSE[:, 0].to(torch.int64).sum(-1) // config.top_k
+    latency = RELAY_COLLECTIVES * config.inter_node_latency_s
+    # the most a relay can save: the busiest source's whole inter-node send
+    most_ML = (tokens_MS.amax(-1) * min(config.top_k, N - 1)).to(torch.float64) * config.cross_node_s_per_token
+    if not bool((most_ML > latency).any()):
+        return plan
+    relay = torch.zeros(M, L, S, g, dtype=torch.int64)
+    for m0, m1, split_BLSGJ in split_chunks(plan, loads_MLSE):
+        tok_BS = tokens_MS[m0:m1].repeat_interleave(L, 0)
+        copies, cross = hierarchical_estimate(split_BLSGJ, plan.slot_expert_MLGJ[m0:m1], tokens_MS[m0:m1],
+                                              config.top_k, topo)
+        before = rows_seconds(*hierarchical_traffic(copies, cross, topo), config)[0]
+        r = plan_relays(cross, tok_BS, g)
+        c2, x2, rs, rr = relayed_counts(copies, cross, r, tok_BS, g)
+        after = (rows_seconds(*hierarchical_traffic(c2, x2, topo), config)[0]
+                 + torch.maximum(rs, rr).amax(-1) * config.intra_node_s_per_token)
+        r[~(before - after > latency)] = 0
+        relay[m0:m1] = r.view(m1 - m0, L, S, g)
+    return plan if not bool(relay.any()) else replace(plan, relay_MLGg=relay)
