@@ -231,6 +231,7 @@ class ReplayBalancer:
                                  f"({part.num_micro_batches} micro-batches for {loads_MLSE.shape[0]})")
             t0 = time.perf_counter()
             split = share_splits(part, loads_MLSE[:, mine])
+            part = self.planner.finish(part, loads_MLSE[:, mine], split[0])  # relibra: relays, from the splits
             return part, split, time.perf_counter() - t0, 0
         except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
             warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
@@ -323,8 +324,8 @@ class ReplayBalancer:
             part, part_split, split_s, failed = self._plan_share(loads_MLSE, pairs_LEE)
         else:
             try:
-                plan = (self.planner.plan(loads_MLSE, pairs_LEE) if pairs_LEE is not None
-                        else self.planner.plan(loads_MLSE))
+                plan = self.planner.finish(self.planner.plan(loads_MLSE, pairs_LEE) if pairs_LEE is not None
+                                           else self.planner.plan(loads_MLSE), loads_MLSE)
             except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
                 warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
                               "this step runs on the previous placement without replicas", RuntimeWarning)

@@ -42,6 +42,7 @@ class Case:
     flat_mesh: bool = False
     self_route: bool = False  # route with the layer's own router (ids_per_rank only give T)
     module_kwargs: dict = field(default_factory=dict)
+    native_install: bool = False  # set_plan(plan, NATIVE): the native path, counts exchanged at run time
 
     @property
     def world(self) -> int:

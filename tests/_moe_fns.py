@@ -32,7 +32,11 @@ def run_case(case: Case) -> dict:
     m.load_state_dict(logical_state(case))
     if case.placement_E is not None and not case.place_before_load:
         m.apply_placement(case.placement_E)
-    m.set_plan(case.plan)
+    if case.native_install:
+        from relibra_torch.moe.native import NATIVE
+        m.set_plan(case.plan, NATIVE)
+    else:
+        m.set_plan(case.plan)
     xs, gs = inputs(case)
     x = xs[r].clone().requires_grad_()
     out = m(x, None if case.self_route else case.ids_per_rank[r])

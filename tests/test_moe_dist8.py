@@ -126,14 +126,16 @@ def random_relays(tokens: list[int], gpus_per_node: int, gen: torch.Generator) -
 def test_relays_on_2x4(pool):
     """Relayed tokens (planning.relay) under hierarchical dispatch: outputs and every gradient
     equal to flat dispatch and to one process; rows per GPU, relayed rows and collectives
-    equal to what the simulator counts (7 + 3 forward, 6 + 3 backward)."""
+    equal to what the simulator counts (7 + 3 forward, 6 + 3 backward; the native path's
+    count all-gather is not an exchange collective)."""
     from test_moe_dist4 import check_rows_against_the_simulator
     gen = torch.Generator().manual_seed(61)
     tokens = [7, 0, 3, 9, 2, 5, 1, 6]
     relayed = 0
     for i, kind in enumerate(["random-general", "relibra", "static"]):
         ids = fns.with_pads(fns.make_routing("skewed", tokens, 16, 3, gen), gen)
-        case = fns.Case(N, GPN, 16, 3, 2, 120 + i, ids, refetch=i == 1, shared=i == 2)
+        case = fns.Case(N, GPN, 16, 3, 2, 120 + i, ids, refetch=i == 1, shared=i == 2,
+                        native_install=kind == "static")  # the native path (NATIVE) relays too
         loads = fns.loads_of(ids, 16)
         plan = dataclasses.replace(fns.planner_plan(kind, case.topology(), loads, gen),
                                    relay_MLGg=random_relays(tokens, GPN, gen))

@@ -135,6 +135,12 @@ class Planner(ABC):
         """
         raise NotImplementedError(f"planner {self.name!r} plans all layers at once")
 
+    def finish(self, plan: StepPlan, loads_MLSE: torch.Tensor, split_MLSGJ: torch.Tensor | None = None) -> StepPlan:
+        """The plan (or a share of it) once its token splits are known (``split_MLSGJ``, the
+        ones the hook computes for the layers' schedules; ``None``: not computed): what a
+        planner adds from them (relibra: relays). Default: ``plan`` itself."""
+        return plan
+
     def commit(self, plan: StepPlan, loads_MLSE: torch.Tensor) -> None:
         """Record that ``plan`` ran on ``loads_MLSE``."""
         self.placement_LE = plan.placement_LE.clone()

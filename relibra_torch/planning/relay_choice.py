@@ -18,11 +18,12 @@ from .relay import RELAY_COLLECTIVES, plan_relays, relayed_counts
 __all__ = ["add_relays"]
 
 
-def add_relays(plan, loads_MLSE: torch.Tensor, config):
+def add_relays(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Tensor | None = None):
     """``plan`` with relays (``relay_MLGg``) where they make the priced all-to-all faster by
     more than their collectives' latency; ``plan`` itself when none pays (or relays are off,
     the dispatch is flat, one node or one GPU per node). ``config``: relibra's
-    (``relay``, ``dispatch``, ``top_k``, link prices and ``inter_node_latency_s``)."""
+    (``relay``, ``dispatch``, ``top_k``, link prices and ``inter_node_latency_s``);
+    ``split_MLSGJ``: the plan's token splits when already computed (else computed here)."""
     topo = plan.topology
     N, g = topo.num_nodes, topo.gpus_per_node
     if not (config.relay and config.dispatch == "hierarchical" and config.top_k > 0 and N > 1 and g > 1):
@@ -35,7 +36,8 @@ def add_relays(plan, loads_MLSE: torch.Tensor, config):
     if not bool((most_ML > latency).any()):
         return plan
     relay = torch.zeros(M, L, S, g, dtype=torch.int64)
-    for m0, m1, split_BLSGJ in split_chunks(plan, loads_MLSE):
+    chunks = split_chunks(plan, loads_MLSE) if split_MLSGJ is None else [(0, M, split_MLSGJ)]  # given: one batch
+    for m0, m1, split_BLSGJ in chunks:
         tok_BS = tokens_MS[m0:m1].repeat_interleave(L, 0)
         copies, cross = hierarchical_estimate(split_BLSGJ, plan.slot_expert_MLGJ[m0:m1], tokens_MS[m0:m1],
                                               config.top_k, topo)

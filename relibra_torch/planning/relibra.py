@@ -23,7 +23,7 @@ Replication, per micro-batch: cross-node *traffic replicas* (``R // 2`` slots pe
 a layer whose move buys nothing once replicated keeps its placement (``no_worse_than_keeping``).
 
 Under hierarchical dispatch relays then spread each node's inter-node rows over its GPUs
-(:mod:`relibra_torch.planning.relay`). Integer counts up to float64 objectives, so the same loads give
+(:mod:`relibra_torch.planning.relay`; :meth:`ReLibraPlanner.finish`, once the token splits are known). Integer counts up to float64 objectives, so the same loads give
 the same plan on every rank (``fill_spread``, ``relay`` and ``choose`` use the estimate's exp/log1p: one build).
 
 Legend: M micro-batches, L layers, S source ranks, E experts, N nodes, G GPUs,
@@ -385,10 +385,10 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],
             fast=False))
-    plan = guarded if guarded is not None else _search(  # guarded: some layers kept, the others planned
-        loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
-        fast=config.choose or plan_floor_s(topology, config) <= 0 or L == 0)
-    return add_relays(plan, loads_MLSE, config)
+    if guarded is not None:  # the guard kept some layers and planned the others
+        return guarded
+    return _search(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
+                   fast=config.choose or plan_floor_s(topology, config) <= 0 or L == 0)
 
 
 def _search(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
@@ -420,7 +420,6 @@ def _search(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 
 class ReLibraPlanner(Planner):
     """Stateful wrapper: plans each step from the previous step's placement."""
-
     name = "relibra"
     host_token_splits = True  # its layer derives each micro-batch's exchange sizes on the host
 
@@ -430,15 +429,16 @@ class ReLibraPlanner(Planner):
 
     @property
     def splits_layers(self) -> bool:
-        """Every stage works per layer (the swap search stops per layer too), so any subset
-        of layers plans exactly as in the full plan and EP ranks can each plan a share;
-        except with ``choose``, which picks among whole-step alternatives."""
+        """Every stage works per layer, so EP ranks can each plan a share (not with ``choose``: whole-step)."""
         return not self.config.choose
 
     @property
     def uses_coactivation(self) -> bool:
         """Whether :meth:`plan` takes the step's pair counts (hierarchical dispatch)."""
         return self.config.dispatch == "hierarchical" and self.config.reorder
+
+    def finish(self, plan: StepPlan, loads_MLSE: torch.Tensor, split_MLSGJ: torch.Tensor | None = None) -> StepPlan:
+        return add_relays(plan, loads_MLSE, self.config, split_MLSGJ)  # relays, from the hook's splits
 
     def plan(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> StepPlan:
         return relibra_plan(loads_MLSE, self.topology, self.previous_placement(loads_MLSE.shape[1]), self.config, pairs_LEE)

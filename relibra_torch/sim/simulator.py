@@ -329,15 +329,20 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     layers independently, each of the ``G`` EP ranks plans its share of the layers
     (:func:`~relibra_torch.planning.base.layer_share`) on its own CPU, and the ranks agree on
     the planner's state (a sha256; the counts are gathered, equal by construction), then
-    all-gather the parts and whether any failed: three collectives. The host work is the digest and the slowest rank's share (one
-    thread's CPU time; for relibra with its share's token splits, which travel with the
-    plan) plus those collectives (latency, and the gathered int64 bytes over the slowest
-    link). Otherwise one thread plans the whole step, then hashes the plan for the ranks to
-    compare (two collectives). Static has no hook: no host work."""
-    def run(layers=None):
+    all-gather the parts and whether any failed: three collectives. The host work is the digest and the
+    slowest rank's share (one thread's CPU time; for relibra with its share's token splits, which travel
+    with the plan, and ``Planner.finish``) plus those collectives (latency, and the gathered int64 bytes
+    over the slowest link). Otherwise one thread plans the whole step, then hashes the plan for the
+    ranks to compare (two collectives). Static has no hook: no host work."""
+    splits = getattr(planner, "host_token_splits", False)
+
+    def run(layers=None):  # planner.finish once the splits are known: with splits, after them (below)
         args = (loads_MLSE,) if layers is None else (loads_MLSE, layers)
         args += () if pairs_LEE is None else (pairs_LEE,)
-        return planner.plan(*args) if layers is None else planner.plan_layers(*args)
+        if layers is None:
+            return planner.finish(planner.plan(*args), loads_MLSE)
+        part = planner.plan_layers(*args)
+        return part if splits else planner.finish(part, loads_MLSE[:, layers])
 
     topo, L = config.topology, loads_MLSE.shape[1]
     ranks = topo.num_gpus
@@ -356,7 +361,6 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
 
     # the hook hashes the planner's state before the ranks agree on it
     digest_s = one_thread_cpu(lambda: planner_digest(planner, topo))[1]
-    splits = getattr(planner, "host_token_splits", False)
     M, J = loads_MLSE.shape[0], topo.slots_per_gpu
     split_MLSGJ = torch.empty(M, L, ranks, ranks, J, dtype=torch.int64) if splits else None
     native_L = torch.zeros(L, dtype=torch.bool) if splits else None
@@ -366,10 +370,10 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     for r in range(min(ranks, L)):
         share = layer_share(r, ranks, L)
         part, s = one_thread_cpu(lambda: run(share))
-        if splits:  # the rank splits its own layers' tokens for the layer's schedules
-            (split_MLSGJ[:, share], native_L[share]), t = one_thread_cpu(
-                lambda: share_splits(part, loads_MLSE[:, share]))
-            s += t
+        if splits:  # the rank splits its own layers' tokens for the schedules, then finishes (relays)
+            (split_MLSGJ[:, share], native_L[share]), t = one_thread_cpu(lambda: share_splits(part, loads_MLSE[:, share]))
+            (part, _), t2 = one_thread_cpu(lambda: (planner.finish(part, loads_MLSE[:, share], split_MLSGJ[:, share]), 0))
+            s += t + t2
         parts.append(part)
         secs.append(s)
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
