@@ -145,3 +145,15 @@ def test_relays_on_2x4(pool):
         check_rows_against_the_simulator(case, plan, loads, results, (10, 9))
         relayed += sum(res["hierarchical"]["exchange"]["relay_rows"] for res in results)
     assert relayed > 0
+    # a plan that relays more tokens than a rank has (rank 1 has none): every rank degrades
+    # together (the plan check's all-reduce), runs without relays, and stays exact
+    ids = fns.make_routing("skewed", tokens, 16, 3, gen)
+    case = fns.Case(N, GPN, 16, 3, 2, 130, ids)
+    loads = fns.loads_of(ids, 16)
+    bad = torch.zeros(1, 1, G, GPN, dtype=torch.int64)
+    bad[0, 0, 1, 0] = 1
+    plan = dataclasses.replace(fns.planner_plan("relibra", case.topology(), loads, gen), relay_MLGg=bad)
+    case = fns.with_plan(case, plan)
+    results = pool.run(fns.run_dispatch_modes, case)  # before the check: rank 1 raised alone, the others hung
+    fns.check_dispatch_modes(case, results)
+    assert all(res["hierarchical"]["exchange"]["relay_rows"] == 0 for res in results)

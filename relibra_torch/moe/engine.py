@@ -239,7 +239,8 @@ class ExpertEngine(PlanChecks):
         degraded = self.degraded_forwards
         if sched is None:
             sched = self._native_schedule(ids_TK, device, count)
-        elif self.check_plan and not self._plan_matches(*self._host_counts(ids_TK), sched, device, count):
+        elif self.check_plan and not self._plan_matches(*self._host_counts(ids_TK), sched, device, count,
+                                                        ids_TK.shape[0]):
             sched = self._native_schedule(ids_TK, device, count)
         # relays (planning.relay) run as planned unless this forward degraded (every rank alike)
         relay = getattr(self.plan, "relay_Gg", None) if degraded == self.degraded_forwards else None

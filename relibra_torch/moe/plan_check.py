@@ -55,25 +55,32 @@ class PlanChecks:
                          f"ranks {ranks}; allowed: expert ids, or -1 for a pad (no expert)")
 
     def _plan_matches(self, counts_E: torch.Tensor, bad_ids: int, sched: RankSchedule,
-                      device: torch.device, count=None) -> bool:
+                      device: torch.device, count=None, num_tokens: int | None = None) -> bool:
         """Whether every rank's routed ids match the installed plan (all ranks agree).
 
         One all-reduce of per-rank flags first, so that a mismatch or a bad id on one rank
         cannot leave the others waiting in the token exchange. Bad ids raise on every rank;
         a mismatch raises (``on_mismatch="raise"``) or returns ``False`` everywhere, and the
-        caller runs the forward degraded.
+        caller runs the forward degraded. A plan that relays more tokens than this rank has
+        (``num_tokens``) is a mismatch too (flag ``E + 2``), so no rank raises alone in the relay.
         """
         ep = self.ep
         diff = (counts_E != sched.expected_counts_E).nonzero().flatten()
         first = int(diff[0]) if len(diff) else -1
-        # Flag per rank: 0 match, E + 1 bad ids, else 1 + first mismatching expert.
+        relay = getattr(self.plan, "relay_Gg", None)
+        if first < 0 and relay is not None and num_tokens is not None and int(relay[ep.rank].sum()) > num_tokens:
+            first = self.num_experts + 1  # flag E + 2: more relayed tokens than tokens
+        # Flag per rank: 0 match, E + 1 bad ids, E + 2 too many relayed tokens, else 1 + first mismatching expert.
         flags = self._agree(self.num_experts + 1 if bad_ids else first + 1, device, count)
         if (flags == self.num_experts + 1).any():
             self._raise_bad_ids(flags == self.num_experts + 1)
         if not flags.any():
             return True
         ranks = flags.nonzero().flatten().tolist()
-        if first >= 0:
+        if first == self.num_experts + 1:
+            detail = (f"here (EP rank {ep.rank}) the plan relays {int(relay[ep.rank].sum())} tokens but the rank "
+                      f"has {num_tokens}")
+        elif first >= 0:
             detail = (f"here (EP rank {ep.rank}) expert {first} has {int(counts_E[first])} token-expert "
                       f"pairs but the plan's split_SGJ[{ep.rank}] sends {int(sched.expected_counts_E[first])}")
         else:

@@ -36,9 +36,10 @@ step. :func:`bound_step_cost` takes:
     holds at most ``J`` distinct experts), so ``1 / (min(K, J) V)``; forwarded rows
     (hierarchical) are left out (``>= 0``);
   - with relays (``planning.relay``: hierarchical, ``N > 1``, ``g > 1``) a GPU may hand a token
-    (up to ``K`` pairs) to another GPU of its node, which sends its inter-node rows: an NVLink
-    pair then costs ``1 / (K V)``, and the per-GPU term is ``Lm_q min(1 / (kappa_q X), 1 / (K V))``
-    (the node and global terms keep their form, at that NVLink price).
+    (up to ``K`` pairs) to another GPU of its node, which sends its inter-node rows: the per-GPU
+    term is ``Lm_q min(1 / (kappa_q X), 1 / (K V))``; the node and global terms keep their form
+    and their NVLink price (any NVLink row, relay or forward, delivers at most ``min(K, J)``
+    pairs to the GPU that computes them, and the relay's own stage only adds).
 
   Per GPU ``a2a_q >= b * min over c >= cmin_q of [c / (kappa_q X) + max(0, Lm_q - c) / V]``;
   the busiest GPU of a node carries at least the node's mean, with ``c`` summed over the node
@@ -115,8 +116,11 @@ def a2a_lower_bound_ML(loads_MLSE: torch.Tensor, tokens_MS: torch.Tensor, topolo
     # pairs each; where relays can run (hierarchical, N > 1, g > 1) a relayed token's row carries
     # up to K pairs, and its inter-node rows leave from another GPU of the node
     relays = cost.options.dispatch == "hierarchical" and N > 1 and g > 1
-    v = 1.0 / (V * (top_k if relays else min(top_k, J) if cost.options.dispatch == "hierarchical" else 1))
-    gpu_ML = ((leave_MLS * torch.minimum(a_MLS, torch.full_like(a_MLS, v))) if relays
+    v = 1.0 / (V * (min(top_k, J) if cost.options.dispatch == "hierarchical" else 1))
+    # a relay row takes up to K pairs off its source (per-GPU term), but any NVLink row delivers
+    # at most min(K, J) pairs to the GPU that computes them (the node and global sums keep v)
+    v_relay = torch.full_like(a_MLS, 1.0 / (V * top_k))
+    gpu_ML = ((leave_MLS * torch.minimum(a_MLS, v_relay)) if relays
               else _min_cost(cmin_MLS, leave_MLS, a_MLS, v)).amax(-1)
     a_MLN = a_MLS.view(M, L, N, g).amin(-1)
     cn_MLN = must_cross_pairs_MLN(loads_MLSE, topology)
@@ -161,6 +165,8 @@ def balanced_at_own_bytes_s(cost: CostModel, metrics: PlanMetrics, tokens_MS: to
     fwd, bwd = cost.expert_compute_s(mean_ML)
     cross_ML = metrics.cross_send_MLG.to(torch.float64).sum(-1) / G
     intra_ML = metrics.intra_send_MLG.to(torch.float64).sum(-1) / G
+    if metrics.relay_send_MLG is not None:  # relayed tokens: NVLink rows of their own stage
+        intra_ML = intra_ML + metrics.relay_send_MLG.to(torch.float64).sum(-1) / G
     a2a_ML = cost.token_bytes * (cross_ML / cost.inter_node_bytes_per_s + intra_ML / cost.nvlink_bytes_per_s)
     dense = cost.dense_s(tokens_MS, attn_pairs_MS)
     # plus the fixed latency of the token exchange and plan check every layer runs (fills aside)

@@ -179,18 +179,18 @@ class CostModel:
 
     def all_to_all_s(self, cross_send_G: torch.Tensor, cross_recv_G: torch.Tensor, intra_send_G: torch.Tensor,
                      intra_recv_G: torch.Tensor, relay_G: torch.Tensor | None = None) -> torch.Tensor:
-        """One all-to-all (a dispatch, or a combine) in seconds.
+        """One all-to-all (a dispatch, or a combine) in seconds: float64 ``[...]``, the slowest GPU's time.
 
         Args: token counts per GPU, shape ``[..., G]`` (tokens sent to / received from other
             nodes, and to / from other GPUs of the node); ``relay_G``: ``max(send, receive)``
             of relayed tokens (``planning.relay``), a stage of its own over NVLink before the exchange.
-        Returns: float64 ``[...]``, the slowest GPU's time.
         """
         cross = torch.maximum(cross_send_G, cross_recv_G).to(torch.float64)
         intra = torch.maximum(intra_send_G, intra_recv_G).to(torch.float64)
-        intra = intra if relay_G is None else intra + relay_G.to(torch.float64)
         per_gpu = self.token_bytes * (cross / self.inter_node_bytes_per_s + intra / self.nvlink_bytes_per_s)
-        return per_gpu.max(-1).values
+        # the relay is a collective of its own: every rank waits for its slowest GPU, then the exchange's
+        relay = 0.0 if relay_G is None else self.token_bytes * relay_G.to(torch.float64).max(-1).values / self.nvlink_bytes_per_s
+        return per_gpu.max(-1).values + relay
 
     def transfer_s(self, cross_send_G: torch.Tensor, cross_recv_G: torch.Tensor,
                    intra_send_G: torch.Tensor, intra_recv_G: torch.Tensor) -> torch.Tensor:
