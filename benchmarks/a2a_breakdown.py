@@ -19,6 +19,10 @@ step and reports, per system:
 
 Options are ``relibra simulate``'s (model, hardware, nodes, micro-batches, trace, seed...);
 ``--json`` writes the figures (default ``out/a2a_breakdown.json``).
+
+Relays (``planning.relay``, relibra's plans) are an NVLink stage of their own that these parts
+leave out: with relays, relibra's parts do not add up to its all-to-all; ``--set
+relibra.relay=false`` (where the script takes it) or the code before relays gives a breakdown that does.
 """
 
 from __future__ import annotations

@@ -135,3 +135,8 @@ def test_validate_plan_names_bad_relays():
                        (torch.eye(2, dtype=torch.int64).repeat(2, 1).view(1, 1, 4, 2), "to itself")]:
         with pytest.raises(ValueError, match=msg):
             validate_plan(dataclasses.replace(plan, relay_MLGg=relay), loads)
+    one = Topology(1, 4, 8)
+    relay = torch.zeros(1, 1, 4, 4, dtype=torch.int64)
+    relay[0, 0, 0, 1] = 1
+    with pytest.raises(ValueError, match="on one node"):
+        validate_plan(dataclasses.replace(static_plan(loads, one), relay_MLGg=relay), loads)

@@ -134,7 +134,7 @@ def relay_rows(relay_BSg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def check_relays(relay_MLGg: torch.Tensor | None, shape: tuple[int, int], topology: Topology) -> None:
     """Raise ``ValueError`` unless ``relay_MLGg`` is ``None`` or int64 ``[M, L, G, g]``,
-    non-negative, with no relay to the GPU itself."""
+    non-negative, with no relay to the GPU itself, and none on a one-node topology."""
     if relay_MLGg is None:
         return
     G, g = topology.num_gpus, topology.gpus_per_node
@@ -146,3 +146,6 @@ def check_relays(relay_MLGg: torch.Tensor | None, shape: tuple[int, int], topolo
         raise ValueError("relay_MLGg has negative token counts")
     if relay_MLGg[..., torch.arange(G), torch.arange(G) % g].any():
         raise ValueError("relay_MLGg relays tokens from a GPU to itself")
+    if topology.num_nodes == 1 and relay_MLGg.any():
+        raise ValueError("relay_MLGg relays tokens on one node: relays spread inter-node rows and there are "
+                         "none (the lower bound assumes no relays there); leave relay_MLGg None")
