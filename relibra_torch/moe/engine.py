@@ -254,12 +254,11 @@ class ExpertEngine(PlanChecks):
         dest_TK = assign_slots(ids_TK, sched)
         hier = self.dispatch == "hierarchical" and ep.group is not None
         if hier:  # one row per (token, node), then per (token, GPU); arrives as pairs
-            relayed, back = ExchangeCounts(), None
-            if relay is not None and bool(relay.any()):
-                x_TD_, dest_TK, gates_TK_, back = relay_dispatch(x_TD, dest_TK, gates_TK, relay, topo, ep.rank,
-                                                                 ep.group, relayed)
-            hx = hierarchical_dispatch(x_TD if back is None else x_TD_, dest_TK,
-                                       gates_TK if back is None else gates_TK_, topo, ep.rank, ep.group, relayed)
+            relayed, back, x_ex, dest_ex, gates_ex = ExchangeCounts(), None, x_TD, dest_TK, gates_TK
+            if relay is not None and bool(relay.any()):  # the tokens this rank exchanges after the relay
+                x_ex, dest_ex, gates_ex, back = relay_dispatch(x_TD, dest_TK, gates_TK, relay, topo, ep.rank,
+                                                               ep.group, relayed)
+            hx = hierarchical_dispatch(x_ex, dest_ex, gates_ex, topo, ep.rank, ep.group, relayed)
             x_recv, perm = hx.x_PD, hx.group_permutation(sched.chunk_group_C[:J])
         else:
             x_sorted, row_of_TK, _ = ops.permute(dest_TK, x_TD, X + 1)

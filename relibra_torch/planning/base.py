@@ -90,12 +90,8 @@ def join_layer_shares(parts: list[StepPlan], ranks: int, previous_placement_LE: 
     back_L = torch.empty_like(order_L)
     back_L[order_L] = torch.arange(L)
     cat = (lambda name, dim: torch.cat([getattr(p, name) for p in parts], dim).index_select(dim, back_L))
-    relay = None
-    if any(p.relay_MLGg is not None for p in parts):  # relays (planning.relay) of the shares that have them
-        G, g = parts[0].topology.num_gpus, parts[0].topology.gpus_per_node
-        relay = torch.cat([p.relay_MLGg if p.relay_MLGg is not None else
-                           torch.zeros(p.slot_expert_MLGJ.shape[0], p.num_layers, G, g, dtype=torch.int64)
-                           for p in parts], 1).index_select(1, back_L)
+    relayed = any(p.relay_MLGg is not None for p in parts)  # relays (planning.relay) of the shares that have them
+    relay = torch.cat([p.relays() for p in parts], 1).index_select(1, back_L) if relayed else None
     return StepPlan(parts[0].topology, cat("placement_LE", 0), cat("slot_expert_MLGJ", 1),
                     cat("slot_tokens_MLGJ", 1), planner, previous_placement_LE.clone(), relay)
 

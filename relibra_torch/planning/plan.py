@@ -77,6 +77,11 @@ class StepPlan:
         inverse_LE.scatter_(1, self.placement_LE, torch.arange(E).expand(L, E))
         return inverse_LE.view(L, self.topology.num_gpus, self.topology.experts_per_gpu)
 
+    def relays(self) -> torch.Tensor:
+        """int64 ``[M, L, G, g]``: :attr:`relay_MLGg`, zeros where the plan has none."""
+        return self.relay_MLGg if self.relay_MLGg is not None else torch.zeros(*self.slot_expert_MLGJ.shape[:2], self.topology.num_gpus, self.topology.gpus_per_node,
+                           dtype=torch.int64)
+
     def micro_batch(self, m: int) -> "StepPlan":
         """The plan restricted to micro-batch ``m`` (``M = 1``)."""
         return self.micro_batches(m, m + 1)
@@ -103,10 +108,8 @@ class StepPlan:
         out.slot_expert_MLGJ[:, layers] = part.slot_expert_MLGJ
         out.slot_tokens_MLGJ[:, layers] = part.slot_tokens_MLGJ
         if self.relay_MLGg is not None or part.relay_MLGg is not None:
-            G, g = self.topology.num_gpus, self.topology.gpus_per_node
-            out.relay_MLGg = (self.relay_MLGg.clone() if self.relay_MLGg is not None
-                              else torch.zeros(*self.slot_expert_MLGJ.shape[:2], G, g, dtype=torch.int64))
-            out.relay_MLGg[:, layers] = 0 if part.relay_MLGg is None else part.relay_MLGg
+            out.relay_MLGg = self.relays().clone()
+            out.relay_MLGg[:, layers] = part.relays()
         return out
 
 
@@ -433,6 +436,8 @@ def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
             m, l, e = (quota_MLE[..., 1:] != load_MLE).nonzero()[0].tolist()
             _fail(f"micro-batch {m}, layer {l}, expert {e}: slot quotas sum to "
                   f"{int(quota_MLE[m, l, e + 1])} but the expert's load is {int(load_MLE[m, l, e])}")
+
+
 def plan_digest(plan: StepPlan) -> str:
     """A short hash of the plan's tensors, for cross-rank agreement checks."""
     h = hashlib.sha256()

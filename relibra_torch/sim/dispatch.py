@@ -280,16 +280,14 @@ def hierarchical_rows(plan: StepPlan, loads_MLSE: torch.Tensor,
         ``relay_rows``, ``relay_recv_rows`` (tokens handed to / taken from GPUs of the node, ``planning.relay``).
     """
     topo = plan.topology
-    M, L = loads_MLSE.shape[:2]
     out: dict[str, list[torch.Tensor]] = {k: [] for k in ("cross_node_rows", "cross_node_recv_rows",
                                                           "intra_node_rows", "intra_node_recv_rows",
                                                           "relay_rows", "relay_recv_rows")}
-    for m in range(M):
+    for m in range(loads_MLSE.shape[0]):
         split_LSGJ = token_split(plan.micro_batch(m), loads_MLSE[m : m + 1])[0]
         ids = [torch.as_tensor(t).to(torch.int64) for t in routed_ids[m]]
         source_T = torch.repeat_interleave(torch.arange(len(ids)), torch.tensor([t.shape[0] for t in ids]))
-        relay_LSg = (torch.zeros(L, topo.num_gpus, topo.gpus_per_node, dtype=torch.int64)
-                     if plan.relay_MLGg is None else plan.relay_MLGg[m])
+        relay_LSg = plan.relays()[m]
         cross, copies = exact_copies(split_LSGJ, plan.slot_expert_MLGJ[m], torch.cat(ids), source_T, topo,
                                      relay_LSg=relay_LSg)
         for key, t in zip(out, (*hierarchical_traffic(copies, cross, topo), *relay_rows(relay_LSg))):

@@ -2,21 +2,20 @@
 
 Legend (shape suffixes): X steps, M micro-batches, L MoE layers, S source ranks, E experts, G GPUs.
 
-For each system the simulator walks the steps in order: ``plan = planner.plan(loads)`` (timed:
-one thread's CPU), ``evaluate(plan, loads)``, the cost model, then ``planner.commit(plan, loads)``
+For each system the simulator walks the steps in order: ``plan = planner.plan(loads)`` then
+``planner.finish`` (timed: one thread's CPU), ``evaluate``, the cost model, then ``planner.commit``
 so that history-based planners (EPLB) learn and the next step's migration is counted from the
-placement in force. The first ``warmup_steps`` steps are left out of the figures (EPLB has no history yet).
+placement in force. The first ``warmup_steps`` steps are left out of the figures (no history yet).
 
-Host work ahead of the step (the planner, and for relibra, whose layer derives every
-exchange size on the host, the layer schedules of every micro-batch; baselines' engines pick
-replicas per token on the GPU) is measured as one thread's CPU time (:func:`one_thread_cpu`).
-A planner that plans layers apart runs as the training hook runs it (``planning.split``):
-every EP rank plans its share of the layers, and the slowest share plus three small
-collectives counts. It is charged where it exceeds the overlap window (``planning.overlap_s``;
-default: static's forward pass over the step, the same for every system, during which RL
-pipelines compute old log-probs with the same replay, before the plan being made exists).
-Static has no host work. Systems that plan at run time (a ``plan_latency_s`` attribute: the
-online systems) are charged that latency per layer and micro-batch instead.
+Host work ahead of the step (the planner, and for relibra, whose layer derives every exchange
+size on the host, the layer schedules of every micro-batch; baselines' engines pick replicas per
+token on the GPU) is one thread's CPU time (:func:`one_thread_cpu`). A planner that plans layers
+apart runs as the training hook runs it (``planning.split``): the slowest EP rank's share plus
+three small collectives counts. It is charged where it exceeds the overlap window
+(``planning.overlap_s``; default: static's forward pass over the step, during which RL pipelines
+compute old log-probs with the same replay). Static has no host work; systems that plan at run
+time (a ``plan_latency_s`` attribute: the online systems) are charged that latency per layer and
+micro-batch instead.
 
 "static", "uniform" and "bound" are always computed (the speedup, "of uniform" and "of
 bound" figures are relative to them). ``bound`` is a lower bound no plan can beat
@@ -324,16 +323,13 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
                 config: SimConfig) -> tuple[StepPlan, float, tuple[torch.Tensor, torch.Tensor] | None]:
     """The step's plan, its host seconds and, where the ranks split the tokens too, the joined
     ``share_splits`` (``[M, L, S, G, J]``, native ``[L]``; else ``None``), as the hook runs it.
-
-    With split planning (``planning.split``, the hook's default) and a planner that plans
-    layers independently, each of the ``G`` EP ranks plans its share of the layers
-    (:func:`~relibra_torch.planning.base.layer_share`) on its own CPU, and the ranks agree on
-    the planner's state (a sha256; the counts are gathered, equal by construction), then
-    all-gather the parts and whether any failed: three collectives. The host work is the digest and the
-    slowest rank's share (one thread's CPU time; for relibra with its share's token splits, which travel
-    with the plan, and ``Planner.finish``) plus those collectives (latency, and the gathered int64 bytes
-    over the slowest link). Otherwise one thread plans the whole step, then hashes the plan for the
-    ranks to compare (two collectives). Static has no hook: no host work."""
+    With split planning (``planning.split``, the hook's default) and a planner that plans layers
+    independently, each of the ``G`` EP ranks plans its share (:func:`~relibra_torch.planning.base.layer_share`),
+    the ranks agree on the planner's state (a sha256), then all-gather the parts and whether any
+    failed: three collectives. The host work is the digest and the slowest rank's share (one thread's
+    CPU; for relibra with its share's token splits and ``Planner.finish``) plus those collectives
+    (latency, and the gathered int64 bytes over the slowest link). Otherwise one thread plans the
+    whole step, then hashes the plan for the ranks to compare (two collectives). Static: no hook."""
     splits = getattr(planner, "host_token_splits", False)
 
     def run(layers=None):  # planner.finish once the splits are known: with splits, after them (below)
@@ -364,16 +360,14 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     M, J = loads_MLSE.shape[0], topo.slots_per_gpu
     split_MLSGJ = torch.empty(M, L, ranks, ranks, J, dtype=torch.int64) if splits else None
     native_L = torch.zeros(L, dtype=torch.bool) if splits else None
-    if splits:
-        from ..moe.schedule_batch import share_splits  # the hook's code (imports the layer on first use)
     parts, secs = [], []
     for r in range(min(ranks, L)):
         share = layer_share(r, ranks, L)
         part, s = one_thread_cpu(lambda: run(share))
         if splits:  # the rank splits its own layers' tokens for the schedules, then finishes (relays)
-            (split_MLSGJ[:, share], native_L[share]), t = one_thread_cpu(lambda: share_splits(part, loads_MLSE[:, share]))
-            (part, _), t2 = one_thread_cpu(lambda: (planner.finish(part, loads_MLSE[:, share], split_MLSGJ[:, share]), 0))
-            s += t + t2
+            (split_MLSGJ[:, share], native_L[share], part), t = one_thread_cpu(
+                lambda: _split_then_finish(planner, part, loads_MLSE[:, share]))
+            s += t
         parts.append(part)
         secs.append(s)
     plan = join_layer_shares(parts, ranks, planner.previous_placement(L), planner.name)
@@ -384,9 +378,15 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     return plan, digest_s + max(secs) + gather_s, (split_MLSGJ, native_L) if splits else None
 
 
+def _split_then_finish(planner: Planner, part: StepPlan, loads_MLSE: torch.Tensor):
+    """``(split, native_L, part)``: a share's ``share_splits``, then ``Planner.finish`` from them (the hook's order)."""
+    from ..moe.schedule_batch import share_splits  # the hook's code (imports the layer on first use)
+    split_MLSGJ, native_L = share_splits(part, loads_MLSE)
+    return split_MLSGJ, native_L, planner.finish(part, loads_MLSE, split_MLSGJ)
+
+
 def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
-    """Refuse (``ValueError``) a plan whose busiest GPU does not fit, when asked to, with the
-    changes after which the plan's terms fit (memory_fit.refusal)."""
+    """Refuse (``ValueError``) a plan whose busiest GPU does not fit, when asked to, with the fixes (memory_fit.refusal)."""
     topo = config.topology
     msg = config.memory_check and refusal(
         b, config.model, topo, config.hardware, config.memory,
