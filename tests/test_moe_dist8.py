@@ -106,7 +106,7 @@ def test_hierarchical_dispatch_on_2x4(pool):
         case = fns.with_plan(case, plan)
         results = pool.run(fns.run_dispatch_modes, case)
         fns.check_dispatch_modes(case, results)
-        check_rows_against_the_simulator(case, plan, loads, results, (7, 6))
+        check_rows_against_the_simulator(case, plan, loads, results, (5, 4))
 
 
 def random_relays(tokens: list[int], gpus_per_node: int, gen: torch.Generator) -> torch.Tensor:
@@ -142,7 +142,7 @@ def test_relays_on_2x4(pool):
         case = fns.with_plan(case, plan)
         results = pool.run(fns.run_dispatch_modes, case)
         fns.check_dispatch_modes(case, results)
-        check_rows_against_the_simulator(case, plan, loads, results, (10, 9))
+        check_rows_against_the_simulator(case, plan, loads, results, (7, 6))
         relayed += sum(res["hierarchical"]["exchange"]["relay_rows"] for res in results)
     assert relayed > 0
     # a plan that relays more tokens than a rank has (rank 1 has none): every rank degrades

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..planning.topology import Topology
-from .collectives import all_to_all_autograd
+from .collectives import all_to_all_autograd, all_to_all_packed
 
 __all__ = ["ExchangeCounts", "HierarchicalExchange", "flat_exchange_counts", "hierarchical_combine",
            "hierarchical_dispatch"]
@@ -134,9 +134,14 @@ def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group, counts: 
     return out
 
 
-def _route(gates_RK: torch.Tensor, code_RK: torch.Tensor) -> torch.Tensor:
-    """fp32 ``[R, 2K]``: gates (autograd) then slot codes (exact in fp32: below 2^24)."""
-    return torch.cat([gates_RK.float(), code_RK.float()], dim=1)
+def _exchange_rows(x_RD: torch.Tensor, gates_RK: torch.Tensor, code_RK: torch.Tensor, send: list[int], recv: list[int],
+                   group, counts: ExchangeCounts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows with their routes in one exchange: gates fp32 (autograd), slot codes as int32
+    (below ``2^31``: the route is ``8 K`` bytes, as DeepEP's top-k weights and indices)."""
+    x_rD, gates_rK, code_rK = all_to_all_packed([x_RD, gates_RK.float(), code_RK.to(torch.int32)], send, recv, group)
+    counts.collectives_forward += 1
+    counts.collectives_backward += int(x_rD.requires_grad or gates_rK.requires_grad)
+    return x_rD, gates_rK, code_rK.long()
 
 
 def _fan_out(code_RK: torch.Tensor, gates_RK: torch.Tensor, width: int, pieces: int):
@@ -171,7 +176,7 @@ def hierarchical_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: t
         counts: the exchange's counts so far (a relay's), or ``None``.
     """
     G, g, N, J = topology.num_gpus, topology.gpus_per_node, topology.num_nodes, topology.slots_per_gpu
-    T, K = dest_TK.shape
+    T = dest_TK.shape[0]
     dev = x_TD.device
     counts = ExchangeCounts() if counts is None else counts
     pad = dest_TK >= G * J
@@ -208,11 +213,9 @@ def hierarchical_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: t
     x_a = x_TD.index_select(0, token_a)
     skip_a = N == 1
     if skip_a:
-        x_ra, route_ra = x_a, _route(gates_a, code_a)
+        x_ra, gates_ra, code_ra = x_a, gates_a.float(), code_a
     else:
-        x_ra = _exchange(x_a, send_a, recv_a, group, counts)
-        route_ra = _exchange(_route(gates_a, code_a), send_a, recv_a, group, counts)
-    gates_ra, code_ra = route_ra[:, :K], route_ra[:, K:].long()
+        x_ra, gates_ra, code_ra = _exchange_rows(x_a, gates_a, code_a, send_a, recv_a, group, counts)
 
     # Stage B: one row per (held row, GPU of this node with a slot of it), GPU-major.
     item_b, _, code_b, gates_b = _fan_out(code_ra, gates_ra, J, g)
@@ -222,16 +225,14 @@ def hierarchical_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: t
     x_b = x_ra.index_select(0, item_b)
     skip_b = g == 1
     if skip_b:
-        x_rb, route_rb = x_b, _route(gates_b, code_b)
+        x_rb, gates_rb, code_rb = x_b, gates_b.float(), code_b
     else:
-        x_rb = _exchange(x_b, send_b, recv_b, group, counts)
-        route_rb = _exchange(_route(gates_b, code_b), send_b, recv_b, group, counts)
+        x_rb, gates_rb, code_rb = _exchange_rows(x_b, gates_b, code_b, send_b, recv_b, group, counts)
 
     # Expand the received rows into their pairs (row-major).
-    code_rb = route_rb[:, K:].long()
     row_P, k_P = (code_rb >= 0).nonzero().unbind(1)
     return HierarchicalExchange(
-        x_PD=x_rb.index_select(0, row_P), slot_P=code_rb[row_P, k_P], gate_P=route_rb[row_P, k_P],
+        x_PD=x_rb.index_select(0, row_P), slot_P=code_rb[row_P, k_P], gate_P=gates_rb[row_P, k_P],
         row_P=row_P, num_rows_b=x_rb.shape[0], item_b=item_b, num_rows_a=x_ra.shape[0], token_a=token_a,
         num_tokens=T, sizes_a=(send_a, recv_a), sizes_b=(send_b, recv_b), skip_a=skip_a, skip_b=skip_b,
         group=group, counts=counts)

@@ -5,9 +5,9 @@ Legend (shape suffixes): T this rank's tokens, K top-k, D model dim, G EP ranks,
 node, k tokens this rank relays, r tokens it takes, T' = T - k + r tokens it exchanges.
 
 Every rank knows every size from the plan's ``relay_Gg`` ``[G, g]`` (tokens rank ``q`` hands
-to the GPU of its node with local index ``p``), so the relay is two all-to-alls over the EP
-group with zero sizes outside each node (rows, then their routes: fp32 gates with autograd
-and destination slots, exact in fp32), and one back after combine. Which tokens go follows
+to the GPU of its node with local index ``p``), so the relay is one all-to-all over the EP
+group with zero sizes outside each node (the rows with their routes: fp32 gates with
+autograd and int32 destination slots, packed side by side), and one back after combine. Which tokens go follows
 ``planning.relay.relay_token_index`` (evenly spaced, in local-index order), the rule the
 simulator counts with. The taking rank exchanges its own tokens first, then the ones it took
 in source-rank order; a relayed token keeps the slots its source assigned (its quotas).
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from ..planning.relay import relay_sizes, relay_token_index
 from ..planning.topology import Topology
-from .collectives import all_to_all_autograd
+from .collectives import all_to_all_autograd, all_to_all_packed
 from .hierarchical import ExchangeCounts
 
 __all__ = ["RelayBack", "relay_combine", "relay_dispatch"]
@@ -50,22 +50,21 @@ def relay_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: torch.Te
             and gates (fp32, autograd).
         relay_Gg: int64 ``[G, g]`` the layer's relays; counts: rows and collectives are added.
     """
-    T, K = dest_TK.shape
+    T = dest_TK.shape[0]
     dev = x_TD.device
     send, recv = relay_sizes(relay_Gg, rank, topology.gpus_per_node)
     sent_k, _ = relay_token_index(T, relay_Gg[rank], dev)
     keep = torch.ones(T, dtype=torch.bool, device=dev)
     keep[sent_k] = False
     keep_T = keep.nonzero().flatten()
-    route_k = torch.cat([gates_TK.index_select(0, sent_k).float(), dest_TK.index_select(0, sent_k).float()], dim=1)
-    x_r = all_to_all_autograd(x_TD.index_select(0, sent_k), send, recv, group)
-    route_r = all_to_all_autograd(route_k, send, recv, group)
+    x_r, gates_r, dest_r = all_to_all_packed([x_TD.index_select(0, sent_k), gates_TK.index_select(0, sent_k).float(),
+                                              dest_TK.index_select(0, sent_k).to(torch.int32)], send, recv, group)
     counts.relay_rows, counts.relay_recv_rows = sum(send), sum(recv)
-    counts.collectives_forward += 2
-    counts.collectives_backward += int(x_r.requires_grad) + int(route_r.requires_grad)
+    counts.collectives_forward += 1
+    counts.collectives_backward += int(x_r.requires_grad or gates_r.requires_grad)
     x_ex = torch.cat([x_TD.index_select(0, keep_T), x_r])
-    gates_ex = torch.cat([gates_TK.index_select(0, keep_T), route_r[:, :K]])
-    dest_ex = torch.cat([dest_TK.index_select(0, keep_T), route_r[:, K:].long()])
+    gates_ex = torch.cat([gates_TK.index_select(0, keep_T).float(), gates_r])
+    dest_ex = torch.cat([dest_TK.index_select(0, keep_T), dest_r.long()])
     return x_ex, dest_ex, gates_ex, RelayBack(keep_T, sent_k, (send, recv), T, group)
 
 

@@ -64,12 +64,12 @@ def collective_latency_s(topo: Topology, config) -> float:
 
 def exchange_latency_s(topo: Topology, config) -> float:
     """Latency every plan's layer pays per micro-batch: its token exchange's collectives
-    (``sim.transfers.exchange_collectives``: flat 4, hierarchical ``1 + 2 (stages + back)``)
+    (``sim.transfers.exchange_collectives``: flat 4, hierarchical ``1 + 4 stages``: the size
+    all-gather, then per stage one packed dispatch and one combine, each with a backward)
     and the plan check."""
     N, g = topo.num_nodes, topo.gpus_per_node
     if config.dispatch == "hierarchical":
-        stages, back = 2 * int(N > 1) + 2 * int(g > 1), int(N > 1) + int(g > 1)
-        exchange = 1 + 2 * (stages + back)
+        exchange = 1 + 4 * (int(N > 1) + int(g > 1))
     else:
         exchange = 4
     return (exchange + 1) * collective_latency_s(topo, config)

@@ -11,8 +11,9 @@ the default trace), and the busiest GPU's NIC sets the exchange's time. A **rela
 some of a GPU's tokens (hidden vector, gates and destination slots, one NVLink row each) to
 another GPU of its node, which exchanges them as its own and sends their combined output
 back over NVLink: the node's inter-node rows spread over all of its NICs, sender and
-receiver side alike, at the price of the NVLink rows and six more collectives per layer and
-micro-batch (forward: the rows, their routes, the returned outputs; one each in backward).
+receiver side alike, at the price of the NVLink rows and four more collectives per layer and
+micro-batch (forward: the rows with their routes in one packed exchange, the returned
+outputs; one each in backward).
 
 Relays are planned ahead from the replayed counts (the plan's ``relay_MLGg``: tokens GPU
 ``r`` hands to the GPU of its node with local index ``p``), so every rank knows every size
@@ -33,9 +34,10 @@ from .topology import Topology
 __all__ = ["RELAY_COLLECTIVES", "check_relays", "exec_ranks", "plan_relays", "relay_rows",
            "relay_sizes", "relay_token_index", "relayed_counts"]
 
-#: Collectives a relay adds to one layer's exchange per micro-batch: forward the rows, their
-#: routes and the returned outputs; backward one each (``distributed.relay``).
-RELAY_COLLECTIVES = 6
+#: Collectives a relay adds to one layer's exchange per micro-batch: forward the rows with
+#: their routes (one packed exchange) and the returned outputs; backward one each
+#: (``distributed.relay``).
+RELAY_COLLECTIVES = 4
 
 
 def relay_token_index(num_tokens: int, relay_g: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -153,12 +153,12 @@ def exchange_collectives(num_nodes: int, gpus_per_node: int, dispatch: str) -> i
 
 def hierarchical_collectives(num_nodes: int, gpus_per_node: int) -> int:
     """Collectives of one layer's hierarchical exchange, forward + backward
-    (``distributed.hierarchical``): the size all-gather, the inter-node stage (rows and their
-    routes) unless one node, the NVLink stage unless one GPU per node, and combine's way back
-    through the stages it used; every exchange but the all-gather has a backward."""
-    stages = 2 * int(num_nodes > 1) + 2 * int(gpus_per_node > 1)      # dispatch: x and route per stage
-    back = int(num_nodes > 1) + int(gpus_per_node > 1)                # combine: one per stage
-    return 1 + 2 * (stages + back)
+    (``distributed.hierarchical``): the size all-gather, the inter-node stage (rows with their
+    routes, one packed exchange) unless one node, the NVLink stage unless one GPU per node, and
+    combine's way back through the stages it used; every exchange but the all-gather has a
+    backward."""
+    stages = int(num_nodes > 1) + int(gpus_per_node > 1)      # dispatch: one exchange per stage
+    return 1 + 2 * (2 * stages)                                # + combine, one per stage; x2: backward
 
 
 def hook_step_collectives(plan: StepPlan, *, uses_pairs: bool = False, split_planning: bool = False,
