@@ -259,9 +259,7 @@ class ReplayBalancer:
         if part is not None:
             n = part.num_layers
             place[:n], se[:, :n], st[:, :n] = part.placement_LE, part.slot_expert_MLGJ, part.slot_tokens_MLGJ
-            sp[:, :n], nat[:n] = split
-            if part.relay_MLGg is not None:
-                rel[:, :n] = part.relay_MLGg
+            sp[:, :n], nat[:n], rel[:, :n] = *split, part.relays()
         flat = self._all_gather(torch.cat([place.view(-1), se.view(-1), st.view(-1), sp.view(-1), nat, rel.view(-1)]))
         sizes = [P * E, M * P * G * J, M * P * G * J, M * P * G * G * J, P, M * P * G * g]
         place_S, se_S, st_S, sp_S, nat_S, rel_S = flat.split(sizes, dim=1)

@@ -92,13 +92,14 @@ def test_the_estimate_with_relays_is_exact_where_a_sources_tokens_are_alike(seed
 
 def test_relays_are_kept_only_where_the_priced_all_to_all_gains_more_than_their_latency():
     """relibra's plan on an uneven trace: relays where the priced exchange is faster by more
-    than six collectives' latency, none on flat dispatch, with relay=False or on one node;
-    the simulator charges them as an NVLink stage and six more collectives."""
+    than their collectives' latency (``RELAY_COLLECTIVES``), none on flat dispatch, with
+    relay=False or on one node; the simulator charges them as an NVLink stage and
+    ``RELAY_COLLECTIVES`` more collectives."""
     M, L, S, E = 2, 2, 8, 16
     topo = Topology(2, 4, E, replica_slots=1)
     loads = routed_loads(M, L, S, E, 400, MODEL.top_k, 3)
     loads[:, :, 0] *= 3                                         # rank 0 has 3x the tokens
-    wide = dataclasses.replace(MODEL, hidden_size=4096)  # rows worth more than six collectives' latency
+    wide = dataclasses.replace(MODEL, hidden_size=4096)  # rows worth more than the relays' latency
     cost = CostModel(wide, get_hardware("h200"), CostOptions(dispatch="hierarchical"))
     cfg = ReLibraConfig.from_weights(cost.reorder_weights(), dispatch="hierarchical", top_k=MODEL.top_k)
     base = relibra_plan(loads, topo, config=dataclasses.replace(cfg, relay=False))

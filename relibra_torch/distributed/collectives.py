@@ -101,9 +101,11 @@ def _unpack_rows(b_RB: torch.Tensor, like: Sequence[tuple[torch.dtype, tuple[int
     """Inverse of :func:`_pack_rows` for parts of the given ``(dtype, row shape)``."""
     R, out, start = b_RB.shape[0], [], 0
     for dtype, row_shape in like:
-        width = torch.empty((), dtype=dtype).element_size() * math.prod(row_shape)
-        # a fresh copy: a column slice's storage offset need not be a multiple of the dtype's size
-        out.append(b_RB[:, start:start + width].clone(memory_format=torch.contiguous_format).view(dtype).view(R, *row_shape))
+        t = torch.empty((R, *row_shape), dtype=dtype, device=b_RB.device)  # a base tensor, not a view
+        width = t.element_size() * math.prod(row_shape)
+        if t.numel():  # copy the bytes in: a column slice's offset need not suit the dtype's size
+            t.view(-1).view(torch.uint8).view(R, width).copy_(b_RB[:, start:start + width])
+        out.append(t)
         start += width
     return out
 
@@ -156,11 +158,11 @@ def all_to_all_packed(parts: Sequence[torch.Tensor], send_sizes: Sequence[int], 
         differentiable: their gradients go back together in one reverse exchange (issued
         only when some part needs a gradient; ``on_collective`` is called for each exchange).
     """
-    if group is None:
-        all_to_all_rows(parts[0], send_sizes, recv_sizes, None)  # checks the sizes
-        return list(parts)
     rows = {p.shape[0] for p in parts}
     if rows != {int(sum(send_sizes))}:
         raise ValueError(f"all_to_all_packed: every part needs sum(send_sizes) = {int(sum(send_sizes))} rows, "
-                         f"got {sorted(rows)}")
+                         f"got {sorted(rows) or 'no parts'}")
+    if group is None:
+        all_to_all_rows(parts[0], send_sizes, recv_sizes, None)  # checks the sizes
+        return list(parts)
     return list(_PackedAllToAll.apply(send_sizes, recv_sizes, group, on_collective, *parts))
