@@ -121,7 +121,7 @@ def test_each_collective_pays_its_fixed_latency():
     plan = make_planner("relibra", TOPO).plan(loads_MLSE)
     metrics = evaluate(plan, loads_MLSE)
     tokens_MS = loads_MLSE.sum((1, 3)) // 2
-    for dispatch, per_exchange in (("flat", 4), ("hierarchical", 13)):
+    for dispatch, per_exchange in (("flat", 4), ("hierarchical", 9)):
         opts = CostOptions(dispatch=dispatch)
         slow = dataclasses.replace(HW, inter_node_latency_us=40.0)
         free = dataclasses.replace(HW, inter_node_latency_us=0.0)
