@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..planning.topology import Topology
 from .collectives import all_to_all_autograd, all_to_all_packed
 
-__all__ = ["ExchangeCounts", "HierarchicalExchange", "flat_exchange_counts", "hierarchical_combine",
+__all__ = ["ExchangeCounts", "HierarchicalExchange", "exchange_rows", "flat_exchange_counts", "hierarchical_combine",
            "hierarchical_dispatch"]
 
 
@@ -82,6 +82,12 @@ class ExchangeCounts:
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
+
+    def exchanged(self, *outputs: torch.Tensor) -> None:
+        """Count one exchange: a forward collective, and a backward one where any of its
+        ``outputs`` carries a gradient."""
+        self.collectives_forward += 1
+        self.collectives_backward += int(any(o.requires_grad for o in outputs))
 
 
 def flat_exchange_counts(topology: Topology, rank: int, send_sizes: list[int], recv_sizes: list[int],
@@ -129,18 +135,16 @@ class HierarchicalExchange:
 
 def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group, counts: ExchangeCounts) -> torch.Tensor:
     out = all_to_all_autograd(t, send, recv, group)
-    counts.collectives_forward += 1
-    counts.collectives_backward += int(out.requires_grad)
+    counts.exchanged(out)
     return out
 
 
-def _exchange_rows(x_RD: torch.Tensor, gates_RK: torch.Tensor, code_RK: torch.Tensor, send: list[int], recv: list[int],
+def exchange_rows(x_RD: torch.Tensor, gates_RK: torch.Tensor, code_RK: torch.Tensor, send: list[int], recv: list[int],
                    group, counts: ExchangeCounts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows with their routes in one exchange: gates fp32 (autograd), slot codes as int32
     (below ``2^31``: the route is ``8 K`` bytes, as DeepEP's top-k weights and indices)."""
     x_rD, gates_rK, code_rK = all_to_all_packed([x_RD, gates_RK.float(), code_RK.to(torch.int32)], send, recv, group)
-    counts.collectives_forward += 1
-    counts.collectives_backward += int(x_rD.requires_grad or gates_rK.requires_grad)
+    counts.exchanged(x_rD, gates_rK)
     return x_rD, gates_rK, code_rK.long()
 
 
@@ -215,7 +219,7 @@ def hierarchical_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: t
     if skip_a:
         x_ra, gates_ra, code_ra = x_a, gates_a.float(), code_a
     else:
-        x_ra, gates_ra, code_ra = _exchange_rows(x_a, gates_a, code_a, send_a, recv_a, group, counts)
+        x_ra, gates_ra, code_ra = exchange_rows(x_a, gates_a, code_a, send_a, recv_a, group, counts)
 
     # Stage B: one row per (held row, GPU of this node with a slot of it), GPU-major.
     item_b, _, code_b, gates_b = _fan_out(code_ra, gates_ra, J, g)
@@ -227,7 +231,7 @@ def hierarchical_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: t
     if skip_b:
         x_rb, gates_rb, code_rb = x_b, gates_b.float(), code_b
     else:
-        x_rb, gates_rb, code_rb = _exchange_rows(x_b, gates_b, code_b, send_b, recv_b, group, counts)
+        x_rb, gates_rb, code_rb = exchange_rows(x_b, gates_b, code_b, send_b, recv_b, group, counts)
 
     # Expand the received rows into their pairs (row-major).
     row_P, k_P = (code_rb >= 0).nonzero().unbind(1)

@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from ..planning.relay import relay_sizes, relay_token_index
 from ..planning.topology import Topology
-from .collectives import all_to_all_autograd, all_to_all_packed
-from .hierarchical import ExchangeCounts
+from .collectives import all_to_all_autograd
+from .hierarchical import ExchangeCounts, exchange_rows
 
 __all__ = ["RelayBack", "relay_combine", "relay_dispatch"]
 
@@ -57,14 +57,12 @@ def relay_dispatch(x_TD: torch.Tensor, dest_TK: torch.Tensor, gates_TK: torch.Te
     keep = torch.ones(T, dtype=torch.bool, device=dev)
     keep[sent_k] = False
     keep_T = keep.nonzero().flatten()
-    x_r, gates_r, dest_r = all_to_all_packed([x_TD.index_select(0, sent_k), gates_TK.index_select(0, sent_k).float(),
-                                              dest_TK.index_select(0, sent_k).to(torch.int32)], send, recv, group)
+    x_r, gates_r, dest_r = exchange_rows(x_TD.index_select(0, sent_k), gates_TK.index_select(0, sent_k),
+                                         dest_TK.index_select(0, sent_k), send, recv, group, counts)
     counts.relay_rows, counts.relay_recv_rows = sum(send), sum(recv)
-    counts.collectives_forward += 1
-    counts.collectives_backward += int(x_r.requires_grad or gates_r.requires_grad)
     x_ex = torch.cat([x_TD.index_select(0, keep_T), x_r])
     gates_ex = torch.cat([gates_TK.index_select(0, keep_T).float(), gates_r])
-    dest_ex = torch.cat([dest_TK.index_select(0, keep_T), dest_r.long()])
+    dest_ex = torch.cat([dest_TK.index_select(0, keep_T), dest_r])
     return x_ex, dest_ex, gates_ex, RelayBack(keep_T, sent_k, (send, recv), T, group)
 
 
@@ -73,7 +71,6 @@ def relay_combine(y_exD: torch.Tensor, back: RelayBack, counts: ExchangeCounts) 
     n_keep = back.keep_T.numel()
     send, recv = back.sizes
     y_back = all_to_all_autograd(y_exD[n_keep:], recv, send, back.group)
-    counts.collectives_forward += 1
-    counts.collectives_backward += int(y_back.requires_grad)
+    counts.exchanged(y_back)
     out = y_exD.new_zeros(back.num_tokens, y_exD.shape[1])
     return out.index_copy(0, back.keep_T, y_exD[:n_keep]).index_copy(0, back.sent_k, y_back)

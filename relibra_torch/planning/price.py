@@ -50,8 +50,8 @@ from .residency import residencies
 from .topology import Topology
 from .two_hop import hop_routes, two_hop_hubs
 
-__all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_latency_s",
-           "flat_rows", "hierarchical_estimate", "split_chunks", "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML",
+__all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_collectives",
+           "exchange_latency_s", "flat_rows", "hierarchical_collectives", "hierarchical_estimate", "split_chunks", "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML",
            "replica_seconds_ML", "rows_seconds", "step_seconds", "transfer_seconds", "window_seconds"]
 
 
@@ -62,16 +62,29 @@ def collective_latency_s(topo: Topology, config) -> float:
     return config.inter_node_latency_s if topo.num_nodes > 1 else config.nvlink_latency_s
 
 
+def exchange_collectives(num_nodes: int, gpus_per_node: int, dispatch: str) -> int:
+    """Collectives of one layer's token exchange per micro-batch, forward + backward (0 on
+    one GPU): flat, dispatch and combine each way; hierarchical, :func:`hierarchical_collectives`.
+    The one count the planner's prices and the simulator (``sim.transfers``) both use."""
+    if num_nodes * gpus_per_node == 1:
+        return 0
+    return hierarchical_collectives(num_nodes, gpus_per_node) if dispatch == "hierarchical" else 4
+
+
+def hierarchical_collectives(num_nodes: int, gpus_per_node: int) -> int:
+    """Collectives of one layer's hierarchical exchange, forward + backward
+    (``distributed.hierarchical``): the size all-gather, the inter-node stage (rows with their
+    routes, one packed exchange) unless one node, the NVLink stage unless one GPU per node, and
+    combine's way back through the stages it used; every exchange but the all-gather has a
+    backward."""
+    stages = int(num_nodes > 1) + int(gpus_per_node > 1)      # dispatch: one exchange per stage
+    return 1 + 2 * (2 * stages)                                # + combine, one per stage; x2: backward
+
+
 def exchange_latency_s(topo: Topology, config) -> float:
     """Latency every plan's layer pays per micro-batch: its token exchange's collectives
-    (``sim.transfers.exchange_collectives``: flat 4, hierarchical ``1 + 4 stages``: the size
-    all-gather, then per stage one packed dispatch and one combine, each with a backward)
-    and the plan check."""
-    N, g = topo.num_nodes, topo.gpus_per_node
-    if config.dispatch == "hierarchical":
-        exchange = 1 + 4 * (int(N > 1) + int(g > 1))
-    else:
-        exchange = 4
+    (:func:`exchange_collectives`) and the plan check."""
+    exchange = exchange_collectives(topo.num_nodes, topo.gpus_per_node, config.dispatch)
     return (exchange + 1) * collective_latency_s(topo, config)
 
 

@@ -73,10 +73,11 @@ import torch
 from ..checks import check_choice, check_int
 from ..planning.evaluate import PlanMetrics, imbalance
 from ..planning.plan import StepPlan
+from ..planning.price import exchange_collectives
 from ..planning.pricing import ReorderWeights, reorder_weights
 from ..planning.residency import residencies
 from .dispatch import DISPATCH_MODES, uniform_remote_node_probability
-from .transfers import exchange_collectives, layer_collectives_ML, plan_relays_ML, replica_traffic
+from .transfers import layer_collectives_ML, plan_relays_ML, replica_traffic
 from .presets import HardwareSpec, ModelSpec
 
 # ReorderWeights (planning.pricing) is re-exported here, where it was first defined.
@@ -377,8 +378,7 @@ class CostModel:
         return collectives_ML.to(torch.float64) * us * 1e-6
 
     def exchange_collectives(self, num_nodes: int, gpus_per_node: int) -> int:
-        """Collectives of one layer's token exchange per micro-batch, forward + backward (0 on
-        one GPU): what every plan's layer issues, fills and plan check aside."""
+        """``planning.price.exchange_collectives`` under this model's dispatch: what every plan's layer issues per micro-batch."""
         return exchange_collectives(num_nodes, gpus_per_node, self.options.dispatch)
 
     def uniform_step_cost(self, loads_MLSE: torch.Tensor, num_nodes: int, gpus_per_node: int,

@@ -17,6 +17,7 @@ import torch
 from ..checks import check_choice, check_int
 from ..planning.evaluate import PlanMetrics, evaluate
 from ..planning.plan import StepPlan
+from ..planning.price import exchange_collectives
 from ..planning.relay import RELAY_COLLECTIVES
 from ..planning.residency import Residencies, residencies
 from ..planning.two_hop import hop_routes, sequential_hops
@@ -119,7 +120,7 @@ def layer_collectives_ML(res: Residencies, topology, dispatch: str = "flat", ref
                          check_plan: bool = True, relay_ML: torch.Tensor | None = None) -> torch.Tensor:
     """int64 ``[M, L]``: collectives one layer issues per micro-batch, forward + backward (every
     rank joins each one, so the count is every GPU's): plan check, the token exchange (flat:
-    dispatch and combine each way; hierarchical: :func:`hierarchical_collectives`), a fill
+    dispatch and combine each way; hierarchical: ``planning.price.hierarchical_collectives``), a fill
     where a residency starts and a gradient return where one ends, and one more where a
     second hop must wait for its hub in the same micro-batch (``two_hop.sequential_hops``);
     with ``refetch``: fetch, fetch, return wherever a replica
@@ -141,24 +142,6 @@ def plan_relays_ML(plan: StepPlan, dispatch: str) -> torch.Tensor | None:
     if plan.relay_MLGg is None or dispatch != "hierarchical":
         return None
     return plan.relay_MLGg.flatten(2).any(-1)
-
-
-def exchange_collectives(num_nodes: int, gpus_per_node: int, dispatch: str) -> int:
-    """Collectives of one layer's token exchange per micro-batch, forward + backward (0 on
-    one GPU): flat, dispatch and combine each way; hierarchical, :func:`hierarchical_collectives`."""
-    if num_nodes * gpus_per_node == 1:
-        return 0
-    return hierarchical_collectives(num_nodes, gpus_per_node) if dispatch == "hierarchical" else 4
-
-
-def hierarchical_collectives(num_nodes: int, gpus_per_node: int) -> int:
-    """Collectives of one layer's hierarchical exchange, forward + backward
-    (``distributed.hierarchical``): the size all-gather, the inter-node stage (rows with their
-    routes, one packed exchange) unless one node, the NVLink stage unless one GPU per node, and
-    combine's way back through the stages it used; every exchange but the all-gather has a
-    backward."""
-    stages = int(num_nodes > 1) + int(gpus_per_node > 1)      # dispatch: one exchange per stage
-    return 1 + 2 * (2 * stages)                                # + combine, one per stage; x2: backward
 
 
 def hook_step_collectives(plan: StepPlan, *, uses_pairs: bool = False, split_planning: bool = False,
