@@ -40,14 +40,28 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
 the window hides. It gets the light plan instead (:mod:`~relibra_torch.planning.light`)
-where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time (:func:`light_floor_s`:
-``light_share`` of the fixed part, and a part per layer that follows the experts), ``W'_l``
-the window less the light plan's cheaper schedules (one residency per copy,
-:data:`LIGHT_SCHEDULE_SHARE`); and it keeps that plan only where its exact saving (the
-plain plan's price, not the bound) repays what its schedules add to the charge once the
-plan's own host time is spent: ``max(0, F' - W'_l) - max(0, F' - V_l)`` with ``V_l`` the
-window before any schedules. The
-fixed part is spread over the share per layer, while a rank pays it whole once any of its
+where ``scale * U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
+(:func:`light_floor_s`: ``light_share`` of the fixed part, and a part per layer that
+follows the experts), ``W'_l`` the window less the light plan's cheaper schedules (one
+residency per copy, :data:`LIGHT_SCHEDULE_SHARE`); and it keeps that plan only where its
+exact saving (the plain plan's price, not the bound) repays what its schedules add to the
+charge once the plan's own host time is spent:
+``(max(0, F' - W'_l) - max(0, F' - V_l)) / scale`` with ``V_l`` the window before any
+schedules.
+
+``scale = L / ceil(L / G)``: every EP rank plans its share at the same time, so the step
+waits once for the slowest rank's overrun and gains every layer's saving. With every layer
+planned a rank overruns the window by ``share * (F' - W'_l)`` while the step saves ``L``
+times one layer's saving (layers alike), so a layer's saving counts ``scale`` times against
+its share-layer's host time, as the window does. The light tier counts it so, since it keeps
+only what its exact saving repays. The full tier counts its gain bound once: that bound
+overstates what the full search saves beyond the light plan by more than ``scale`` on the
+stand-ins of ``benchmarks/never_behind.py`` (under hierarchical dispatch up to top-k-fold,
+as each row is bounded by its pairs), and counted ``scale`` times it admitted searches
+whose host time the plan did not repay (12 of 144 stand-ins more than 1% behind with host
+work charged, against 6; ``docs/results.md``).
+
+The fixed part is spread over the share per layer, while a rank pays it whole once any of its
 layers is searched, and both fixed parts where its share mixes tiers: a share that mixes
 tiers is under-priced (up to its size). The rule reads only the layer's own counts, the
 layer count ``L`` and the topology, so split planning gives every layer the same decision
@@ -206,20 +220,22 @@ class Tiers(NamedTuple):
     """:func:`_tiers`: per layer ``[L]`` (float64 seconds) the gain bound ``U_l`` and the
     layer's window share before schedules; the schedules a rank builds per planned layer,
     scaled as the window (full search's; the light plan's are :data:`LIGHT_SCHEDULE_SHARE`
-    of them); the floors ``F`` and ``F'``."""
+    of them); the floors ``F`` and ``F'``; and ``scale = L / ceil(L / G)``, the layers whose
+    savings one share-layer's host time buys, which the light tier counts (module docstring)."""
 
     gain_L: torch.Tensor
     window_L: torch.Tensor
     schedules_s: float
     floor: float
     light_floor: float
+    scale: float
 
     def margin_L(self) -> torch.Tensor:
         """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
         return self.gain_L + self.window_L - self.schedules_s
 
     def full_L(self) -> torch.Tensor:
-        """bool ``[L]``: worth the full search, ``U_l + W_l >= F``."""
+        """bool ``[L]``: worth the full search, ``U_l + W_l >= F`` (the bound counted once)."""
         return self.margin_L() >= self.floor
 
     def light_window_L(self) -> torch.Tensor:
@@ -227,14 +243,15 @@ class Tiers(NamedTuple):
         return self.window_L - LIGHT_SCHEDULE_SHARE * self.schedules_s
 
     def light_L(self) -> torch.Tensor:
-        """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'`` (never where it is off)."""
-        return (self.gain_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
+        """bool ``[L]``: worth the light plan, ``scale * U_l + W'_l >= F'`` (never where it is off)."""
+        return (self.scale * self.gain_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
 
     def light_saving_L(self) -> torch.Tensor:
-        """``[L]``: what a made light plan's exact saving must exceed to be kept: the charge
-        its schedules add once its own host time is spent (the window less that time)."""
+        """``[L]``: what a made light plan's exact saving (per layer) must exceed to be kept:
+        the charge its schedules add once its own host time is spent (the window less that
+        time), per share-layer, over ``scale``."""
         return ((self.light_floor - self.light_window_L()).clamp(min=0)
-                - (self.light_floor - self.window_L).clamp(min=0))
+                - (self.light_floor - self.window_L).clamp(min=0)) / self.scale
 
 
 def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
@@ -251,7 +268,7 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
         return Tiers(gain_L, forward_L * (total / share), config.plan_schedule_s * M / 8 * (total / share),
-                     floor, light)
+                     floor, light, total / share)
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
@@ -275,7 +292,7 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
     the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``
     layers, in that order) with the guard off; of the others, those worth the light plan
-    (``U_l + W'_l >= F'``, :class:`Tiers`) get it (:mod:`~relibra_torch.planning.light`)
+    (``scale * U_l + W'_l >= F'``, :class:`Tiers`) get it (:mod:`~relibra_torch.planning.light`)
     where its exact saving repays its schedules' charge, and the rest keep their placement, every expert on its owner
     (:func:`~relibra_torch.planning.fastpath.keep_plan`)."""
     L = loads_MLSE.shape[1]
