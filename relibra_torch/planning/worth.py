@@ -196,9 +196,12 @@ def _quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
 #: per GPU (``benchmarks/never_behind.py``), shares of 1, 2 and 4 layers, on a machine that ran
 #: the full search in 0.62-0.77x of those floors (so times 1.4 here): one node 4-6 ms + 0.4-1.6
 #: ms per layer (8 to 256 experts), across nodes 8-12 ms + 0.5-10 ms per layer. Its per-layer
-#: part follows the experts, not top-k.
+#: part follows the experts, not top-k. Across nodes the light plan also weighs a step-long
+#: set with traffic replicas (``planning.light``): where those pay their fill, its host time
+#: is 1.3-2.7x (median 1.8x) the plan without them on the 2-node stand-ins of 256+ tokens per
+#: GPU, so the across-nodes per-layer part is twice the fit.
 LIGHT_LAYER_S, LIGHT_EXPERT_S = 4.9e-4, 6.6e-6
-LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 3.0e-4, 5.2e-5
+LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 6.0e-4, 1.04e-4
 #: A light layer's schedules (``moe.schedule_batch.rank_schedules``) against ``plan_schedule_s``
 #: (fitted on the full search's plans): each copy holds its slot all step, one residency, so
 #: 0.3-0.7 ms per layer on the same stand-ins and machine, about half (x 1.4) of 1.1 ms.
