@@ -40,7 +40,7 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
 the window hides. It gets the light plan instead (:mod:`~relibra_torch.planning.light`)
-where ``scale * U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
+where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
 (:func:`light_floor_s`: ``light_share`` of the fixed part, and a part per layer that
 follows the experts), ``W'_l`` the window less the light plan's cheaper schedules (one
 residency per copy, :data:`LIGHT_SCHEDULE_SHARE`); and it keeps that plan only where its
@@ -51,15 +51,15 @@ schedules.
 
 ``scale = L / ceil(L / G)``: every EP rank plans its share at the same time, so the step
 waits once for the slowest rank's overrun and gains every layer's saving. With every layer
-planned a rank overruns the window by ``share * (F' - W'_l)`` while the step saves ``L``
-times one layer's saving (layers alike), so a layer's saving counts ``scale`` times against
-its share-layer's host time, as the window does. The light tier counts it so, since it keeps
-only what its exact saving repays. The full tier counts its gain bound once: that bound
-overstates what the full search saves beyond the light plan by more than ``scale`` on the
-stand-ins of ``benchmarks/never_behind.py`` (under hierarchical dispatch up to top-k-fold,
-as each row is bounded by its pairs), and counted ``scale`` times it admitted searches
-whose host time the plan did not repay (12 of 144 stand-ins more than 1% behind with host
-work charged, against 6; ``docs/results.md``).
+planned a rank overruns the window by ``share`` times a layer's charge while the step saves
+``L`` times one layer's saving (layers alike), so a layer's exact saving counts ``scale``
+times against its share-layer's charge, as the window does. Both tiers' admissions count
+the gain bound once: the bound overstates what a plan saves (on the stand-ins of
+``benchmarks/never_behind.py`` by more than ``scale``; under hierarchical dispatch up to
+top-k-fold, as each row is bounded by its pairs), and the host time of an admitted plan is
+spent whether or not it is kept. Counted ``scale`` times, admissions sent layers to searches
+and light plans whose host time their plans did not repay (``docs/results.md``, "The light
+tier's keep rule counts every layer's saving").
 
 The fixed part is spread over the share per layer, while a rank pays it whole once any of its
 layers is searched, and both fixed parts where its share mixes tiers: a share that mixes
@@ -196,12 +196,9 @@ def _quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
 #: per GPU (``benchmarks/never_behind.py``), shares of 1, 2 and 4 layers, on a machine that ran
 #: the full search in 0.62-0.77x of those floors (so times 1.4 here): one node 4-6 ms + 0.4-1.6
 #: ms per layer (8 to 256 experts), across nodes 8-12 ms + 0.5-10 ms per layer. Its per-layer
-#: part follows the experts, not top-k. Across nodes the light plan also weighs a step-long
-#: set with traffic replicas (``planning.light``): where those pay their fill, its host time
-#: is 1.3-2.7x (median 1.8x) the plan without them on the 2-node stand-ins of 256+ tokens per
-#: GPU, so the across-nodes per-layer part is twice the fit.
+#: part follows the experts, not top-k.
 LIGHT_LAYER_S, LIGHT_EXPERT_S = 4.9e-4, 6.6e-6
-LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 6.0e-4, 1.04e-4
+LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 3.0e-4, 5.2e-5
 #: A light layer's schedules (``moe.schedule_batch.rank_schedules``) against ``plan_schedule_s``
 #: (fitted on the full search's plans): each copy holds its slot all step, one residency, so
 #: 0.3-0.7 ms per layer on the same stand-ins and machine, about half (x 1.4) of 1.1 ms.
@@ -224,7 +221,8 @@ class Tiers(NamedTuple):
     layer's window share before schedules; the schedules a rank builds per planned layer,
     scaled as the window (full search's; the light plan's are :data:`LIGHT_SCHEDULE_SHARE`
     of them); the floors ``F`` and ``F'``; and ``scale = L / ceil(L / G)``, the layers whose
-    savings one share-layer's host time buys, which the light tier counts (module docstring)."""
+    savings one share-layer's host time buys, which the light plan's keep rule counts
+    (module docstring)."""
 
     gain_L: torch.Tensor
     window_L: torch.Tensor
@@ -246,8 +244,8 @@ class Tiers(NamedTuple):
         return self.window_L - LIGHT_SCHEDULE_SHARE * self.schedules_s
 
     def light_L(self) -> torch.Tensor:
-        """bool ``[L]``: worth the light plan, ``scale * U_l + W'_l >= F'`` (never where it is off)."""
-        return (self.scale * self.gain_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
+        """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'`` (never where it is off)."""
+        return (self.gain_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
 
     def light_saving_L(self) -> torch.Tensor:
         """``[L]``: what a made light plan's exact saving (per layer) must exceed to be kept:
@@ -295,7 +293,7 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
     the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``
     layers, in that order) with the guard off; of the others, those worth the light plan
-    (``scale * U_l + W'_l >= F'``, :class:`Tiers`) get it (:mod:`~relibra_torch.planning.light`)
+    (``U_l + W'_l >= F'``, :class:`Tiers`) get it (:mod:`~relibra_torch.planning.light`)
     where its exact saving repays its schedules' charge, and the rest keep their placement, every expert on its owner
     (:func:`~relibra_torch.planning.fastpath.keep_plan`)."""
     L = loads_MLSE.shape[1]
