@@ -140,7 +140,7 @@ def _exchange(t: torch.Tensor, send: list[int], recv: list[int], group, counts: 
 
 
 def exchange_rows(x_RD: torch.Tensor, gates_RK: torch.Tensor, code_RK: torch.Tensor, send: list[int], recv: list[int],
-                   group, counts: ExchangeCounts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  group, counts: ExchangeCounts) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows with their routes in one exchange: gates fp32 (autograd), slot codes as int32
     (below ``2^31``: the route is ``8 K`` bytes, as DeepEP's top-k weights and indices)."""
     x_rD, gates_rK, code_rK = all_to_all_packed([x_RD, gates_RK.float(), code_RK.to(torch.int32)], send, recv, group)

@@ -263,13 +263,13 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     L, M = loads_MLSE.shape[1], loads_MLSE.shape[0]
     total = L if total_layers is None else total_layers
     share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
+    scale = total / share                                                  # layers one share-layer stands for
     floor, light = layer_floor_s(topology, config, share, M), light_floor_s(topology, config, share, M)
 
     def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
-        return Tiers(gain_L, forward_L * (total / share), config.plan_schedule_s * M / 8 * (total / share),
-                     floor, light, total / share)
+        return Tiers(gain_L, forward_L * scale, config.plan_schedule_s * M / 8 * scale, floor, light, scale)
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
