@@ -50,6 +50,7 @@ from .choose import native_slots
 from .plan import StepPlan
 from .reorder_greedy import move_price_s
 from .reorder_traffic import replica_min_tokens
+from .gpu_pack import swap_can_pay
 from .fastpath_sets import c_loses, d_loses, search_natives as _search_natives
 from .topology import Topology
 
@@ -230,6 +231,8 @@ def _nothing_pays(own_MLNE: torch.Tensor, topology: Topology, previous_placement
     if config.reorder and N > 1 and not _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs, g, R,
                                                   coloc_w):
         return False
+    if config.reorder and swap_can_pay(load_MLE, previous_placement_LE, topology, config):
+        return False  # R = 0: experts may swap GPUs inside a node (planning/gpu_pack.py)
     if not (config.balance and R):
         return True
     # balance.replicate_step on the placement the search keeps, after traffic replicas that made

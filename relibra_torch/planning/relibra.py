@@ -7,7 +7,8 @@ node. It minimises, summed over the step's micro-batches,
 
 plus ``migration_s_per_expert / g`` per expert that changes node (``reorder_greedy.move_price_s``:
 a node's moves run over its ``g`` GPUs' links side by side), so it moves only what pays. The busiest node sets
-the time because replication inside the node spreads its load over its ``g`` GPUs. Search:
+the time because replication inside the node spreads its load over its ``g`` GPUs (without
+replica slots, ``R = 0``, experts then swap GPUs inside their node: ``planning.gpu_pack``). Search:
 two starts (the previous placement, and a greedy assignment of experts in decreasing load
 to the node with the smallest objective increase), the better one refined by steepest-
 descent swaps between nodes over a deterministic candidate set, all layers at once. A
@@ -49,6 +50,7 @@ from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pa
 from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
+from .gpu_pack import pack_gpus
 from .reorder_greedy import greedy_nodes, objective
 from .relay_choice import add_relays
 from .worth import guarded_plan, plan_floor_s
@@ -128,7 +130,7 @@ class ReLibraConfig:
         light_share: the light plan's fixed host time as a share of the full search's
             (``light``; per layer ``worth.light_floor_s``): layers the guard keeps whose gain
             bound and window reach it get a step-long set on the kept placement where it pays (0: off).
-        max_swap_rounds: bound on local-search rounds.
+        max_swap_rounds: bound on local-search rounds (both node searches, and ``gpu_pack``'s).
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
     """
@@ -191,13 +193,11 @@ class ReLibraConfig:
 
     @property
     def min_replica_tokens(self) -> int:
-        """:meth:`min_replica_tokens_on` several nodes (flat dispatch: compute + cross-node per
-        token; hierarchical: compute only)."""
+        """:meth:`min_replica_tokens_on` several nodes (flat: compute + cross-node per token; hierarchical: compute)."""
         return self.min_replica_tokens_on(2)
 
     def fill_latency_s(self, num_nodes: int) -> float:
-        """Latency a layer's first copy in a micro-batch adds: the fill and the gradient
-        return collectives (kept buffers), each spanning the nodes when there are several."""
+        """Latency a layer's first copy in a micro-batch adds: fill and gradient return, across nodes if several."""
         return 2.0 * (self.inter_node_latency_s if num_nodes > 1 else self.nvlink_latency_s)
 
     @property
@@ -218,10 +218,9 @@ class ReLibraConfig:
 
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
-                     "intra_migration_s_per_expert", "replica_fill_s_per_expert",
-                     "cross_replica_fill_s_per_expert", "intra_node_s_per_token", "inter_node_latency_s",
-                     "nvlink_latency_s", "plan_floor_s", "plan_floor_nodes_s", "plan_layer_s",
-                     "plan_layer_nodes_s", "plan_schedule_s"):
+                     "intra_migration_s_per_expert", "replica_fill_s_per_expert", "cross_replica_fill_s_per_expert",
+                     "intra_node_s_per_token", "inter_node_latency_s", "nvlink_latency_s", "plan_floor_s",
+                     "plan_floor_nodes_s", "plan_layer_s", "plan_layer_nodes_s", "plan_schedule_s"):
             check_number(name, getattr(self, name), 0)
         check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_number("light_share", self.light_share, 0, maximum=1)
@@ -299,7 +298,8 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
         if N > 1 and config.traffic_search:
             node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g,
                                           topology.replica_slots // 2 if replicas else 0, pairs_LEE, coloc_w)
-        out.append(_assign_gpus(node_LE, total_LE, prev_gpu_LE, topology))
+        out.append(pack_gpus(_assign_gpus(node_LE, total_LE, prev_gpu_LE, topology), load_LME, prev_gpu_LE,
+                             topology, config))
     return tuple(out) if also_without_traffic else out[0]
 
 
