@@ -45,13 +45,13 @@ from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
 from .balance import replicate
-from .reorder_traffic import (coactivation_gain, colocated_pairs, max_without_pair, swap_candidates, swap_pairs,
-                              traffic_swap_search)
+from .reorder_load import load_first_objective, swap_search
+from .reorder_traffic import colocated_pairs, node_biggest, traffic_swap_search
 from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
 from .gpu_pack import pack_gpus
-from .reorder_greedy import greedy_nodes, objective
+from .reorder_greedy import busiest_gpu_term, greedy_nodes
 from .relay_choice import add_relays
 from .worth import guarded_plan, plan_floor_s
 
@@ -233,11 +233,6 @@ class ReLibraConfig:
         check_int("swap_candidates", self.swap_candidates, 1)
 
 
-def _objective(max_sum, cross, moved, cfg: ReLibraConfig, g: int) -> torch.Tensor:
-    """float64 objective (module docstring) of integer parts: summed busiest-node load, cross-node tokens, moves."""
-    return objective(*(x.to(torch.float64) for x in (max_sum, cross, moved)), cfg, g)
-
-
 def _coactivation_weight(config: ReLibraConfig, pairs_LEE: torch.Tensor | None, N: int, g: int) -> float:
     """Seconds one co-located co-activated pair saves (0: co-activation not priced)."""
     if pairs_LEE is None or config.dispatch != "hierarchical" or N < 2:
@@ -266,9 +261,12 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     prev_gpu_LE = previous_placement_LE // El
     prev_node_LE = prev_gpu_LE // g
 
+    gpu_term = topology.replica_slots == 0 and El == 1  # no copy, one expert per GPU: the busiest GPU is the largest expert
+
     def node_loads(node_LE: torch.Tensor) -> torch.Tensor:
         onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
-        return torch.bmm(load_LME, onehot_LEN)                             # [L, M, N]
+        nl_LMN = torch.bmm(load_LME, onehot_LEN)                             # [L, M, N]
+        return busiest_gpu_term(nl_LMN, node_biggest(node_LE, load_LME, N)[0], g) if gpu_term else nl_LMN
 
     def cross(node_LE: torch.Tensor) -> torch.Tensor:
         return (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
@@ -278,7 +276,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 
     def full_objective(node_LE: torch.Tensor) -> torch.Tensor:
         moved_L = (node_LE != prev_node_LE).sum(1)
-        obj = _objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g)
+        obj = load_first_objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g)
         if coloc_w:
             obj = obj - coloc_w * colocated_pairs(pairs_LEE, node_LE, N).to(torch.float64)
         return obj
@@ -286,81 +284,22 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     # Start 1: keep the previous nodes. Start 2: greedy in decreasing load.
     best_node_LE = prev_node_LE.clone()
     if N > 1:
-        greedy_LE = greedy_nodes(load_LME, total_LE, src_node_LNE, prev_node_LE, config, N, g)
+        greedy_LE = greedy_nodes(load_LME, total_LE, src_node_LNE, prev_node_LE, config, N, g, gpu_term)
         use_greedy_L = full_objective(greedy_LE) < full_objective(best_node_LE)
         best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
-        best_node_LE = _swap_search(best_node_LE, load_LME, src_node_LNE, total_LE,
-                                    prev_node_LE, config, N, g, full_objective, pairs_LEE, coloc_w)
+        best_node_LE = swap_search(best_node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, config, N, g,
+                                   full_objective, pairs_LEE, coloc_w, gpu_term)
     # Then each node's cross-node send and receive, net of its traffic replicas.
     out = []
     for replicas in (config.cross_node_replicas, False)[:1 + also_without_traffic]:
         node_LE = best_node_LE
         if N > 1 and config.traffic_search:
             node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g,
-                                          topology.replica_slots // 2 if replicas else 0, pairs_LEE, coloc_w)
+                                          topology.replica_slots // 2 if replicas else 0, pairs_LEE, coloc_w,
+                                          gpu_term)
         out.append(pack_gpus(_assign_gpus(node_LE, total_LE, prev_gpu_LE, topology), load_LME, prev_gpu_LE,
                              topology, config))
     return tuple(out) if also_without_traffic else out[0]
-
-
-def _swap_search(node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, cfg, N, g, full_objective,
-                 pairs_LEE=None, coloc_w=0.0):
-    """Steepest-descent node swaps, all layers at once, until no layer improves. Candidates per
-    round: each node's ``swap_candidates`` heaviest and as many lightest experts (step load); every
-    pair on two nodes is scored exactly (only its two nodes change: the new per-micro-batch maximum
-    is ``max(max over the other nodes, new load of node a, new load of node b)``)."""
-    L, M, E = load_LME.shape
-    per_side = min(cfg.swap_candidates, E // N // 2) or 1
-    C = 2 * per_side
-    current_L = full_objective(node_LE)
-    rows = torch.arange(L)
-    pairs = swap_pairs(N, C)
-    ni, nj = pairs.ni_P, pairs.nj_P
-    P = ni.numel()
-    a_side, b_side, slot_node = pairs.a_side, pairs.b_side, pairs.slot_node_X
-
-    for _ in range(cfg.max_swap_rounds):
-        onehot = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
-        nl_LMN = torch.bmm(load_LME, onehot)
-        cand_LX = swap_candidates(node_LE, total_LE, N, per_side)
-        load_LMX = load_LME.gather(2, cand_LX.unsqueeze(1).expand(L, M, N * C))
-        nl_out_LMX = nl_LMN.gather(2, slot_node.expand(L, M, N * C)) - load_LMX  # node without it
-        # Only the swap's two nodes change: new max = max(the other nodes, node a, node b).
-        new_max = torch.maximum(a_side(nl_out_LMX) + b_side(load_LMX), b_side(nl_out_LMX) + a_side(load_LMX))
-        torch.maximum(new_max, max_without_pair(nl_LMN, pairs).view(L, M, P, 1, 1), out=new_max)
-        max_sum_LW = new_max.sum(1).reshape(L, -1)
-        # tokens kept inside their node: a leaves na for nb, b leaves nb for na
-        src_LNX = src_node_LNE.gather(2, cand_LX.unsqueeze(1).expand(L, N, N * C))
-        home_LX = src_LNX.gather(1, slot_node.expand(L, 1, N * C)).squeeze(1)
-        src_view = src_LNX.view(L, N, N, C)                                  # [L, node, slot node, C]
-        gain_a = src_view[:, nj, ni].unsqueeze(-1) - a_side(home_LX)          # a's tokens from nb
-        gain_b = src_view[:, ni, nj].unsqueeze(-2) - b_side(home_LX)          # b's tokens from na
-        local_delta_LW = (gain_a + gain_b).reshape(L, -1)
-        cross_now_L = (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
-        prev_X = prev_node_LE.gather(1, cand_LX)
-        moved_a = (nj.view(1, P, 1) != prev_X.view(L, N, C)[:, ni]).to(torch.int64) \
-            - (ni.view(1, P, 1) != prev_X.view(L, N, C)[:, ni]).to(torch.int64)
-        moved_b = (ni.view(1, P, 1) != prev_X.view(L, N, C)[:, nj]).to(torch.int64) \
-            - (nj.view(1, P, 1) != prev_X.view(L, N, C)[:, nj]).to(torch.int64)
-        moved_delta_LW = (moved_a.unsqueeze(-1) + moved_b.unsqueeze(-2)).reshape(L, -1)
-        moved_now_L = (node_LE != prev_node_LE).sum(1)
-        obj_LW = _objective(max_sum_LW, cross_now_L.unsqueeze(1) - local_delta_LW,
-                            moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
-        a_LW, b_LW = cand_LX[:, pairs.pos_a_W], cand_LX[:, pairs.pos_b_W]
-        if coloc_w:  # co-located pairs gained by the swap
-            obj_LW = obj_LW - coloc_w * coactivation_gain(pairs_LEE, node_LE, a_LW, b_LW, pairs, N).to(torch.float64)
-        best_W = obj_LW.argmin(1)
-        best_obj_L = obj_LW[rows, best_W]
-        improve_L = best_obj_L < current_L - 1e-12 * current_L.abs()
-        if not improve_L.any():
-            break
-        a_L, b_L = a_LW[rows, best_W], b_LW[rows, best_W]
-        na_L, nb_L = node_LE[rows, a_L], node_LE[rows, b_L]
-        node_LE = node_LE.clone()
-        node_LE[rows, a_L] = torch.where(improve_L, nb_L, na_L)
-        node_LE[rows, b_L] = torch.where(improve_L, na_L, nb_L)
-        current_L = torch.where(improve_L, best_obj_L, current_L)
-    return node_LE
 
 
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
