@@ -94,3 +94,29 @@ def test_relibra_at_r0_evens_the_gpus_of_a_node():
         return gpu.amax(-1).sum(0)
     after_L, before_L = busiest_L(plan.placement_LE), busiest_L(topo.static_placement(4))
     assert bool((after_L <= before_L).all()) and int(after_L.sum()) < 0.9 * int(before_L.sum())
+
+
+def test_the_light_plan_swaps_gpus_where_no_slot_exists():
+    """At R = 0 the light tier (planning/light.py) is the kept placement with GPU swaps, kept
+    per layer only where the plain plan's exact price falls; a layer with nothing to gain,
+    or a charge no saving reaches, keeps its placement."""
+    from relibra_torch.planning.fastpath import keep_plan
+    from relibra_torch.planning.light import light_plan
+    from relibra_torch.planning.plain import layers_price
+    from relibra_torch.planning.price import moe_seconds_ML
+
+    topo = Topology(1, 4, 16, 0)
+    loads = standin_loads(16, 2, 2, 8, 4, 4096, steps=1, zipf=1.5, seed=5)[0]
+    loads[:, 0] = 1024                                                            # layer 0: even, no swap pays
+    cfg = ReLibraConfig(compute_s_per_token=5.7e-8, intra_migration_s_per_expert=1.5e-4)
+    kept = keep_plan(loads, topo, topo.static_placement(2), cfg)
+    out = light_plan(loads, kept, cfg)
+    idx = torch.arange(2)
+    before_L = moe_seconds_ML(kept, loads, cfg).sum(0)
+    after_L = layers_price(out, idx, loads, cfg)
+    assert not torch.equal(out.placement_LE[1], kept.placement_LE[1]) and float(after_L[1]) < float(before_L[1])
+    assert torch.equal(out.placement_LE[0], kept.placement_LE[0])
+    assert bool((out.slot_expert_MLGJ[..., topo.experts_per_gpu:] < 0).all())    # no slot, no copy
+    assert torch.equal(out.placement_LE // topo.experts_per_node, kept.placement_LE // topo.experts_per_node)
+    dear = light_plan(loads, kept, cfg, torch.full((2,), 1.0))                      # a 1 s charge: keep
+    assert torch.equal(dear.placement_LE, kept.placement_LE)

@@ -23,6 +23,12 @@ across nodes, on a 2-core machine that ran the full search in 0.7x of its fitted
 every layer sees the step's tokens per source, as replay gives them: the hierarchical price
 reads them from a share's first layer).
 
+Without replica slots (``R = 0``) the light plan is the kept placement with experts swapped
+between the GPUs of their node (:mod:`~relibra_torch.planning.gpu_pack`, a few numpy rounds
+per layer), priced and kept by the same rule: on few layers the guard keeps the placement
+where the full search cannot repay its host time, and GPU swaps alone repaid it
+(``switch-64/zipf/t64x64/1x8`` at 4 layers, ``benchmarks/never_behind.py --replica-slots 0``).
+
 Legend: M micro-batches, L layers, S source ranks, E experts, G GPUs, J slots per GPU.
 """
 
@@ -30,6 +36,8 @@ from __future__ import annotations
 
 import torch
 
+from .choose import native_slots
+from .gpu_pack import pack_gpus
 from .plain import layers_price
 from .plan import StepPlan
 from .price import moe_seconds_ML
@@ -45,16 +53,35 @@ def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config, min_saving_L: t
     the same placement (module docstring). ``loads_MLSE``: int ``[M, L, S, E]``; ``config``:
     a ``ReLibraConfig``."""
     topology, L = kept.topology, loads_MLSE.shape[1]
-    min_tokens = config.min_replica_tokens_on(topology.num_nodes)
-    if not config.balance or L == 0 or topology.replica_slots == 0 or min_tokens == torch.iinfo(torch.int64).max:
-        return kept   # (the last: no token saves anything, so no copy can pay its fill)
-    slot_expert_MLGJ, slot_tokens_MLGJ = step_long_set(loads_MLSE, topology, kept.placement_LE, min_tokens)
-    if not bool((slot_expert_MLGJ[..., topology.experts_per_gpu:] >= 0).any()):  # no copy made
-        return kept
-    spread = StepPlan(topology, kept.placement_LE, slot_expert_MLGJ, slot_tokens_MLGJ, kept.planner,
-                      kept.previous_placement_LE)
+    if topology.replica_slots == 0:
+        spread = _swapped(loads_MLSE, kept, config) if config.reorder and L else None
+        if spread is None:
+            return kept
+    else:
+        min_tokens = config.min_replica_tokens_on(topology.num_nodes)
+        if not config.balance or L == 0 or min_tokens == torch.iinfo(torch.int64).max:
+            return kept   # (the last: no token saves anything, so no copy can pay its fill)
+        slot_expert_MLGJ, slot_tokens_MLGJ = step_long_set(loads_MLSE, topology, kept.placement_LE, min_tokens)
+        if not bool((slot_expert_MLGJ[..., topology.experts_per_gpu:] >= 0).any()):  # no copy made
+            return kept
+        spread = StepPlan(topology, kept.placement_LE, slot_expert_MLGJ, slot_tokens_MLGJ, kept.planner,
+                          kept.previous_placement_LE)
     idx = torch.arange(L)
     # the kept plan holds no copy: its price is its MoE time alone (no fill, no return, no latency)
     saving_L = moe_seconds_ML(kept, loads_MLSE, config).sum(0) - layers_price(spread, idx, loads_MLSE, config)
     cheaper_L = saving_L > (0.0 if min_saving_L is None else min_saving_L.clamp(min=0.0))
     return kept.with_layers(idx[cheaper_L], spread.layers(cheaper_L)) if bool(cheaper_L.any()) else kept
+
+
+def _swapped(loads_MLSE: torch.Tensor, kept: StepPlan, config) -> StepPlan | None:
+    """Without replica slots: ``kept`` with experts swapped between the GPUs of their node
+    (:func:`~relibra_torch.planning.gpu_pack.pack_gpus`, moves priced from the kept GPUs),
+    every expert on its owner; ``None`` where no swap pays."""
+    topology = kept.topology
+    load_LME = loads_MLSE.to(torch.int64).sum(2).transpose(0, 1).contiguous()
+    placement_LE = pack_gpus(kept.placement_LE, load_LME, kept.placement_LE // topology.experts_per_gpu,
+                             topology, config)
+    if placement_LE is kept.placement_LE:
+        return None
+    return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE), kept.planner,
+                    kept.previous_placement_LE)
