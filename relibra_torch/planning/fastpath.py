@@ -48,7 +48,7 @@ import torch
 from .balance import replicate_node_rows, step_price_L
 from .choose import native_slots
 from .plan import StepPlan
-from .reorder_greedy import busiest_gpu_term, move_price_s
+from .reorder_greedy import move_price_s
 from .reorder_traffic import replica_min_tokens
 from .gpu_pack import swap_can_pay
 from .fastpath_sets import c_loses, d_loses, search_natives as _search_natives
@@ -254,14 +254,12 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs: list, g: 
     config = configs[0]
     two_moves = 2.0 * move_price_s(config, g)
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
-    nl_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, load_MLE)
-    total_ML = load_MLE.sum(-1)
-    floor_ML, top_MLN = (total_ML + N - 1) // N, nl_MLN
-    if R == 0 and E == N * g:  # both searches price g x the busiest GPU (reorder_greedy.busiest_gpu_term)
-        top_MLN = busiest_gpu_term(nl_MLN, torch.zeros_like(nl_MLN).scatter_reduce_(2, node_MLE, load_MLE, "amax"), g)
-        floor_ML = torch.maximum(floor_ML, g * load_MLE.amax(-1))
-    best_max = floor_ML.sum(0).to(torch.float64)                               # [L]
-    now_max = top_MLN.max(-1).values.sum(0).to(torch.float64)
+    # the loads the searches' load term weighs (relibra.reorder's term_LME: none at R = 0 with one expert per GPU)
+    term_MLE = torch.zeros_like(load_MLE) if R == 0 and E == N * g else load_MLE
+    nl_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, term_MLE)
+    total_ML = term_MLE.sum(-1)
+    best_max = ((total_ML + N - 1) // N).sum(0).to(torch.float64)             # [L]
+    now_max = nl_MLN.max(-1).values.sum(0).to(torch.float64)
     per_node = E // N
     # load-first objective (relibra._objective): node_w * sum_m max node load + cross_w * pairs
     node_w = (config.compute_s_per_token + config.cross_node_s_per_token) / g
@@ -285,7 +283,7 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs: list, g: 
             tr_best = _beyond_top(step_LNE, per_node + slots).max(-1).values.to(torch.float64)
             second = bool(((tc * (now_max - best_max) + cross_w * (tr_now - tr_best)) <= two_moves).all())
         if not (first and second) and not _no_move_per_swap(
-                own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, send_MLN, recv_MLN, inflow_MLE, cfg, g,
+                own_MLNE, term_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, send_MLN, recv_MLN, inflow_MLE, cfg, g,
                 R, first, second):
             return False
     return True
@@ -312,10 +310,6 @@ def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, s
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
     biggest_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_reduce_(2, node_MLE, load_MLE, "amax")
     ceil_ML = (load_MLE.sum(-1) + N - 1) // N
-    top_MLN = nl_MLN
-    if R == 0 and E == N * g:  # g x the largest expert (busiest_gpu_term), whatever the assignment
-        ceil_ML = torch.maximum(ceil_ML, g * load_MLE.amax(-1))
-        top_MLN = busiest_gpu_term(nl_MLN, biggest_MLN, g)
     i_P, j_P = torch.triu_indices(N, N, 1)
     others_PN = torch.ones(i_P.numel(), N, dtype=torch.bool)
     others_PN[torch.arange(i_P.numel()), i_P] = False
@@ -326,8 +320,8 @@ def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, s
         rest = now_MLN.unsqueeze(2).masked_fill(~others_PN, torch.iinfo(torch.int64).min).amax(-1)
         return torch.maximum(rest, torch.maximum(less_MLN[..., i_P], less_MLN[..., j_P]))
 
-    nl_floor_LP = torch.maximum(swap_floor(top_MLN, nl_MLN - biggest_MLN), ceil_ML.unsqueeze(-1)).sum(0)
-    now_L = top_MLN.amax(-1).sum(0)
+    nl_floor_LP = torch.maximum(swap_floor(nl_MLN, nl_MLN - biggest_MLN), ceil_ML.unsqueeze(-1)).sum(0)
+    now_L = nl_MLN.amax(-1).sum(0)
     scale_L = node_w * now_L.to(torch.float64) + 2 * mig                     # margin against float rounding
     if not first:
         home_LE = (step_LNE * mine_LNE).sum(1)

@@ -46,12 +46,12 @@ from .plan import StepPlan
 from .topology import Topology
 from .balance import replicate
 from .reorder_load import load_first_objective, swap_search
-from .reorder_traffic import colocated_pairs, node_biggest, traffic_swap_search
+from .reorder_traffic import colocated_pairs, traffic_swap_search
 from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
 from .gpu_pack import pack_gpus
-from .reorder_greedy import busiest_gpu_term, greedy_nodes
+from .reorder_greedy import greedy_nodes
 from .relay_choice import add_relays
 from .worth import guarded_plan, plan_floor_s
 
@@ -261,12 +261,14 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     prev_gpu_LE = previous_placement_LE // El
     prev_node_LE = prev_gpu_LE // g
 
-    gpu_term = topology.replica_slots == 0 and El == 1  # no copy, one expert per GPU: the busiest GPU is the largest expert
+    # the loads the node searches' load term weighs (term_LME, below): with no replica slot and
+    # one expert per GPU the busiest GPU is the largest expert whatever the placement, so that
+    # term is a constant and only the all-to-all and the moves steer placement
+    term_LME = torch.zeros_like(load_LME) if topology.replica_slots == 0 and El == 1 else load_LME
 
     def node_loads(node_LE: torch.Tensor) -> torch.Tensor:
         onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)
-        nl_LMN = torch.bmm(load_LME, onehot_LEN)                             # [L, M, N]
-        return busiest_gpu_term(nl_LMN, node_biggest(node_LE, load_LME, N)[0], g) if gpu_term else nl_LMN
+        return torch.bmm(term_LME, onehot_LEN)                              # [L, M, N]
 
     def cross(node_LE: torch.Tensor) -> torch.Tensor:
         return (total_LE - src_node_LNE.gather(1, node_LE.unsqueeze(1)).squeeze(1)).sum(1)
@@ -284,19 +286,18 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     # Start 1: keep the previous nodes. Start 2: greedy in decreasing load.
     best_node_LE = prev_node_LE.clone()
     if N > 1:
-        greedy_LE = greedy_nodes(load_LME, total_LE, src_node_LNE, prev_node_LE, config, N, g, gpu_term)
+        greedy_LE = greedy_nodes(term_LME, total_LE, src_node_LNE, prev_node_LE, config, N, g)
         use_greedy_L = full_objective(greedy_LE) < full_objective(best_node_LE)
         best_node_LE = torch.where(use_greedy_L.unsqueeze(1), greedy_LE, best_node_LE)
-        best_node_LE = swap_search(best_node_LE, load_LME, src_node_LNE, total_LE, prev_node_LE, config, N, g,
-                                   full_objective, pairs_LEE, coloc_w, gpu_term)
+        best_node_LE = swap_search(best_node_LE, term_LME, src_node_LNE, total_LE, prev_node_LE, config, N, g,
+                                   full_objective, pairs_LEE, coloc_w)
     # Then each node's cross-node send and receive, net of its traffic replicas.
     out = []
     for replicas in (config.cross_node_replicas, False)[:1 + also_without_traffic]:
         node_LE = best_node_LE
         if N > 1 and config.traffic_search:
-            node_LE = traffic_swap_search(best_node_LE, load_LME, own_LMNE, prev_node_LE, config, g,
-                                          topology.replica_slots // 2 if replicas else 0, pairs_LEE, coloc_w,
-                                          gpu_term)
+            node_LE = traffic_swap_search(best_node_LE, term_LME, own_LMNE, prev_node_LE, config, g,
+                                          topology.replica_slots // 2 if replicas else 0, pairs_LEE, coloc_w)
         out.append(pack_gpus(_assign_gpus(node_LE, total_LE, prev_gpu_LE, topology), load_LME, prev_gpu_LE,
                              topology, config))
     return tuple(out) if also_without_traffic else out[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["busiest_gpu_term", "greedy_nodes", "move_price_s", "objective"]
+__all__ = ["greedy_nodes", "move_price_s", "objective"]
 
 
 def move_price_s(cfg, g: int) -> float:
@@ -28,19 +28,6 @@ def move_price_s(cfg, g: int) -> float:
     return cfg.migration_s_per_expert / g
 
 
-def busiest_gpu_term(node_load, biggest, g: int):
-    """The load term of a node without replica slots (``R = 0``) and with one expert per GPU,
-    in node-load units: ``max(node load, g * its largest expert)``, torch or numpy alike.
-    With replica slots copies spread a node's load over its ``g`` GPUs, so the node's load
-    stands for ``g`` times its busiest GPU. With no slot and one expert per GPU the busiest
-    GPU is the largest expert whatever the assignment: the term is that constant, and the
-    searches weigh only what placement changes, the all-to-all and the moves. With several
-    experts per GPU the node's load stays the term and ``planning.gpu_pack`` evens its GPUs:
-    this term there cost 0.1-0.2% on the stand-ins and a toy of ``tests/test_sim_dispatch.py``
-    moved more for less (docs/results.md, "No replica slots")."""
-    return node_load.clip(min=g * biggest) if isinstance(node_load, np.ndarray) else torch.maximum(node_load, g * biggest)
-
-
 def objective(max_sum, cross, moved, cfg, g: int):
     """Reordering's objective (``relibra`` module docstring) from float64 parts of any
     matching shape, torch tensors or numpy arrays alike: the summed per-micro-batch
@@ -51,7 +38,7 @@ def objective(max_sum, cross, moved, cfg, g: int):
 
 
 def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: torch.Tensor,
-                 prev_node_LE: torch.Tensor, cfg, N: int, g: int, gpu_term: bool = False) -> torch.Tensor:
+                 prev_node_LE: torch.Tensor, cfg, N: int, g: int) -> torch.Tensor:
     """int64 ``[L, E]``: the greedy start of reordering: experts in decreasing step load
     (stable), each to the node with room (``E / N`` experts) whose objective grows least
     (:func:`objective`; ties to the lowest node), all layers at once.
@@ -68,16 +55,10 @@ def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: t
     greedy_LE = np.empty((L, E), dtype=np.int64)
     nl_LMN = np.zeros((L, M, N), dtype=np.int64)
     count_LN = np.zeros((L, N), dtype=np.int64)
-    big_LMN = np.zeros((L, M, N), dtype=np.int64)  # each node's largest expert (gpu_term)
     for i in range(E):
         e_L = order_LE[:, i]
         add_LM = load[rows, :, e_L]                                             # [L, M]
-        if gpu_term:  # R = 0: g x the busiest GPU (busiest_gpu_term)
-            now_LMN = busiest_gpu_term(nl_LMN, big_LMN, g)
-            new_LMN = busiest_gpu_term(nl_LMN + add_LM[..., None], np.maximum(big_LMN, add_LM[..., None]), g)
-        else:
-            now_LMN, new_LMN = nl_LMN, nl_LMN + add_LM[..., None]
-        new_max_LN = np.maximum(now_LMN.max(-1, keepdims=True), new_LMN).sum(1)   # [L, N]
+        new_max_LN = np.maximum(nl_LMN.max(-1, keepdims=True), nl_LMN + add_LM[..., None]).sum(1)   # [L, N]
         cross_LN = total[rows, e_L][:, None] - src[rows, :, e_L]
         moved_LN = (nodes != prev[rows, e_L][:, None]).astype(np.int64)
         cost_LN = objective(*(x.astype(np.float64) for x in (new_max_LN, cross_LN, moved_LN)), cfg, g)
@@ -85,6 +66,5 @@ def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: t
         n_L = cost_LN.argmin(1)
         greedy_LE[rows, e_L] = n_L
         nl_LMN[rows, :, n_L] += add_LM
-        big_LMN[rows, :, n_L] = np.maximum(big_LMN[rows, :, n_L], add_LM)
         count_LN[rows, n_L] += 1
     return torch.from_numpy(greedy_LE)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .reorder_greedy import busiest_gpu_term, objective
-from .reorder_traffic import (coactivation_gain, max_without_pair, node_biggest, swap_candidates, swap_node_terms,
-                              swap_pairs)
+from .reorder_greedy import objective
+from .reorder_traffic import coactivation_gain, max_without_pair, swap_candidates, swap_node_terms, swap_pairs
 
 __all__ = ["load_first_objective", "swap_search"]
 
@@ -24,12 +23,11 @@ def load_first_objective(max_sum, cross, moved, cfg, g: int) -> torch.Tensor:
 
 def swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, src_node_LNE: torch.Tensor, total_LE: torch.Tensor,
                 prev_node_LE: torch.Tensor, cfg, N: int, g: int, full_objective, pairs_LEE: torch.Tensor | None = None,
-                coloc_w: float = 0.0, gpu_term: bool = False) -> torch.Tensor:
+                coloc_w: float = 0.0) -> torch.Tensor:
     """Steepest-descent node swaps, all layers at once, until no layer improves. Candidates per
     round: each node's ``swap_candidates`` heaviest and as many lightest experts (step load); every
     pair on two nodes is scored exactly (only its two nodes change: the new per-micro-batch maximum
-    is ``max(max over the other nodes, new load of node a, new load of node b)``). ``gpu_term``
-    (``R = 0``): a node's load term is ``busiest_gpu_term``, as ``full_objective`` prices it."""
+    is ``max(max over the other nodes, new load of node a, new load of node b)``)."""
     L, M, E = load_LME.shape
     per_side = min(cfg.swap_candidates, E // N // 2) or 1
     C = 2 * per_side
@@ -45,9 +43,8 @@ def swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, src_node_LNE: tor
         nl_LMN = torch.bmm(load_LME, onehot)
         cand_LX = swap_candidates(node_LE, total_LE, N, per_side)
         # Only the swap's two nodes change: new max = max(the other nodes, node a, node b).
-        new_max = swap_node_terms(nl_LMN, node_LE, load_LME, cand_LX, pairs, g, gpu_term)
-        top_LMN = busiest_gpu_term(nl_LMN, node_biggest(node_LE, load_LME, N)[0], g) if gpu_term else nl_LMN
-        torch.maximum(new_max, max_without_pair(top_LMN, pairs).view(L, M, P, 1, 1), out=new_max)
+        new_max = swap_node_terms(nl_LMN, load_LME, cand_LX, pairs)
+        torch.maximum(new_max, max_without_pair(nl_LMN, pairs).view(L, M, P, 1, 1), out=new_max)
         max_sum_LW = new_max.sum(1).reshape(L, -1)
         # tokens kept inside their node: a leaves na for nb, b leaves nb for na
         src_LNX = src_node_LNE.gather(2, cand_LX.unsqueeze(1).expand(L, N, N * C))
@@ -65,7 +62,7 @@ def swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, src_node_LNE: tor
         moved_delta_LW = (moved_a.unsqueeze(-1) + moved_b.unsqueeze(-2)).reshape(L, -1)
         moved_now_L = (node_LE != prev_node_LE).sum(1)
         obj_LW = load_first_objective(max_sum_LW, cross_now_L.unsqueeze(1) - local_delta_LW,
-                            moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
+                                      moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
         a_LW, b_LW = cand_LX[:, pairs.pos_a_W], cand_LX[:, pairs.pos_b_W]
         if coloc_w:  # co-located pairs gained by the swap
             obj_LW = obj_LW - coloc_w * coactivation_gain(pairs_LEE, node_LE, a_LW, b_LW, pairs, N).to(torch.float64)

@@ -41,11 +41,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .reorder_greedy import busiest_gpu_term, move_price_s
+from .reorder_greedy import move_price_s
 
 __all__ = ["SwapPairs", "swap_pairs", "swap_candidates", "max_without_pair", "coactivation_gain",
-           "colocated_pairs", "node_biggest", "replica_min_tokens", "swap_node_terms", "traffic_objective",
-           "traffic_swap_search"]
+           "colocated_pairs", "replica_min_tokens", "swap_node_terms", "traffic_objective", "traffic_swap_search"]
 
 
 @dataclass(frozen=True)
@@ -112,39 +111,17 @@ def max_without_pair(x_LMN: torch.Tensor, pairs: SwapPairs) -> torch.Tensor:
     return masked.max(-1).values[:, :, pairs.ni_P, pairs.nj_P]
 
 
-def node_biggest(node_LE: torch.Tensor, load_LME: torch.Tensor, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(first_LMN, first_expert_LMN, second_LMN)`` int64: each node's largest expert load per
-    micro-batch, that expert, and the next largest (0 where the node holds one expert)."""
-    L, M, E = load_LME.shape
-    per = E // N
-    members_LNp = node_LE.argsort(dim=1, stable=True).view(L, N, per)
-    load_LMNp = load_LME.gather(2, members_LNp.view(L, 1, E).expand(L, M, E)).view(L, M, N, per)
-    top = load_LMNp.topk(min(2, per), dim=-1)
-    first_expert = members_LNp.unsqueeze(1).expand(L, M, N, per).gather(3, top.indices[..., :1]).squeeze(-1)
-    second = top.values[..., 1] if per > 1 else torch.zeros_like(top.values[..., 0])
-    return top.values[..., 0], first_expert, second
-
-
-def swap_node_terms(nl_LMN: torch.Tensor, node_LE: torch.Tensor, load_LME: torch.Tensor, cand_LX: torch.Tensor,
-                    pairs: "SwapPairs", g: int, gpu_term: bool, dtype=torch.int64) -> torch.Tensor:
-    """``[L, M, P, C, C]``: the larger load term of a swap's two nodes after it (node loads
-    ``nl_LMN``; with ``gpu_term``, ``R = 0``, :func:`~relibra_torch.planning.reorder_greedy.busiest_gpu_term`
-    from each node's largest expert without the one that leaves)."""
+def swap_node_terms(nl_LMN: torch.Tensor, load_LME: torch.Tensor, cand_LX: torch.Tensor, pairs: "SwapPairs",
+                    dtype=torch.int64) -> torch.Tensor:
+    """``[L, M, P, C, C]``: the larger load of a swap's two nodes after it (node loads ``nl_LMN``)."""
     L, M, N = nl_LMN.shape
     X = cand_LX.shape[1]
     slot = pairs.slot_node_X.view(1, 1, X).expand(L, M, X)
     load_X = load_LME.gather(2, cand_LX.unsqueeze(1).expand(L, M, X))
-    out_X = nl_LMN.gather(2, slot) - load_X                                   # the slot's node without it
+    out_X = (nl_LMN.gather(2, slot) - load_X).to(dtype)                      # the slot's node without it
+    lx = load_X.to(dtype)
     a_side, b_side = pairs.a_side, pairs.b_side
-    new_a, new_b = a_side(out_X.to(dtype)) + b_side(load_X.to(dtype)), b_side(out_X.to(dtype)) + a_side(load_X.to(dtype))
-    if gpu_term:
-        first, first_e, second = node_biggest(node_LE, load_LME, N)
-        keep_X = torch.where(first_e.gather(2, slot) == cand_LX.unsqueeze(1), second.gather(2, slot),
-                             first.gather(2, slot)).to(dtype)                  # its node's largest without it
-        lx = load_X.to(dtype)
-        new_a = torch.maximum(new_a, g * torch.maximum(a_side(keep_X), b_side(lx)))
-        new_b = torch.maximum(new_b, g * torch.maximum(b_side(keep_X), a_side(lx)))
-    return torch.maximum(new_a, new_b)
+    return torch.maximum(a_side(out_X) + b_side(lx), b_side(out_X) + a_side(lx))
 
 
 def colocated_pairs(pairs_LEE: torch.Tensor, node_LE: torch.Tensor, N: int) -> torch.Tensor:
@@ -198,14 +175,12 @@ def _residual(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: torch.Ten
 
 def traffic_objective(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: torch.Tensor,
                       prev_node_LE: torch.Tensor, config, g: int, traffic_slots: int,
-                      pairs_LEE: torch.Tensor | None = None, coloc_w: float = 0.0,
-                      gpu_term: bool = False) -> torch.Tensor:
+                      pairs_LEE: torch.Tensor | None = None, coloc_w: float = 0.0) -> torch.Tensor:
     """float64 ``[L]``: the objective of the module docstring for the node assignment
     ``node_LE`` (arguments as in :func:`traffic_swap_search`)."""
     N = own_LMNE.shape[2]
     replicated, _ = _replica_sets(node_LE, own_LMNE.sum(1), g * traffic_slots, replica_min_tokens(config, g))
     nl, send, recv, _ = _residual(node_LE, load_LME, own_LMNE, replicated)
-    nl = busiest_gpu_term(nl, node_biggest(node_LE, load_LME, N)[0], g) if gpu_term else nl
     obj = (config.compute_s_per_token / g * nl.max(-1).values.sum(1).to(torch.float64)
            + config.cross_node_s_per_token / g * torch.maximum(send, recv).max(-1).values.sum(1).to(torch.float64)
            + move_price_s(config, g) * (node_LE != prev_node_LE).sum(1).to(torch.float64))
@@ -231,19 +206,18 @@ def replica_min_tokens(config, g: int) -> int:
 
 def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: torch.Tensor,
                         prev_node_LE: torch.Tensor, config, g: int, traffic_slots: int,
-                        pairs_LEE: torch.Tensor | None = None, coloc_w: float = 0.0,
-                        gpu_term: bool = False) -> torch.Tensor:
+                        pairs_LEE: torch.Tensor | None = None, coloc_w: float = 0.0) -> torch.Tensor:
     """Refine a node assignment on the traffic objective of the module docstring.
 
     Args:
         node_LE: int64 ``[L, E]`` start (the load-first search's result).
-        load_LME: int64 ``[L, M, E]`` expert loads per micro-batch.
+        load_LME: int64 ``[L, M, E]`` the expert loads its load term weighs (``relibra.reorder``:
+            zeros where that term is a constant, ``R = 0`` with one expert per GPU).
         own_LMNE: int64 ``[L, M, N, E]`` tokens for each expert from each node's sources.
         prev_node_LE: int64 ``[L, E]`` nodes before the step (migration).
         config: the :class:`~relibra_torch.planning.relibra.ReLibraConfig` (weights, search limits).
         traffic_slots: ``r``, traffic replica slots per GPU (0: no replicas modelled).
         pairs_LEE, coloc_w: co-activation counts and the seconds one co-located pair saves.
-        gpu_term: no replica slots (``R = 0``): a node's load term is ``busiest_gpu_term``.
 
     Returns:
         int64 ``[L, E]``: the refined node of every expert.
@@ -255,7 +229,7 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
     min_tokens = replica_min_tokens(config, g)
     tc, tx = config.compute_s_per_token / g, config.cross_node_s_per_token / g
     own_step_LNE = own_LMNE.sum(1)
-    total_LE = load_LME.sum(1)
+    total_LE = own_LMNE.sum(2).sum(1)                                    # step load per expert (candidates)
     per_side = min(config.swap_candidates, E // N // 2) or 1
     C = 2 * per_side
     pairs = swap_pairs(N, C)
@@ -263,8 +237,7 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
     rows = torch.arange(L)
 
     def objective(n_LE: torch.Tensor) -> torch.Tensor:
-        return traffic_objective(n_LE, load_LME, own_LMNE, prev_node_LE, config, g, traffic_slots, pairs_LEE, coloc_w,
-                                 gpu_term)
+        return traffic_objective(n_LE, load_LME, own_LMNE, prev_node_LE, config, g, traffic_slots, pairs_LEE, coloc_w)
 
     a_side, b_side, slot_node = pairs.a_side, pairs.b_side, pairs.slot_node_X
 
@@ -275,7 +248,6 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
         nl, send, recv, inflow_LME = _residual(node_LE, load_LME, own_LMNE, replicated_LNE)
         cand_LX = swap_candidates(node_LE, total_LE, N, per_side)            # X = N * C slots
         cand_LMX = cand_LX.unsqueeze(1).expand(L, M, N * C)
-        load_X = load_LME.gather(2, cand_LMX)
         own_LMNX = own_LMNE.gather(3, cand_LX.view(L, 1, 1, N * C).expand(L, M, N, N * C))
         home_X = own_LMNX.gather(2, slot_node.view(1, 1, 1, -1).expand(L, M, 1, N * C)).squeeze(2)
         # U: the candidate's home tokens that cross once it leaves (unless it joins the
@@ -303,9 +275,8 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
         torch.maximum(t_a, t_b, out=t_a)
         torch.maximum(t_a, max_without_pair(torch.maximum(send, recv), pairs).to(i32).view(L, M, P, 1, 1), out=t_a)
         tr_max = t_a.sum(1, dtype=torch.int64)                                   # [L, P, C, C]
-        u = swap_node_terms(nl, node_LE, load_LME, cand_LX, pairs, g, gpu_term, i32)
-        top = busiest_gpu_term(nl, node_biggest(node_LE, load_LME, N)[0], g) if gpu_term else nl
-        torch.maximum(u, max_without_pair(top, pairs).to(i32).view(L, M, P, 1, 1), out=u)
+        u = swap_node_terms(nl, load_LME, cand_LX, pairs, i32)
+        torch.maximum(u, max_without_pair(nl, pairs).to(i32).view(L, M, P, 1, 1), out=u)
         nl_max = u.sum(1, dtype=torch.int64)
         a_LW, b_LW = cand_LX[:, pairs.pos_a_W], cand_LX[:, pairs.pos_b_W]
         pa, pb = prev_node_LE.gather(1, a_LW), prev_node_LE.gather(1, b_LW)
