@@ -232,3 +232,39 @@ def test_host_cpu_is_measured_without_garbage_collection_pauses():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_the_layers_host_code_is_imported_before_any_step_is_timed():
+    """Importing the layer's host code (``moe.schedule_batch``: the layer and its kernels,
+    about 2 s of CPU) is not planning. With no warm-up step (a one-step file, ``--steps 1``)
+    it landed in the first measured step's host work and charged relibra seconds: run in a
+    fresh interpreter, where nothing has imported it yet."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import sys
+        import torch
+        from relibra_torch.planning import Topology
+        from relibra_torch.sim import SimConfig, get_hardware, simulate, workload_from_loads
+        from relibra_torch.sim import simulator
+        from relibra_torch.sim.presets import ModelSpec
+        seen = []
+        run = simulator.plan_as_run
+        def spy(planner, *args):
+            seen.append((type(planner).__name__, "relibra_torch.moe.schedule_batch" in sys.modules))
+            return run(planner, *args)
+        simulator.plan_as_run = spy
+        model = ModelSpec("tiny-moe", num_layers=2, num_moe_layers=2, hidden_size=256, moe_ffn=128,
+                          num_experts=8, top_k=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=1000)
+        topo = Topology(2, 2, 8, 2)
+        # one step: 64 tokens per rank, two experts each, a hot expert
+        loads = torch.tensor([40, 24, 16, 16, 8, 8, 8, 8]).expand(1, 2, 2, 4, 8).contiguous()
+        wl = workload_from_loads(loads, model, topo, 128)
+        simulate(wl, SimConfig(model, get_hardware("h200"), topo, ("static", "relibra"), warmup_steps=0))
+        print(seen)
+        assert ("ReLibraPlanner", True) in seen and ("ReLibraPlanner", False) not in seen, seen
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr

@@ -51,15 +51,13 @@ __all__ = ["REFERENCES", "SYSTEMS", "SimConfig", "SystemResult", "SimResult", "s
 
 SYSTEMS = ("static", "eplb", "eplb-oracle", "eplb-instance", "eplb-oracle-instance", "online-node",
            "online-global", "online-global-planned", "eplb-node-demand", "relibra", "uniform", "bound")
-REFERENCES = ("uniform", "bound")
-"""Systems with no planner: uniform routing on balanced GPUs (a reference) and the lower bound."""
+REFERENCES = ("uniform", "bound")  # no planner: uniform routing on balanced GPUs (a reference), the lower bound
 
 PlannerFactory = Callable[[str, Topology, CostModel], Planner]
 
 
 def parse_systems(text: str) -> tuple[str, ...]:
-    """``"static,relibra"`` -> the systems to run, in the canonical order, static, uniform and
-    bound added."""
+    """``"static,relibra"`` -> the systems to run, in the canonical order, static, uniform and bound added."""
     names = [s.strip().lower() for s in str(text).split(",") if s.strip()]
     if not names:
         raise ValueError(f"--systems is empty; allowed: {','.join(SYSTEMS)}")
@@ -272,6 +270,8 @@ def simulate(workload: Workload, config: SimConfig,
         imb, costs, planner_s, balanced, memory = [], [], [], [], []
         host: dict[str, list[float]] = {"host_s": [], "window_s": [], "charged_s": []}
         planner = None if name in REFERENCES else planner_factory(name, topo, cost)
+        if getattr(planner, "host_token_splits", False):  # the layer's host code, imported untimed: with
+            from ..moe import schedule_batch  # noqa: F401  # no warm-up step its ~2 s of CPU was step 1's host work
         for x in range(X):
             loads_MLSE = workload.loads_XMLSE[x]
             tokens_MS, pairs_MS = workload.tokens_XMS[x], workload.attn_pairs_XMS[x]
