@@ -70,11 +70,52 @@ def test_routepack_is_feasible_deterministic_and_never_worse_than_its_starts(ins
     obj = problem.objective(plan.rank_N, plan.micro_batch_N)
     assert obj == pytest.approx(plan.objective_s, rel=1e-12)
     assert obj <= problem.objective(*fixed) + 1e-12  # fixed is one of the starts
-    assert obj <= plan.start_objectives_s["length"] + 1e-12
     again = plan_packing(lengths, counts, cfg, COSTS, initial=fixed)
     assert torch.equal(again.rank_N, plan.rank_N) and torch.equal(again.micro_batch_N, plan.micro_batch_N)
-    length = plan_packing(lengths, counts, PackingConfig(S, M, cap, gpus_per_node=g, method="length"), COSTS)
+    length_cfg = PackingConfig(S, M, cap, gpus_per_node=g, method="length")
+    if plan.start_objectives_s["length"] is None:  # both greedies stuck on a tight cap (docs/packing.md)
+        with pytest.raises(ValueError, match=r"longest-first greedy found no packing under max_tokens"):
+            plan_packing(lengths, counts, length_cfg, COSTS)
+        return
+    assert obj <= plan.start_objectives_s["length"] + 1e-12
+    length = plan_packing(lengths, counts, length_cfg, COSTS)
     _check_feasible(length, lengths, S, M, cap)
+
+
+def test_a_tight_cap_the_balanced_greedy_cannot_pack_is_packed_best_fit():
+    """Hypothesis found it: 149 tokens in 2 x 75. Least work first puts 37 + 29 and 33 + 32
+    together, and 14 then fits nowhere; best fit packs {37, 33, 4} and {32, 29, 14}."""
+    lengths = torch.tensor([29, 33, 32, 4, 14, 37])
+    plan = plan_packing(lengths, None, PackingConfig(2, 1, 75, method="length"), COSTS)
+    _check_feasible(plan, lengths, 2, 1, 75)
+    fixed = (torch.tensor([0, 1, 0, 1, 0, 1]), torch.zeros(6, dtype=torch.int64))
+    plan = plan_packing(lengths, None, PackingConfig(2, 1, 75, max_proposals=50), COSTS, initial=fixed)
+    _check_feasible(plan, lengths, 2, 1, 75)
+    assert plan.start_objectives_s["length"] is not None
+
+
+def test_routepack_starts_from_the_fixed_packing_where_no_greedy_packs_a_tight_cap():
+    """Found by search: a feasible packing that neither greedy finds. routepack keeps the
+    fixed start; ``method="length"`` says why it cannot pack."""
+    rng = np.random.default_rng(0)
+    for _ in range(20000):
+        lengths = torch.from_numpy(rng.integers(1, 40, size=int(rng.integers(3, 10))))
+        N, S = lengths.numel(), 2 if rng.random() < 0.5 else 3
+        if N < S:
+            continue
+        bins = torch.from_numpy(rng.permutation(N) % S)
+        cap = int(torch.zeros(S, dtype=torch.int64).index_add_(0, bins, lengths).max())
+        problem = PackingProblem(lengths, None, PackingConfig(S, 1, cap), COSTS)
+        if problem._longest_first(False) is None and problem._longest_first(True) is None:
+            break
+    else:
+        pytest.fail("no instance found")
+    fixed = (bins, torch.zeros(N, dtype=torch.int64))
+    plan = plan_packing(lengths, None, PackingConfig(S, 1, cap, max_proposals=50), COSTS, initial=fixed)
+    _check_feasible(plan, lengths, S, 1, cap)
+    assert plan.start_objectives_s["length"] is None and plan.start_objectives_s["fixed"] is not None
+    with pytest.raises(ValueError, match=r"method='routepack' with a feasible initial packing"):
+        plan_packing(lengths, None, PackingConfig(S, 1, cap, method="length"), COSTS)
 
 
 def test_long_samples_get_their_own_micro_batch_and_share_micro_batches():

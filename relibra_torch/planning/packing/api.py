@@ -65,12 +65,18 @@ def plan_packing(lengths_N: torch.Tensor, counts_NLE: torch.Tensor | None, confi
             raise ValueError("the fixed packing could not be made feasible (empty or overfilled micro-batches)")
         obj, _, bins = candidates[0]
         return _plan_from_bins(problem, bins, objective_s=obj, start_objectives_s=starts, method="fixed")
-    length = problem.length_start()
-    obj = float(problem._cost(*problem._bin_state(length)).sum())
-    starts["length"] = obj
-    if config.method == "length":
-        return _plan_from_bins(problem, length, objective_s=obj, start_objectives_s=starts, method="length")
-    candidates.append((obj, 1, length))
+    try:
+        length = problem.length_start()
+    except ValueError:
+        if config.method == "length" or not candidates:
+            raise
+        starts["length"] = None   # a greedy stuck on a tight cap: the feasible fixed start remains
+    else:
+        obj = float(problem._cost(*problem._bin_state(length)).sum())
+        starts["length"] = obj
+        if config.method == "length":
+            return _plan_from_bins(problem, length, objective_s=obj, start_objectives_s=starts, method="length")
+        candidates.append((obj, 1, length))
     start_obj, _, start = min(candidates, key=lambda c: (c[0], c[1]))
     bins, proposals, accepted = problem.anneal(start)
     # Recompute from scratch: the running sum of deltas may drift by rounding.

@@ -111,7 +111,9 @@ class PackingPlan:
         bin_offsets: int64 ``[S * M + 1]`` (bins rank-major).
         objective_s: the objective (seconds) of this packing.
         start_objectives_s: objective of each start (``fixed``, ``length``) that was
-            evaluated; ``None`` for a fixed start that could not be made feasible.
+            evaluated; ``None`` for a fixed start that could not be made feasible, or a
+            length start its greedy could not pack under a tight cap (routepack then starts
+            from the fixed packing).
         method: the method that produced it; proposals / accepted: search counts.
     """
 

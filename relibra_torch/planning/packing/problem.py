@@ -173,7 +173,23 @@ class PackingProblem:
     def length_start(self) -> np.ndarray:
         """Longest first, each sample to the bin (micro-batch-major) with the least work that
         has room; returns bins ``[N]`` (``m * S + s``). Work is routing-blind: attention and
-        dense time plus the all-to-all send of evenly spread tokens (``work_N``)."""
+        dense time plus the all-to-all send of evenly spread tokens (``work_N``). Where that
+        greedy finds no bin with room although the tokens fit (a tight cap: bin packing), it
+        packs again best fit (the fullest bin with room), which fills tight caps the balanced
+        greedy leaves in fragments; a ``ValueError`` when that fails too (both are greedy:
+        on caps within a few tokens of the fullest feasible packing they can fail where a
+        packing exists)."""
+        for best_fit in (False, True):
+            bins = self._longest_first(best_fit)
+            if bins is not None:
+                return bins
+        raise ValueError(f"the longest-first greedy found no packing under max_tokens = {self.config.max_tokens} "
+                         f"(tight caps are bin packing; one may still exist); allowed: a larger max_tokens, more "
+                         f"micro-batches, or method='routepack' with a feasible initial packing")
+
+    def _longest_first(self, best_fit: bool) -> np.ndarray | None:
+        """:meth:`length_start`'s greedy: each sample, longest first, to the bin with room that
+        has the least work (``best_fit``: the most tokens); ``None`` where it finds no room."""
         B, cap = self.M * self.S, self.config.max_tokens
         order = np.argsort(-self.n_N, kind="stable")
         T = np.zeros(B)
@@ -182,22 +198,17 @@ class PackingProblem:
         bin_N = np.empty(self.N, dtype=np.int64)
         for i in order:
             n = self.n_N[i]
-            if n > cap:
-                key = np.where(cnt == 0, work, np.inf)
-            else:
-                key = np.where(T + n <= cap, work, np.inf)
+            room = cnt == 0 if n > cap else T + n <= cap
+            key = np.where(room, -T if best_fit else work, np.inf)
             b = int(key.argmin())
             if not np.isfinite(key[b]):
-                raise ValueError(f"the longest-first greedy found no micro-batch with room for a sample of "
-                                 f"{n} tokens (max_tokens = {cap}); allowed: a larger max_tokens or more "
-                                 f"micro-batches")
+                return None
             bin_N[i] = b
             T[b] += n
             cnt[b] += 1
             work[b] += self.work_N[i]
-        if (cnt == 0).any():  # only when long samples leave too few bins: handled by _repair
-            bin_N = self._repair(bin_N)
-        return bin_N
+        # empty bins (long samples leave too few, or best fit filled others first): _repair, None if it fails
+        return self._repair(bin_N) if (cnt == 0).any() else bin_N
 
     def _repair(self, bin_N: np.ndarray) -> np.ndarray | None:
         """Make a packing feasible with few moves: overfilled bins give their shortest samples
