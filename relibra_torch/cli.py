@@ -61,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
         try:
             code = int(args._run(args) or 0)
-        except (ValueError, TypeError, FileNotFoundError) as exc:
+        except (ValueError, TypeError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                PermissionError) as exc:
             # Bad input: one line, exit 2 (argparse uses 2 for usage errors too).
+            if isinstance(exc, OSError) and exc.filename is not None and not str(exc).startswith(str(exc.filename)):
+                exc = f"{exc.filename}: {exc.strerror.lower() if exc.strerror else exc}"
             print(f"relibra {args.command}: error: {exc}", file=sys.stderr)
             return 2
         sys.stdout.flush()

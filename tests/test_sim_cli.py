@@ -122,6 +122,9 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     (None, ["--replica-slots", "-1"], r"--replica-slots = -1; allowed: an int >= 0"),
     (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps = -3.0; allowed: a finite number > 0"),
     (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps = 0.0; allowed: a finite number > 0"),
+    (None, ["--set", "hardware.inter_node_gbps=1e-300"], r"hardware.inter_node_gbps = 1e-300; allowed: a finite "
+                                                          r"number >= 1e-06"),
+    (None, ["--config", "."], r"^relibra simulate: error: \.: is a directory$"),
     (None, ["--model", "mixtral"], r"--model 'mixtral' is unknown; choose one of qwen3-30b-a3b"),
     (None, ["--systems", "static,megatron"], r"--systems has unknown megatron; allowed"),
     (None, ["--micro-batches", "0"], r"--micro-batches = 0; allowed: an int >= 1"),
@@ -149,3 +152,22 @@ def test_missing_file_and_wrong_format(tmp_path, capsys):
     bad.write_bytes(b"not a safetensors file at all")
     rc, _, err = run(capsys, str(bad), *SMALL)
     assert rc == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_a_step_that_is_mostly_migration_says_so(tmp_path, capsys):
+    """A one-step, one-micro-batch file: eplb plans it from uniform history and moves most
+    experts, whose migration the single short step pays; the report names it (not a balance
+    figure), and names no system where the step is mostly balance and all-to-all."""
+    f = tmp_path / "loads.safetensors"
+    loads_file(f, M=1)
+    rc, out, err = run(capsys, str(f), *SMALL, "--systems", "static,eplb", "--json", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    doc = json.loads((tmp_path / "r.json").read_text())
+    eplb = doc["systems"]["eplb"]
+    assert eplb["migration_s"] > 0.25 * eplb["step_time_s"]
+    note = doc["config"]["notes"]["migration"]
+    assert note.startswith("moving experts to a new placement is most of the step for eplb ") and "static" not in note
+    assert "migration: moving experts" in out
+    from relibra_torch.sim.report import migration_note
+    assert migration_note({"static": {"migration_s": 0.0, "step_time_s": 1.0},
+                           "x": {"migration_s": 0.25, "step_time_s": 1.0}}, 8) == ""

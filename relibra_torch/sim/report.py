@@ -59,7 +59,30 @@ def result_json(result: SimResult, extra_config: dict | None = None) -> dict:
         config.update(extra_config)
     config["static_imbalance"] = static_imbalance(wl.loads_XMLSE[cfg.warmup_steps:], topo.num_gpus)
     lis_XML = lis(wl.loads_XMLSE[cfg.warmup_steps:].sum(3, dtype=torch.int64))
-    return {"config": config, **lis_summary(lis_XML), "systems": result.figures()}
+    figures = result.figures()
+    note = migration_note(figures, wl.num_micro_batches)
+    if note:
+        config["notes"]["migration"] = note
+    return {"config": config, **lis_summary(lis_XML), "systems": figures}
+
+
+#: Share of a system's step above which the report says that migration, not balance, sets it.
+MIGRATION_NOTE_SHARE = 0.25
+
+
+def migration_note(figures: dict, micro_batches: int) -> str:
+    """A note naming the systems whose step is mostly a new placement's migration (``""``:
+    none): on a short step (few micro-batches, a small file) a placement change a training run
+    pays once and keeps for many steps is charged to the one step measured."""
+    heavy = {n: f for n, f in figures.items() if f["migration_s"] > MIGRATION_NOTE_SHARE * f["step_time_s"] > 0}
+    if not heavy:
+        return ""
+    parts = ", ".join(f"{n} {f['migration_s'] / f['step_time_s']:.0%} ({f['migration_s']:.3g} of "
+                      f"{f['step_time_s']:.3g} s)" for n, f in heavy.items())
+    return (f"moving experts to a new placement is most of the step for {parts}: with {micro_batches} "
+            f"micro-batch(es) a step is too short to repay a move a run pays once and keeps; those ratios "
+            f"say how a lone step pays for it, not how the system balances (more samples or micro-batches "
+            f"per step, more steps, or compare the MoE column)")
 
 
 def static_imbalance(loads_XMLSE: torch.Tensor, num_gpus: int) -> float:
