@@ -51,6 +51,7 @@ from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
 from .fastpath import assign_gpus as _assign_gpus, fast_plan
 from .gpu_pack import pack_gpus
+from .polish import polish_placement
 from .reorder_greedy import greedy_nodes
 from .relay_choice import add_relays
 from .worth import guarded_plan, plan_floor_s
@@ -336,8 +337,19 @@ def _search(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     """:func:`relibra_plan`'s search on layers the guard did not keep. ``fast``: try the fast
     path first (its plan is the search's, sooner); not on layers the guard admitted (its
     gain bound and window pass the floor): the proof that nothing pays then held on 2 of 81
-    such shares of ``benchmarks/never_behind.py`` and cost up to 30% of a failed search."""
+    such shares of ``benchmarks/never_behind.py`` and cost up to 30% of a failed search.
+    Without replica slots the placement is then polished at the layer's exact price
+    (:mod:`~relibra_torch.planning.polish`), on either path, where co-activation is not priced."""
     coloc_w = _coactivation_weight(config, pairs_LEE, topology.num_nodes, topology.gpus_per_node)
+    plan = _searched(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE, fast, coloc_w)
+    if topology.replica_slots == 0 and config.reorder and not coloc_w:
+        plan = polish_placement(plan, loads_MLSE, config)
+    return plan
+
+
+def _searched(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor,
+              config: ReLibraConfig, pairs_LEE: torch.Tensor | None, fast: bool, coloc_w: float) -> StepPlan:
+    """:func:`_search` before the polish."""
     plan = fast_plan(loads_MLSE, topology, previous_placement_LE, config, coloc_w) if fast else None
     if plan is not None:  # provably what the full search returns (planning/fastpath.py)
         return no_worse_than_keeping(plan, loads_MLSE, topology, previous_placement_LE, config, coloc_w)
