@@ -231,3 +231,15 @@ def test_two_micro_batches_take_the_max_of_stages_where_that_is_faster():
     # ExpertPlex: a prefill GPU's attention overlaps the expert GPUs' work on the other half
     on_px, off_px = _ExpertPlex(on_cl, 4, 4, 8, 0, True), _ExpertPlex(off_cl, 4, 4, 8, 0, True)
     assert on_px.prefill_s(8192, 8192.0 * 8193 / 2, 0, 1) < 0.9 * off_px.prefill_s(8192, 8192.0 * 8193 / 2, 0, 1)
+
+
+def test_a_system_with_no_configuration_gets_no_ratio():
+    """A system none of whose configurations fits (too few GPUs for its servers, or too
+    little memory) has no goodput to compare: its ratio is ``None`` (shown ``-``), not 0.00x."""
+    from relibra_torch.serving.compare import _ratios
+
+    none = {"fits": False, "goodput": 0.0}
+    ran = {"fits": True, "goodput": 4.0}
+    assert _ratios({"expertplex": none, "colocated": ran}) == {"expertplex/colocated": None}
+    assert _ratios({"expertplex": ran, "pd-disagg": none}) == {"expertplex/pd-disagg": None}
+    assert _ratios({"expertplex": ran, "colocated": {"fits": True, "goodput": 2.0}}) == {"expertplex/colocated": 2.0}

@@ -171,3 +171,16 @@ def test_a_step_that_is_mostly_migration_says_so(tmp_path, capsys):
     from relibra_torch.sim.report import migration_note
     assert migration_note({"static": {"migration_s": 0.0, "step_time_s": 1.0},
                            "x": {"migration_s": 0.25, "step_time_s": 1.0}}, 8) == ""
+
+
+def test_a_synthetic_run_without_warm_up_says_so(tmp_path, capsys):
+    """``--steps 1`` (or ``--warmup-steps 0``): the measured step is the first, planned from
+    uniform history, as a one-step file's note says."""
+    rc, out, err = run(capsys, *SMALL, "--steps", "1", "--micro-batches", "1", "--micro-batch-tokens", "64",
+                       "--systems", "static", "--json", str(tmp_path / "r.json"))
+    assert rc == 0, err
+    note = json.loads((tmp_path / "r.json").read_text())["config"]["notes"]["warm-up"]
+    assert note.startswith("none: the first step is measured") and "warm-up: none" in out
+    rc, out, err = run(capsys, *SMALL, "--steps", "2", "--micro-batches", "1", "--micro-batch-tokens", "64",
+                       "--systems", "static", "--json", str(tmp_path / "r2.json"))
+    assert rc == 0 and "warm-up" not in json.loads((tmp_path / "r2.json").read_text())["config"]["notes"]

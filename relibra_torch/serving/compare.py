@@ -138,7 +138,8 @@ def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) ->
     G, gpn = cl.num_gpus, setup.gpus_per_node
     if best is None:
         return {"fits": False, "configs_tried": 0, "goodput": 0.0, "goodput_per_gpu": 0.0,
-                "goodput_per_node": 0.0, "note": "no configuration fits in memory"}
+                "goodput_per_node": 0.0,
+                "note": "no configuration fits: too little memory, or too few GPUs for its servers; add --nodes"}
     if best.rate == float("inf"):  # the whole trace as one burst meets the SLO
         return {"fits": True, "configs_tried": len(configs), "config": dict(best.config.knobs),
                 "config_label": best.config.label(), "gpus_used": best.config.gpus, "goodput": None,
@@ -165,10 +166,11 @@ def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) ->
 
 
 def _ratios(results: dict) -> dict:
-    """Goodput ratios of ExpertPlex to each other system run (None when either is unbounded)."""
+    """Goodput ratios of ExpertPlex to each other system run (None when either is unbounded or
+    has no configuration that fits)."""
     def ratio(a: str, b: str):
         x, y = results[a].get("goodput"), results[b].get("goodput")
-        if x is None or y is None:
+        if x is None or y is None or not (results[a].get("fits", True) and results[b].get("fits", True)):
             return None
         return x / y if y > 0 else ("inf" if x > 0 else None)
 

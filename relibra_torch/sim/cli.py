@@ -365,6 +365,9 @@ def run(args: argparse.Namespace) -> int:
         workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
                                    s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"],
                                    s["skew"])
+    if s["warmup_steps"] == 0 and "warm-up" not in workload.notes:
+        workload.notes["warm-up"] = ("none: the first step is measured, so history-based systems (eplb) plan it "
+                                     "from uniform history, and every move starts from static placement")
     # the ideal system's activations are a lower bound for every plan: refuse before planning
     act = workload_activations(model, s["memory"], workload, s["warmup_steps"])
     trace = _trace_shape(args, s, workload)
