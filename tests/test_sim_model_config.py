@@ -280,6 +280,12 @@ def test_file_without_model_takes_the_dims_from_what_names_it(tmp_path, capsys):
     rc, out, err = run(capsys, str(f), *SMALL)
     assert rc == 0, err
     assert out.startswith("qwen3-30b-a3b on") and "model dims from the only preset" in out
+    assert "no preset" not in out
+    routing_file(f, 128, 8, 48, model="acme/MyMoE-30B")  # a model no preset is: the stand-in says so
+    r = resolve(str(f), "--nodes", "1", "--gpus-per-node", "4", "--ignore-memory")
+    assert r["model_spec"].name == "qwen3-30b-a3b"
+    assert r["model_from"].endswith("standing in for the file's model 'acme/MyMoE-30B', which is no preset "
+                                    "(its own dims: --model-config its config.json)")
 
 
 def test_every_mismatch_in_one_error_and_the_suggested_flags_work(tmp_path, capsys):

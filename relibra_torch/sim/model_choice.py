@@ -88,7 +88,9 @@ def preset_for_file(shape: FileShape) -> tuple[str | None, str]:
             return key, f"preset named by the file's model metadata {shape.model!r}"
     fits = [name for name, spec in MODELS.items() if _matches(spec, shape)]
     if len(fits) == 1:
-        return fits[0], f"the only preset with the file's {shape.describe()}"
+        unknown = (f", standing in for the file's model {shape.model!r}, which is no preset (its own dims: "
+                   f"--model-config its config.json)") if shape.model else ""
+        return fits[0], f"the only preset with the file's {shape.describe()}{unknown}"
     return None, ""
 
 
