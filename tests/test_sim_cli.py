@@ -123,7 +123,7 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     (None, ["--set", "hardware.nvlink_gbps=-3"], r"hardware.nvlink_gbps = -3.0; allowed: a finite number > 0"),
     (None, ["--set", "hardware.inter_node_gbps=0"], r"hardware.inter_node_gbps = 0.0; allowed: a finite number > 0"),
     (None, ["--set", "hardware.inter_node_gbps=1e-300"], r"hardware.inter_node_gbps = 1e-300; allowed: a finite "
-                                                          r"number >= 1e-06"),
+                                                          r"number >= 1e-12"),
     (None, ["--config", "."], r"^relibra simulate: error: \.: is a directory$"),
     (None, ["--model", "mixtral"], r"--model 'mixtral' is unknown; choose one of qwen3-30b-a3b"),
     (None, ["--systems", "static,megatron"], r"--systems has unknown megatron; allowed"),

@@ -71,8 +71,8 @@ class HardwareSpec:
 
     def __post_init__(self) -> None:
         for f in ("bf16_tflops", "nvlink_gbps", "inter_node_gbps", "hbm_gb", "hbm_gbps"):
-            if check_number(f"hardware.{f}", getattr(self, f), 0, strict=True) < 1e-6:  # seconds then overflow
-                raise ValueError(f"hardware.{f} = {getattr(self, f)}; allowed: a finite number >= 1e-06")
+            if check_number(f"hardware.{f}", getattr(self, f), 0, strict=True) < 1e-12:  # seconds then overflow
+                raise ValueError(f"hardware.{f} = {getattr(self, f)}; allowed: a finite number >= 1e-12")
         for f in ("inter_node_latency_us", "nvlink_latency_us"):
             check_number(f"hardware.{f}", getattr(self, f), 0)
         for f in ("grouped_gemm_efficiency", "dense_efficiency"):  # fractions of peak
