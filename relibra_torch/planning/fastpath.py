@@ -49,6 +49,7 @@ from .balance import replicate_node_rows, step_price_L
 from .choose import native_slots
 from .plan import StepPlan
 from .reorder_greedy import move_price_s
+from .reorder_load import load_term
 from .reorder_traffic import replica_min_tokens
 from .gpu_pack import swap_can_pay
 from .fastpath_sets import c_loses, d_loses, search_natives as _search_natives
@@ -254,8 +255,7 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs: list, g: 
     config = configs[0]
     two_moves = 2.0 * move_price_s(config, g)
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
-    # the loads the searches' load term weighs (relibra.reorder's term_LME: none at R = 0 with one expert per GPU)
-    term_MLE = torch.zeros_like(load_MLE) if R == 0 and E == N * g else load_MLE
+    term_MLE = load_term(load_MLE, R, E // (N * g))                    # the loads the searches' load term weighs
     nl_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, term_MLE)
     total_ML = term_MLE.sum(-1)
     best_max = ((total_ML + N - 1) // N).sum(0).to(torch.float64)             # [L]

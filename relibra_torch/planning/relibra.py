@@ -45,7 +45,7 @@ from .base import Planner, check_loads
 from .plan import StepPlan
 from .topology import Topology
 from .balance import replicate
-from .reorder_load import load_first_objective, swap_search
+from .reorder_load import load_first_objective, load_term, swap_search
 from .reorder_traffic import colocated_pairs, traffic_swap_search
 from .choose import cheapest_plan, chosen_plan
 from .plain import no_worse_than_keeping, plain_plan as _plain_plan
@@ -262,10 +262,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
     prev_gpu_LE = previous_placement_LE // El
     prev_node_LE = prev_gpu_LE // g
 
-    # the loads the node searches' load term weighs (term_LME, below): with no replica slot and
-    # one expert per GPU the busiest GPU is the largest expert whatever the placement, so that
-    # term is a constant and only the all-to-all and the moves steer placement
-    term_LME = torch.zeros_like(load_LME) if topology.replica_slots == 0 and El == 1 else load_LME
+    term_LME = load_term(load_LME, topology.replica_slots, El)            # the loads the load term weighs
 
     def node_loads(node_LE: torch.Tensor) -> torch.Tensor:
         onehot_LEN = torch.nn.functional.one_hot(node_LE, N).to(torch.int64)

@@ -13,7 +13,15 @@ import torch
 from .reorder_greedy import objective
 from .reorder_traffic import coactivation_gain, max_without_pair, swap_candidates, swap_node_terms, swap_pairs
 
-__all__ = ["load_first_objective", "swap_search"]
+__all__ = ["load_first_objective", "load_term", "swap_search"]
+
+
+def load_term(load_xE: torch.Tensor, replica_slots: int, experts_per_gpu: int) -> torch.Tensor:
+    """The loads ``[..., E]`` the node searches' load term weighs: ``load_xE`` itself, or zeros
+    with no replica slot and one expert per GPU, where the busiest GPU is the largest expert
+    whatever the placement (a constant), so only the all-to-all and the moves steer placement.
+    :func:`relibra_torch.planning.relibra.reorder` and the fast path's proof share it."""
+    return torch.zeros_like(load_xE) if replica_slots == 0 and experts_per_gpu == 1 else load_xE
 
 
 def load_first_objective(max_sum, cross, moved, cfg, g: int) -> torch.Tensor:
