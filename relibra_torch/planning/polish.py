@@ -54,18 +54,11 @@ MAX_ROUNDS = 16
 def layer_migration_s(placement_LE: torch.Tensor, previous_placement_LE: torch.Tensor, topology: Topology,
                       config) -> torch.Tensor:
     """float64 ``[L]``: each layer's own moves from ``previous_placement_LE`` to
-    ``placement_LE`` (int64 ``[L, E]``) by the cost model's rule (``sim.cost.CostModel.migration``)."""
-    L = placement_LE.shape[0]
-    El, g, G = topology.experts_per_gpu, topology.gpus_per_node, topology.num_gpus
-    old_LE, new_LE = previous_placement_LE // El, placement_LE // El
-    moved = old_LE != new_LE
-    cross = moved & (old_LE // g != new_LE // g)
-
-    def per_gpu(gpu_LE: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(L, G, dtype=torch.float64).scatter_add_(1, gpu_LE, mask.to(torch.float64))
-    cross_LG = torch.maximum(per_gpu(old_LE, cross), per_gpu(new_LE, cross))
-    intra_LG = torch.maximum(per_gpu(old_LE, moved & ~cross), per_gpu(new_LE, moved & ~cross))
-    return (cross_LG * config.migration_s_per_expert + intra_LG * config.intra_migration_s_per_expert).amax(1)
+    ``placement_LE`` (int64 ``[L, E]``) by the cost model's rule (``sim.cost.CostModel.migration``:
+    per GPU the busier of sending and receiving, across nodes plus over NVLink; the busiest GPU)."""
+    cs, cr, is_, ir = topology.moves_per_gpu(previous_placement_LE, placement_LE).to(torch.float64)
+    return (torch.maximum(cs, cr) * config.migration_s_per_expert
+            + torch.maximum(is_, ir) * config.intra_migration_s_per_expert).amax(1)
 
 
 def _price_L(placement_LE: torch.Tensor, loads_MLSE: torch.Tensor, topology: Topology, config) -> torch.Tensor:

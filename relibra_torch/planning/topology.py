@@ -64,3 +64,19 @@ class Topology:
     def static_placement(self, num_layers: int) -> torch.Tensor:
         """``[L, E]`` int64: contiguous placement, expert ``e`` at native slot ``e``."""
         return torch.arange(self.num_experts).expand(num_layers, -1).clone()
+
+    def moves_per_gpu(self, previous_placement_LE: torch.Tensor, placement_LE: torch.Tensor) -> torch.Tensor:
+        """int64 ``[4, L, G]``: per layer, the experts each GPU sends and receives when the
+        placement (int64 ``[L, E]`` native slots) changes from ``previous_placement_LE``: across
+        nodes (send, receive), then to another GPU of its node (send, receive). An expert that
+        keeps its GPU moves nothing. The cost model's migration and the planners' move prices
+        read the same counts."""
+        El, g = self.experts_per_gpu, self.gpus_per_node
+        old_LE, new_LE = previous_placement_LE // El, placement_LE // El
+        moved = old_LE != new_LE
+        cross = moved & (old_LE // g != new_LE // g)
+        intra = moved & ~cross
+        out = torch.zeros(4, old_LE.shape[0], self.num_gpus, dtype=torch.int64)
+        for k, (gpu_LE, mask) in enumerate(((old_LE, cross), (new_LE, cross), (old_LE, intra), (new_LE, intra))):
+            out[k].scatter_add_(1, gpu_LE, mask.to(torch.int64))
+        return out

@@ -241,21 +241,10 @@ class CostModel:
         """
         if plan.previous_placement_LE is None:
             return 0.0, 0, 0.0
-        topo = plan.topology
-        G, g, El = topo.num_gpus, topo.gpus_per_node, topo.experts_per_gpu
-        old_LE = plan.previous_placement_LE // El
-        new_LE = plan.owner_gpu_LE()
-        moved = old_LE != new_LE
-        cross = moved & (old_LE // g != new_LE // g)
-        intra = moved & ~cross
         b = self.migration_bytes_per_expert
-
-        def per_gpu(idx: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return torch.zeros(G, dtype=torch.int64).scatter_add_(0, idx[mask], torch.ones_like(idx[mask]))
-
-        secs = float(self.transfer_s(per_gpu(old_LE, cross) * b, per_gpu(new_LE, cross) * b,
-                                     per_gpu(old_LE, intra) * b, per_gpu(new_LE, intra) * b))
-        n = int(moved.sum())
+        counts_G = plan.topology.moves_per_gpu(plan.previous_placement_LE, plan.placement_LE).sum(1)  # [4, G]
+        secs = float(self.transfer_s(*(counts_G * b)))
+        n = int(counts_G[0].sum() + counts_G[2].sum())    # every moved expert is sent once
         return secs, n, float(n * b)
 
     def dense_flops(self, tokens_S: torch.Tensor, attn_pairs_S: torch.Tensor) -> dict[str, torch.Tensor]:
