@@ -306,15 +306,10 @@ def _trace_skew(args: argparse.Namespace, file_cfg: dict) -> float:
     return check_number("--set trace.skew", value, 0.0, maximum=4.0)
 
 
-def file_warmup(num_steps: int, workload_notes: dict) -> int:
+def file_warmup(num_steps: int) -> int:
     """Default warm-up for a file of ``num_steps`` steps: one step when it has two or more
-    (history-based planners such as eplb then start from real history), else none, and the
-    workload's notes say that the single step was planned from uniform history."""
-    if num_steps >= 2:
-        return 1
-    workload_notes["warm-up"] = ("none: the file holds one step, so history-based systems (eplb) "
-                                 "plan it from uniform history")
-    return 0
+    (history-based planners such as eplb then start from real history), else none."""
+    return 1 if num_steps >= 2 else 0
 
 
 def _baseline_settings(args: argparse.Namespace, file_cfg: dict):
@@ -354,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             workload = workload_from_file(args.file, model, topo, s["micro_batches"], s["sample_tokens"])
         if s["warmup_steps"] is None:
-            s["warmup_steps"] = file_warmup(workload.num_steps, workload.notes)
+            s["warmup_steps"] = file_warmup(workload.num_steps)
         if s["warmup_steps"] >= workload.num_steps:
             raise ValueError(f"--warmup-steps {s['warmup_steps']} leaves no measured step: the file "
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
@@ -365,9 +360,10 @@ def run(args: argparse.Namespace) -> int:
         workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
                                    s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"],
                                    s["skew"])
-    if s["warmup_steps"] == 0 and "warm-up" not in workload.notes:
-        workload.notes["warm-up"] = ("none: the first step is measured, so history-based systems (eplb) plan it "
-                                     "from uniform history, and every move starts from static placement")
+    if s["warmup_steps"] == 0:  # the measured first step: said so, for a file and a synthetic trace alike
+        first = "the file holds one step" if args.file and workload.num_steps == 1 else "the first step is measured"
+        workload.notes["warm-up"] = (f"none: {first}, so history-based systems (eplb) plan it from uniform "
+                                     f"history, and every move starts from static placement")
     # the ideal system's activations are a lower bound for every plan: refuse before planning
     act = workload_activations(model, s["memory"], workload, s["warmup_steps"])
     trace = _trace_shape(args, s, workload)
