@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from relibra_torch.planning import ReLibraConfig, Topology, relibra_plan
 from relibra_torch.planning.base import native_plan
 from relibra_torch.planning.plain import layers_price
-from relibra_torch.planning.polish import MAX_EXPERTS, layer_migration_s, polish_placement
+from relibra_torch.planning.polish import MAX_EXPERTS, polish_placement
+from relibra_torch.planning.price import migration_seconds, migration_seconds_L
 from relibra_torch.sim import CostModel, CostOptions, get_hardware
 from relibra_torch.sim.presets import ModelSpec
 
@@ -66,8 +67,8 @@ def test_every_swap_lowers_the_layer_price_by_more_than_the_migration_it_adds(se
     assert torch.equal(out.slot_expert_MLGJ, native_plan(loads, topo, out.placement_LE, "x").slot_expert_MLGJ)
     assert torch.equal(out.previous_placement_LE, previous)
     before, after = _price_L(start, loads, config), _price_L(out, loads, config)
-    added = (layer_migration_s(out.placement_LE, previous, topo, config)
-             - layer_migration_s(start.placement_LE, previous, topo, config)).clamp(min=0)
+    added = (migration_seconds_L(out.placement_LE, previous, topo, config)
+             - migration_seconds_L(start.placement_LE, previous, topo, config)).clamp(min=0)
     changed = (out.placement_LE // topo.experts_per_gpu != start.placement_LE // topo.experts_per_gpu).any(1)
     assert bool((after + added <= before + 1e-15).all())
     assert bool((after[changed] + added[changed] < before[changed]).all())
@@ -84,20 +85,25 @@ def test_nothing_is_polished_with_replica_slots_or_many_experts():
         assert polish_placement(plan, part, _config(E, "flat")) is plan
 
 
-def test_layer_migration_follows_the_cost_models_rule():
-    """A one-layer step's moves priced as ``sim.cost.CostModel.migration`` prices them: the
-    busiest GPU's moves across nodes plus its moves over NVLink."""
+def test_migration_prices_follow_the_cost_models_rule():
+    """A one-layer step's moves, and a step of three layers moved at once, priced as
+    ``sim.cost.CostModel.migration`` prices them: the busiest GPU's moves across nodes plus its
+    moves over NVLink, summed over the layers first; each layer alone bounds it from above."""
     gen = torch.Generator().manual_seed(0)
     for N, g, E in ((2, 2, 8), (2, 4, 16), (1, 4, 8)):
         topo = Topology(N, g, E, 0)
         cost = CostModel(dataclasses.replace(MODEL, num_experts=E), HW, CostOptions(dispatch="flat"))
         config = ReLibraConfig.from_weights(cost.reorder_weights(), dispatch="flat", top_k=2)
-        loads = _loads(0, 1, 1, N * g, E, 64, 1.0)
-        for _ in range(20):
-            previous, placement = torch.randperm(E, generator=gen).view(1, E), torch.randperm(E, generator=gen).view(1, E)
-            want = cost.migration(native_plan(loads, topo, placement, "x", previous))[0]
-            got = float(layer_migration_s(placement, previous, topo, config)[0])
-            assert abs(got - want) <= 1e-12 * max(want, 1e-6), (N, g, E, got, want)
+        for L in (1, 3):
+            loads = _loads(0, 1, L, N * g, E, 64, 1.0)
+            for _ in range(20):
+                previous = torch.stack([torch.randperm(E, generator=gen) for _ in range(L)])
+                placement = torch.stack([torch.randperm(E, generator=gen) for _ in range(L)])
+                want = cost.migration(native_plan(loads, topo, placement, "x", previous))[0]
+                got = migration_seconds(placement, previous, topo, config)
+                alone_L = migration_seconds_L(placement, previous, topo, config)
+                assert abs(got - want) <= 1e-12 * max(want, 1e-6), (N, g, E, L, got, want)
+                assert float(alone_L.max()) <= got * (1 + 1e-12) and got <= float(alone_L.sum()) * (1 + 1e-12)
 
 
 def test_relibra_without_slots_takes_the_best_placement_of_a_tiny_instance():

@@ -173,9 +173,10 @@ def save_expert_safetensors(model: nn.Module, path: str) -> dict[str, torch.Tens
 
     Keys are ``<layer name>.w1_EFD`` etc. (``model`` itself being a layer: just ``w1_EFD``).
     Collective when the layers are expert-parallel: call on every rank; global rank 0 writes.
-    Returns the tensors written.
+    Returns the tensors written. Written atomically (a half-written file never takes the
+    name), with the umask's permissions.
     """
-    from safetensors.torch import save_file
+    from ..replay.fileio import write_tensors
 
     layers = moe_layers(model)
     if not layers:
@@ -187,7 +188,7 @@ def save_expert_safetensors(model: nn.Module, path: str) -> dict[str, torch.Tens
     meta = {"format": checkpoint.SAFETENSORS_FORMAT,
             "layers": json.dumps({n: layer.engine.num_experts for n, layer in layers})}
     if not dist.is_initialized() or dist.get_rank() == 0:
-        save_file(tensors, path, metadata=meta)
+        write_tensors(path, tensors, meta)
     return tensors
 
 

@@ -40,25 +40,16 @@ import torch
 from .base import native_plan
 from .plain import layers_price
 from .plan import StepPlan
+from .price import migration_seconds_L
 from .topology import Topology
 
-__all__ = ["MAX_EXPERTS", "layer_migration_s", "polish_placement"]
+__all__ = ["MAX_EXPERTS", "polish_placement"]
 
 #: Most experts for which every swap is priced each round (``W = 28`` at 8). At 16 (``W = 120``)
 #: a hierarchical share of 4 layers on 2 x 8 GPUs took 2.2 s of one thread from static placement.
 MAX_EXPERTS = 8
 #: Most rounds (one swap per layer each); the descent stops sooner where no swap pays.
 MAX_ROUNDS = 16
-
-
-def layer_migration_s(placement_LE: torch.Tensor, previous_placement_LE: torch.Tensor, topology: Topology,
-                      config) -> torch.Tensor:
-    """float64 ``[L]``: each layer's own moves from ``previous_placement_LE`` to
-    ``placement_LE`` (int64 ``[L, E]``) by the cost model's rule (``sim.cost.CostModel.migration``:
-    per GPU the busier of sending and receiving, across nodes plus over NVLink; the busiest GPU)."""
-    cs, cr, is_, ir = topology.moves_per_gpu(previous_placement_LE, placement_LE).to(torch.float64)
-    return (torch.maximum(cs, cr) * config.migration_s_per_expert
-            + torch.maximum(is_, ir) * config.intra_migration_s_per_expert).amax(1)
 
 
 def _price_L(placement_LE: torch.Tensor, loads_MLSE: torch.Tensor, topology: Topology, config) -> torch.Tensor:
@@ -83,7 +74,7 @@ def polish_placement(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> StepPl
     a_W, b_W = torch.triu_indices(E, E, 1)
     W = a_W.numel()
     price_L = _price_L(placement_LE, loads_MLSE, topology, config)
-    moves_L = layer_migration_s(placement_LE, previous_LE, topology, config)
+    moves_L = migration_seconds_L(placement_LE, previous_LE, topology, config)
     active = torch.arange(L)               # layers still descending: only they are priced again
     changed = False
     for _ in range(MAX_ROUNDS):
@@ -93,7 +84,7 @@ def polish_placement(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> StepPl
         cand_AWE[:, torch.arange(W), a_W], cand_AWE[:, torch.arange(W), b_W] = slot_b, slot_a
         flat_XE = cand_AWE.reshape(A * W, E)
         cand_price = _price_L(flat_XE, loads_MLSE[:, active].repeat_interleave(W, dim=1), topology, config).view(A, W)
-        cand_moves = layer_migration_s(flat_XE, previous_LE[active].repeat_interleave(W, dim=0), topology,
+        cand_moves = migration_seconds_L(flat_XE, previous_LE[active].repeat_interleave(W, dim=0), topology,
                                        config).view(A, W)
         gain_AW = price_L[active].unsqueeze(1) - cand_price - (cand_moves - moves_L[active].unsqueeze(1)).clamp(min=0.0)
         gain_AW = gain_AW.masked_fill(slot_a // El == slot_b // El, -1.0)   # same GPU: nothing changes

@@ -52,7 +52,7 @@ from .two_hop import hop_routes, two_hop_hubs
 
 __all__ = ["a2a_parts_ML", "a2a_seconds_ML", "collective_latency_s", "compute_seconds_ML", "exchange_collectives",
            "exchange_latency_s", "flat_rows", "hierarchical_collectives", "hierarchical_estimate", "split_chunks", "migration_seconds", "migration_seconds_L", "moe_parts_ML", "moe_seconds_ML",
-           "replica_seconds_ML", "rows_seconds", "step_seconds", "transfer_seconds", "window_seconds"]
+           "moves_seconds", "replica_seconds_ML", "rows_seconds", "step_seconds", "transfer_seconds", "window_seconds"]
 
 
 def collective_latency_s(topo: Topology, config) -> float:
@@ -341,21 +341,14 @@ def window_seconds(se_a: torch.Tensor, st_a: torch.Tensor, se_b: torch.Tensor, s
     return fills.view(*lead, L), returns.view(*lead, L)
 
 
-def _moves_per_gpu(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config,
-                   dims: tuple[int, ...]) -> torch.Tensor:
-    El, g, G = topo.experts_per_gpu, topo.gpus_per_node, topo.num_gpus
-    old, new = previous_LE // El, placement_LE // El
-    moved = old != new
-    cross = moved & (old // g != new // g)
-    L = placement_LE.shape[0]
-    per_gpu = torch.zeros(L, G, dtype=torch.float64)
-    for mask, price in ((cross, config.migration_s_per_expert), (moved & ~cross, config.intra_migration_s_per_expert)):
-        sent = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, old, mask.to(torch.int64))
-        recv = torch.zeros(L, G, dtype=torch.int64).scatter_add_(1, new, mask.to(torch.int64))
-        if dims:  # all layers at once: sums per GPU first
-            sent, recv = sent.sum(dims, keepdim=True), recv.sum(dims, keepdim=True)
-        per_gpu = per_gpu + torch.maximum(sent, recv).to(torch.float64) * price
-    return per_gpu
+def moves_seconds(counts_4XG: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[X]``: seconds of the moves counted per GPU (int ``[4, X, G]``, as
+    :meth:`Topology.moves_per_gpu` counts them: across nodes sent, received, over NVLink sent,
+    received) by the cost model's rule: per GPU the busier of sending and receiving on each
+    link, the busiest GPU."""
+    cs, cr, is_, ir = counts_4XG.to(torch.float64)
+    return (torch.maximum(cs, cr) * config.migration_s_per_expert
+            + torch.maximum(is_, ir) * config.intra_migration_s_per_expert).amax(-1)
 
 
 def migration_seconds_L(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology,
@@ -365,7 +358,7 @@ def migration_seconds_L(placement_LE: torch.Tensor, previous_LE: torch.Tensor, t
     of these bounds its time from above."""
     if topo.num_gpus == 0 or placement_LE.shape[0] == 0:
         return torch.zeros(placement_LE.shape[0], dtype=torch.float64)
-    return _moves_per_gpu(placement_LE, previous_LE, topo, config, ()).max(-1).values
+    return moves_seconds(topo.moves_per_gpu(previous_LE, placement_LE), config)
 
 
 def migration_seconds(placement_LE: torch.Tensor, previous_LE: torch.Tensor, topo: Topology, config) -> float:
@@ -373,7 +366,7 @@ def migration_seconds(placement_LE: torch.Tensor, previous_LE: torch.Tensor, top
     model's rule)."""
     if placement_LE.shape[0] == 0:
         return 0.0
-    return float(_moves_per_gpu(placement_LE, previous_LE, topo, config, (0,))[0].max())
+    return float(moves_seconds(topo.moves_per_gpu(previous_LE, placement_LE).sum(1), config))
 
 
 def step_seconds(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> float:

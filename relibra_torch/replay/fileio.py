@@ -9,7 +9,8 @@ match their byte ranges, byte ranges that tile the data section exactly) and rai
 those checks is handed to ``safetensors.safe_open`` for the tensor data.
 
 Writing goes through ``safetensors.torch.save_file`` to a temporary file in the same folder
-that is then renamed, so a crash never leaves a half-written file under the final name.
+that is then renamed, so a crash never leaves a half-written file under the final name; the
+file gets the umask's permissions (``save_file`` alone writes 0600).
 """
 
 from __future__ import annotations
@@ -249,11 +250,18 @@ def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, st
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    # A fresh name in the same folder (rename stays atomic); created by save_file itself,
-    # so the final file gets the usual umask permissions, unlike mkstemp's 0600.
+    # A fresh name in the same folder (rename stays atomic). safetensors' save_file writes its
+    # files 0600 whatever the umask; the file gets the mode a new file gets here (the umask's,
+    # read off the placeholder created first), so other users of a shared cluster can read it.
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        try:
+            mode = os.fstat(fd).st_mode & 0o777
+        finally:
+            os.close(fd)
         save_file(tensors, tmp, metadata=metadata)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
