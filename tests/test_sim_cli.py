@@ -128,7 +128,10 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     (None, ["--model", "mixtral"], r"--model 'mixtral' is unknown; choose one of qwen3-30b-a3b"),
     (None, ["--systems", "static,megatron"], r"--systems has unknown megatron; allowed"),
     (None, ["--micro-batches", "0"], r"--micro-batches = 0; allowed: an int >= 1"),
-    (None, ["--steps", "2", "--warmup-steps", "2", "--ignore-memory"], r"--warmup-steps 2 leaves no measured step"),
+    (None, ["--warmup-steps", "2", "--ignore-memory"], r"--warmup-steps 2 leaves no measured step"),
+    (None, ["--steps", "3"], r"--steps shapes the synthetic trace; it does not apply to the file .*\(drop it or "),
+    (None, ["--seed", "1", "--micro-batch-tokens", "64"], r"--micro-batch-tokens, --seed shape the synthetic trace; "
+                                                          r"they do not apply to the file"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, make, argv, match):
     f = tmp_path / "in.safetensors"
@@ -184,3 +187,43 @@ def test_a_synthetic_run_without_warm_up_says_so(tmp_path, capsys):
     rc, out, err = run(capsys, *SMALL, "--steps", "2", "--micro-batches", "1", "--micro-batch-tokens", "64",
                        "--systems", "static", "--json", str(tmp_path / "r2.json"))
     assert rc == 0 and "warm-up" not in json.loads((tmp_path / "r2.json").read_text())["config"]["notes"]
+
+
+def test_replica_slots_count_against_memory_only_for_systems_that_fill_them(capsys):
+    """Static fills no replica slot, nor do the references the simulator always adds (uniform,
+    bound): a static-only run is not refused for slots it never uses; with relibra it is."""
+    from relibra_torch.sim.memory import replicating
+    from relibra_torch.sim.simulator import parse_systems
+
+    assert not replicating(parse_systems("static"))
+    assert replicating(parse_systems("static,eplb")) and replicating(parse_systems("relibra"))
+    common = ("--nodes", "2", "--micro-batches", "1", "--steps", "2", "--micro-batch-tokens", "256",
+              "--replica-slots", "70", "--no-progress")
+    rc, _, err = run(capsys, *common, "--systems", "static,relibra")
+    assert rc == 2 and "replica slots" in err and "fix: --replica-slots" in err
+    rc, out, err = run(capsys, *common, "--systems", "static")
+    assert rc == 0, err
+    assert "static" in out
+
+
+def test_config_values_are_named_where_they_came_from(tmp_path, capsys):
+    """A bad value from ``--config`` names the file's key, not a flag the user never passed; a
+    TOML list of systems reads as the comma-separated option; a config file not named .toml is
+    read as JSON, and the error says so."""
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[simulate]\nnodes = "2"\n')
+    rc, _, err = run(capsys, "--config", str(cfg), "--no-progress")
+    assert rc == 2 and "--config [simulate] nodes is str '2'" in err
+    rc, _, err = run(capsys, "--config", str(cfg), "--nodes", "0", "--no-progress")
+    assert rc == 2 and "--nodes = 0" in err                               # the flag wins and is named
+    cfg.write_text('[simulate]\nsystems = ["static", "relibra"]\nsteps = 2\nmicro_batches = 1\n'
+                   'micro_batch_tokens = 64\nnodes = 1\ngpus_per_node = 4\n')
+    rc, out, err = run(capsys, "--config", str(cfg), "--no-progress", "--ignore-memory", "--json",
+                       str(tmp_path / "r.json"))
+    assert rc == 0, err
+    assert json.loads((tmp_path / "r.json").read_text())["config"]["systems"] == ["static", "relibra", "uniform",
+                                                                                   "bound"]
+    toml_text = tmp_path / "c.tml"
+    toml_text.write_text('[simulate]\nnodes = 2\n')
+    rc, _, err = run(capsys, "--config", str(toml_text), "--no-progress")
+    assert rc == 2 and "is not valid JSON" in err and "a file not named .toml is read as JSON" in err

@@ -230,7 +230,8 @@ def test_moe_layer_maps_and_approximation_notes():
     assert moe_layer_map(json.load(open(config_path("DeepSeek-V3"))))[:4] == (False, False, False, True)
     assert "multi-token-prediction" in " ".join(model_from_hf_config(config_path("DeepSeek-V3")).notes)
     assert "sliding-window" in " ".join(model_from_hf_config(config_path("gpt-oss-20b")).notes)
-    with pytest.raises(ValueError, match="not an MoE.*--model PRESET"):
+    # every subcommand that reads --model-config is told its own way (convert has no --model preset)
+    with pytest.raises(ValueError, match="not an MoE.*--model PRESET.*convert takes --num-experts, --top-k"):
         model_from_hf_config({"model_type": "llama", "num_hidden_layers": 2})
     with pytest.raises(ValueError, match="--model-config config: field 'n_routed_experts' is missing \\(also read as num_experts"):
         model_from_hf_config({"model_type": "olmoe", "num_hidden_layers": 2, "hidden_size": 8,

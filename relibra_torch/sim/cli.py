@@ -157,11 +157,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "line says so); the memory model: --set memory.FIELD=VALUE, docs/simulator.md")
 
 
-def _int_option(name: str, value: object, minimum: int) -> int:
-    """``value`` of option ``name`` (from the command line or ``--config``): the error names the flag."""
-    return check_int(f"--{name.replace('_', '-')}", value, minimum)
-
-
 def resolve(args: argparse.Namespace) -> dict:
     """Merge command line, config file and defaults; build and validate every setting.
 
@@ -180,6 +175,12 @@ def resolve(args: argparse.Namespace) -> dict:
     for key, default in DEFAULTS.items():
         cli = getattr(args, key, None)
         opts[key] = cli if cli is not None else sim_cfg.get(key, default)
+    if isinstance(opts["systems"], list):  # a TOML/JSON list of names reads as the comma-separated option
+        opts["systems"] = ",".join(map(str, opts["systems"]))
+
+    def _int_option(name: str, value: object, minimum: int) -> int:  # the error names where the value came from
+        given = f"--{name.replace('_', '-')}" if getattr(args, name, None) is not None or name not in sim_cfg else None
+        return check_int(given or f"--config [simulate] {name}", value, minimum)
 
     def spec(section: str, getter):
         raw = file_cfg.get(section)
@@ -233,6 +234,13 @@ def resolve(args: argparse.Namespace) -> dict:
                          f"the file {args.file!r} (drop trace.skew or the file)")
     systems = parse_systems(opts["systems"])
     _check_trace_packing(args.file, opts)
+    ignored = [f"--{k.replace('_', '-')}" for k in ("steps", "micro_batch_tokens", "seed")
+               if args.file and (getattr(args, k, None) is not None or k in sim_cfg)]
+    if ignored:  # the file's steps and micro-batches are its own: silently ignoring them misleads
+        one = len(ignored) == 1
+        raise ValueError(f"{', '.join(ignored)} {'shapes' if one else 'shape'} the synthetic trace; "
+                         f"{'it does' if one else 'they do'} not apply to the file {args.file!r}, which holds "
+                         f"its own steps and tokens (drop {'it' if one else 'them'} or the file)")
     # checked now, not after a run of minutes
     check_output_path("json", opts["json"])
     check_output_path("plot", opts["plot"])

@@ -153,8 +153,10 @@ def find_moe_config(outer: dict, where: str) -> dict:
     kinds = sorted({str(c.get("model_type")) for c in seen})
     raise ValueError(f"--model-config {where}: not an MoE (model_type {', '.join(kinds)}): no routed-expert "
                      f"count ({', '.join(SPELLINGS['experts'])}) > 1 in the config or its "
-                     f"{'/'.join(NESTED)}; relibra balances routed experts. For another model pass --model "
-                     f"PRESET with --set model.FIELD=VALUE, or a --config file with a [model] table")
+                     f"{'/'.join(NESTED)}; relibra balances routed experts. For another model give its dims "
+                     f"without --model-config: simulate and serve-sim take --model PRESET with --set "
+                     f"model.FIELD=VALUE (simulate also a --config [model] table), convert takes --num-experts, "
+                     f"--top-k and --moe-layers")
 
 
 def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:

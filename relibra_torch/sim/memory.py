@@ -339,8 +339,10 @@ def memory_verdict(message: str | None, ignore: bool, warnings: list[str]) -> li
 
 
 def replicating(systems) -> bool:
-    """Whether any of ``systems`` fills replica slots (all but static and ideal)."""
-    return any(name not in ("static", "ideal") for name in systems)
+    """Whether any of ``systems`` fills replica slots: every planner but static. The
+    references the simulator always adds (``uniform``, ``bound``) hold no weights of their
+    own, so a static-only run is not refused for slots it never fills."""
+    return any(name not in ("static", "ideal", "uniform", "bound") for name in systems)
 
 
 def workload_activations(model: ModelSpec, options: MemoryOptions, workload, warmup_steps: int) -> float:

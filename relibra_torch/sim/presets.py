@@ -270,7 +270,8 @@ def load_config_file(path: str) -> dict:
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ValueError(f"--config {path!r} is not valid JSON: {exc}") from None
+            raise ValueError(f"--config {path!r} is not valid JSON: {exc} (a file not named .toml is read as "
+                             f"JSON)") from None
     if not isinstance(data, dict):
         raise ValueError(f"--config {path!r} must hold an object/table at the top level")
     unknown = set(data) - {"simulate", *SET_SECTIONS}
