@@ -99,6 +99,9 @@ def _steps(records: list[dict], record_of_sample: list[int]) -> list[int] | None
 
 def check_output(path: str) -> None:
     """Fail before converting when OUT cannot be written (one line naming OUT)."""
+    if not os.path.isdir(path) and not path.endswith(".safetensors"):  # a .txt or .json name misleads readers
+        raise ValueError(f"OUT {path!r}: a relibra.routing/1 file is safetensors; allowed: a path ending in "
+                         f".safetensors, e.g. {os.path.splitext(path)[0] + '.safetensors'!r}")
     if os.path.isdir(path):
         raise ValueError(f"OUT {path!r} is a folder; allowed: a file path such as {os.path.join(path, 'rollout.safetensors')!r}")
     folder = os.path.dirname(os.path.abspath(path))

@@ -1,6 +1,6 @@
 """Files relibra writes (replay, loads, expert weights) get the umask's permissions, as any
 file a user writes: safetensors' ``save_file`` alone makes them 0600, which other users of a
-shared cluster cannot read."""
+shared cluster cannot read. A file cut short says so in plain words."""
 
 import os
 
@@ -21,3 +21,18 @@ def test_written_files_follow_the_umask(tmp_path):
         assert torch.equal(read_tensors(read_header(path), ["x"])["x"], torch.arange(6))
     # nothing else is left in the folder (no temporary file)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["r2.safetensors", "r22.safetensors", "r77.safetensors"]
+
+
+def test_a_file_cut_short_says_so(tmp_path):
+    """A partial copy keeps the header but loses the data: the error says the plain reason."""
+    import json
+    import struct
+
+    import pytest
+
+    header = json.dumps({"x": {"dtype": "I64", "shape": [1000], "data_offsets": [0, 8000]}}).encode()
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+    with pytest.raises(ValueError, match=r"the file is cut short \(a partial copy or download\?\): its data "
+                                         r"holds 16 bytes, this tensor ends at byte 8,000"):
+        read_header(path)

@@ -170,7 +170,7 @@ def test_errors_point_at_the_record_row_and_engine_layer(tmp_path, capsys, cfg):
     assert "repeats an expert" in err
 
 
-@pytest.mark.parametrize("out", ["nodir/o.safetensors", "."])
+@pytest.mark.parametrize("out", ["nodir/o.safetensors", ".", "o.txt"])
 def test_unwritable_output_is_one_line(tmp_path, capsys, cfg, out, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, _, err, _ = convert(tmp_path, capsys, "sglang", [sglang_openai(ids_of(1))], "--model-config", cfg, out=out)

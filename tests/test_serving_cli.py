@@ -114,3 +114,26 @@ def test_only_the_cli_reaches_the_serving_package():
     assert not bad, ("only relibra_torch/cli.py (by name, lazily) and the runtime's GPU check (its share rule) "
                      "may use relibra_torch.serving: " + ", ".join(bad))
     assert '"serve-sim": "relibra_torch.serving.cli"' in (ROOT / "relibra_torch" / "cli.py").read_text()
+
+
+def test_a_trace_too_short_for_its_percentile_says_so_and_an_empty_plot_says_why(tmp_path, capsys, recwarn):
+    """Fewer requests than a P90 needs (10) leave no percentile below the worst request, and the
+    runs repeat them to ``serving.min_trace_s``: the goodput reads as confident as any, so the
+    report adds a note. A cluster where no system fits still writes a plot, without a
+    matplotlib warning."""
+    from relibra_torch.serving.compare import trace_notes
+    from relibra_torch.serving.constants import DEFAULT_CONSTANTS
+
+    assert trace_notes(10, DEFAULT_CONSTANTS) == [] and len(trace_notes(9, DEFAULT_CONSTANTS)) == 1
+    trace = tmp_path / "two.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,100,20\n"
+                     "2023-11-16 18:15:47.1805900,200,30\n")
+    out, png = tmp_path / "o.json", tmp_path / "o.png"
+    rc = main(["serve-sim", "--trace", str(trace), "--window", "0", "--nodes", "1", "--gpus-per-node", "1",
+               "--model", "qwen3-30b-a3b", "--systems", "expertplex,pd-disagg", "--jobs", "1",
+               "--json", str(out), "--plot", str(png)])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert "note: the trace holds 2 request(s), fewer than the 10 a P90 needs" in captured.out
+    assert json.loads(out.read_text())["setup"]["notes"][0].startswith("the trace holds 2 request(s)")
+    assert png.stat().st_size > 1000 and not [w for w in recwarn if "legend" in str(w.message)]

@@ -146,6 +146,9 @@ def test_scaling_divides_inter_arrival_times_and_windows_shift_to_zero():
     assert w.arrival_N.tolist() == [0.0, 2.0] and w.prompt_N.tolist() == [6, 7]
     with pytest.raises(ValueError, match="no request in the window"):
         r.window(100.0, 1.0)
+    with pytest.raises(ValueError, match=r"--window-start 1e\+09 s, --window 300 s; the trace spans 6 s; "
+                                         r"allowed: a window starting before 6 s"):
+        r.window(1e9, 300.0)
 
 
 def test_poisson_arrivals_have_the_rate_and_draw_lengths_from_the_trace():

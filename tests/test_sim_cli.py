@@ -227,3 +227,20 @@ def test_config_values_are_named_where_they_came_from(tmp_path, capsys):
     toml_text.write_text('[simulate]\nnodes = 2\n')
     rc, _, err = run(capsys, "--config", str(toml_text), "--no-progress")
     assert rc == 2 and "is not valid JSON" in err and "a file not named .toml is read as JSON" in err
+
+
+def test_a_json_write_that_fails_after_the_run_names_the_option(tmp_path, monkeypatch):
+    """Past the checks before the run (a full disk, ``/proc``): one line naming ``--json``."""
+    import builtins
+
+    from relibra_torch.sim import report
+
+    real_open = builtins.open
+
+    def full_disk(path, mode="r", *a, **kw):
+        if str(path).endswith("r.json") and "w" in mode:
+            raise OSError(28, "No space left on device")
+        return real_open(path, mode, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full_disk)
+    with pytest.raises(ValueError, match=r"^--json '.*r\.json' cannot be written: No space left on device"):
+        report.write_json({"a": 1}, str(tmp_path / "r.json"))

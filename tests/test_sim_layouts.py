@@ -121,3 +121,13 @@ def test_layouts_that_do_not_fit_are_left_out_with_the_reason():
     refused.clear()
     assert compare_layouts(wl, dataclasses.replace(cfg, memory_check=True), (2, 4), refused=refused)
     assert refused == {}
+
+
+def test_compare_ep_where_no_size_fits_is_an_error_not_an_empty_table(tmp_path, capsys):
+    # the cluster's own layout (EP 16) fits; one GPU cannot hold the experts
+    argv = ["simulate", "--nodes", "2", "--no-progress", "--systems", "static", "--micro-batches", "1",
+            "--micro-batch-tokens", "64", "--steps", "2", "--compare-ep", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("relibra simulate: error: --compare-ep: no EP size fits in memory: EP 1: ") and "\n" not in err
+    assert "GB per GPU" in err and "--ignore-memory" in err

@@ -188,15 +188,15 @@ def read_header(path) -> SafetensorsHeader:
             raise ValueError(
                 f"{where}: shape {_short_json(shape)}; allowed: a list of integers in [0, 2**48]"
             )
-        if (
-            not isinstance(offsets, list)
-            or len(offsets) != 2
-            or not all(_is_int(o) and 0 <= o <= size for o in offsets)
-            or offsets[0] > offsets[1]
-        ):
+        data_len = size - 8 - header_len
+        pair = isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) and o >= 0 for o in offsets)
+        if not pair or offsets[0] > offsets[1] or offsets[1] > size:  # a smaller overrun: the tiling check below
+            cut = pair and offsets[0] <= offsets[1] and offsets[1] > data_len  # the usual cause: a partial copy
             raise ValueError(
                 f"{where}: data_offsets {_short_json(offsets)}; allowed: [begin, end] "
-                f"with 0 <= begin <= end <= {size - 8 - header_len}"
+                f"with 0 <= begin <= end <= {data_len}"
+                + (f"; the file is cut short (a partial copy or download?): its data holds {data_len:,} bytes, "
+                   f"this tensor ends at byte {offsets[1]:,}" if cut else "")
             )
         dtype, itemsize = _DTYPES[dtype_name]
         nbytes = math.prod(shape) * itemsize

@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="h200", help=f"GPU preset: {', '.join(HARDWARE)} (default h200)")
     p.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma-separated systems (default all)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated systems, from {','.join(DEFAULT_SYSTEMS)} (default all)")
     p.add_argument("--ttft-slo", type=float, help="TTFT SLO, s (default 1)")
     p.add_argument("--tpot-slo", type=float, help="TPOT SLO, s (default 0.05)")
     p.add_argument("--tile-time-us", type=float, help="expert row-tile time, us (default: roofline)")

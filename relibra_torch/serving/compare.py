@@ -9,6 +9,7 @@ attainment curve the search visited, and the ratios the paper reports.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -125,6 +126,7 @@ def compare(setup: CompareSetup, progress=None, workers: int = 1) -> dict:
             "requests": len(reqs), "trace_rate": reqs.rate, "routing": setup.routing_source,
             "tile_time_us": cost.tile_time_s * 1e6, "tile_time_source": setup.tile_time_source,
             "sm_tile_us": cost.sm_tile_s * 1e6, "allow_idle": setup.allow_idle, "seed": setup.seed,
+            "notes": trace_notes(len(reqs), setup.consts),
         },
         "systems": results,
         "ratios": _ratios(results),
@@ -132,6 +134,18 @@ def compare(setup: CompareSetup, progress=None, workers: int = 1) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     return doc
+
+
+def trace_notes(num_requests: int, consts) -> list[str]:
+    """What a reader must know about the trace: fewer requests than ``1 / (1 - attainment)``
+    (10 for P90) leaves no percentile below the worst request, and every run repeats them
+    back to back, so the goodput is that of these few requests' lengths."""
+    least = math.ceil(1 / (1 - consts.attainment) - 1e-9)
+    if num_requests >= least:
+        return []
+    return [f"the trace holds {num_requests} request(s), fewer than the {least} a P{consts.attainment * 100:g} "
+            f"needs to leave out its worst: every run repeats them back to back (serving.min_trace_s), so the "
+            f"goodput is that of these lengths alone; use a longer trace"]
 
 
 def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) -> dict:

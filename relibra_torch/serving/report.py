@@ -42,6 +42,8 @@ def print_report(doc: dict, console=None) -> None:
                       _ms(r.get("tpot_p90_s")),
                       "-" if r.get("attainment") is None else f"{r['attainment'] * 100:.1f}%")
     console.print(table)
+    for note in s.get("notes", []):
+        console.print(f"note: {escape(note)}", highlight=False)
     paper = doc["paper_ratios"]
     for key, value in doc["ratios"].items():
         ref = f" (paper: {paper[key]:.2f}x)" if key in paper else ""
@@ -79,7 +81,11 @@ def write_plot(doc: dict, path: str) -> None:
     ax.set_ylabel("requests meeting TTFT and TPOT SLO (%)")
     s = doc["setup"]
     ax.set_title(f"{s['model']['name']} on {s['nodes']}x{s['gpus_per_node']} {s['hardware']['name'].upper()}")
-    ax.legend(fontsize=8)
+    if ax.get_legend_handles_labels()[1]:
+        ax.legend(fontsize=8)
+    else:  # no system fits or has a curve: say so on the figure (an empty legend only warns on stderr)
+        ax.text(0.5, 0.5, "no system has a configuration that fits", ha="center", va="center",
+                transform=ax.transAxes)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=120)

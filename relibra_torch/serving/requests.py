@@ -96,8 +96,9 @@ class Requests:
         t = self.arrival_N - self.arrival_N[0]
         keep = (t >= start_s) & (t < start_s + length_s)
         if not keep.any():
-            raise ValueError(f"{self.source}: no request in the window [{start_s:g}, {start_s + length_s:g}) s; "
-                             f"the trace spans {self.duration_s:.0f} s")
+            raise ValueError(f"{self.source}: no request in the window --window-start {start_s:.6g} s, --window "
+                             f"{length_s:.6g} s; the trace spans {self.duration_s:.0f} s; allowed: a window "
+                             f"starting before {self.duration_s:.0f} s")
         a = t[keep]
         return Requests(a - a[0], self.prompt_N[keep], self.output_N[keep],
                         f"{self.source} [{start_s:g} s, +{length_s:g} s)")

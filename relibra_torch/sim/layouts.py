@@ -229,6 +229,10 @@ def run_compare(args, s: dict, workload, config) -> int:
     refused: dict[int, str] = {}
     rows = compare_layouts(workload, config, sizes, refused=refused,
                            progress=None if args.no_progress else lambda line: err.print(line, highlight=False))
+    if not rows:  # an empty table with exit 0 would read as success
+        raise ValueError("--compare-ep: no EP size fits in memory: " + "; ".join(
+            f"EP {g}: {why.split('; fix: ')[0]}" for g, why in refused.items())
+            + "; allowed: an EP size that fits (a larger one spreads the experts), or --ignore-memory for a what-if run")
     out = Console() if Console().is_terminal else Console(width=200)
     cfg = s["model_spec"]
     out.print(f"{cfg.name} on {topo.num_nodes} x {topo.gpus_per_node} {s['hardware_spec'].name} "

@@ -113,12 +113,16 @@ def _active_imbalance_ML(r) -> torch.Tensor:
 
 
 def write_json(doc: dict, path: str) -> None:
-    """Write ``doc`` to ``path`` (parent folders created)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=2, allow_nan=False)
-        fh.write("\n")
+    """Write ``doc`` to ``path`` (parent folders created); a failure the checks before the run
+    could not foresee (a full disk, a special file system) names ``--json``."""
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=2, allow_nan=False)
+            fh.write("\n")
+    except OSError as exc:
+        raise ValueError(f"--json {path!r} cannot be written: {exc.strerror or exc} (the tables above are "
+                         f"complete)") from None
 
 
 def _gb(x: float) -> str:
