@@ -71,10 +71,19 @@ def assign_pair_slots(ids_TK: torch.Tensor, order_X: torch.Tensor, cum_end_R: to
     flat = ids_TK.reshape(-1).to(torch.int64)
     pad = flat < 0
     key = flat if source_T is None else source_T.to(device).repeat_interleave(K) * num_experts + flat
-    # Pads sort after every pair, so real pairs keep their positions.
-    key = torch.where(pad, torch.iinfo(torch.int64).max, key)
+    # Pads sort after every pair, so real pairs keep their positions. The keys fit int32 where
+    # (sources x experts) does (sources ascending: the last is the largest), and an int32 sort
+    # takes half the time of an int64 one.
+    sources = 1 if source_T is None or not source_T.numel() else int(source_T[-1]) + 1
+    small = sources * num_experts < torch.iinfo(torch.int32).max
+    dtype = torch.int32 if small else torch.int64
+    key = torch.where(pad, torch.iinfo(dtype).max, key.to(dtype))
     order = key.argsort(stable=True)
-    pos = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
-    q = torch.searchsorted(cum_end_R.to(device), pos, right=True).clamp(max=max(cum_end_R.numel() - 1, 0))
-    dest = order_X.to(device)[q % X] if X else torch.zeros_like(q)
+    # The j-th pair in sorted order fills the run whose end first exceeds j: searching the
+    # sorted positions 0..n-1 (5x faster than the pairs' own positions, in random order),
+    # then placing each result at its pair.
+    q = torch.searchsorted(cum_end_R.to(device), torch.arange(order.numel(), device=device), right=True)
+    q = q.clamp(max=max(cum_end_R.numel() - 1, 0))
+    dest_sorted = order_X.to(device)[q % X] if X else torch.zeros_like(q)
+    dest = torch.empty_like(dest_sorted).scatter_(0, order, dest_sorted)
     return torch.where(pad, X, dest).view(T, K)
