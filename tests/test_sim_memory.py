@@ -280,3 +280,13 @@ def test_loads_file_refusal_does_not_advise_micro_batch_tokens(tmp_path, capsys)
                       "--no-progress", "--set", "hardware.hbm_gb=1")
     assert rc == 2 and "memory: qwen3-30b-a3b on 1 x 4" in err
     assert "--micro-batch-tokens" not in err.replace("--micro-batch-tokens does not apply", "")
+
+
+def test_one_gpu_counts_no_replica_slot_and_no_staging():
+    """At EP 1 every expert is native on the one GPU: nothing is replicated or moved, so the
+    check before the run counts neither, whatever R is; at EP 2 both count."""
+    model, hw, o = get_model("qwen3-30b-a3b"), get_hardware("h200"), MemoryOptions()
+    one = precheck(model, Topology(1, 1, model.num_experts, 2), hw, o, True)
+    assert "replica slots 0.0 GB" in one and "migration staging 0.0 GB" in one
+    two = precheck(model, Topology(1, 2, model.num_experts, 2), hw, o, True)
+    assert "replica slots 0.0 GB" not in two and "migration staging 0.0 GB" not in two

@@ -155,8 +155,10 @@ def precheck(model: ModelSpec, topology, hardware: HardwareSpec, options: Memory
     else the one-line message with the changes that make it fit (:func:`fit_fixes`), counted
     with ``advice_activations`` when larger (:func:`home_activations`: static's plan)."""
     R, g = topology.replica_slots, topology.gpus_per_node
-    L = model.num_moe_layers if replicating else 0
-    b = dataclasses.replace(state_breakdown(model, topology.num_gpus, options, L * R), activations=activations)
+    ep = topology.num_gpus > 1  # on one GPU every expert is native: no replica, no move
+    L = model.num_moe_layers if replicating and ep else 0
+    b = dataclasses.replace(state_breakdown(model, topology.num_gpus, options, L * R, migrates=ep),
+                            activations=activations)
     what = (f"{model.name} on {topology.num_nodes} x {g} {hardware.name} "
             f"(EP {topology.num_gpus}, R={R})")
     if advice_activations <= activations:
