@@ -42,7 +42,7 @@ from .planning.base import layer_share
 from .planning.evaluate import imbalance
 from .planning.base import planner_digest
 from .planning.pricing import relibra_config_for
-from .replay.counts import count_micro_batches, count_pairs
+from .replay.counts import checked_counts, count_micro_batches, count_pairs
 
 __all__ = ["PlanDivergence", "ReplayBalancer", "StepReport", "count_loads", "relibra_config_for"]
 
@@ -161,6 +161,20 @@ class ReplayBalancer:
         self._schedules: list = []  # [M][L] (layer plan, this rank's schedule) of the step
         self.report = StepReport()
         self._collectives = 0
+        self._warned_optimizer = False
+        top_k = {getattr(layer, "top_k", None) for layer in self.layers} - {None}
+        if len(top_k) > 1:
+            raise ValueError(f"the MoE layers route to different top_k {sorted(top_k)}; one balancer plans "
+                             "layers of one top_k (one replayed [T, L, K] tensor per micro-batch)")
+        self.top_k = top_k.pop() if top_k else None
+
+    def _counted(self, routed_experts) -> torch.Tensor:
+        """``[M, L, E]`` this rank's counts; the replay's top-k must be the layers'."""
+        for m, ids in enumerate(routed_experts or ()):
+            if self.top_k and isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[-1] != self.top_k:
+                raise ValueError(f"routed_experts[{m}] has shape {tuple(ids.shape)}: top-k {ids.shape[-1]}, but "
+                                 f"the layers route to top_k {self.top_k}; the replay was recorded for another model")
+        return count_loads(routed_experts, self.num_layers, self.topology.num_experts)
 
     @property
     def num_layers(self) -> int:
@@ -270,8 +284,19 @@ class ReplayBalancer:
                         pick(st_S, G, J), self.planner.name, previous_LE.clone(), relay if relay.any() else None)
         return plan, pick(sp_S, G, G, J), nat_S.reshape(S, P)[layer_r, layer_k].to(torch.bool)
 
-    def _gather_loads(self, counts_MLE: torch.Tensor) -> torch.Tensor:
-        shapes = self._all_gather(torch.tensor(counts_MLE.shape, dtype=torch.int64))
+    def _gather_loads(self, counts_MLE: torch.Tensor | None, error: Exception | None = None) -> torch.Tensor:
+        """``[M, L, S, E]`` every rank's counts. The first exchange carries each rank's shape
+        and whether its replay was refused (``error``), so a bad replay on one rank raises on
+        every rank instead of leaving the others waiting in the second."""
+        shape = (0, 0, 0) if counts_MLE is None else tuple(counts_MLE.shape)
+        shapes = self._all_gather(torch.tensor([*shape, error is not None], dtype=torch.int64))
+        bad = shapes[:, 3].nonzero().flatten().tolist()
+        if bad:
+            if error is not None:
+                raise error
+            raise ValueError(f"the replay of EP rank(s) {bad} was refused (the error on those ranks says why); "
+                             "no rank planned this step")
+        shapes = shapes[:, :3]
         if not (shapes == shapes[0]).all():
             raise PlanDivergence(
                 "EP ranks passed different numbers of micro-batches, layers or experts "
@@ -303,11 +328,13 @@ class ReplayBalancer:
         migration_before = sum(layer.engine.migration_collectives for layer in self.layers)
         for layer in self.layers:  # a new step: counters restart (see transfer_counts)
             layer.engine.transfer_counts.reset()
-        if counts_MLE is None:
-            counts_MLE = count_loads(routed_experts, self.num_layers, E)
-        elif tuple(counts_MLE.shape[1:]) != (self.num_layers, E):
-            raise ValueError(f"counts_MLE has shape {tuple(counts_MLE.shape)}, expected [M, {self.num_layers}, {E}]")
-        loads_MLSE = self._gather_loads(counts_MLE.to(torch.int64))
+        error = None
+        try:  # refused here, the replay is refused on every rank together (_gather_loads)
+            counts_MLE = (self._counted(routed_experts) if counts_MLE is None
+                          else checked_counts(counts_MLE, self.num_layers, E))
+        except (ValueError, TypeError) as exc:
+            counts_MLE, error = None, exc
+        loads_MLSE = self._gather_loads(counts_MLE, error)
         pairs_LEE = self._gather_pairs(routed_experts)
         previous_LE = self.planner.previous_placement(self.num_layers).clone()
 
@@ -353,6 +380,12 @@ class ReplayBalancer:
         moved = 0
         for l, layer in enumerate(self.layers):
             moved += layer.apply_placement(plan.placement_LE[l], optimizer)
+        if moved and optimizer is None and not self._warned_optimizer:
+            self._warned_optimizer = True
+            warnings.warn(f"plan_step moved {moved} experts without an optimizer: an optimizer that holds "
+                          "these layers' state (Adam's moments) still holds it in the old rows, so moved "
+                          "experts train with another expert's state; pass plan_step(ids, optimizer)",
+                          UserWarning, stacklevel=2)
         self.planner.commit(plan, loads_MLSE)
         static = native_plan(loads_MLSE, self.topology, previous_LE, "previous")
         migration = sum(layer.engine.migration_collectives for layer in self.layers) - migration_before

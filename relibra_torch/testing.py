@@ -22,6 +22,7 @@ short grace period and reported as such: a failing distributed test never hangs 
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -118,6 +119,11 @@ class RankPool:
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        try:  # the queue pickles in a feeder thread: a failure there would only show as a timeout
+            pickle.dumps((fn, args, kwargs))
+        except Exception as exc:  # noqa: BLE001 - pickling raises many types
+            raise TypeError(f"RankPool.run: fn and its arguments must be picklable (a module-level function, "
+                            f"no lambdas or open files): {type(exc).__name__}: {exc}") from None
         if not self._procs:
             self._start()
         for q in self._tasks:

@@ -204,3 +204,55 @@ def eplb_split_vs_whole_plans(cfg, steps: int = 4) -> dict:
         digests.append((plan_digest(balancer.plan_step(ids)), plan_digest(whole)))
     held = [l for l in range(balancer.num_layers) if bool((balancer.planner.replicas_LGJ[l] >= 0).all())]
     return {"digests": digests, "held": held}
+
+
+def _two_layer_ep(E: int = 4, replica_slots: int = 0):
+    """Two ``ReplayBalancedMoE`` layers (dim 8, hidden 4, top-2) over this process group as one EP mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from relibra_torch.moe import ReplayBalancedMoE
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    return torch.nn.ModuleList([ReplayBalancedMoE(8, 4, E, 2, mesh=mesh, replica_slots=replica_slots)
+                                for _ in range(2)])
+
+
+def bad_replay_on_one_rank(kind: str) -> str:
+    """``plan_step`` where only rank 1's replay is bad (``kind``): the error this rank raised."""
+    from relibra_torch.hook import ReplayBalancer
+    layers = _two_layer_ep()
+    balancer = ReplayBalancer(list(layers))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    ids = torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(10)]).view(5, 2, 2)
+    counts = None
+    if dist.get_rank() == 1:
+        if kind == "id out of range":
+            ids[0, 0, 0] = 7
+        elif kind == "top-k":
+            ids = torch.cat([ids, ids[..., :1]], -1)
+        elif kind == "nan counts":
+            ids, counts = None, torch.full((1, 2, 4), float("nan"))
+    if counts is None and dist.get_rank() != 1 and kind == "nan counts":
+        ids, counts = None, torch.ones(1, 2, 4)
+    try:
+        balancer.plan_step([ids] if ids is not None else None, counts_MLE=counts)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def migration_without_optimizer() -> list[str]:
+    """Two steps of forced migration (:class:`ShufflePlanner`) with ``plan_step(ids)`` and no
+    optimizer: the warnings raised (one, the first time experts move)."""
+    import warnings
+
+    from relibra_torch.hook import ReplayBalancer
+    layers = _two_layer_ep()
+    balancer = ReplayBalancer(list(layers), ShufflePlanner(layers[0].topology))
+    g = torch.Generator().manual_seed(dist.get_rank())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            balancer.plan_step([torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(12)]).view(6, 2, 2)])
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)
+            and not issubclass(w.category, RuntimeWarning)]

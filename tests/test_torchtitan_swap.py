@@ -307,6 +307,14 @@ def test_step_file_routing_slices_and_errors(tmp_path):
     with pytest.raises(ValueError, match="the model has 2 MoE layers"):
         micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=0, batch=B,
                                       seq_len=S, num_layers=2)
+    # a file recorded for another model: refused before any plan is made from it
+    for field, value in (("num_experts", 16), ("top_k", 4)):
+        with pytest.raises(ValueError, match=f"{field}={dict(num_experts=E, top_k=K)[field]}, but the model's MoE "
+                                             f"layers have {field}={value}; the file was recorded for another model"):
+            micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=0, batch=B, seq_len=S,
+                                          num_layers=N, **{field: value})
+    assert len(micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=0, batch=B, seq_len=S,
+                                             num_layers=N, num_experts=E, top_k=K)) == M
 
 
 def test_planner_options_and_synthetic_data():

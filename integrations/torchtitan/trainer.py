@@ -77,15 +77,23 @@ def step_file(replay_dir: str, step: int) -> str:
 
 
 def micro_batch_routing_from_file(path: str, *, micro_batches: int, dp_degree: int, dp_rank: int,
-                                  batch: int, seq_len: int, num_layers: int) -> list[torch.Tensor]:
+                                  batch: int, seq_len: int, num_layers: int, num_experts: int | None = None,
+                                  top_k: int | None = None) -> list[torch.Tensor]:
     """This rank's ``M`` micro-batches of replayed ids, each int64 ``[B, S, N, K]``.
 
     The file holds the whole step: ``M * P * B`` samples of ``S`` tokens, sample
     ``(m * P + p) * B + b`` being row ``b`` of micro-batch ``m`` on data-parallel rank ``p``.
+    ``num_experts`` / ``top_k`` (the model's, when given) must be the file's: a file recorded
+    for another model is refused before any plan is made from it.
     """
     from relibra_torch.replay import load_routing
 
     replay = load_routing(path)
+    for field, want_value in (("num_experts", num_experts), ("top_k", top_k)):
+        got = getattr(replay, field)
+        if want_value is not None and got != want_value:
+            raise ValueError(f"{path}: {field}={got}, but the model's MoE layers have {field}={want_value}; the "
+                             f"file was recorded for another model (model={replay.model!r})")
     want = micro_batches * dp_degree * batch
     if replay.num_samples != want:
         raise ValueError(f"{path}: {replay.num_samples} samples, expected micro_batches*dp_degree*"
@@ -158,6 +166,11 @@ class RelibraTrainer(Trainer):
         (``relibra.source="external"``), in the order the micro-batches are fetched."""
         self._external = [torch.as_tensor(r) for r in routing]
 
+    def _model_shape(self) -> dict:
+        """The routed experts' count and top-k that a replay file must match."""
+        layer = self.balancer.moe_layers[0].routed_experts
+        return {"num_experts": layer.num_experts, "top_k": layer.top_k}
+
     def _dp(self) -> tuple[int, int]:
         if self.parallel_dims.dp_enabled:
             mesh = self.parallel_dims.get_mesh("batch")
@@ -179,7 +192,7 @@ class RelibraTrainer(Trainer):
             routing = micro_batch_routing_from_file(
                 step_file(rc.replay_dir, self.step), micro_batches=M, dp_degree=dp_degree, dp_rank=dp_rank,
                 batch=self.config.training.local_batch_size, seq_len=self.config.training.seq_len,
-                num_layers=self.balancer.num_layers)
+                num_layers=self.balancer.num_layers, **self._model_shape())
         else:
             if self._external is None:
                 raise ValueError("relibra.source='external': call trainer.set_step_routing(...) before "
@@ -215,7 +228,7 @@ class RelibraTrainer(Trainer):
         path = step_file(rc.replay_dir, self.step)
         # validates the file (samples, lengths, layers) like the unpacked path
         micro_batch_routing_from_file(path, micro_batches=M, dp_degree=P, dp_rank=rank, batch=B, seq_len=S,
-                                      num_layers=self.balancer.num_layers)
+                                      num_layers=self.balancer.num_layers, **self._model_shape())
         replay = load_routing(path)
         layer = self.balancer.moe_layers[0].routed_experts
         topo = layer.topology

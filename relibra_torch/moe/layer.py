@@ -242,6 +242,8 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         """
         if x.shape[-1] != self.dim:
             raise ValueError(f"x has last dim {x.shape[-1]}; allowed: dim = {self.dim}")
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise TypeError(f"x has dtype {x.dtype}; allowed: float32, float16 or bfloat16 (the expert kernels)")
         x_TD = x.reshape(-1, self.dim)
         ids_TK, gates_TK = self._route(x, x_TD, routed_experts)
         #: int64 ``[T, K]`` expert ids of the last forward (read by the routing recorder).
@@ -249,12 +251,22 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         if self.training:
             with torch.no_grad():  # pads (-1) count nowhere
                 flat = ids_TK.reshape(-1)
-                self.tokens_per_expert_E.scatter_add_(
-                    0, flat.clamp(0, self.num_experts - 1), ((flat >= 0) & (flat < self.num_experts)).float())
+                self.tokens_per_expert_E.scatter_add_(  # in the buffer's dtype, whatever a cast made it
+                    0, flat.clamp(0, self.num_experts - 1),
+                    ((flat >= 0) & (flat < self.num_experts)).to(self.tokens_per_expert_E.dtype))
         out_TD = self._run_experts(x_TD, ids_TK, gates_TK)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)
         return out_TD.view(x.shape)
+
+    def _apply(self, fn, recurse=True):
+        """A model-wide cast (``.bfloat16()``, ``.half()``, ``.to(dtype)``) moves the buffers as
+        usual but keeps the token counter in fp32: bf16 counts stop being exact past 256."""
+        counts_E = self.tokens_per_expert_E
+        out = super()._apply(fn, recurse)
+        if self.tokens_per_expert_E.dtype != counts_E.dtype:
+            self.tokens_per_expert_E = counts_E.to(self.tokens_per_expert_E.device)
+        return out
 
     def router_scores(self, x_TD: torch.Tensor) -> torch.Tensor:
         """float32 ``[T, E]`` live router scores of tokens ``x_TD`` ``[T, D]`` (softmax or
@@ -292,8 +304,9 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
     def _check_routed(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
         if not isinstance(routed, torch.Tensor):
             raise TypeError(f"routed_experts is {type(routed).__name__}; allowed: an integer torch.Tensor")
-        if routed.dtype not in (torch.int16, torch.int32, torch.int64, torch.uint8):
-            raise TypeError(f"routed_experts has dtype {routed.dtype}; allowed: an integer dtype")
+        if routed.dtype not in (torch.int16, torch.int32, torch.int64):  # what the planner and files take
+            raise TypeError(f"routed_experts has dtype {routed.dtype}; allowed: int16, int32 or int64 "
+                            f"(signed: -1 is a pad)")
         want = (*x.shape[:-1], self.top_k)
         if tuple(routed.shape) != want:
             raise ValueError(f"routed_experts has shape {tuple(routed.shape)}, expected {want} "

@@ -35,6 +35,22 @@ def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
         raise ValueError(f"loads_MLSE{list(first)} = {int(loads_MLSE[first])} is negative; allowed: counts >= 0")
 
 
+def check_previous_placement(previous_placement_LE, num_layers: int, topology: Topology) -> torch.Tensor:
+    """int64 ``[L, E]``: ``previous_placement_LE`` checked (shape, an integer dtype, every row a
+    permutation of ``0..E-1``), or ``ValueError``/``TypeError`` naming what is wrong."""
+    E = topology.num_experts
+    p = check_tensor("previous_placement_LE", previous_placement_LE, dtypes=(torch.int32, torch.int64))
+    if tuple(p.shape) != (num_layers, E):
+        raise ValueError(f"previous_placement_LE has shape {tuple(p.shape)}; allowed: [L, E] = [{num_layers}, {E}] "
+                         "(the loads' layers and the topology's experts)")
+    p = p.to(torch.int64)
+    bad = (p.sort(1).values != torch.arange(E)).any(1)
+    if bool(bad.any()):
+        raise ValueError(f"previous_placement_LE[{int(bad.nonzero()[0])}] is not a permutation of 0..{E - 1}; "
+                         "allowed: each expert's native slot, every slot once (topology.static_placement(L))")
+    return p
+
+
 def native_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
                 planner: str, previous_placement_LE: torch.Tensor | None = None) -> StepPlan:
     """A plan that runs every expert on its owner only (replica slots empty).

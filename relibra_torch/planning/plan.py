@@ -411,7 +411,7 @@ def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
         m, l, g, _ = dup.nonzero()[0].tolist()
         _fail(f"micro-batch {m}, layer {l}: GPU {g} holds two instances of one expert")
     count_MLE = torch.zeros(M, L, E + 1, dtype=torch.int64)
-    count_MLE.scatter_add_(2, (se + 1).view(M, L, -1), torch.ones_like(se).view(M, L, -1))
+    count_MLE.scatter_add_(2, (se + 1).view(M, L, G * J), torch.ones_like(se).view(M, L, G * J))
     if (count_MLE[..., 1:] == 0).any():
         m, l, e = (count_MLE[..., 1:] == 0).nonzero()[0].tolist()
         _fail(f"micro-batch {m}, layer {l}: expert {e} has no instance")
@@ -430,7 +430,7 @@ def validate_plan(plan: StepPlan, loads_MLSE: torch.Tensor | None = None,
         if loads_MLSE.dim() != 4 or tuple(loads_MLSE.shape) != (M, L, G, E):
             _fail(f"loads_MLSE has shape {tuple(loads_MLSE.shape)}, expected [{M}, {L}, {G}, {E}]")
         quota_MLE = torch.zeros(M, L, E + 1, dtype=torch.int64)
-        quota_MLE.scatter_add_(2, (se + 1).view(M, L, -1), plan.slot_tokens_MLGJ.view(M, L, -1))
+        quota_MLE.scatter_add_(2, (se + 1).view(M, L, G * J), plan.slot_tokens_MLGJ.view(M, L, G * J))
         load_MLE = loads_MLSE.to(torch.int64).sum(2)
         if not torch.equal(quota_MLE[..., 1:], load_MLE):
             m, l, e = (quota_MLE[..., 1:] != load_MLE).nonzero()[0].tolist()

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice, check_int, check_number
-from .base import Planner, check_loads
+from .base import Planner, check_loads, check_previous_placement, native_plan
 from .plan import StepPlan
 from .topology import Topology
 from .balance import replicate
@@ -316,9 +316,13 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
             ``config.dispatch == "hierarchical"``).
     """
     check_loads(loads_MLSE, topology)
-    L = loads_MLSE.shape[1]
-    if previous_placement_LE is None:
-        previous_placement_LE = topology.static_placement(L)
+    if not isinstance(config, ReLibraConfig):
+        raise TypeError(f"config is {type(config).__name__}; allowed: a ReLibraConfig (ReLibraConfig(**fields))")
+    M, L = loads_MLSE.shape[:2]
+    previous_placement_LE = (topology.static_placement(L) if previous_placement_LE is None
+                             else check_previous_placement(previous_placement_LE, L, topology))
+    if not (M and L):  # nothing to plan: every expert stays on its owner
+        return native_plan(loads_MLSE, topology, previous_placement_LE, ReLibraPlanner.name, previous_placement_LE)
     guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],

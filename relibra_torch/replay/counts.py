@@ -23,6 +23,7 @@ from ..checks import check_int, check_tensor
 from .fileio import dtype_name
 
 __all__ = [
+    "checked_counts",
     "count_pairs",
     "ID_DTYPES",
     "MAX_EXPERTS",
@@ -221,3 +222,23 @@ def count_pairs(expert_ids_TLK, num_experts: int, *, name: str = "expert_ids") -
         out += torch.bincount(idx[ok], minlength=out.numel())
     upper = out.view(L, E, E)
     return upper + upper.transpose(1, 2)
+
+
+def checked_counts(counts_MLE: torch.Tensor, num_layers: int, num_experts: int) -> torch.Tensor:
+    """int64 ``[M, L, E]``: ``counts_MLE`` checked (shape, integral, finite, >= 0) before any cast."""
+    if not isinstance(counts_MLE, torch.Tensor):
+        raise TypeError(f"counts_MLE is {type(counts_MLE).__name__}; allowed: a tensor [M, L, E]")
+    if counts_MLE.dim() != 3 or tuple(counts_MLE.shape[1:]) != (num_layers, num_experts):
+        raise ValueError(f"counts_MLE has shape {tuple(counts_MLE.shape)}; allowed: [M, {num_layers}, {num_experts}]")
+    c = counts_MLE.detach().cpu()
+    if c.dtype == torch.bool or c.is_complex():
+        raise TypeError(f"counts_MLE has dtype {c.dtype}; allowed: an integer or float tensor of whole counts")
+    if c.is_floating_point():
+        bad = ~torch.isfinite(c) | (c != c.round())
+        if bool(bad.any()):
+            i = tuple(int(v) for v in bad.nonzero()[0])
+            raise ValueError(f"counts_MLE{list(i)} = {float(c[i])}; allowed: whole token counts (finite, no fraction)")
+    if c.numel() and bool((c < 0).any()):
+        i = tuple(int(v) for v in (c < 0).nonzero()[0])
+        raise ValueError(f"counts_MLE{list(i)} = {c[i].item()} is negative; allowed: counts >= 0")
+    return c.to(torch.int64)

@@ -249,6 +249,8 @@ def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, st
     """Write tensors and metadata to ``path`` atomically (temporary file + rename)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):  # else the error would name the temporary file below
+        raise FileNotFoundError(f"cannot write {path!r}: the folder {folder!r} does not exist; create it first")
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
     # A fresh name in the same folder (rename stays atomic). safetensors' save_file writes its
     # files 0600 whatever the umask; the file gets the mode a new file gets here (the umask's,
