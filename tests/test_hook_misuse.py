@@ -58,7 +58,7 @@ def test_a_cast_model_trains_and_keeps_exact_counts():
     assert layer.tokens_per_expert_E.sum().item() == 3 * 300 * 2   # exact past bf16's 256
     with pytest.raises(TypeError, match=r"x has dtype torch.float64; allowed: float32, float16 or bfloat16"):
         layer.float()(torch.randn(2, 16, dtype=torch.float64))
-    with pytest.raises(TypeError, match=r"routed_experts has dtype torch.uint8; allowed: int16, int32 or int64"):
+    with pytest.raises(TypeError, match=r"routed_experts has dtype torch.uint8; allowed: a signed integer dtype, int16, int32 or int64"):
         layer.float()(torch.randn(2, 16), torch.zeros(2, 2, dtype=torch.uint8))
 
 

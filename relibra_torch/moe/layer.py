@@ -305,8 +305,8 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         if not isinstance(routed, torch.Tensor):
             raise TypeError(f"routed_experts is {type(routed).__name__}; allowed: an integer torch.Tensor")
         if routed.dtype not in (torch.int16, torch.int32, torch.int64):  # what the planner and files take
-            raise TypeError(f"routed_experts has dtype {routed.dtype}; allowed: int16, int32 or int64 "
-                            f"(signed: -1 is a pad)")
+            raise TypeError(f"routed_experts has dtype {routed.dtype}; allowed: a signed integer dtype, int16, "
+                            f"int32 or int64 (-1 is a pad)")
         want = (*x.shape[:-1], self.top_k)
         if tuple(routed.shape) != want:
             raise ValueError(f"routed_experts has shape {tuple(routed.shape)}, expected {want} "
