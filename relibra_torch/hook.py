@@ -315,8 +315,12 @@ class ReplayBalancer:
                 micro-batch (``T_m`` may differ between micro-batches and ranks).
             optimizer: its state for moved experts moves with them (Adam/AdamW
                 ``exp_avg``, ``exp_avg_sq``); required when the placement may change and the
-                optimizer already holds state.
-            counts_MLE: alternatively, this rank's counts ``[M, L, E]`` directly.
+                optimizer already holds state (experts that move without it warn, once).
+            counts_MLE: alternatively, this rank's counts ``[M, L, E]`` directly (whole,
+                finite, non-negative).
+
+        A replay refused on any rank (ids out of range, another top-k, bad counts) raises on
+        every rank: that rank's error, and on the others a ``ValueError`` naming it.
 
         Returns:
             the step plan (the same on every rank).
