@@ -84,18 +84,20 @@ class StepReport:
     schedules_s: float = 0.0
 
 
-def count_loads(routed_experts: Sequence[torch.Tensor], num_layers: int, num_experts: int) -> torch.Tensor:
+def count_loads(routed_experts: Sequence[torch.Tensor], num_layers: int, num_experts: int,
+                top_k: int | None = None) -> torch.Tensor:
     """Token-expert counts of this rank's micro-batches.
 
     Args:
         routed_experts: one int tensor ``[T_m, L, K]`` (or ``[..., L, K]``) per micro-batch.
+        top_k: the layers' top-k, which ``K`` must equal (``None``: any).
     Returns:
         int64 ``[M, L, E]``.
 
     A thin wrapper over :func:`relibra_torch.replay.counts.count_micro_batches` (the one
     counting implementation), kept here as public API.
     """
-    return count_micro_batches(routed_experts, num_layers, num_experts)
+    return count_micro_batches(routed_experts, num_layers, num_experts, top_k=top_k)
 
 
 class ReplayBalancer:
@@ -167,14 +169,6 @@ class ReplayBalancer:
             raise ValueError(f"the MoE layers route to different top_k {sorted(top_k)}; one balancer plans "
                              "layers of one top_k (one replayed [T, L, K] tensor per micro-batch)")
         self.top_k = top_k.pop() if top_k else None
-
-    def _counted(self, routed_experts) -> torch.Tensor:
-        """``[M, L, E]`` this rank's counts; the replay's top-k must be the layers'."""
-        for m, ids in enumerate(routed_experts or ()):
-            if self.top_k and isinstance(ids, torch.Tensor) and ids.dim() >= 2 and ids.shape[-1] != self.top_k:
-                raise ValueError(f"routed_experts[{m}] has shape {tuple(ids.shape)}: top-k {ids.shape[-1]}, but "
-                                 f"the layers route to top_k {self.top_k}; the replay was recorded for another model")
-        return count_loads(routed_experts, self.num_layers, self.topology.num_experts)
 
     @property
     def num_layers(self) -> int:
@@ -334,7 +328,7 @@ class ReplayBalancer:
             layer.engine.transfer_counts.reset()
         error = None
         try:  # refused here, the replay is refused on every rank together (_gather_loads)
-            counts_MLE = (self._counted(routed_experts) if counts_MLE is None
+            counts_MLE = (count_loads(routed_experts, self.num_layers, E, self.top_k) if counts_MLE is None
                           else checked_counts(counts_MLE, self.num_layers, E))
         except (ValueError, TypeError) as exc:
             counts_MLE, error = None, exc

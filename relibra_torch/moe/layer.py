@@ -251,9 +251,8 @@ class ReplayBalancedMoE(EngineHost, nn.Module):
         if self.training:
             with torch.no_grad():  # pads (-1) count nowhere
                 flat = ids_TK.reshape(-1)
-                self.tokens_per_expert_E.scatter_add_(  # in the buffer's dtype, whatever a cast made it
-                    0, flat.clamp(0, self.num_experts - 1),
-                    ((flat >= 0) & (flat < self.num_experts)).to(self.tokens_per_expert_E.dtype))
+                self.tokens_per_expert_E.scatter_add_(
+                    0, flat.clamp(0, self.num_experts - 1), ((flat >= 0) & (flat < self.num_experts)).float())
         out_TD = self._run_experts(x_TD, ids_TK, gates_TK)
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(x_TD)

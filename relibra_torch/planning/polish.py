@@ -85,7 +85,7 @@ def polish_placement(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> StepPl
         flat_XE = cand_AWE.reshape(A * W, E)
         cand_price = _price_L(flat_XE, loads_MLSE[:, active].repeat_interleave(W, dim=1), topology, config).view(A, W)
         cand_moves = migration_seconds_L(flat_XE, previous_LE[active].repeat_interleave(W, dim=0), topology,
-                                       config).view(A, W)
+                                         config).view(A, W)
         gain_AW = price_L[active].unsqueeze(1) - cand_price - (cand_moves - moves_L[active].unsqueeze(1)).clamp(min=0.0)
         gain_AW = gain_AW.masked_fill(slot_a // El == slot_b // El, -1.0)   # same GPU: nothing changes
         best_A, arg_A = gain_AW.max(1)

@@ -177,13 +177,14 @@ def count_by_group(expert_ids_TLK, group_T, num_groups: int, num_experts: int, *
 
 
 def count_micro_batches(routed_experts: Sequence[torch.Tensor], num_layers: int, num_experts: int, *,
-                        name: str = "routed_experts") -> torch.Tensor:
+                        name: str = "routed_experts", top_k: int | None = None) -> torch.Tensor:
     """Token-expert counts of a rank's micro-batches: int64 ``[M, L, E]`` on the CPU.
 
     Args:
         routed_experts: one integer tensor ``[T_m, L, K]`` (or ``[..., L, K]``) per
-            micro-batch; ``T_m`` (and ``K``) may differ between micro-batches. Run-time
-            routing: ``-1`` (a pad, no expert) is allowed and counted nowhere.
+            micro-batch; ``T_m`` (and ``K``, unless ``top_k`` is given) may differ between
+            micro-batches. Run-time routing: ``-1`` (a pad, no expert) is allowed and counted nowhere.
+        top_k: the layers' top-k, which every tensor's ``K`` must equal (``None``: any).
     """
     if isinstance(routed_experts, torch.Tensor) or not isinstance(routed_experts, Sequence):
         raise TypeError(f"{name} is {type(routed_experts).__name__}; allowed: a list of [T, L, K] "
@@ -194,6 +195,9 @@ def count_micro_batches(routed_experts: Sequence[torch.Tensor], num_layers: int,
     for m, ids in enumerate(routed_experts):
         where = f"{name}[{m}]"
         check_tensor(where, ids, dtypes=ID_DTYPES)
+        if top_k is not None and ids.dim() >= 2 and ids.shape[-1] != top_k:
+            raise ValueError(f"{where} has shape {tuple(ids.shape)}: top-k {ids.shape[-1]}, but the layers route "
+                             f"to top_k {top_k}; the replay was recorded for another model")
         out[m] = count_experts(ids, num_experts, name=where, num_layers=L, pads=True).cpu()
     return out
 
