@@ -231,7 +231,7 @@ def test_loads_file_refuses_other_packings_and_a_file_refuses_trace(tmp_path, ca
     assert rc == 2 and len(err.strip().splitlines()) == 1
     assert "--packing routepack needs sample lengths" in err and "--packing fixed" in err
     rc, _, err = _simulate(capsys, str(f), *SMALL, "--trace", "long-tail")
-    assert rc == 2 and "--trace long-tail selects a synthetic trace" in err
+    assert rc == 2 and "--trace long-tail shapes the synthetic trace; it does not apply to the file" in err
 
 
 def test_routing_file_routepack_runs_and_shares_one_packing(tmp_path, capsys):

@@ -132,6 +132,9 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     (None, ["--steps", "3"], r"--steps shapes the synthetic trace; it does not apply to the file .*\(drop it or "),
     (None, ["--seed", "1", "--micro-batch-tokens", "64"], r"--micro-batch-tokens, --seed shape the synthetic trace; "
                                                           r"they do not apply to the file"),
+    (None, ["--trace", "collapsed", "--steps", "2", "--set", "trace.skew=0.5"],
+     r"--trace collapsed, --steps, --set trace.skew=0.5 shape the synthetic trace; they do not apply to the file "
+     r".*which holds its own routing, steps and tokens \(drop them or the file\)"),
 ])
 def test_bad_input_is_one_line_with_exit_code_2(tmp_path, capsys, make, argv, match):
     f = tmp_path / "in.safetensors"

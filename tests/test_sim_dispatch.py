@@ -296,7 +296,7 @@ def test_cli_dispatch_from_config_file_and_notes(tmp_path, capsys):
         assert word in doc["config"]["notes"]["dispatch"] and "dispatch:" in out
         assert doc["systems"]["static"]["cross_node_recv_imbalance"] >= 1.0
     rc, out, err = run(capsys, str(f), "--trace", "rank-mix", "--nodes", "2", "--gpus-per-node", "2")
-    assert rc == 2 and "--trace rank-mix selects a synthetic trace" in err
+    assert rc == 2 and "--trace rank-mix shapes the synthetic trace; it does not apply to the file" in err
 
 
 def test_plot_clips_far_systems_and_stacks_parts_to_the_step(tmp_path):

@@ -30,14 +30,14 @@ from ..distributed.mesh import EPGroup
 from ..distributed.migration import move_expert_rows, native_experts
 from ..distributed.replicas import FillSpec, ReplicaMemory, refetch_replica_ffn
 from ..checks import check_choice
+from ..planning.base import check_placement
 from ..planning.pair_slots import DISPATCH_MODES
 from ..planning.topology import Topology
 from .counters import TransferCounts, count_dispatch, refetch_counter
 from .native import NATIVE, NativeSchedules, gather_counts
 from .plan_check import MISMATCH_MODES, PlanChecks
 from .residents import ResidentReplicas
-from .schedule import (LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan,
-                       check_placement, group_permutation)
+from .schedule import LayerPlan, RankSchedule, assign_slots, build_rank_schedule, check_layer_plan, group_permutation
 
 __all__ = ["DISPATCH_MODES", "EXPERT_PARAMS", "MISMATCH_MODES", "ExpertEngine", "expert_ffn", "local_tensor"]
 

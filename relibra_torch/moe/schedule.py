@@ -26,14 +26,14 @@ from dataclasses import dataclass
 
 import torch
 
+from ..planning.base import check_placement
 from ..planning.pair_slots import assign_pair_slots, slot_quota_runs
 from ..planning.plan import StepPlan, token_split
 from ..planning.relay import check_relays
 from ..planning.residency import Residencies, residencies, residency_micro_batches
 from ..planning.topology import Topology
 
-__all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan",
-           "check_placement", "fill_exchange", "group_permutation", "layer_plans", "native_layer_plan"]
+__all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan", "fill_exchange", "group_permutation", "layer_plans", "native_layer_plan"]
 
 
 @dataclass(frozen=True)
@@ -108,21 +108,6 @@ def layer_plans(plan: StepPlan, loads_MLSE: torch.Tensor, micro_batch: int,
                       fill_mb_LGJ[l].clone(), return_mb_LGJ[l].clone(), hub_LGJ[l].clone(),
                       relay[micro_batch, l].clone() if relay is not None and relay[micro_batch, l].any() else None)
             for l in range(plan.num_layers)]
-
-
-def check_placement(placement_E: object, num_experts: int, name: str = "placement_E") -> torch.Tensor:
-    """Return ``placement_E`` as int64 CPU ``[E]`` or raise if it is not a permutation."""
-    if not isinstance(placement_E, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(placement_E).__name__}")
-    if placement_E.dtype not in (torch.int32, torch.int64) or placement_E.dim() != 1:
-        raise ValueError(f"{name} must be a 1-D integer tensor, got dtype {placement_E.dtype} "
-                         f"shape {tuple(placement_E.shape)}")
-    placement_E = placement_E.detach().to("cpu", torch.int64)
-    if placement_E.numel() != num_experts or not torch.equal(
-            placement_E.sort().values, torch.arange(num_experts)):
-        raise ValueError(f"{name} must be a permutation of 0..{num_experts - 1} (logical expert -> "
-                         f"physical native slot), got {placement_E.tolist()}")
-    return placement_E
 
 
 def check_layer_plan(layer_plan: object, topology: Topology,

@@ -15,8 +15,8 @@ from ..checks import check_tensor
 from .plan import StepPlan
 from .topology import Topology
 
-__all__ = ["Planner", "StaticPlanner", "check_loads", "join_layer_shares", "layer_share", "native_plan", "planner_digest",
-           "static_plan"]
+__all__ = ["Planner", "StaticPlanner", "check_loads", "check_placement", "join_layer_shares", "layer_share", "native_plan",
+           "planner_digest", "static_plan"]
 
 
 def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
@@ -35,20 +35,40 @@ def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
         raise ValueError(f"loads_MLSE{list(first)} = {int(loads_MLSE[first])} is negative; allowed: counts >= 0")
 
 
-def check_previous_placement(previous_placement_LE, num_layers: int, topology: Topology) -> torch.Tensor:
-    """int64 ``[L, E]``: ``previous_placement_LE`` checked (shape, an integer dtype, every row a
-    permutation of ``0..E-1``), or ``ValueError``/``TypeError`` naming what is wrong."""
-    E = topology.num_experts
-    p = check_tensor("previous_placement_LE", previous_placement_LE, dtypes=(torch.int32, torch.int64))
-    if tuple(p.shape) != (num_layers, E):
-        raise ValueError(f"previous_placement_LE has shape {tuple(p.shape)}; allowed: [L, E] = [{num_layers}, {E}] "
-                         "(the loads' layers and the topology's experts)")
-    p = p.to(torch.int64)
-    bad = (p.sort(1).values != torch.arange(E)).any(1)
-    if bool(bad.any()):
-        raise ValueError(f"previous_placement_LE[{int(bad.nonzero()[0])}] is not a permutation of 0..{E - 1}; "
-                         "allowed: each expert's native slot, every slot once (topology.static_placement(L))")
+def check_placement(placement_xE: object, num_experts: int, name: str = "placement_E",
+                    leading: tuple[int, ...] = ()) -> torch.Tensor:
+    """int64 CPU ``[*leading, E]``: ``placement_xE`` checked, or ``TypeError``/``ValueError``.
+
+    A placement maps each logical expert to its physical native slot, so every row must be a
+    permutation of ``0..E-1``. The layer checks one layer's ``[E]``, the planner a step's
+    ``[L, E]`` (``leading=(L,)``), with one sort for all rows. Messages name ``name``, spell the
+    allowed shape with its suffix's dims (``previous_placement_LE``: ``[L, E]``) and, for a bad
+    row, the first slot that is missing or taken twice.
+    """
+    p = check_tensor(name, placement_xE, dtypes=(torch.int32, torch.int64))
+    want = (*leading, num_experts)
+    if tuple(p.shape) != want:
+        suffix = name.rsplit("_", 1)[-1]
+        dims = f"[{', '.join(suffix)}] = " if len(suffix) == len(want) and suffix.isupper() else ""
+        raise ValueError(f"{name} has shape {tuple(p.shape)}; allowed: {dims}{list(want)}")
+    p = p.detach().to("cpu", torch.int64)
+    sorted_xE = p.sort(-1).values
+    wrong_xE = sorted_xE != torch.arange(num_experts)
+    if bool(wrong_xE.any()):
+        first = tuple(int(i) for i in wrong_xE.nonzero()[0])  # (*row, first sorted position off)
+        row, slot = first[:-1], first[-1]
+        seen = int(sorted_xE[first])   # below the position: a slot taken twice; above it: one missing
+        what = (f"{seen} is no slot" if seen < 0 else f"slot {seen} taken more than once" if seen < slot
+                else f"slot {slot} missing")
+        raise ValueError(f"{name}{list(row) if row else ''} is not a permutation of 0..{num_experts - 1} "
+                         f"({what}); allowed: each expert's physical native slot, every slot once "
+                         "(topology.static_placement gives the native one)")
     return p
+
+
+def check_previous_placement(previous_placement_LE, num_layers: int, topology: Topology) -> torch.Tensor:
+    """int64 ``[L, E]``: ``previous_placement_LE`` checked by :func:`check_placement`."""
+    return check_placement(previous_placement_LE, topology.num_experts, "previous_placement_LE", (num_layers,))
 
 
 def native_plan(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,

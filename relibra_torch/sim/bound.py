@@ -65,7 +65,11 @@ from ..planning.evaluate import PlanMetrics
 from ..planning.topology import Topology
 from .cost import CostModel, StepCost
 
-__all__ = ["a2a_lower_bound_ML", "bound_step_cost", "balanced_at_own_bytes_s", "must_cross_pairs_MLN"]
+__all__ = ["REFERENCES", "a2a_lower_bound_ML", "bound_step_cost", "balanced_at_own_bytes_s", "must_cross_pairs_MLN"]
+
+# The simulator's two references, priced here: no planner, no weights of their own.
+# uniform: uniform routing on balanced GPUs (balanced_at_own_bytes_s); bound: the lower bound.
+REFERENCES = ("uniform", "bound")
 
 
 def _top_sum(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -229,18 +229,10 @@ def resolve(args: argparse.Namespace) -> dict:
         _int_option("warmup_steps", opts["warmup_steps"], 0)
     baselines = _baseline_settings(args, file_cfg)
     opts["skew"] = _trace_skew(args, file_cfg)
-    if args.file and opts["skew"] != 1.0:
-        raise ValueError(f"--set trace.skew={opts['skew']:g} shapes the synthetic trace; it does not apply to "
-                         f"the file {args.file!r} (drop trace.skew or the file)")
     systems = parse_systems(opts["systems"])
+    if args.file:
+        _refuse_synthetic_options(args, opts, sim_cfg)
     _check_trace_packing(args.file, opts)
-    ignored = [f"--{k.replace('_', '-')}" for k in ("steps", "micro_batch_tokens", "seed")
-               if args.file and (getattr(args, k, None) is not None or k in sim_cfg)]
-    if ignored:  # the file's steps and micro-batches are its own: silently ignoring them misleads
-        one = len(ignored) == 1
-        raise ValueError(f"{', '.join(ignored)} {'shapes' if one else 'shape'} the synthetic trace; "
-                         f"{'it does' if one else 'they do'} not apply to the file {args.file!r}, which holds "
-                         f"its own steps and tokens (drop {'it' if one else 'them'} or the file)")
     # checked now, not after a run of minutes
     check_output_path("json", opts["json"])
     check_output_path("plot", opts["plot"])
@@ -272,9 +264,23 @@ def resolve(args: argparse.Namespace) -> dict:
             "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
 
 
+def _refuse_synthetic_options(args: argparse.Namespace, opts: dict, sim_cfg: dict) -> None:
+    """Options that shape the synthetic trace (command line or ``--config``) given with a file: an error."""
+    given = [f"--{k.replace('_', '-')}" for k in ("steps", "micro_batch_tokens", "seed")
+             if getattr(args, k, None) is not None or k in sim_cfg]
+    if opts["trace"] != "default":
+        given.insert(0, f"--trace {opts['trace']}")
+    if opts["skew"] != 1.0:
+        given.append(f"--set trace.skew={opts['skew']:g}")
+    if given:
+        one = len(given) == 1
+        raise ValueError(f"{', '.join(given)} {'shapes' if one else 'shape'} the synthetic trace; "
+                         f"{'it does' if one else 'they do'} not apply to the file {args.file!r}, which holds "
+                         f"its own routing, steps and tokens (drop {'it' if one else 'them'} or the file)")
+
+
 def _check_trace_packing(file: str | None, opts: dict) -> None:
-    """--trace and --packing: known names; a file has no trace family, and a loads file has
-    no samples to repack."""
+    """--trace and --packing: known names; a loads file has no samples to repack."""
     if opts["trace"] not in ALL_TRACES:
         raise ValueError(f"--trace {opts['trace']!r}; allowed: {', '.join(ALL_TRACES)}")
     if opts["trace"] not in TRACE_FAMILIES and opts["packing"] != "fixed":
@@ -283,9 +289,6 @@ def _check_trace_packing(file: str | None, opts: dict) -> None:
                          f"({', '.join(TRACE_FAMILIES)})")
     if opts["packing"] not in PACKING_METHODS:
         raise ValueError(f"--packing {opts['packing']!r}; allowed: {', '.join(PACKING_METHODS)}")
-    if file and opts["trace"] != "default":
-        raise ValueError(f"--trace {opts['trace']} selects a synthetic trace; it does not apply to the file "
-                         f"{file!r} (drop --trace or the file)")
     if file and opts["packing"] != "fixed":
         if file_shape(file).kind == "loads":
             raise ValueError(f"--packing {opts['packing']} needs sample lengths, but the loads file {file!r} "

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..checks import check_choice, check_int, check_number
+from .bound import REFERENCES
 from .presets import HardwareSpec, ModelSpec, parse_override
 
 __all__ = ["MemoryOptions", "MemoryBreakdown", "SHARD_LEVELS", "RECOMPUTE_MODES", "memory_options",
@@ -340,9 +341,9 @@ def memory_verdict(message: str | None, ignore: bool, warnings: list[str]) -> li
 
 def replicating(systems) -> bool:
     """Whether any of ``systems`` fills replica slots: every planner but static. The
-    references the simulator always adds (``uniform``, ``bound``) hold no weights of their
+    references the simulator always adds (``bound.REFERENCES``) hold no weights of their
     own, so a static-only run is not refused for slots it never fills."""
-    return any(name not in ("static", "ideal", "uniform", "bound") for name in systems)
+    return any(name not in ("static", *REFERENCES) for name in systems)
 
 
 def workload_activations(model: ModelSpec, options: MemoryOptions, workload, warmup_steps: int) -> float:

@@ -38,7 +38,7 @@ from ..planning.plan import StepPlan, plan_digest, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
 from .baselines import BaselineOptions
-from .bound import balanced_at_own_bytes_s, bound_step_cost
+from .bound import REFERENCES, balanced_at_own_bytes_s, bound_step_cost
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
 from .memory import MemoryBreakdown, MemoryOptions, ideal_memory, plan_memory
@@ -50,8 +50,7 @@ __all__ = ["REFERENCES", "SYSTEMS", "SimConfig", "SystemResult", "SimResult", "s
            "parse_systems"]
 
 SYSTEMS = ("static", "eplb", "eplb-oracle", "eplb-instance", "eplb-oracle-instance", "online-node",
-           "online-global", "online-global-planned", "eplb-node-demand", "relibra", "uniform", "bound")
-REFERENCES = ("uniform", "bound")  # no planner: uniform routing on balanced GPUs (a reference), the lower bound
+           "online-global", "online-global-planned", "eplb-node-demand", "relibra", *REFERENCES)
 
 PlannerFactory = Callable[[str, Topology, CostModel], Planner]
 
