@@ -176,6 +176,61 @@ def test_expertplex_may_use_any_count_of_expert_gpus():
     assert counts == set(range(2, 15))
 
 
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 12), st.integers(0, 3), st.integers(1, 3), st.integers(0, 2**31 - 1))
+def test_replicated_placement_is_eplb_where_gpus_divide_experts_and_holds_every_expert_on_any_count(
+        E, G, r, L, seed):
+    import torch
+
+    from relibra_torch.planning.eplb import eplb_slots
+    from relibra_torch.planning.topology import Topology
+    from relibra_torch.serving.routing import replicated_placement
+
+    G = min(G, E)
+    w_LE = torch.rand(L, E, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) ** 3
+    slots_LGJ = replicated_placement(w_LE, G, r)
+    J = -(-E // G) + r
+    assert slots_LGJ.shape == (L, G, J) and bool((slots_LGJ >= 0).all())     # no slot left empty
+    count_LE = torch.stack([torch.bincount(s.flatten(), minlength=E) for s in slots_LGJ])
+    assert bool((count_LE >= 1).all()) and int(count_LE.sum()) == L * G * J   # every expert at least once
+    # copies go to the most load per copy: no expert with fewer copies carries more load per copy
+    # than the least-per-copy expert that was given an extra one would without it
+    per_copy_LE = w_LE / count_LE
+    extra_LE = count_LE > 1
+    for l in range(L):
+        if bool(extra_LE[l].any()):
+            least = (w_LE[l] / (count_LE[l] - 1))[extra_LE[l]].min()
+            assert float(per_copy_LE[l].max()) <= float(least) + 1e-12
+    if E % G == 0:
+        assert torch.equal(slots_LGJ, eplb_slots(w_LE, Topology(1, G, E, r)))
+
+
+def test_expertplex_repl_searches_every_count_of_expert_gpus():
+    m = get_model("minimax-m2")  # 256 experts: 5 expert GPUs hold 52 + r slots each
+    pi_m = synthetic_popularity(m.num_moe_layers, m.num_experts, m.top_k, 0)
+    cl = Cluster(16, 8, ServingCost(m, get_hardware("h200"), DEFAULT_CONSTANTS), pi_m, pi_m)
+    counts = {c.get("expert_gpus") for c in enumerate_configs("expertplex-repl", cl, 5000)}
+    assert {3, 5, 6, 7} <= counts
+
+
+def test_balanced_placement_puts_every_ep_group_in_eplbs_layout():
+    from relibra_torch.serving.routing import build_tile_table, replicated_placement, static_placement
+
+    for switch, layout in ((0.0, lambda cl, g: static_placement(*cl.pi_LE.shape, g)),
+                           (1.0, lambda cl, g: replicated_placement(cl.recent_LE, g, 0))):
+        cl = _cluster(16, replace(TIGHT, balanced_placement=switch))
+        for g in (3, 4, 8):   # an ExpertPlex expert group (uneven) and instances
+            want = build_tile_table(cl.pi_LE, layout(cl, g), TIGHT.tile_m, cl.seed)
+            got = cl.table(g)
+            assert np.array_equal(got.max_tiles_T, want.max_tiles_T) and np.array_equal(got.max_active_T,
+                                                                                         want.max_active_T)
+    # the slowest GPU's tiles under EPLB's layout at most contiguous blocks' on this skewed routing
+    blocks = _cluster(16).table(4).tiles(16384)
+    assert _cluster(16, replace(TIGHT, balanced_placement=1.0)).table(4).tiles(16384) <= blocks
+    with pytest.raises(ValueError, match=r"serving.balanced_placement = 0.5; allowed: 0 \(contiguous"):
+        replace(TIGHT, balanced_placement=0.5)
+
+
 def test_deepep_time_scales_with_bytes_per_rank_and_only_decode_pays_it():
     # the README's times are its 128 tokens x top-8 x 7168 hidden moved at its bandwidths
     ds = ServingCost(get_model("deepseek-v3"), get_hardware("h800"), DEFAULT_CONSTANTS)

@@ -95,6 +95,12 @@ class ServingConstants:
             DP attention + DeepEP: colocated, chunked-prefill, pd-disagg, pd-colocate) and
             ExpertPlex's ping-pong of attention and expert servers; 0: off (iterations in
             sequence). No overhead figure was found, so none is charged.
+        balanced_placement: 0 (default): every EP group holds its experts in contiguous
+            blocks (expert ``e`` on GPU ``e // (E / G)``, SGLang's layout without
+            ``--enable-eplb``); 1: in EPLB's balanced placement planned on the recent routing
+            window (``routing.replicated_placement`` with no replica slots: no copies where
+            the GPUs divide the experts, the rounding slots filled otherwise), in every system
+            alike: a sensitivity switch, to see what balancing alone gives each of them.
         min_trace_s: the shortest span a trace is simulated over at any rate: a trace that,
             sped up to the rate tried, spans less is repeated back to back until it spans
             this long (``Requests.scaled``), so goodput is a steady-state rate, not how fast a
@@ -129,6 +135,7 @@ class ServingConstants:
     partition_bandwidth: float = 0.0
     dp_sync_us: float = 455.0
     micro_batch_overlap: float = 1.0
+    balanced_placement: float = 0.0
     min_trace_s: float = 60.0
     max_trace_requests: int = 50000
     ttft_slo_s: float = 1.0
@@ -147,6 +154,9 @@ class ServingConstants:
         check_number("serving.dp_sync_us", self.dp_sync_us, 0)
         check_number("serving.partition_bandwidth", self.partition_bandwidth, 0, maximum=1)
         check_number("serving.micro_batch_overlap", self.micro_batch_overlap, 0, maximum=1)
+        if self.balanced_placement not in (0.0, 1.0):
+            raise ValueError(f"serving.balanced_placement = {self.balanced_placement:g}; allowed: 0 (contiguous "
+                             "blocks) or 1 (EPLB's balanced placement)")
         check_number("serving.min_trace_s", self.min_trace_s, 0)
         for f in ("tile_m", "tile_n", "max_prefill_tokens", "chunk_tokens", "max_running", "max_trace_requests"):
             check_int(f"serving.{f}", getattr(self, f))

@@ -11,9 +11,10 @@ slowest GPU. Tables are built once per placement on a grid of ``T`` and interpol
 
 Popularity sources: the synthetic trace model's calibrated heat
 (:func:`relibra_torch.sim.traces.base_inclusion_LE`), or a routing replay / loads file.
-Replication (``replicated_placement``): DeepSeek EPLB's rule
-(:func:`relibra_torch.planning.eplb.eplb_slots`) run on a *recent* routing window, so a hot
-expert gets extra copies on the expert servers; rows of a replicated expert split evenly.
+Replication (``replicated_placement``): DeepSeek EPLB's global policy (its
+:func:`~relibra_torch.planning.eplb.replicate_experts` and
+:func:`~relibra_torch.planning.eplb.balanced_packing`) run on a *recent* routing window, so a
+hot expert gets extra copies on the expert servers; rows of a replicated expert split evenly.
 
 Legend: L MoE layers, E experts, G GPUs of the EP group, J expert slots per GPU, T grid points.
 """
@@ -29,8 +30,7 @@ import numpy as np
 import torch
 
 from ..checks import check_int
-from ..planning.eplb import eplb_slots
-from ..planning.topology import Topology
+from ..planning.eplb import balanced_packing, replicate_experts
 from .tiles import tile_footprint
 
 __all__ = ["TileTable", "popularity_from_file", "synthetic_popularity", "static_placement",
@@ -93,10 +93,24 @@ def static_placement(num_layers: int, num_experts: int, num_gpus: int) -> torch.
 
 
 def replicated_placement(recent_LE: torch.Tensor, num_gpus: int, replica_slots: int) -> torch.Tensor:
-    """int64 ``[L, G, E/G + replica_slots]``: EPLB's layout planned from a recent routing window."""
+    """int64 ``[L, G, J]``, ``J = ceil(E / G) + replica_slots``: EPLB's global policy planned
+    from a recent routing window ``recent_LE`` (float ``[L, E]``, load per expert).
+
+    The ``G * J`` physical experts are every expert once plus ``G * J - E`` copies, each given
+    to the expert with the most load per copy, then packed ``J`` per GPU, heaviest first to
+    the lightest GPU. Any ``G <= E`` works: where ``G`` does not divide ``E`` the slots that
+    :func:`static_placement` leaves empty hold copies too. Where it divides, this is
+    :func:`relibra_torch.planning.eplb.eplb_slots` on one node (tested).
+    """
     L, E = recent_LE.shape
-    topo = Topology(num_nodes=1, gpus_per_node=num_gpus, num_experts=E, replica_slots=replica_slots)
-    return eplb_slots(recent_LE.to(torch.float64), topo)
+    check_int("num_gpus", num_gpus, minimum=1, maximum=E)
+    check_int("replica_slots", replica_slots, minimum=0)
+    J = -(-E // num_gpus) + replica_slots
+    weight_LE = recent_LE.to(torch.float64)
+    phy2log_LP, count_LE = replicate_experts(weight_LE, num_gpus * J)
+    pack_LP, rank_LP = balanced_packing((weight_LE / count_LE).gather(1, phy2log_LP), num_gpus)
+    slots_LP = torch.empty_like(phy2log_LP).scatter_(1, pack_LP * J + rank_LP, phy2log_LP)
+    return slots_LP.view(L, num_gpus, J)
 
 
 @dataclass(frozen=True)

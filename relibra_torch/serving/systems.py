@@ -78,7 +78,7 @@ class Cluster:
         key = (expert_gpus, replicas)
         if key not in self._tables:
             L, E = self.pi_LE.shape
-            slots = (static_placement(L, E, expert_gpus) if replicas == 0
+            slots = (static_placement(L, E, expert_gpus) if replicas == 0 and not self.consts.balanced_placement
                      else replicated_placement(self.recent_LE, expert_gpus, replicas))
             self._tables[key] = build_tile_table(self.pi_LE, slots, self.consts.tile_m, self.seed)
         return self._tables[key]
@@ -144,9 +144,9 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
     elif system in ("expertplex", "expertplex-repl"):
         c, E = cl.cost, cl.cost.model.num_experts
         reps = REPLICA_CHOICES[1:] if system == "expertplex-repl" else (0,)
-        # any count of expert GPUs (an uneven contiguous split when it does not divide E);
-        # EPLB's replicated layout needs a divisor
-        for n_e in (g for g in range(1, min(G - 1, E + 1)) if not reps[0] or E % g == 0):
+        # any count of expert GPUs (an uneven contiguous split when it does not divide E;
+        # replicated, the slots that split leaves empty hold copies too)
+        for n_e in range(1, min(G - 1, E + 1)):
             for r in reps:
                 slots = -(-E // n_e) + r
                 if c.expert_bytes_total() / E * slots > c.usable_bytes():
