@@ -33,7 +33,8 @@ from ..planning.relay import check_relays
 from ..planning.residency import Residencies, residencies, residency_micro_batches
 from ..planning.topology import Topology
 
-__all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan", "fill_exchange", "group_permutation", "layer_plans", "native_layer_plan"]
+__all__ = ["LayerPlan", "RankSchedule", "assign_slots", "build_rank_schedule", "check_layer_plan", "fill_exchange",
+           "group_permutation", "layer_plans", "native_layer_plan"]
 
 
 @dataclass(frozen=True)

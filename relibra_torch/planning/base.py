@@ -15,8 +15,8 @@ from ..checks import check_tensor
 from .plan import StepPlan
 from .topology import Topology
 
-__all__ = ["Planner", "StaticPlanner", "check_loads", "check_placement", "join_layer_shares", "layer_share", "native_plan",
-           "planner_digest", "static_plan"]
+__all__ = ["Planner", "StaticPlanner", "check_loads", "check_placement", "join_layer_shares", "layer_share",
+           "native_plan", "planner_digest", "static_plan"]
 
 
 def check_loads(loads_MLSE: torch.Tensor, topology: Topology) -> None:
