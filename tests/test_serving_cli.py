@@ -15,6 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 GLM = str(ROOT / "tests" / "fixtures" / "hf_configs" / "GLM-4.5-Air" / "config.json")
 
 
+AZURE_HEAD = "TIMESTAMP,ContextTokens,GeneratedTokens\n"
+
+
 def test_serve_sim_writes_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "out.json", tmp_path / "out.png"
     # min_trace_s=0: the 20 s window is simulated as it is at every rate, not repeated to
@@ -53,7 +56,7 @@ def test_bad_trace_is_a_one_line_error_with_exit_2(tmp_path, capsys):
     (["--systems", ","], "--systems is empty; allowed: expertplex,pd-colocate,pd-disagg,colocated,chunked-prefill,"
                          "expertplex-repl"),
     (["--seed", "-1"], "--seed = -1; allowed: an int in [0, 9223372036854775807]"),
-    (["--window", "-5"], "--window = -5.0; allowed: a finite number > 0 (seconds), or 0 for the whole trace"),
+    (["--window", "-5"], "--window = -5.0; allowed: a finite number > 0 (seconds), or 0 for the rest of the trace"),
 ])
 def test_options_are_checked_before_the_trace_is_read(tmp_path, capsys, option, message):
     # the trace is bad too: an option's error first shows nothing was read (or searched) before it
@@ -89,6 +92,44 @@ def test_gpu_check_option_reads_the_runtime_calibration(tmp_path, capsys):
     (tmp_path / "gpu_check.json").write_text("{}")
     assert main(["serve-sim", "--gpu-check", str(tmp_path)]) == 2
     assert "no positive expertplex.tile_time_us" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--trace", "{burst}"], "its 3 request(s) arrive at one time, so it has no arrival rate to scale; allowed: a "
+                             "trace (window) whose arrivals spread over time (widen --window), or --rate R"),
+    (["--trace", "{burst}", "--window", "0", "--window-start", "0.5"], "no request in the window"),
+    (["--num-requests", "7"], "--num-requests sets how many Poisson requests --rate draws"),
+    (["--lengths", "sharegpt", "--window", "20"], "--window / --window-start select part of a trace; --lengths "
+                                                  "sharegpt draws its requests"),
+    (["--gpu-check", "{null}"], "has no positive expertplex.tile_time_us (got None)"),
+    (["--gpu-check", "{note}"], "has no positive expertplex.tile_time_us (got 'skipped: no CUDA')"),
+])
+def test_options_a_run_would_ignore_and_traces_without_a_rate_are_refused(tmp_path, capsys, argv, message):
+    (tmp_path / "burst.csv").write_text(AZURE_HEAD + "2023-11-16 18:15:46.1,5,4\n" * 3)
+    (tmp_path / "null.json").write_text('{"expertplex": null}')
+    (tmp_path / "note.json").write_text('{"expertplex": "skipped: no CUDA"}')
+    argv = [a.format(burst=tmp_path / "burst.csv", null=tmp_path / "null.json", note=tmp_path / "note.json")
+            for a in argv]
+    assert main(["serve-sim", "--systems", "pd-disagg", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and message in err, err
+
+
+def test_window_start_with_window_0_runs_to_the_end_and_a_configs_notes_are_kept(tmp_path):
+    from relibra_torch.sim.hf_config import model_from_hf_config
+
+    trace = tmp_path / "t.csv"
+    trace.write_text(AZURE_HEAD + "".join(f"2023-11-16 18:15:{s:02d}.0,100,20\n" for s in range(10, 40)))
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "mixtral", "num_hidden_layers": 4, "hidden_size": 1024,
+                               "intermediate_size": 2048, "num_local_experts": 8, "num_experts_per_tok": 2,
+                               "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 32000,
+                               "sliding_window": 4096}))
+    args = build_parser().parse_args(["serve-sim", "--trace", str(trace), "--window-start", "20", "--window", "0",
+                                      "--model-config", str(cfg)])
+    setup = setup_from_args(args)
+    assert len(setup.requests) == 10 and setup.requests.source.endswith("[20 s, end)")
+    assert setup.model_notes == tuple(model_from_hf_config(str(cfg)).notes) and setup.model_notes  # sliding window
 
 
 def test_only_the_cli_reaches_the_serving_package():

@@ -30,6 +30,49 @@ def test_azure_csv_reads_times_with_seven_fractional_digits(tmp_path):
     assert r.prompt_N.tolist() == [374, 396] and r.output_N.tolist() == [44, 109]
 
 
+def test_azure_2024_stamps_iso_stamps_and_the_machines_time_zone(tmp_path, monkeypatch):
+    """2024's offsets, ISO ``T``/``Z`` and a stamp without a fraction read as the same UTC
+    instants; a naive stamp is UTC on any machine (a DST change in New York is no gap)."""
+    import time
+
+    rows = ["2024-05-10 00:00:00.009930+00:00,5,2", "2024-05-10T00:00:01Z,5,2", "2024-05-10 02:00:01.5+02:00,5,2",
+            "2024-05-09 22:00:02.0000001-02:00,5,2"]
+    path = _write(tmp_path, "2024.csv", AZURE + "\n".join(rows) + "\n")
+    assert read_azure_csv(path).arrival_N.tolist() == pytest.approx([0.0, 0.99007, 1.49007, 1.9900701])
+    path = _write(tmp_path, "late.csv", AZURE + rows[0] + "\n2024-05-10 00:00:01+01:00,5,2\n")
+    with pytest.raises(ValueError, match=r"row 3: its time is earlier"):   # 23:00:01 UTC the day before
+        read_azure_csv(path)
+    dst = [f"2023-03-12 0{h}:{m}0:00.0,5,2" for h in (1, 2, 3) for m in range(6)]  # spring forward in New York
+    path = _write(tmp_path, "dst.csv", AZURE + "\n".join(dst) + "\n")
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        r = read_azure_csv(path)
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+    assert np.allclose(np.diff(r.arrival_N), 600.0)
+
+
+@pytest.mark.parametrize("name,data,match", [
+    ("gz.csv", b"\x1f\x8b\x08\x00rest", r"^gz.csv: gzip-compressed; decompress it first \(gunzip\)$"),
+    ("latin.csv", AZURE.encode() + "2023-11-16 18:15:46.1,5,4 \xe9\n".encode("latin-1"),
+     r"^latin.csv: not UTF-8 text; allowed: a UTF-8"),
+    ("latin.jsonl", '{"timestamp": 0, "input_length": 5, "output_length": 1, "x": "\xe9"}\n'.encode("latin-1"),
+     r"^latin.jsonl: not UTF-8 text"),
+    ("quote.csv", (AZURE + "2023-11-16 18:15:46.1,5,4\n\"2023-11-16 18:15:47.1,5,4\n"
+                   + "2023-11-16 18:15:48.1,5,4\n" * 6000).encode(),
+     r"^quote.csv line 3: not a well-formed CSV row \(field larger than field limit"),
+    ("pretty.json", json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1}, indent=2).encode(),
+     r"^pretty.json line 1: a JSON document over several lines, not one object per line"),
+])
+def test_files_that_are_not_well_formed_text_name_the_file(tmp_path, name, data, match):
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(ValueError, match=match):
+        load_trace(str(p))
+
+
 def test_mooncake_jsonl_uses_milliseconds(tmp_path):
     rows = [{"timestamp": 0, "input_length": 10, "output_length": 2, "hash_ids": [1]},
             {"timestamp": 1500, "input_length": 7, "output_length": 1}]
@@ -105,7 +148,7 @@ def test_lengths_and_times_past_their_range_and_booleans_are_refused(tmp_path, n
     ("nanlen.jsonl", _row(input_length=math.nan), rf"^nanlen.jsonl line 1: input_length = nan; {LENGTHS}"),
     ("inf.csv", AZURE + "2023-11-16 18:15:46.1,inf,4\n", rf"^inf.csv row 2: ContextTokens = 'inf'; {LENGTHS}"),
     ("stamp.csv", AZURE + "2023-11-16 18:15:46.5e999,5,4\n",
-     r"^stamp.csv row 2: TIMESTAMP = '2023-11-16 18:15:46.5e999'; allowed: 'YYYY-MM-DD HH:MM:SS.ffff'$"),
+     r"^stamp.csv row 2: TIMESTAMP = '2023-11-16 18:15:46.5e999'; allowed: 'YYYY-MM-DD HH:MM:SS\[\.fffffff\]\[\+HH:MM or Z\]' \(no offset: UTC\)$"),
 ])
 def test_non_finite_numbers_are_refused(tmp_path, name, text, match):
     path = _write(tmp_path, name, text)

@@ -42,11 +42,11 @@ DEFAULT_WINDOW_S = 300.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", help=f"request trace: Azure .csv or Mooncake .jsonl (default: ../shared/data/"
                                    f"{DEFAULT_TRACE})")
-    p.add_argument("--window-start", type=float, default=0.0, help="trace window start, s (default 0)")
-    p.add_argument("--window", type=float, default=DEFAULT_WINDOW_S,
-                   help=f"trace window length, s (default {DEFAULT_WINDOW_S:g}; 0 = whole trace)")
+    p.add_argument("--window-start", type=float, help="trace window start, s (default 0)")
+    p.add_argument("--window", type=float,
+                   help=f"trace window length, s (default {DEFAULT_WINDOW_S:g}; 0 = to the trace's end)")
     p.add_argument("--rate", type=float, help="Poisson arrivals at this rate (req/s), lengths drawn from the trace")
-    p.add_argument("--num-requests", type=int, default=1000, help="Poisson requests (default 1000)")
+    p.add_argument("--num-requests", type=int, help="Poisson requests, with --rate or --lengths (default 1000)")
     p.add_argument("--lengths", default="trace", choices=("trace", "sharegpt", "loogle"),
                    help="request lengths with --rate: drawn from the trace (default), or ShareGPT- / "
                         "LooGLE-like fitted distributions (sources in docs/serving.md)")
@@ -99,11 +99,21 @@ def _systems(text: str) -> tuple[str, ...]:
 
 
 def _window(args) -> tuple[float, float]:
-    """``--window-start`` and ``--window`` (0: the whole trace)."""
-    start = check_number("--window-start", args.window_start, 0)
-    if not math.isfinite(args.window) or args.window < 0:
-        raise ValueError(f"--window = {args.window}; allowed: a finite number > 0 (seconds), or 0 for the whole trace")
-    return start, float(args.window)
+    """``--window-start`` and ``--window`` (0: to the trace's end); neither applies to
+    ``--lengths sharegpt|loogle``, whose requests are drawn, not read; ``--num-requests`` only
+    to drawn (Poisson) requests."""
+    if args.lengths != "trace" and (args.window is not None or args.window_start is not None):
+        raise ValueError(f"--window / --window-start select part of a trace; --lengths {args.lengths} draws its "
+                         f"requests (drop them, or use --lengths trace)")
+    if args.num_requests is not None and args.rate is None and args.lengths == "trace":
+        raise ValueError("--num-requests sets how many Poisson requests --rate draws; a trace's own requests are "
+                         "all used (add --rate, or select them with --window)")
+    start = check_number("--window-start", 0.0 if args.window_start is None else args.window_start, 0)
+    window = DEFAULT_WINDOW_S if args.window is None else args.window
+    if not math.isfinite(window) or window < 0:
+        raise ValueError(f"--window = {window}; allowed: a finite number > 0 (seconds), or 0 for the rest of the "
+                         "trace")
+    return start, float(window)
 
 
 def check_options(args) -> tuple[tuple[str, ...], tuple[float, float]]:
@@ -128,10 +138,13 @@ def setup_from_args(args):
     from .routing import popularity_from_file, synthetic_popularity
 
     systems, (start, window) = check_options(args)  # before any file is read and the search runs
+    num_requests = 1000 if args.num_requests is None else args.num_requests
     sets = _overrides(args.set)
+    model_notes: tuple[str, ...] = ()
     if args.model_config:
         from ..sim.hf_config import model_from_hf_config
-        model = model_from_hf_config(args.model_config).spec
+        read = model_from_hf_config(args.model_config)
+        model, model_notes = read.spec, tuple(read.notes)
     else:
         model = get_model(args.model)
     model = apply_overrides(model, "model", sets["model"])
@@ -148,15 +161,19 @@ def setup_from_args(args):
     if args.lengths != "trace":
         if args.trace:
             raise ValueError(f"--lengths {args.lengths} draws its own lengths; drop --trace or use --lengths trace")
-        reqs = poisson_lengths(args.lengths, 10.0 if args.rate is None else args.rate, args.num_requests,
+        reqs = poisson_lengths(args.lengths, 10.0 if args.rate is None else args.rate, num_requests,
                                args.seed, args.output_len)
     else:
         path = args.trace or str(shared_data_dir() / DEFAULT_TRACE)
         reqs = load_trace(path)
-        if window:
-            reqs = reqs.window(start, window)
+        if window or start:
+            reqs = reqs.window(start, window or math.inf)
         if args.rate is not None:
-            reqs = poisson_requests(args.rate, args.num_requests, reqs, args.seed)
+            reqs = poisson_requests(args.rate, num_requests, reqs, args.seed)
+        elif reqs.duration_s <= 0:  # nothing to divide: a trace's rate is changed through its gaps
+            raise ValueError(f"{reqs.source}: its {len(reqs)} request(s) arrive at one time, so it has no arrival "
+                             f"rate to scale; allowed: a trace (window) whose arrivals spread over time (widen "
+                             f"--window), or --rate R for Poisson arrivals with these lengths")
         if args.output_len is not None:
             reqs = reqs.with_output(check_int("--output-len", args.output_len))
     if args.routing:
@@ -173,7 +190,7 @@ def setup_from_args(args):
     if args.tile_time_us is not None:
         tile_us, tile_src = check_number("--tile-time-us", args.tile_time_us, 0, strict=True), "--tile-time-us"
     return CompareSetup(model, hardware, consts, nodes, gpn, reqs, pi, systems, routing, tile_us, tile_src,
-                        args.allow_idle, args.seed)
+                        args.allow_idle, args.seed, model_notes)
 
 
 def run(args) -> int:

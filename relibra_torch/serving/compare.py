@@ -52,6 +52,7 @@ class CompareSetup:
     tile_time_source: str = "roofline (M_t x 6 D F FLOPs at the FP8 rate)"
     allow_idle: bool = False
     seed: int = 0
+    model_notes: tuple[str, ...] = ()  # what a --model-config leaves out (hf_config's notes)
 
 
 def recent_window(pi_LE: torch.Tensor, tokens: int, seed: int) -> torch.Tensor:
@@ -126,7 +127,7 @@ def compare(setup: CompareSetup, progress=None, workers: int = 1) -> dict:
             "requests": len(reqs), "trace_rate": reqs.rate, "routing": setup.routing_source,
             "tile_time_us": cost.tile_time_s * 1e6, "tile_time_source": setup.tile_time_source,
             "sm_tile_us": cost.sm_tile_s * 1e6, "allow_idle": setup.allow_idle, "seed": setup.seed,
-            "notes": trace_notes(len(reqs), setup.consts),
+            "notes": [*setup.model_notes, *trace_notes(len(reqs), setup.consts)],
         },
         "systems": results,
         "ratios": _ratios(results),

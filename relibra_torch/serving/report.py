@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
+
+from ..sim import run_checks
 
 __all__ = ["print_report", "write_json", "write_plot"]
 
@@ -23,7 +24,7 @@ def print_report(doc: dict, console=None) -> None:
     sv = s["serving"]
     console.print(f"[bold]{escape(s['model']['name'])}[/bold] on {s['nodes']} x {s['gpus_per_node']} "
                   f"{s['hardware']['name'].upper()}; trace {escape(s['trace'])} ({s['requests']} requests, "
-                  f"{s['trace_rate']:.2f} req/s as recorded); SLO TTFT {sv['ttft_slo_s']:g} s, TPOT "
+                  f"{s['trace_rate']:.3g} req/s as recorded); SLO TTFT {sv['ttft_slo_s']:g} s, TPOT "
                   f"{sv['tpot_slo_s'] * 1e3:g} ms, P{sv['attainment'] * 100:g} goodput", highlight=False)
     console.print(f"routing: {escape(s['routing'])}; tile time {s['tile_time_us']:.2f} us per row tile "
                   f"({escape(s['tile_time_source'])}), preemption bound {s['sm_tile_us']:.1f} us per layer",
@@ -53,11 +54,8 @@ def print_report(doc: dict, console=None) -> None:
 
 
 def write_json(doc: dict, path: str) -> None:
-    """Write ``doc`` to ``path`` (parent folders created, as ``check_output_path`` allows)."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(doc, fh, indent=1, allow_nan=False)
-        fh.write("\n")
+    """Write ``doc`` to ``path`` (:func:`relibra_torch.sim.run_checks.write_json`: atomic, names ``--json``)."""
+    run_checks.write_json(doc, path, indent=1)
 
 
 def write_plot(doc: dict, path: str) -> None:

@@ -10,8 +10,13 @@ Three sources, one type (:class:`Requests`):
 
 Every reader rejects a bad trace with one line naming the file, the row and the fix:
 negative, non-integer or huge lengths, booleans, non-finite (NaN, Infinity) or huge
-timestamps, unsorted times, an empty file, missing columns, a JSON array instead of JSONL. A
-UTF-8 byte order mark and spaces around the CSV header's names are accepted.
+timestamps, unsorted times, an empty file, missing columns, a malformed CSV row (a stray
+quote), a JSON array or a multi-line JSON document instead of JSONL, bytes that are not
+UTF-8 text (a gzip file). A UTF-8 byte order mark and spaces around the CSV header's names
+are accepted. Azure timestamps are read as the traces write them, 2023's
+``2023-11-16 18:15:46.6805900`` and 2024's ``2024-05-10 00:00:00.009930+00:00`` (an ISO
+``T`` and ``Z`` too); a stamp without an offset is UTC (the traces' zone), never the
+machine's local time.
 
 Legend: N requests.
 """
@@ -22,8 +27,9 @@ import csv
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta, timezone
 
 import numpy as np
 
@@ -39,6 +45,10 @@ MOONCAKE_KEYS = ("timestamp", "input_length", "output_length")
 MAX_LENGTH = (1 << 31) - 1
 MAX_TIMESTAMP_MS = (1 << 63) - 1
 JSONL_HINT = "allowed: one JSON object per line (JSONL, the Mooncake format) with " + ", ".join(MOONCAKE_KEYS)
+# An Azure TIMESTAMP: date, time, any number of fractional digits (2023 writes 7, Python's
+# parser takes at most 6), then an optional zone (2024 writes +00:00).
+AZURE_STAMP = re.compile(r"(\d{4}-\d{2}-\d{2}[ T]\d{2}:\d{2}(?::\d{2})?)(?:\.(\d+))?(Z|[+-]\d{2}:?\d{2})?")
+AZURE_STAMP_HINT = "allowed: 'YYYY-MM-DD HH:MM:SS[.fffffff][+HH:MM or Z]' (no offset: UTC)"
 
 
 @dataclass(frozen=True)
@@ -96,12 +106,14 @@ class Requests:
         t = self.arrival_N - self.arrival_N[0]
         keep = (t >= start_s) & (t < start_s + length_s)
         if not keep.any():
+            where = (f"the trace spans {self.duration_s:.0f} s; allowed: a window starting before "
+                     f"{self.duration_s:.0f} s" if start_s >= self.duration_s else
+                     "no request arrives in it (a gap in the trace); allowed: a window that holds requests")
             raise ValueError(f"{self.source}: no request in the window --window-start {start_s:.6g} s, --window "
-                             f"{length_s:.6g} s; the trace spans {self.duration_s:.0f} s; allowed: a window "
-                             f"starting before {self.duration_s:.0f} s")
+                             f"{length_s:.6g} s; {where}")
         a = t[keep]
-        return Requests(a - a[0], self.prompt_N[keep], self.output_N[keep],
-                        f"{self.source} [{start_s:g} s, +{length_s:g} s)")
+        span = "end" if math.isinf(length_s) else f"+{length_s:g} s"
+        return Requests(a - a[0], self.prompt_N[keep], self.output_N[keep], f"{self.source} [{start_s:g} s, {span})")
 
     def with_output(self, tokens: int) -> "Requests":
         """The same arrivals and prompts, every request generating ``tokens`` tokens."""
@@ -184,6 +196,32 @@ def _millis(path: str, where: str, raw) -> float:
     return float(value) / 1000.0
 
 
+def _azure_seconds(stamp: str) -> float:
+    """Seconds since the epoch of an Azure ``TIMESTAMP`` (``ValueError`` when malformed)."""
+    m = AZURE_STAMP.fullmatch(stamp)
+    if m is None:
+        raise ValueError(stamp)
+    head, frac, zone = m.groups()
+    tz = timezone.utc
+    if zone and zone != "Z":
+        sign = -1 if zone[0] == "-" else 1
+        hours, minutes = int(zone[1:3]), int(zone[-2:])
+        tz = timezone(sign * timedelta(hours=hours, minutes=minutes))
+    return datetime.fromisoformat(head).replace(tzinfo=tz).timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+def _text_lines(path: str, fh, reading):
+    """Run ``reading(fh)``; bytes that are not UTF-8 (a gzip or Latin-1 file) fail naming the
+    file, and a gzip file says so."""
+    try:
+        return reading(fh)
+    except UnicodeDecodeError:
+        with open(path, "rb") as raw:
+            gz = raw.read(2) == b"\x1f\x8b"
+        raise _fail(path, "", "gzip-compressed; decompress it first (gunzip)" if gz else
+                    "not UTF-8 text; allowed: a UTF-8 (or ASCII) text file") from None
+
+
 def _finish(path: str, times: list[float], prompt: list[int], output: list[int], label: str,
             where: list[str]) -> Requests:
     if not times:
@@ -201,7 +239,8 @@ def read_azure_csv(path: str) -> Requests:
     if not os.path.exists(path):
         raise FileNotFoundError(f"--trace {path!r} does not exist")
     times, prompt, output, rows = [], [], [], []
-    with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
+
+    def reading(fh):
         reader = csv.DictReader(fh)
         if reader.fieldnames is None:
             raise _fail(path, "", "the file is empty; allowed: a CSV with header " + ",".join(AZURE_COLUMNS))
@@ -210,21 +249,25 @@ def read_azure_csv(path: str) -> Requests:
         if missing:
             raise _fail(path, "", f"missing column(s) {', '.join(missing)}; allowed: a header with "
                         + ",".join(AZURE_COLUMNS))
-        for i, row in enumerate(reader):
-            where = f" row {i + 2}"
-            rows.append(where)
-            stamp = (row["TIMESTAMP"] or "").strip()
-            try:
-                # Azure stamps carry 7 fractional digits; Python parses at most 6.
-                head, _, frac = stamp.partition(".")
-                if frac and not (frac.isascii() and frac.isdigit()):  # "0.5e999" would be inf
-                    raise ValueError(frac)
-                t = datetime.fromisoformat(head).timestamp() + (float("0." + frac) if frac else 0.0)
-            except (ValueError, OverflowError, OSError):
-                raise _fail(path, where, f"TIMESTAMP = {stamp!r}; allowed: 'YYYY-MM-DD HH:MM:SS.ffff'") from None
-            times.append(t)
-            prompt.append(_length(path, where, "ContextTokens", row["ContextTokens"]))
-            output.append(_length(path, where, "GeneratedTokens", row["GeneratedTokens"]))
+        done = reader.line_num  # the last line of the last row read whole (the header's)
+        try:
+            for i, row in enumerate(reader):
+                where = f" row {i + 2}"
+                rows.append(where)
+                stamp = (row["TIMESTAMP"] or "").strip()
+                try:
+                    times.append(_azure_seconds(stamp))
+                except (ValueError, OverflowError, OSError):
+                    raise _fail(path, where, f"TIMESTAMP = {stamp!r}; {AZURE_STAMP_HINT}") from None
+                prompt.append(_length(path, where, "ContextTokens", row["ContextTokens"]))
+                output.append(_length(path, where, "GeneratedTokens", row["GeneratedTokens"]))
+                done = reader.line_num
+        except csv.Error as exc:  # a stray quote swallows the rest of the file into one field
+            raise _fail(path, f" line {done + 1}", f"not a well-formed CSV row ({exc}); allowed: "
+                        "comma-separated fields, quotes balanced") from None
+
+    with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
+        _text_lines(path, fh, reading)
     return _finish(path, times, prompt, output, f"azure:{os.path.basename(path)}", rows)
 
 
@@ -233,7 +276,8 @@ def read_mooncake_jsonl(path: str) -> Requests:
     if not os.path.exists(path):
         raise FileNotFoundError(f"--trace {path!r} does not exist")
     times, prompt, output, rows = [], [], [], []
-    with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
+
+    def reading(fh):
         for i, line in enumerate(fh):
             if not line.strip():
                 continue
@@ -244,6 +288,9 @@ def read_mooncake_jsonl(path: str) -> Requests:
             try:
                 obj = json.loads(line)
             except json.JSONDecodeError as exc:
+                if len(rows) == 1 and line.strip() == "{":  # the first object spans several lines
+                    raise _fail(path, where, f"a JSON document over several lines, not one object per "
+                                f"line; {JSONL_HINT}") from None
                 raise _fail(path, where, f"not valid JSON ({exc.msg}); {JSONL_HINT}") from None
             if not isinstance(obj, dict):
                 raise _fail(path, where, f"not a JSON object; {JSONL_HINT}")
@@ -254,6 +301,9 @@ def read_mooncake_jsonl(path: str) -> Requests:
             times.append(_millis(path, where, obj["timestamp"]))
             prompt.append(_length(path, where, "input_length", obj["input_length"]))
             output.append(_length(path, where, "output_length", obj["output_length"]))
+
+    with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
+        _text_lines(path, fh, reading)
     return _finish(path, times, prompt, output, f"mooncake:{os.path.basename(path)}", rows)
 
 

@@ -6,13 +6,13 @@ Legend: X steps, M micro-batches, L MoE layers.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 
 import torch
 
 from ..planning.lis import lis, lis_summary
+from . import run_checks
 from .memory import capacity_bytes
 from .simulator import SimResult
 
@@ -113,16 +113,8 @@ def _active_imbalance_ML(r) -> torch.Tensor:
 
 
 def write_json(doc: dict, path: str) -> None:
-    """Write ``doc`` to ``path`` (parent folders created); a failure the checks before the run
-    could not foresee (a full disk, a special file system) names ``--json``."""
-    try:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as fh:
-            json.dump(doc, fh, indent=2, allow_nan=False)
-            fh.write("\n")
-    except OSError as exc:
-        raise ValueError(f"--json {path!r} cannot be written: {exc.strerror or exc} (the tables above are "
-                         f"complete)") from None
+    """Write ``doc`` to ``path`` (:func:`relibra_torch.sim.run_checks.write_json`: atomic, names ``--json``)."""
+    run_checks.write_json(doc, path, indent=2)
 
 
 def _gb(x: float) -> str:

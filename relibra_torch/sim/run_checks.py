@@ -1,4 +1,5 @@
-"""What ``relibra simulate`` checks before it starts, and the progress it prints while it runs.
+"""What ``relibra simulate`` checks before it starts, the progress it prints while it runs, and
+how both commands write their JSON.
 
 A run can take minutes (trace generation, planners over many steps), so every option that
 can be checked up front is: the ``--json`` / ``--plot`` paths (extension, a writable folder,
@@ -9,11 +10,13 @@ step, seconds elapsed) when stderr is a pipe or a log, so a logged run is never 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+import uuid
 
-__all__ = ["OUTPUT_SUFFIXES", "check_output_path", "file_steps", "check_warmup", "PlainProgress"]
+__all__ = ["OUTPUT_SUFFIXES", "check_output_path", "file_steps", "check_warmup", "PlainProgress", "write_json"]
 
 # --plot: the formats write_plot's matplotlib writes without extra packages
 OUTPUT_SUFFIXES = {"json": (".json",), "plot": (".png", ".svg", ".pdf")}
@@ -43,6 +46,31 @@ def check_output_path(option: str, path: str | None) -> None:
         raise ValueError(f"{flag} {text!r}: {folder!r} is a file, not a folder")
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ValueError(f"{flag} {text!r}: the folder {folder!r} is not writable")
+
+
+def write_json(doc: dict, path: str, indent: int = 2) -> None:
+    """Write ``doc`` to ``path`` as JSON (parent folders created), atomically: the text is
+    made first (a non-finite number fails before any file is touched), written to a fresh
+    file in the same folder with the mode a new file gets there, then renamed over ``path``,
+    so a failed write never leaves half a file. A failure the checks before the run could
+    not foresee (a full disk, a special file system) names ``--json``."""
+    text = json.dumps(doc, indent=indent, allow_nan=False) + "\n"
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+    except OSError as exc:
+        raise ValueError(f"--json {path!r} cannot be written: {exc.strerror or exc} (the tables above are "
+                         f"complete)") from None
 
 
 def file_steps(path: str) -> int:

@@ -26,7 +26,8 @@ def tile_time_us(path: str | Path) -> float:
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"tile time: cannot read {p} ({type(e).__name__}: {e}); allowed: the gpu_check.json "
                          f"that `make gpu-check` writes (default out/gpu-check/)") from None
-    value = data.get(GPU_CHECK_KEY[0], {}).get(GPU_CHECK_KEY[1]) if isinstance(data, dict) else None
+    part = data.get(GPU_CHECK_KEY[0]) if isinstance(data, dict) else None  # null or a note when it was skipped
+    value = part.get(GPU_CHECK_KEY[1]) if isinstance(part, dict) else part
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"tile time: {p} has no positive {'.'.join(GPU_CHECK_KEY)} (got {value!r}); it is written "
                          f"when `make gpu-check` ran its expertplex part on a CUDA GPU")
