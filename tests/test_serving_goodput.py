@@ -298,3 +298,23 @@ def test_a_system_with_no_configuration_gets_no_ratio():
     assert _ratios({"expertplex": none, "colocated": ran}) == {"expertplex/colocated": None}
     assert _ratios({"expertplex": ran, "pd-disagg": none}) == {"expertplex/pd-disagg": None}
     assert _ratios({"expertplex": ran, "colocated": {"fits": True, "goodput": 2.0}}) == {"expertplex/colocated": 2.0}
+
+
+def test_goodput_zero_says_why_and_requests_past_the_context_window_are_counted():
+    """A system no rate serves gets a note naming the slowest rate tried and an attainment
+    bound, its curve only complete runs; requests longer than the model's context window
+    are counted in a note."""
+    from relibra_torch.serving.compare import CompareSetup, context_notes
+
+    reqs = _requests(12)
+    impossible = replace(TIGHT, ttft_slo_s=1e-9)
+    setup = CompareSetup(TINY, get_hardware("h200"), impossible, 1, 8, reqs, _pi(), ("colocated",), "test")
+    r = compare(setup)["systems"]["colocated"]
+    assert r["goodput"] == 0.0 and r["note"].startswith("no rate tried met the SLO: even at ")
+    assert all(p[2] for p in r["curve"])
+    long = int((reqs.prompt_N + reqs.output_N).max())
+    assert context_notes(reqs, TINY) == []                                   # unknown window: no claim
+    assert context_notes(reqs, replace(TINY, max_context=long)) == []
+    over = int(((reqs.prompt_N + reqs.output_N) > long - 1).sum())
+    note = context_notes(reqs, replace(TINY, max_context=long - 1))[0]
+    assert note.startswith(f"{over} of 12 requests need more than tiny's context window ({long - 1:,} tokens")

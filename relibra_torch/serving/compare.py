@@ -127,7 +127,8 @@ def compare(setup: CompareSetup, progress=None, workers: int = 1) -> dict:
             "requests": len(reqs), "trace_rate": reqs.rate, "routing": setup.routing_source,
             "tile_time_us": cost.tile_time_s * 1e6, "tile_time_source": setup.tile_time_source,
             "sm_tile_us": cost.sm_tile_s * 1e6, "allow_idle": setup.allow_idle, "seed": setup.seed,
-            "notes": [*setup.model_notes, *trace_notes(len(reqs), setup.consts)],
+            "notes": [*setup.model_notes, *trace_notes(len(reqs), setup.consts),
+                      *context_notes(reqs, setup.model)],
         },
         "systems": results,
         "ratios": _ratios(results),
@@ -135,6 +136,21 @@ def compare(setup: CompareSetup, progress=None, workers: int = 1) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     return doc
+
+
+def context_notes(reqs: Requests, model) -> list[str]:
+    """Requests longer than the model's context window (prompt + output past
+    ``max_position_embeddings``, where known): a server would refuse them; here they run as
+    given, so say how many."""
+    if not model.max_context:
+        return []
+    over_N = (reqs.prompt_N + reqs.output_N) > model.max_context
+    if not over_N.any():
+        return []
+    longest = int((reqs.prompt_N + reqs.output_N).max())
+    return [f"{int(over_N.sum())} of {len(reqs)} requests need more than {model.name}'s context window "
+            f"({model.max_context:,} tokens, max_position_embeddings; longest {longest:,}): a server would "
+            f"refuse them; they are simulated as given"]
 
 
 def trace_notes(num_requests: int, consts) -> list[str]:
@@ -165,6 +181,12 @@ def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) ->
            "config_label": best.config.label(), "gpus_used": best.config.gpus,
            "goodput": best.rate, "goodput_per_gpu": best.rate / G, "goodput_per_node": best.rate / (G / gpn),
            "scale": best.scale, "curve": [list(p) for p in best.points]}
+    if best.rate == 0:  # say why the row is empty; an early-stopped run's attainment is only a bound
+        slowest = min(best.points, key=lambda p: p[0]) if best.points else None
+        doc["note"] = ("no rate tried met the SLO" + ("" if slowest is None else
+                       f": even at {slowest[0]:.3g} req/s, the slowest tried, at most {slowest[1] * 100:.0f}% of "
+                       f"requests met it (P{setup.consts.attainment * 100:g} needs {setup.consts.attainment * 100:g}%)"))
+        doc["curve"] = [list(p) for p in best.points if p[2]]
     if best.metrics is not None:
         # exact percentiles at the goodput rate (the search's run there may have stopped early)
         m = best.metrics if not best.metrics.aborted else run_config(best.config, cl, at_scale(setup.requests, best.scale, cl))

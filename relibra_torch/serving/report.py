@@ -34,7 +34,7 @@ def print_report(doc: dict, console=None) -> None:
                 "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90", "SLO met"):
         table.add_column(col, justify="left" if col in ("system", "best configuration") else "right")
     for name, r in doc["systems"].items():
-        if not r["fits"] or r.get("unbounded"):
+        if not r["fits"] or r.get("unbounded") or r.get("goodput") == 0:
             table.add_row(name, r.get("config_label", "") + " " + r["note"], *["-"] * 9)
             continue
         table.add_row(name, r["config_label"], str(r["gpus_used"]), f"{r['goodput']:.2f}",

@@ -249,6 +249,9 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
     mtp = f.int("mtp", 0, minimum=0) if cfg.get("use_mtp", True) is not False else 0
     if mtp:
         notes.append(f"{mtp} multi-token-prediction (MTP) layer(s) ({mtp_key}) not modelled")
+    context = cfg.get("max_position_embeddings")
+    if isinstance(context, int) and not isinstance(context, bool) and context > 0:
+        fields["max_context"] = context
     spec = ModelSpec(name or _name(outer, cfg, path), num_layers=H, num_moe_layers=num_moe,
                      num_expert_groups=groups, **fields)
     return HFModel(spec, moe, kind, tuple(notes), topk_group)

@@ -38,7 +38,9 @@ class ModelSpec:
     (``dense_ffn``); every MoE layer has ``num_experts`` routed SwiGLU experts of width
     ``moe_ffn`` (``top_k`` per token) and ``num_shared_experts`` shared experts of width
     ``shared_ffn`` that every token uses. ``num_expert_groups`` is DeepSeek's ``n_group``:
-    EPLB packs whole groups onto nodes when the node count divides it.
+    EPLB packs whole groups onto nodes when the node count divides it. ``max_context`` is the
+    checkpoint's ``max_position_embeddings`` (0: unknown); only the serving model reads it,
+    to say which requests a server would refuse.
     """
 
     name: str
@@ -61,13 +63,14 @@ class ModelSpec:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     num_expert_groups: int = 1
+    max_context: int = 0
 
     def __post_init__(self) -> None:
         for f in ("num_layers", "num_moe_layers", "hidden_size", "moe_ffn", "num_experts",
                   "top_k", "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
             check_int(f"model.{f}", getattr(self, f))
         for f in ("dense_ffn", "num_shared_experts", "shared_ffn", "q_lora_rank",
-                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                  "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "max_context"):
             check_int(f"model.{f}", getattr(self, f), 0)
         check_int("model.num_expert_groups", self.num_expert_groups)
         if self.num_experts % self.num_expert_groups:
@@ -127,53 +130,56 @@ MODELS: dict[str, ModelSpec] = {
     # huggingface.co/Qwen/Qwen3-30B-A3B config.json: hidden_size 2048, num_hidden_layers 48
     # (all MoE: decoder_sparse_step 1, mlp_only_layers []), moe_intermediate_size 768,
     # num_experts 128, num_experts_per_tok 8, 32 heads / 4 KV heads x head_dim 128,
-    # vocab_size 151936, untied embeddings; same numbers in slime scripts/models/qwen3-30B-A3B.sh.
+    # vocab_size 151936, untied embeddings, max_position_embeddings 40960; same numbers in
+    # slime scripts/models/qwen3-30B-A3B.sh.
     "qwen3-30b-a3b": ModelSpec(
         "qwen3-30b-a3b", num_layers=48, num_moe_layers=48, hidden_size=2048, moe_ffn=768,
         num_experts=128, top_k=8, num_heads=32, num_kv_heads=4, head_dim=128,
-        vocab_size=151936),
+        vocab_size=151936, max_context=40960),
     # huggingface.co/Qwen/Qwen3-235B-A22B config.json: hidden_size 4096, 94 layers (all MoE),
     # moe_intermediate_size 1536, 128 experts, top-8, 64 heads / 4 KV heads x 128,
-    # vocab 151936; slime scripts/models/qwen3-235B-A22B.sh agrees.
+    # vocab 151936, max_position_embeddings 40960; slime scripts/models/qwen3-235B-A22B.sh agrees.
     "qwen3-235b-a22b": ModelSpec(
         "qwen3-235b-a22b", num_layers=94, num_moe_layers=94, hidden_size=4096, moe_ffn=1536,
         num_experts=128, top_k=8, num_heads=64, num_kv_heads=4, head_dim=128,
-        vocab_size=151936),
+        vocab_size=151936, max_context=40960),
     # huggingface.co/zai-org/GLM-4.5-Air config.json: hidden_size 4096, 46 layers with
     # first_k_dense_replace 1 (dense intermediate_size 10944), moe_intermediate_size 1408,
     # n_routed_experts 128, num_experts_per_tok 8, n_shared_experts 1, 96 heads / 8 KV heads
-    # x head_dim 128, vocab 151552; slime scripts/models/glm4.5-106B-A12B.sh agrees
-    # (N_DENSE_LAYERS=1, N_MOE_LAYERS=45). The MTP layer is not modelled.
+    # x head_dim 128, vocab 151552, max_position_embeddings 131072; slime
+    # scripts/models/glm4.5-106B-A12B.sh agrees (N_DENSE_LAYERS=1, N_MOE_LAYERS=45). The MTP
+    # layer is not modelled.
     "glm-4.5-air": ModelSpec(
         "glm-4.5-air", num_layers=46, num_moe_layers=45, hidden_size=4096, moe_ffn=1408,
         num_experts=128, top_k=8, num_heads=96, num_kv_heads=8, head_dim=128,
-        vocab_size=151552, dense_ffn=10944, num_shared_experts=1, shared_ffn=1408),
+        vocab_size=151552, dense_ffn=10944, num_shared_experts=1, shared_ffn=1408, max_context=131072),
     # huggingface.co/deepseek-ai/DeepSeek-V3 config.json: hidden_size 7168, 61 layers with
     # first_k_dense_replace 3 (intermediate_size 18432), moe_intermediate_size 2048,
     # n_routed_experts 256, top-8, n_shared_experts 1, MLA with 128 heads, q_lora_rank 1536,
     # kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, v_head_dim 128,
-    # vocab 129280, n_group 8 (EPLB's expert groups); slime scripts/models/deepseek-v3.sh
-    # agrees. MTP not modelled.
+    # vocab 129280, n_group 8 (EPLB's expert groups), max_position_embeddings 163840; slime
+    # scripts/models/deepseek-v3.sh agrees. MTP not modelled.
     "deepseek-v3": ModelSpec(
         "deepseek-v3", num_layers=61, num_moe_layers=58, hidden_size=7168, moe_ffn=2048,
         num_experts=256, top_k=8, num_heads=128, num_kv_heads=128, head_dim=128,
         vocab_size=129280, dense_ffn=18432, num_shared_experts=1, shared_ffn=2048,
         q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
-        v_head_dim=128, num_expert_groups=8),
+        v_head_dim=128, num_expert_groups=8, max_context=163840),
     # huggingface.co/MiniMaxAI/MiniMax-M2 config.json (model_type minimax_m2; the same values
     # as transformers' MiniMaxM2Config defaults): hidden_size 3072, num_hidden_layers 62 (all
     # MoE), intermediate_size 1536 (the expert width), num_local_experts 256,
     # num_experts_per_tok 8, no shared expert, 48 heads / 8 KV heads x head_dim 128,
-    # vocab_size 200064. The 3 MTP modules are not modelled.
+    # vocab_size 200064, max_position_embeddings 196608. The 3 MTP modules are not modelled.
     "minimax-m2": ModelSpec(
         "minimax-m2", num_layers=62, num_moe_layers=62, hidden_size=3072, moe_ffn=1536,
         num_experts=256, top_k=8, num_heads=48, num_kv_heads=8, head_dim=128,
-        vocab_size=200064),
+        vocab_size=200064, max_context=196608),
     # GLM-5 (zai-org/GLM-5 config.json, model_type glm_moe_dsa; the paper serves GLM-5.1-FP8
     # of the same shape): hidden_size 6144, 78 layers with first_k_dense_replace 3
     # (intermediate_size 12288), moe_intermediate_size 2048, n_routed_experts 256, top-8,
     # n_shared_experts 1, MLA with 64 heads, q_lora_rank 2048, kv_lora_rank 512,
-    # qk_nope_head_dim 192, qk_rope_head_dim 64, v_head_dim 256, vocab 154880; slime
+    # qk_nope_head_dim 192, qk_rope_head_dim 64, v_head_dim 256, vocab 154880,
+    # max_position_embeddings 202752; slime
     # scripts/models/glm5 agrees (3 dense + 75 MoE layers, 6144 / 2048 / 12288, 64 heads).
     # DeepSeek sparse attention (index_topk 2048) and the MTP layer are not modelled.
     "glm-5": ModelSpec(
@@ -181,7 +187,7 @@ MODELS: dict[str, ModelSpec] = {
         num_experts=256, top_k=8, num_heads=64, num_kv_heads=64, head_dim=192,
         vocab_size=154880, dense_ffn=12288, num_shared_experts=1, shared_ffn=2048,
         q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
-        v_head_dim=256),
+        v_head_dim=256, max_context=202752),
 }
 
 
