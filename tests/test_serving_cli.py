@@ -178,3 +178,19 @@ def test_a_trace_too_short_for_its_percentile_says_so_and_an_empty_plot_says_why
     assert "note: the trace holds 2 request(s), fewer than the 10 a P90 needs" in captured.out
     assert json.loads(out.read_text())["setup"]["notes"][0].startswith("the trace holds 2 request(s)")
     assert png.stat().st_size > 1000 and not [w for w in recwarn if "legend" in str(w.message)]
+
+
+def test_a_checkpoint_not_stored_in_fp8_is_named_in_a_note(tmp_path):
+    src = json.loads((ROOT / "tests" / "fixtures" / "hf_configs" / "Mixtral-8x7B-v0.1" / "config.json").read_text())
+
+    def notes(cfg: dict, *extra: str) -> list[str]:
+        path = tmp_path / "config.json"
+        path.write_text(json.dumps(cfg))
+        args = build_parser().parse_args(["serve-sim", "--model-config", str(path), "--window", "20", *extra])
+        return [n for n in setup_from_args(args).model_notes if "checkpoint stores" in n]
+
+    assert notes(src)[0].startswith("the checkpoint stores its weights as bfloat16; the model prices an FP8")
+    assert notes({**src, "quantization_config": {"quant_method": "mxfp4"}})[0].startswith(
+        "the checkpoint stores its weights as mxfp4")
+    assert notes({**src, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}) == []
+    assert notes(src, "--set", "serving.weight_bytes=2") == []

@@ -116,6 +116,22 @@ def _window(args) -> tuple[float, float]:
     return start, float(window)
 
 
+def _weight_format_notes(path: str, serving_sets: dict) -> list[str]:
+    """The model prices an FP8 deployment (``serving.weight_bytes`` 1, FP8 GEMMs): say so when
+    the config's checkpoint is stored otherwise (``quantization_config``, else ``torch_dtype``)."""
+    import json
+
+    with open(path, encoding="utf-8") as fh:   # model_from_hf_config has read it: it is JSON
+        cfg = json.load(fh)
+    quant = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else {}
+    stored = str(quant.get("quant_method") or cfg.get("torch_dtype") or cfg.get("dtype") or "").lower()
+    if not stored or "fp8" in stored or "weight_bytes" in serving_sets:
+        return []
+    return [f"the checkpoint stores its weights as {stored}; the model prices an FP8 deployment (weights at "
+            f"serving.weight_bytes = 1 byte, FP8 expert GEMMs), as SGLang serves it with --quantization fp8; "
+            f"--set serving.weight_bytes sets the weight bytes"]
+
+
 def check_options(args) -> tuple[tuple[str, ...], tuple[float, float]]:
     """Check what needs no file read, before any work: the output paths, the systems, the
     seed, the window and the worker count (one line naming the option). Returns the systems
@@ -144,7 +160,7 @@ def setup_from_args(args):
     if args.model_config:
         from ..sim.hf_config import model_from_hf_config
         read = model_from_hf_config(args.model_config)
-        model, model_notes = read.spec, tuple(read.notes)
+        model, model_notes = read.spec, (*read.notes, *_weight_format_notes(args.model_config, sets["serving"]))
     else:
         model = get_model(args.model)
     model = apply_overrides(model, "model", sets["model"])
