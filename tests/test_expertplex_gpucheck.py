@@ -70,10 +70,13 @@ def test_the_serving_override_reads_the_tile_time_back(tmp_path):
 
     from relibra_torch.serving.runtime.calibration import tile_time_us
 
+    from relibra_torch.serving.runtime.calibration import kernel_flops
+
     report = Report("default")
-    report.keys[expertplex.KEY] = {"tile_time_us": 3.25}
+    report.keys[expertplex.KEY] = {"tile_time_us": 3.25, "tile": [128, 128, 64], "dim": 2048, "programs": 4}
     report.write(tmp_path, [])
     assert tile_time_us(tmp_path) == 3.25 == tile_time_us(tmp_path / "gpu_check.json")
+    assert kernel_flops(tmp_path) == pytest.approx(2 * 128 * 128 * 2048 * 4 / 3.25e-6)
     Report("default").write(tmp_path / "cpu", [])
     with pytest.raises(ValueError, match="no positive expertplex.tile_time_us"):
         tile_time_us(tmp_path / "cpu")

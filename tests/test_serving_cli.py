@@ -84,11 +84,22 @@ def test_unknown_system_and_bad_set_are_rejected(capsys):
     assert "serving.speed: not a field" in capsys.readouterr().err
 
 
-def test_gpu_check_option_reads_the_runtime_calibration(tmp_path, capsys):
-    (tmp_path / "gpu_check.json").write_text(json.dumps({"expertplex": {"tile_time_us": 3.5}}))
-    args = build_parser().parse_args(["serve-sim", "--gpu-check", str(tmp_path), "--systems", "colocated"])
-    setup = setup_from_args(args)
-    assert setup.tile_time_us == 3.5 and setup.tile_time_source.startswith("measured")
+def test_gpu_check_option_prices_the_models_tile_at_the_kernels_measured_rate(tmp_path, capsys):
+    """The measured tile is one program's 128 x 128 bf16 output tile over K = 2048 with 132
+    programs at once; the model's tile is 64 rows through a whole expert at FP8 (2x bf16): the
+    rate carries over, the tile time does not (a model of another width gets its own)."""
+    record = {"tile_time_us": 17.0, "tile": [128, 128, 64], "dim": 2048, "programs": 132}
+    (tmp_path / "gpu_check.json").write_text(json.dumps({"expertplex": record}))
+    rate = 2 * 128 * 128 * 2048 * 132 / 17.0e-6                         # bf16 FLOP/s the kernel reached
+    for model, (D, F) in (("minimax-m2", (3072, 1536)), ("qwen3-30b-a3b", (2048, 768))):
+        args = build_parser().parse_args(["serve-sim", "--gpu-check", str(tmp_path), "--systems", "colocated",
+                                          "--model", model])
+        setup = setup_from_args(args)
+        assert setup.tile_time_us == pytest.approx(64 * 6 * D * F / (2 * rate) * 1e6, rel=1e-12)
+        assert setup.tile_time_source.startswith("measured: the gpu-check kernel's 521 bf16 TFLOP/s as FP8")
+    (tmp_path / "gpu_check.json").write_text(json.dumps({"expertplex": {"tile_time_us": 17.0}}))
+    assert main(["serve-sim", "--gpu-check", str(tmp_path)]) == 2
+    assert "no tile shape, dim and program count beside expertplex.tile_time_us" in capsys.readouterr().err
     (tmp_path / "gpu_check.json").write_text("{}")
     assert main(["serve-sim", "--gpu-check", str(tmp_path)]) == 2
     assert "no positive expertplex.tile_time_us" in capsys.readouterr().err

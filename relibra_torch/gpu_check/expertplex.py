@@ -216,5 +216,6 @@ def run(report: Report, device: torch.device, shape: Shape | None = None) -> lis
         return []
     s = state["summary"]
     report.keys[KEY] = {"tile_time_us": s["tile_time_us"], "tile": [shape.tile_m, shape.tile_n, shape.tile_k],
+                        "dim": shape.dim,  # a tile's K: what serving.runtime.calibration turns into a rate
                         "programs": s["programs"], **{w: s[w] for w in ("plain", "priority", "persistent")}}
     return highlights(s)

@@ -17,7 +17,7 @@ examples:
   relibra serve-sim --trace mooncake.jsonl --systems expertplex,pd-disagg
   relibra serve-sim --rate 20 --num-requests 2000 --model-config GLM-4.5-Air/config.json
   relibra serve-sim --lengths sharegpt --hardware h800 --nodes 3   (Poisson, ShareGPT-like lengths)
-  relibra serve-sim --gpu-check out/gpu-check/gpu_check.json   (measured expertplex.tile_time_us)
+  relibra serve-sim --gpu-check out/gpu-check/gpu_check.json   (the measured kernel's rate)
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tpot-slo", type=float, help="TPOT SLO, s (default 0.05)")
     p.add_argument("--tile-time-us", type=float, help="expert row-tile time, us (default: roofline)")
     p.add_argument("--gpu-check", metavar="gpu_check.json",
-                   help="read the tile time from expertplex.tile_time_us of make gpu-check's file (or its folder)")
+                   help="price expert tiles at the rate make gpu-check's kernel reached (its file or folder)")
     p.add_argument("--allow-idle", action="store_true", help="let the search leave GPUs idle (slower)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field: serving.*, hardware.*, model.* (repeatable)")
@@ -200,9 +200,13 @@ def setup_from_args(args):
         routing = "synthetic trace model (Qwen3-30B-A3B-calibrated heat, resampled to the model's shape)"
     tile_us, tile_src = None, "roofline (M_t x 6 D F FLOPs at the FP8 rate)"
     if args.gpu_check:
-        from .runtime.calibration import tile_time_us  # the one reader of the runtime's measurement
+        from .runtime.calibration import kernel_flops  # the one reader of the runtime's measurement
 
-        tile_us, tile_src = tile_time_us(args.gpu_check), f"measured, {args.gpu_check}"
+        # the kernel's measured bf16 rate, doubled for the FP8 GEMMs the model prices (the roofline's
+        # own ratio), over one row tile of this model's expert: the measured shape need not be the model's
+        flops = kernel_flops(args.gpu_check)
+        tile_us = consts.tile_m * 6 * model.hidden_size * model.moe_ffn / (2 * flops) * 1e6
+        tile_src = f"measured: the gpu-check kernel's {flops / 1e12:.0f} bf16 TFLOP/s as FP8, {args.gpu_check}"
     if args.tile_time_us is not None:
         tile_us, tile_src = check_number("--tile-time-us", args.tile_time_us, 0, strict=True), "--tile-time-us"
     return CompareSetup(model, hardware, consts, nodes, gpn, reqs, pi, systems, routing, tile_us, tile_src,
