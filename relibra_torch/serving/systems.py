@@ -23,7 +23,10 @@ expertplex      ``n_ap`` prefill and ``n_ad`` decode attention GPUs, ``n_e`` sha
                 finish as its expert weights stream in (``decode_sm_share``) and waits at most one tile plus one check for
                 prefill tiles to yield; prefill runs on what decode leaves, both slowed by the
                 paper's measured APK overheads. ``replicas`` extra expert slots per expert GPU
-                (EPLB planned on a recent routing window) spread hot experts.
+                (EPLB planned on a recent routing window) spread hot experts. ``groups``
+                independent such deployments of whole nodes each (a divisor of the node
+                count), as the baselines run several instances: arrivals go to any group's
+                prefill GPUs, hand-offs to any decode group (KV over RDMA across nodes).
 =============== ===================================================================================
 
 The search may leave GPUs idle (``allow_idle``): then every configuration of ``G`` GPUs is
@@ -144,23 +147,27 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
     elif system in ("expertplex", "expertplex-repl"):
         c, E = cl.cost, cl.cost.model.num_experts
         reps = REPLICA_CHOICES[1:] if system == "expertplex-repl" else (0,)
-        # any count of expert GPUs (an uneven contiguous split when it does not divide E;
-        # replicated, the slots that split leaves empty hold copies too)
-        for n_e in range(1, min(G - 1, E + 1)):
-            for r in reps:
-                slots = -(-E // n_e) + r
-                if c.expert_bytes_total() / E * slots > c.usable_bytes():
-                    continue
-                for n_ap in range(1, G - n_e):
-                    most_d = G - n_e - n_ap
-                    for n_ad in (range(1, most_d + 1) if allow_idle else [most_d]):
-                        if c.kv_capacity(n_ad, c.attention_side_bytes()) < need_kv:
-                            continue
-                        for near in (1, 0):
-                            knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
-                                     ("decode_attention_gpus", n_ad), ("prefill_near_experts", near)) \
-                                + ((("replicas", r),) if r else ())
-                            out.append(SystemConfig(system, knobs, n_e + n_ap + n_ad))
+        # one deployment over the cluster, or several alike over whole nodes each
+        nodes = G // cl.gpus_per_node if G % cl.gpus_per_node == 0 else 1
+        for n_g in (n for n in range(1, nodes + 1) if nodes % n == 0):
+            Gg = G // n_g
+            # any count of expert GPUs (an uneven contiguous split when it does not divide E;
+            # replicated, the slots that split leaves empty hold copies too)
+            for n_e in range(1, min(Gg - 1, E + 1)):
+                for r in reps:
+                    slots = -(-E // n_e) + r
+                    if c.expert_bytes_total() / E * slots > c.usable_bytes():
+                        continue
+                    for n_ap in range(1, Gg - n_e):
+                        most_d = Gg - n_e - n_ap
+                        for n_ad in (range(1, most_d + 1) if allow_idle else [most_d]):
+                            if c.kv_capacity(n_ad, c.attention_side_bytes()) < need_kv:
+                                continue
+                            for near in (1, 0):
+                                knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
+                                         ("decode_attention_gpus", n_ad), ("prefill_near_experts", near)) \
+                                    + ((("replicas", r),) if r else ()) + ((("groups", n_g),) if n_g > 1 else ())
+                                out.append(SystemConfig(system, knobs, n_g * (n_e + n_ap + n_ad)))
     else:
         raise ValueError(f"--systems: unknown system {system!r}; allowed: {', '.join(SYSTEMS)}, expertplex-repl")
     return out
@@ -236,17 +243,19 @@ class _ExpertPlex:
     the expert GPUs' compute equally. The decode attention GPUs step together as one batch.
     """
 
-    def __init__(self, cl: Cluster, n_e: int, n_ap: int, n_ad: int, replicas: int, prefill_near: bool):
+    def __init__(self, cl: Cluster, n_e: int, n_ap: int, n_ad: int, replicas: int, prefill_near: bool,
+                 first_gpu: int = 0):
         self.cost, self.c = cl.cost, cl.consts
         self.n_e, self.n_ap, self.n_ad = n_e, n_ap, n_ad
         self.table = cl.table(n_e, replicas)
         self.table_key, self.memo = (n_e, replicas), cl.memo
-        # GPUs are numbered node by node: expert GPUs first, then the phase placed near them
-        gpn = cl.gpus_per_node
-        experts = range(n_e)
+        # GPUs are numbered node by node from first_gpu (a group's first): expert GPUs first,
+        # then the phase placed near them
+        gpn, o = cl.gpus_per_node, first_gpu
+        experts = range(o, o + n_e)
         first, second = (n_ap, n_ad) if prefill_near else (n_ad, n_ap)
-        a = range(n_e, n_e + first)
-        b = range(n_e + first, n_e + first + second)
+        a = range(o + n_e, o + n_e + first)
+        b = range(o + n_e + first, o + n_e + first + second)
         pre, dec = (a, b) if prefill_near else (b, a)
         # each prefill attention GPU sends over its own links (a near one over NVLink only);
         # the decode GPUs step together, so the most remote one sets their step's traffic time
@@ -402,18 +411,23 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
         def transfer(prompt, src, dst):  # one request's KV lives on one attention-DP GPU
             cross = spans or src.node != dst.node
             return cl.cost.kv_transfer_s(prompt, cross), "rdma" if cross else "nvlink"
-    else:  # expertplex, expertplex-repl
+    else:  # expertplex, expertplex-repl: one group, or several alike of whole nodes each
         n_e, n_ap, n_ad = int(k["expert_gpus"]), int(k["prefill_attention_gpus"]), int(k["decode_attention_gpus"])
-        px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)), bool(k["prefill_near_experts"]))
-        d = Executor("d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
-                     max_running=c.max_running * n_ad, node=px.decode_node, links=n_ad, **lim(n_ad))
-        for i in range(n_ap):
-            p = Executor(f"p{i}", "prefill", _PrefillPort(px, i), kv_capacity=0, max_running=1, node=px.prefill_nodes[i], **lim(1))
-            p.listeners.append(d)  # decode's step price changes when prefill starts or stops
-            px.prefill_xs.append(p)
-            xs.append(p)
-        px.decode_x = d
-        xs.append(d)
+        groups = int(k.get("groups", 1))
+        for j in range(groups):
+            px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)), bool(k["prefill_near_experts"]),
+                             first_gpu=j * cl.num_gpus // groups)
+            tag = f"g{j}" if groups > 1 else ""
+            d = Executor(f"{tag}d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
+                         max_running=c.max_running * n_ad, node=px.decode_node, links=n_ad, **lim(n_ad))
+            for i in range(n_ap):
+                p = Executor(f"{tag}p{i}", "prefill", _PrefillPort(px, i), kv_capacity=0, max_running=1,
+                             node=px.prefill_nodes[i], **lim(1))
+                p.listeners.append(d)  # decode's step price changes when prefill starts or stops
+                px.prefill_xs.append(p)
+                xs.append(p)
+            px.decode_x = d
+            xs.append(d)
         def transfer(prompt, src, dst):  # prefill attention GPU -> decode attention GPU
             cross = src.node != dst.node
             return cl.cost.kv_transfer_s(prompt, cross), "rdma" if cross else "nvlink"
