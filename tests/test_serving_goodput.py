@@ -318,3 +318,27 @@ def test_goodput_zero_says_why_and_requests_past_the_context_window_are_counted(
     over = int(((reqs.prompt_N + reqs.output_N) > long - 1).sum())
     note = context_notes(reqs, replace(TINY, max_context=long - 1))[0]
     assert note.startswith(f"{over} of 12 requests need more than tiny's context window ({long - 1:,} tokens")
+
+
+def test_expertplex_runs_as_several_groups_of_whole_nodes():
+    """``groups``: deployments alike over whole nodes each (a divisor of the node count), every
+    group's servers on its own nodes; requests finish once (run_config raises otherwise), and
+    two groups serve at least what one group of the same shape serves on one node."""
+    from relibra_torch.serving.systems import SystemConfig, build_engine
+
+    cl2 = _cluster(16)
+    reqs = _requests()
+    need = int((reqs.prompt_N + reqs.output_N).max())
+    configs = enumerate_configs("expertplex", cl2, need)
+    grouped = [c for c in configs if dict(c.knobs).get("groups", 1) == 2]
+    assert grouped and all(c.gpus == 2 * (c.get("expert_gpus") + c.get("prefill_attention_gpus")
+                                          + c.get("decode_attention_gpus")) <= 16 for c in grouped)
+    assert not [c for c in enumerate_configs("expertplex", _cluster(8), need) if "groups" in dict(c.knobs)]
+    knobs = (("expert_gpus", 2), ("prefill_attention_gpus", 2), ("decode_attention_gpus", 4),
+             ("prefill_near_experts", 1))
+    two = SystemConfig("expertplex", knobs + (("groups", 2),), 16)
+    eng = build_engine(two, cl2, reqs.arrival_N, reqs.prompt_N, reqs.output_N)
+    nodes = {x.name: x.node for x in eng.entry + eng.decoders}
+    assert nodes == {"g0p0": 0, "g0p1": 0, "g0d": 0, "g1p0": 1, "g1p1": 1, "g1d": 1}
+    one = SystemConfig("expertplex", knobs, 8)
+    assert goodput(two, cl2, reqs).rate >= goodput(one, _cluster(8), reqs).rate > 0
