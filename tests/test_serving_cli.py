@@ -54,7 +54,7 @@ def test_bad_trace_is_a_one_line_error_with_exit_2(tmp_path, capsys):
      "--json '{tmp}/file.json/out.json': '{tmp}/file.json' is a file, not a folder"),
     (["--plot", "{tmp}/out.txt"], "--plot '{tmp}/out.txt' has the wrong extension; allowed: .png, .svg, .pdf"),
     (["--systems", ","], "--systems is empty; allowed: expertplex,pd-colocate,pd-disagg,colocated,chunked-prefill,"
-                         "expertplex-repl"),
+                         "expertplex-repl, or all"),
     (["--seed", "-1"], "--seed = -1; allowed: an int in [0, 9223372036854775807]"),
     (["--window", "-5"], "--window = -5.0; allowed: a finite number > 0 (seconds), or 0 for the rest of the trace"),
 ])
@@ -205,3 +205,12 @@ def test_a_checkpoint_not_stored_in_fp8_is_named_in_a_note(tmp_path):
         "the checkpoint stores its weights as mxfp4")
     assert notes({**src, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}) == []
     assert notes(src, "--set", "serving.weight_bytes=2") == []
+
+
+def test_the_default_compares_five_systems_and_all_adds_replication():
+    def systems(*argv: str) -> tuple[str, ...]:
+        return setup_from_args(build_parser().parse_args(["serve-sim", "--window", "20", *argv])).systems
+
+    assert systems() == ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill")
+    assert systems("--systems", "all") == (*systems(), "expertplex-repl")
+    assert systems("--systems", "expertplex-repl,pd-disagg") == ("expertplex-repl", "pd-disagg")

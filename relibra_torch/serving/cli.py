@@ -8,11 +8,13 @@ system's knobs are searched for the highest P90 goodput (the highest arrival rat
 90% of requests meet both the TTFT and the TPOT SLO; a real trace's rate is changed by
 dividing its inter-arrival times). With no arguments: a MiniMax-M2-shaped model on 2 x 8
 H200, the first 5 minutes of the Azure LLM inference 2023 conversation trace, the paper's
-SLO (TTFT 1 s, TPOT 50 ms), synthetic routing; about a minute on 2 CPU cores. See
-docs/serving.md for the model, its constants and their sources.
+SLO (TTFT 1 s, TPOT 50 ms), synthetic routing, the five systems compared; about a minute on
+2 CPU cores (--systems all adds expertplex-repl: about two minutes). See docs/serving.md for
+the model, its constants and their sources.
 
 examples:
   relibra serve-sim
+  relibra serve-sim --systems all --json out.json   (with replication on the expert servers)
   relibra serve-sim --hardware h800 --nodes 3 --json out.json --plot out.png
   relibra serve-sim --trace mooncake.jsonl --systems expertplex,pd-disagg
   relibra serve-sim --rate 20 --num-requests 2000 --model-config GLM-4.5-Air/config.json
@@ -34,7 +36,10 @@ from .constants import DEFAULT_CONSTANTS, override_constants
 
 HELP = "P90 goodput of MoE serving systems (ExpertPlex, PD disaggregation/colocation) on a request trace"
 
-DEFAULT_SYSTEMS = ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill", "expertplex-repl")
+# the systems compared by default, and the one opt-in: ExpertPlex with EPLB's layout and replicas on
+# its expert servers (relibra's balancing there), about as long to search as the five together
+DEFAULT_SYSTEMS = ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill")
+ALL_SYSTEMS = (*DEFAULT_SYSTEMS, "expertplex-repl")
 DEFAULT_TRACE = "azure-llm-inference-2023-conv.csv"
 DEFAULT_WINDOW_S = 300.0
 
@@ -59,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hardware", default="h200", help=f"GPU preset: {', '.join(HARDWARE)} (default h200)")
     p.add_argument("--nodes", type=int, default=2, help="nodes (default 2)")
     p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8)")
-    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated systems, from {','.join(DEFAULT_SYSTEMS)} (default all)")
+    p.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS),
+                   help=f"comma-separated systems, from {','.join(ALL_SYSTEMS)}, or all (default: all but "
+                        f"expertplex-repl)")
     p.add_argument("--ttft-slo", type=float, help="TTFT SLO, s (default 1)")
     p.add_argument("--tpot-slo", type=float, help="TPOT SLO, s (default 0.05)")
     p.add_argument("--tile-time-us", type=float, help="expert row-tile time, us (default: roofline)")
@@ -89,12 +96,14 @@ def _overrides(items: list[str]) -> dict[str, dict[str, str]]:
 
 def _systems(text: str) -> tuple[str, ...]:
     """``--systems`` as a tuple of known systems (at least one)."""
+    if text.strip() == "all":
+        return ALL_SYSTEMS
     systems = tuple(s.strip() for s in text.split(",") if s.strip())
     if not systems:
-        raise ValueError(f"--systems is empty; allowed: {','.join(DEFAULT_SYSTEMS)}")
+        raise ValueError(f"--systems is empty; allowed: {','.join(ALL_SYSTEMS)}, or all")
     for s in systems:
-        if s not in DEFAULT_SYSTEMS:
-            raise ValueError(f"--systems: unknown system {s!r}; allowed: {', '.join(DEFAULT_SYSTEMS)}")
+        if s not in ALL_SYSTEMS:
+            raise ValueError(f"--systems: unknown system {s!r}; allowed: {', '.join(ALL_SYSTEMS)}, or all")
     return systems
 
 
