@@ -113,14 +113,17 @@ def test_gpu_check_option_prices_the_models_tile_at_the_kernels_measured_rate(tm
     (["--lengths", "sharegpt", "--window", "20"], "--window / --window-start select part of a trace; --lengths "
                                                   "sharegpt draws its requests"),
     (["--gpu-check", "{null}"], "has no positive expertplex.tile_time_us (got None)"),
+    (["--trace", "{mc}", "--json", "{mc}"], "is the trace itself; it would be overwritten"),
     (["--gpu-check", "{note}"], "has no positive expertplex.tile_time_us (got 'skipped: no CUDA')"),
 ])
 def test_options_a_run_would_ignore_and_traces_without_a_rate_are_refused(tmp_path, capsys, argv, message):
     (tmp_path / "burst.csv").write_text(AZURE_HEAD + "2023-11-16 18:15:46.1,5,4\n" * 3)
     (tmp_path / "null.json").write_text('{"expertplex": null}')
     (tmp_path / "note.json").write_text('{"expertplex": "skipped: no CUDA"}')
-    argv = [a.format(burst=tmp_path / "burst.csv", null=tmp_path / "null.json", note=tmp_path / "note.json")
-            for a in argv]
+    (tmp_path / "t.json").write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
+                                     '{"timestamp": 900, "input_length": 5, "output_length": 1}\n')
+    argv = [a.format(burst=tmp_path / "burst.csv", null=tmp_path / "null.json", note=tmp_path / "note.json",
+                     mc=tmp_path / "t.json") for a in argv]
     assert main(["serve-sim", "--systems", "pd-disagg", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and message in err, err

@@ -288,3 +288,37 @@ def test_a_short_trace_is_repeated_back_to_back_up_to_the_minimum_span_at_the_sa
     assert len(r.scaled(2.0, min_span_s=2.0)) == 4  # long enough already
     assert len(r.scaled(2.0, min_span_s=10.0, max_requests=9)) == 8  # the request cap: 2 copies
     assert len(r.scaled(math.inf, min_span_s=10.0)) == 4  # a burst stays a burst
+
+
+def test_header_case_duplicate_columns_and_keys(tmp_path):
+    """Header names match whatever their case; a column or JSON key given twice is refused
+    (the readers would otherwise keep the last silently); another trace's header is named."""
+    lower = _write(tmp_path, "lower.csv", "timestamp,contexttokens,generatedtokens\n2023-11-16 18:15:46.1,5,4\n"
+                                          "2023-11-16 18:15:47.1,6,4\n")
+    assert read_azure_csv(lower).prompt_N.tolist() == [5, 6]
+    twice = _write(tmp_path, "twice.csv", "TIMESTAMP,ContextTokens,GeneratedTokens,ContextTokens\n"
+                                          "2023-11-16 18:15:46.1,5,4,999999\n")
+    with pytest.raises(ValueError, match=r"^twice.csv: column\(s\) ContextTokens appear more than once"):
+        read_azure_csv(twice)
+    key = _write(tmp_path, "key.jsonl", '{"timestamp": 0, "input_length": 5, "input_length": 700000, '
+                                        '"output_length": 1}\n')
+    with pytest.raises(ValueError, match=r"^key.jsonl line 1: not valid JSON \(key 'input_length' appears more "):
+        read_mooncake_jsonl(key)
+    burst = _write(tmp_path, "burstgpt.csv", "Timestamp,Model,Request tokens,Response tokens,Total tokens,Log Type\n"
+                                             "5,ChatGPT,472,18,490,Conversation log\n")
+    with pytest.raises(ValueError, match=r"missing column\(s\) ContextTokens, GeneratedTokens \(header: Timestamp,"
+                                         r"Model,Request tokens"):
+        read_azure_csv(burst)
+
+
+def test_span_notes_flag_a_goodput_past_the_request_cap_and_a_trace_in_seconds():
+    from relibra_torch.serving.compare import span_notes
+    from relibra_torch.serving.constants import DEFAULT_CONSTANTS
+
+    ms = Requests(np.array([0.0, 0.001, 0.002]), np.array([5, 5, 5]), np.array([1, 1, 1]), "mooncake:x.jsonl")
+    notes = span_notes(ms, {"a": {"goodput": 2000.0}, "b": {"goodput": None}, "c": {"goodput": 10.0}},
+                       DEFAULT_CONSTANTS)
+    assert len(notes) == 2 and notes[0].startswith("a: at its goodput (2,000 req/s) a run's 50,000 requests")
+    assert "read as milliseconds" in notes[1]
+    slow = Requests(np.array([0.0, 1.0]), np.array([5, 5]), np.array([1, 1]), "mooncake:x.jsonl")
+    assert span_notes(slow, {"c": {"goodput": 10.0}}, DEFAULT_CONSTANTS) == []

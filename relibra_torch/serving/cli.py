@@ -190,6 +190,8 @@ def setup_from_args(args):
                                args.seed, args.output_len)
     else:
         path = args.trace or str(shared_data_dir() / DEFAULT_TRACE)
+        if args.json and os.path.realpath(args.json) == os.path.realpath(path):
+            raise ValueError(f"--json {args.json!r} is the trace itself; it would be overwritten (name another file)")
         reqs = load_trace(path)
         if window or start:
             reqs = reqs.window(start, window or math.inf)

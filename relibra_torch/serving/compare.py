@@ -128,7 +128,7 @@ def compare(setup: CompareSetup, progress=None, workers: int = 1) -> dict:
             "tile_time_us": cost.tile_time_s * 1e6, "tile_time_source": setup.tile_time_source,
             "sm_tile_us": cost.sm_tile_s * 1e6, "allow_idle": setup.allow_idle, "seed": setup.seed,
             "notes": [*setup.model_notes, *trace_notes(len(reqs), setup.consts),
-                      *context_notes(reqs, setup.model)],
+                      *context_notes(reqs, setup.model), *span_notes(reqs, results, setup.consts)],
         },
         "systems": results,
         "ratios": _ratios(results),
@@ -136,6 +136,23 @@ def compare(setup: CompareSetup, progress=None, workers: int = 1) -> dict:
         "seconds": time.perf_counter() - t0,
     }
     return doc
+
+
+def span_notes(reqs: Requests, results: dict, consts) -> list[str]:
+    """Where a figure is not what it seems: a goodput at which a run's request cap spans less
+    than ``serving.min_trace_s`` (no longer a steady state), and a Mooncake trace whose
+    recorded rate suggests seconds where milliseconds are read."""
+    notes = []
+    for system, r in results.items():
+        g = r.get("goodput")
+        if g and consts.min_trace_s > 0 and g * consts.min_trace_s > consts.max_trace_requests:
+            notes.append(f"{system}: at its goodput ({g:,.0f} req/s) a run's {consts.max_trace_requests:,} requests "
+                         f"(serving.max_trace_requests) span {consts.max_trace_requests / g:.0f} s, less than "
+                         f"serving.min_trace_s = {consts.min_trace_s:g} s: raise the cap for a steady state")
+    if reqs.source.startswith("mooncake:") and len(reqs) > 1 and reqs.rate > 1000:
+        notes.append(f"the trace arrives at {reqs.rate:,.0f} req/s as recorded: Mooncake timestamps are read as "
+                     f"milliseconds; a file in seconds would look like this")
+    return notes
 
 
 def context_notes(reqs: Requests, model) -> list[str]:

@@ -196,6 +196,15 @@ def _millis(path: str, where: str, raw) -> float:
     return float(value) / 1000.0
 
 
+def _no_twice(pairs: list) -> dict:
+    """A JSON object whose keys each appear once (``json.loads`` would keep the last silently)."""
+    obj = dict(pairs)
+    if len(obj) < len(pairs):
+        seen = [k for i, (k, _) in enumerate(pairs) if k in (p[0] for p in pairs[:i])]
+        raise json.JSONDecodeError(f"key {seen[0]!r} appears more than once", "", 0)
+    return obj
+
+
 def _azure_seconds(stamp: str) -> float:
     """Seconds since the epoch of an Azure ``TIMESTAMP`` (``ValueError`` when malformed)."""
     m = AZURE_STAMP.fullmatch(stamp)
@@ -244,11 +253,18 @@ def read_azure_csv(path: str) -> Requests:
         reader = csv.DictReader(fh)
         if reader.fieldnames is None:
             raise _fail(path, "", "the file is empty; allowed: a CSV with header " + ",".join(AZURE_COLUMNS))
-        reader.fieldnames = [name.strip() for name in reader.fieldnames]  # "TIMESTAMP, ContextTokens"
+        # "TIMESTAMP, ContextTokens" and "timestamp,contexttokens" name the same columns
+        canon = {c.lower(): c for c in AZURE_COLUMNS}
+        names = [name.strip() for name in reader.fieldnames]
+        reader.fieldnames = [canon.get(name.lower(), name) for name in names]
+        twice = sorted({c for c in AZURE_COLUMNS if reader.fieldnames.count(c) > 1})
+        if twice:  # DictReader would keep the last silently
+            raise _fail(path, "", f"column(s) {', '.join(twice)} appear more than once; allowed: each once")
         missing = [c for c in AZURE_COLUMNS if c not in reader.fieldnames]
         if missing:
-            raise _fail(path, "", f"missing column(s) {', '.join(missing)}; allowed: a header with "
-                        + ",".join(AZURE_COLUMNS))
+            raise _fail(path, "", f"missing column(s) {', '.join(missing)} (header: {','.join(names)[:120]}); "
+                        f"allowed: an Azure LLM inference trace CSV with header " + ",".join(AZURE_COLUMNS)
+                        + " (convert another trace to these columns, or to Mooncake JSONL)")
         done = reader.line_num  # the last line of the last row read whole (the header's)
         try:
             for i, row in enumerate(reader):
@@ -286,7 +302,7 @@ def read_mooncake_jsonl(path: str) -> Requests:
             if line.lstrip().startswith("["):  # a .json file holding one array of requests
                 raise _fail(path, where, f"a JSON array, not a JSON object; {JSONL_HINT}")
             try:
-                obj = json.loads(line)
+                obj = json.loads(line, object_pairs_hook=_no_twice)
             except json.JSONDecodeError as exc:
                 if len(rows) == 1 and line.strip() == "{":  # the first object spans several lines
                     raise _fail(path, where, f"a JSON document over several lines, not one object per "
