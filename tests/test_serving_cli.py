@@ -208,6 +208,8 @@ def test_a_checkpoint_not_stored_in_fp8_is_named_in_a_note(tmp_path):
         "the checkpoint stores its weights as mxfp4")
     assert notes({**src, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}) == []
     assert notes(src, "--set", "serving.weight_bytes=2") == []
+    folder = build_parser().parse_args(["serve-sim", "--model-config", str(tmp_path), "--window", "20"])
+    assert setup_from_args(folder).model_notes          # the folder holding config.json, as --model-config takes
 
 
 def test_the_default_compares_five_systems_and_all_adds_replication():

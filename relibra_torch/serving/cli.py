@@ -128,10 +128,9 @@ def _window(args) -> tuple[float, float]:
 def _weight_format_notes(path: str, serving_sets: dict) -> list[str]:
     """The model prices an FP8 deployment (``serving.weight_bytes`` 1, FP8 GEMMs): say so when
     the config's checkpoint is stored otherwise (``quantization_config``, else ``torch_dtype``)."""
-    import json
+    from ..sim.hf_config import load_hf_config  # a file or the folder holding it, as --model-config
 
-    with open(path, encoding="utf-8") as fh:   # model_from_hf_config has read it: it is JSON
-        cfg = json.load(fh)
+    cfg = load_hf_config(path)
     quant = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else {}
     stored = str(quant.get("quant_method") or cfg.get("torch_dtype") or cfg.get("dtype") or "").lower()
     if not stored or "fp8" in stored or "weight_bytes" in serving_sets:
