@@ -321,9 +321,11 @@ def test_goodput_zero_says_why_and_requests_past_the_context_window_are_counted(
 
 
 def test_expertplex_runs_as_several_groups_of_whole_nodes():
-    """``groups``: deployments alike over whole nodes each (a divisor of the node count), every
-    group's servers on its own nodes; requests finish once (run_config raises otherwise), and
-    two groups serve at least what one group of the same shape serves on one node."""
+    """``groups``: deployments alike of ``group_nodes`` whole nodes each (every node used; with
+    idle GPUs allowed any that fit, so a cluster's configurations stay those of a larger one),
+    every group's servers on its own nodes; requests finish once (run_config raises
+    otherwise), and two groups serve at least what one group of the same shape serves on one
+    node."""
     from relibra_torch.serving.systems import SystemConfig, build_engine
 
     cl2 = _cluster(16)
@@ -334,9 +336,13 @@ def test_expertplex_runs_as_several_groups_of_whole_nodes():
     assert grouped and all(c.gpus == 2 * (c.get("expert_gpus") + c.get("prefill_attention_gpus")
                                           + c.get("decode_attention_gpus")) <= 16 for c in grouped)
     assert not [c for c in enumerate_configs("expertplex", _cluster(8), need) if "groups" in dict(c.knobs)]
+    assert not [c for c in enumerate_configs("expertplex", _cluster(17), need) if "groups" in dict(c.knobs)]
+    idle = {c for c in enumerate_configs("expertplex", _cluster(16), need, allow_idle=True)}
+    assert {c for c in enumerate_configs("expertplex", _cluster(17), need, allow_idle=True)} >= idle
+    assert {c for c in enumerate_configs("expertplex", _cluster(24), need, allow_idle=True)} >= idle
     knobs = (("expert_gpus", 2), ("prefill_attention_gpus", 2), ("decode_attention_gpus", 4),
              ("prefill_near_experts", 1))
-    two = SystemConfig("expertplex", knobs + (("groups", 2),), 16)
+    two = SystemConfig("expertplex", knobs + (("groups", 2), ("group_nodes", 1)), 16)
     eng = build_engine(two, cl2, reqs.arrival_N, reqs.prompt_N, reqs.output_N)
     nodes = {x.name: x.node for x in eng.entry + eng.decoders}
     assert nodes == {"g0p0": 0, "g0p1": 0, "g0d": 0, "g1p0": 1, "g1p1": 1, "g1d": 1}

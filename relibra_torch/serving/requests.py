@@ -219,7 +219,7 @@ def _azure_seconds(stamp: str) -> float:
     return datetime.fromisoformat(head).replace(tzinfo=tz).timestamp() + (float("0." + frac) if frac else 0.0)
 
 
-def _text_lines(path: str, fh, reading):
+def _read_text(path: str, fh, reading):
     """Run ``reading(fh)``; bytes that are not UTF-8 (a gzip or Latin-1 file) fail naming the
     file, and a gzip file says so."""
     try:
@@ -283,7 +283,7 @@ def read_azure_csv(path: str) -> Requests:
                         "comma-separated fields, quotes balanced") from None
 
     with open(path, newline="", encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
-        _text_lines(path, fh, reading)
+        _read_text(path, fh, reading)
     return _finish(path, times, prompt, output, f"azure:{os.path.basename(path)}", rows)
 
 
@@ -319,7 +319,7 @@ def read_mooncake_jsonl(path: str) -> Requests:
             output.append(_length(path, where, "output_length", obj["output_length"]))
 
     with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte order mark is dropped
-        _text_lines(path, fh, reading)
+        _read_text(path, fh, reading)
     return _finish(path, times, prompt, output, f"mooncake:{os.path.basename(path)}", rows)
 
 

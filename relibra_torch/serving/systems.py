@@ -24,9 +24,10 @@ expertplex      ``n_ap`` prefill and ``n_ad`` decode attention GPUs, ``n_e`` sha
                 prefill tiles to yield; prefill runs on what decode leaves, both slowed by the
                 paper's measured APK overheads. ``replicas`` extra expert slots per expert GPU
                 (EPLB planned on a recent routing window) spread hot experts. ``groups``
-                independent such deployments of whole nodes each (a divisor of the node
-                count), as the baselines run several instances: arrivals go to any group's
-                prefill GPUs, hand-offs to any decode group (KV over RDMA across nodes).
+                independent such deployments of ``group_nodes`` whole nodes each (every node
+                used; with ``allow_idle`` any that fit), as the baselines run several
+                instances: arrivals go to any group's prefill GPUs, hand-offs to any decode
+                group (KV over RDMA across nodes).
 =============== ===================================================================================
 
 The search may leave GPUs idle (``allow_idle``): then every configuration of ``G`` GPUs is
@@ -147,10 +148,13 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
     elif system in ("expertplex", "expertplex-repl"):
         c, E = cl.cost, cl.cost.model.num_experts
         reps = REPLICA_CHOICES[1:] if system == "expertplex-repl" else (0,)
-        # one deployment over the cluster, or several alike over whole nodes each
-        nodes = G // cl.gpus_per_node if G % cl.gpus_per_node == 0 else 1
-        for n_g in (n for n in range(1, nodes + 1) if nodes % n == 0):
-            Gg = G // n_g
+        # one deployment over the cluster, or n_g alike of m whole nodes each: every node used,
+        # or (allow_idle) any that fit, so every configuration of G GPUs is one of G + 1 too
+        full = G // cl.gpus_per_node
+        shapes = [(1, 0)] + [(n_g, m) for m in range(1, full + 1) for n_g in range(2, full // m + 1)
+                             if allow_idle or (G % cl.gpus_per_node == 0 and n_g * m == full)]
+        for n_g, m in shapes:
+            Gg = m * cl.gpus_per_node if n_g > 1 else G
             # any count of expert GPUs (an uneven contiguous split when it does not divide E;
             # replicated, the slots that split leaves empty hold copies too)
             for n_e in range(1, min(Gg - 1, E + 1)):
@@ -166,7 +170,8 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
                             for near in (1, 0):
                                 knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
                                          ("decode_attention_gpus", n_ad), ("prefill_near_experts", near)) \
-                                    + ((("replicas", r),) if r else ()) + ((("groups", n_g),) if n_g > 1 else ())
+                                    + ((("replicas", r),) if r else ()) \
+                                    + ((("groups", n_g), ("group_nodes", m)) if n_g > 1 else ())
                                 out.append(SystemConfig(system, knobs, n_g * (n_e + n_ap + n_ad)))
     else:
         raise ValueError(f"--systems: unknown system {system!r}; allowed: {', '.join(SYSTEMS)}, expertplex-repl")
@@ -413,10 +418,10 @@ def build_engine(cfg: SystemConfig, cl: Cluster, arrival_N, prompt_N, output_N) 
             return cl.cost.kv_transfer_s(prompt, cross), "rdma" if cross else "nvlink"
     else:  # expertplex, expertplex-repl: one group, or several alike of whole nodes each
         n_e, n_ap, n_ad = int(k["expert_gpus"]), int(k["prefill_attention_gpus"]), int(k["decode_attention_gpus"])
-        groups = int(k.get("groups", 1))
+        groups, span = int(k.get("groups", 1)), int(k.get("group_nodes", 0)) * cl.gpus_per_node
         for j in range(groups):
             px = _ExpertPlex(cl, n_e, n_ap, n_ad, int(k.get("replicas", 0)), bool(k["prefill_near_experts"]),
-                             first_gpu=j * cl.num_gpus // groups)
+                             first_gpu=j * span)
             tag = f"g{j}" if groups > 1 else ""
             d = Executor(f"{tag}d", "decode", px, kv_capacity=cl.cost.kv_capacity(n_ad, cl.cost.attention_side_bytes()),
                          max_running=c.max_running * n_ad, node=px.decode_node, links=n_ad, **lim(n_ad))
