@@ -197,7 +197,8 @@ def build_tile_table(pi_LE: torch.Tensor, slots_LGJ: torch.Tensor, tile_m: int, 
     tiles, active = [], []
     for T in T_GRID.tolist():
         rows_LE = torch.binomial(torch.full_like(prob, float(T)), prob, generator=g).to(torch.int64)
-        # a replicated expert's rows split evenly over its copies (the first copies take the rest)
+        # a replicated expert's rows split evenly over its copies, each priced at the rounded-up
+        # share (what the first copies take when the rows do not divide: a bound, never under)
         per_copy_LE = torch.div(rows_LE + copies_LE - 1, copies_LE, rounding_mode="floor")
         per_copy_LE = torch.cat([per_copy_LE, torch.zeros(L, 1, dtype=torch.int64)], dim=1)
         rows_LGJ = per_copy_LE.gather(1, slots_LGJ.reshape(L, -1)).view(L, G, J)

@@ -167,6 +167,8 @@ def _placements(system: str, cl: Cluster, need_kv: int, allow_idle: bool) -> lis
                         for n_ad in (range(1, most_d + 1) if allow_idle else [most_d]):
                             if c.kv_capacity(n_ad, c.attention_side_bytes()) < need_kv:
                                 continue
+                            if n_g > 1 and n_e + n_ap + n_ad <= (m - 1) * cl.gpus_per_node:
+                                continue  # fits in a node fewer: that group shape's configuration
                             for near in (1, 0):
                                 knobs = (("expert_gpus", n_e), ("prefill_attention_gpus", n_ap),
                                          ("decode_attention_gpus", n_ad), ("prefill_near_experts", near)) \
