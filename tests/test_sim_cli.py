@@ -235,27 +235,22 @@ def test_config_values_are_named_where_they_came_from(tmp_path, capsys):
 def test_a_json_write_that_fails_after_the_run_names_the_option(tmp_path, monkeypatch):
     """Past the checks before the run (a full disk, ``/proc``): one line naming ``--json``,
     the file that was there untouched and no temporary file left (the write is atomic)."""
-    import io
-    import os
+    import builtins
 
     from relibra_torch.sim import report
 
     target = tmp_path / "r.json"
     target.write_text('{"before": 1}\n')
+    real_open = builtins.open
 
-    class FullDisk(io.StringIO):
-        def write(self, text):
+    def full_disk(path, mode="r", *a, **kw):   # the temporary file beside r.json cannot be filled
+        if "r.json" in str(path) and "w" in mode:
             raise OSError(28, "No space left on device")
-
-    real_fdopen = os.fdopen
-
-    def full_disk(fd, *a, **kw):
-        os.close(fd)
-        return FullDisk()
-    monkeypatch.setattr(os, "fdopen", full_disk)
+        return real_open(path, mode, *a, **kw)
+    monkeypatch.setattr(builtins, "open", full_disk)
     with pytest.raises(ValueError, match=r"^--json '.*r\.json' cannot be written: No space left on device"):
         report.write_json({"a": 1}, str(target))
-    monkeypatch.setattr(os, "fdopen", real_fdopen)
+    monkeypatch.setattr(builtins, "open", real_open)
     assert target.read_text() == '{"before": 1}\n' and sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
     report.write_json({"a": 1}, str(target))                 # and a write that works replaces it
     assert json.loads(target.read_text()) == {"a": 1}

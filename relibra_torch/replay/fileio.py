@@ -31,6 +31,7 @@ __all__ = [
     "read_header",
     "read_tensors",
     "write_tensors",
+    "replace_atomically",
     "parse_int_metadata",
     "check_text_metadata",
     "check_format",
@@ -246,15 +247,26 @@ def read_tensors(header: SafetensorsHeader, names) -> dict[str, torch.Tensor]:
 
 
 def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """Write tensors and metadata to ``path`` atomically (temporary file + rename)."""
+    """Write tensors and metadata to ``path`` atomically (:func:`replace_atomically`)."""
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(folder):  # else the error would name the temporary file below
         raise FileNotFoundError(f"cannot write {path!r}: the folder {folder!r} does not exist; create it first")
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    # A fresh name in the same folder (rename stays atomic). safetensors' save_file writes its
-    # files 0600 whatever the umask; the file gets the mode a new file gets here (the umask's,
-    # read off the placeholder created first), so other users of a shared cluster can read it.
+    replace_atomically(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def replace_atomically(path: str, write) -> None:
+    """``write(tmp)`` fills a fresh file in ``path``'s folder, which then replaces ``path`` by
+    a rename: a failed or interrupted write never leaves half a file, and the file that was
+    there stays until the new one is whole.
+
+    The file gets the mode a new file gets there (the umask's, read off the placeholder
+    created first): safetensors' ``save_file`` writes 0600 whatever the umask, so without
+    this other users of a shared cluster could not read it. Any exception removes the
+    temporary file and propagates.
+    """
+    folder = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
         fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
@@ -262,7 +274,7 @@ def write_tensors(path, tensors: dict[str, torch.Tensor], metadata: dict[str, st
             mode = os.fstat(fd).st_mode & 0o777
         finally:
             os.close(fd)
-        save_file(tensors, tmp, metadata=metadata)
+        write(tmp)
         os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:

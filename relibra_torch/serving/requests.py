@@ -198,11 +198,12 @@ def _millis(path: str, where: str, raw) -> float:
 
 def _no_twice(pairs: list) -> dict:
     """A JSON object whose keys each appear once (``json.loads`` would keep the last silently)."""
-    obj = dict(pairs)
-    if len(obj) < len(pairs):
-        seen = [k for i, (k, _) in enumerate(pairs) if k in (p[0] for p in pairs[:i])]
-        raise json.JSONDecodeError(f"key {seen[0]!r} appears more than once", "", 0)
-    return obj
+    seen: set = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise json.JSONDecodeError(f"key {key!r} appears more than once", "", 0)
+        seen.add(key)
+    return dict(pairs)
 
 
 def _azure_seconds(stamp: str) -> float:

@@ -14,7 +14,6 @@ import json
 import os
 import sys
 import time
-import uuid
 
 __all__ = ["OUTPUT_SUFFIXES", "check_output_path", "file_steps", "check_warmup", "PlainProgress", "write_json"]
 
@@ -49,25 +48,21 @@ def check_output_path(option: str, path: str | None) -> None:
 
 
 def write_json(doc: dict, path: str, indent: int = 2) -> None:
-    """Write ``doc`` to ``path`` as JSON (parent folders created), atomically: the text is
-    made first (a non-finite number fails before any file is touched), written to a fresh
-    file in the same folder with the mode a new file gets there, then renamed over ``path``,
-    so a failed write never leaves half a file. A failure the checks before the run could
-    not foresee (a full disk, a special file system) names ``--json``."""
+    """Write ``doc`` to ``path`` as JSON (parent folders created), atomically
+    (:func:`relibra_torch.replay.fileio.replace_atomically`): the text is made first, so a
+    non-finite number fails before any file is touched, and a failed write never leaves half
+    a file. A failure the checks before the run could not foresee (a full disk, a special file
+    system) names ``--json``."""
+    from ..replay.fileio import replace_atomically
+
     text = json.dumps(doc, indent=indent, allow_nan=False) + "\n"
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
+
+    def write(tmp: str) -> None:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
     try:
-        os.makedirs(folder, exist_ok=True)
-        fd = os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(text)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        replace_atomically(path, write)
     except OSError as exc:
         raise ValueError(f"--json {path!r} cannot be written: {exc.strerror or exc} (the tables above are "
                          f"complete)") from None
