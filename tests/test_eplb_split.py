@@ -41,7 +41,8 @@ class WholeStepEPLB(EPLBPlanner):
                 weight_LE = torch.stack(self.history[-self.window:]).mean(0)
             else:
                 weight_LE = torch.ones(L, self.topology.num_experts, dtype=torch.float64)
-            table_LGJ = eplb_replica_table(weight_LE, self.topology, previous_LE, self.num_groups, self.relabel)
+            table_LGJ = eplb_replica_table(weight_LE, self.topology, previous_LE, self.num_groups, self.relabel,
+                                               self.replicas_LGJ)
         self._planned_rows = dict(enumerate(table_LGJ))
         return eplb_plan(loads_MLSE, self.topology, None, previous_LE, self.num_groups, self.name, self.split,
                          table_LGJ=table_LGJ)

@@ -162,7 +162,7 @@ def even_split_quotas(slot_expert_MLGJ: torch.Tensor, load_MLE: torch.Tensor) ->
 
 def eplb_replica_table(weight_LE: torch.Tensor, topology: Topology,
                        previous_placement_LE: torch.Tensor | None = None, num_groups: int = 1,
-                       relabel: bool = True) -> torch.Tensor:
+                       relabel: bool = True, current_LGJ: torch.Tensor | None = None) -> torch.Tensor:
     """EPLB's replica table for ``weight_LE``, relabelled to keep experts where they are.
 
     Args:
@@ -171,6 +171,11 @@ def eplb_replica_table(weight_LE: torch.Tensor, topology: Topology,
         relabel: permute nodes and GPUs (:func:`~relibra_torch.planning.eplb_layout.relabel_replicas`);
             per layer, the relabelled table is kept only if its owners move fewer experts
             than the unrelabelled one's (so relabeling never moves more).
+        current_LGJ: int64 ``[L, G, J]`` the table in force (``-1`` rows: unknown), or ``None``.
+            Where EPLB's new table is the same up to a relabeling of nodes and of GPUs inside
+            nodes, and the table in force moves no more experts, it is kept: the relabeling
+            maximises experts kept by their owner, not experts kept, so it can move experts
+            that the table in force would leave (identical loads must move nothing).
     Returns:
         int64 ``[L, G, J]`` expert of every physical replica.
     """
@@ -180,12 +185,31 @@ def eplb_replica_table(weight_LE: torch.Tensor, topology: Topology,
     table_LGJ = eplb_slots(weight_LE, topology, num_groups)
     if not relabel:
         return table_LGJ
-    relabelled_LGJ = relabel_replicas(table_LGJ, topology, previous_placement_LE)
     El = topology.experts_per_gpu
     old_gpu_LE = previous_placement_LE // El
-    moved_new_L = (assign_owners(relabelled_LGJ, topology, previous_placement_LE) // El != old_gpu_LE).sum(1)
-    moved_old_L = (assign_owners(table_LGJ, topology, previous_placement_LE) // El != old_gpu_LE).sum(1)
-    return torch.where((moved_new_L < moved_old_L).view(L, 1, 1), relabelled_LGJ, table_LGJ)
+
+    def moved_L(candidate_LGJ: torch.Tensor) -> torch.Tensor:
+        return (assign_owners(candidate_LGJ, topology, previous_placement_LE) // El != old_gpu_LE).sum(1)
+
+    relabelled_LGJ = relabel_replicas(table_LGJ, topology, previous_placement_LE)
+    moved_new_L, moved_old_L = moved_L(relabelled_LGJ), moved_L(table_LGJ)
+    table_LGJ = torch.where((moved_new_L < moved_old_L).view(L, 1, 1), relabelled_LGJ, table_LGJ)
+    if current_LGJ is None:
+        return table_LGJ
+    same_L = torch.tensor([bool((cur >= 0).all()) and _layout_key(cur, topology) == _layout_key(new, topology)
+                           for cur, new in zip(current_LGJ, table_LGJ)])
+    if not bool(same_L.any()):
+        return table_LGJ
+    keep_L = same_L & (moved_L(torch.where(same_L.view(L, 1, 1), current_LGJ, table_LGJ))
+                       <= torch.minimum(moved_new_L, moved_old_L))
+    return torch.where(keep_L.view(L, 1, 1), current_LGJ, table_LGJ)
+
+
+def _layout_key(table_GJ: torch.Tensor, topology: Topology) -> list:
+    """A ``[G, J]`` table's form up to a permutation of nodes and of GPUs inside each node."""
+    rows = [sorted(row) for row in table_GJ.tolist()]
+    g = topology.gpus_per_node
+    return sorted(sorted(rows[n * g:(n + 1) * g]) for n in range(topology.num_nodes))
 
 
 def merge_same_gpu(table_LGJ: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -303,8 +327,9 @@ class EPLBPlanner(Planner):
             weight_LE = torch.stack(self.history[-self.window:])[:, layers].mean(0)
         else:
             weight_LE = torch.ones(len(layers), self.topology.num_experts, dtype=torch.float64)
+        current_LGJ = None if self.replicas_LGJ is None else self.replicas_LGJ[layers]
         return eplb_replica_table(weight_LE, self.topology, self.previous_placement(L)[layers],
-                                  self.num_groups, self.relabel)
+                                  self.num_groups, self.relabel, current_LGJ)
 
     def plan(self, loads_MLSE: torch.Tensor) -> StepPlan:
         return self.plan_layers(loads_MLSE, list(range(loads_MLSE.shape[1])))
