@@ -54,7 +54,7 @@ EXPECTED = {
 WIDTHS = {
     "Kimi-K2.5": (2048, 18432, True),
     "Llama-4-Maverick-17B-128E-Instruct": (8192, 16384, False),  # one shared expert; intermediate_size_mlp
-    "Ling-lite-1.5": (2816, 0, False),  # num_shared_experts x moe_intermediate_size
+    "Ling-lite-1.5": (1408, 0, False),  # each of its 2 shared experts: moe_intermediate_size
     "Ling-mini-2.0": (512, 5120, False),  # moe_shared_expert_intermediate_size
     "Qwen1.5-MoE-A2.7B": (5632, 0, False),  # shared_expert_intermediate_size
     "GLM-5": (2048, 12288, True),
@@ -115,7 +115,7 @@ def test_unknown_model_type_with_moe_fields_loads_by_meaning():
                                    moe_num_shared_experts=2, moe_layer_start_index=1, num_expert_group=4))
     s = hf.spec
     assert (s.num_experts, s.top_k, s.moe_ffn, s.num_shared_experts, s.shared_ffn, s.num_expert_groups,
-            s.dense_ffn) == (16, 2, 32, 2, 64, 4, 256)
+            s.dense_ffn) == (16, 2, 32, 2, 32, 4, 256)
     assert hf.moe_layers == (False, True, True, True) and hf.model_type == "my_new_moe"
     # Jamba-style period/offset, nested in an llm_config wrapper
     jamba = model_from_hf_config({"model_type": "wrapper", "llm_config": _moe(
@@ -410,3 +410,19 @@ def test_models_with_few_experts_or_top_k_of_all_run_the_synthetic_trace(tmp_pat
                        "--no-progress", "--ignore-memory")
     assert rc == 0, err
     assert "source: synthetic RL trace" in out and "relibra" in out
+
+
+def test_shared_experts_are_priced_once_per_expert():
+    # DeepSeek-V2-Lite style: 2 shared experts of the routed width; the spec prices count x width,
+    # so shared_ffn is each one's width (it was the total, and the count multiplied it again)
+    two = model_from_hf_config(_moe(model_type="deepseek_v2", n_routed_experts=8, num_experts_per_tok=2,
+                                    moe_intermediate_size=32, n_shared_experts=2)).spec
+    assert two.num_shared_experts * two.shared_ffn == 2 * 32
+    # a dense MLP beside every MoE layer joins the shared experts: Grok-2's residual_moe, Arctic's use_residual
+    grok2 = model_from_hf_config(_moe(model_type="grok-2", num_local_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=32, residual_moe=True))
+    assert grok2.spec.num_shared_experts * grok2.spec.shared_ffn == 256
+    assert any("residual_moe" in note for note in grok2.notes)
+    both = model_from_hf_config(_moe(model_type="arctic", num_local_experts=8, num_experts_per_tok=2,
+                                     n_shared_experts=2, moe_intermediate_size=32, use_residual=True)).spec
+    assert both.num_shared_experts * both.shared_ffn == 2 * 32 + 64

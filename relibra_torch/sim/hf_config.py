@@ -176,7 +176,7 @@ def _experts(f: Fields, kind: str, notes: list[str]) -> dict:
                      f"priced at their mean")
     total = f.int("shared_total", 0, minimum=0)
     if count:
-        out.update(num_shared_experts=count, shared_ffn=count * f.int("shared_width", F))
+        out.update(num_shared_experts=count, shared_ffn=f.int("shared_width", F))  # width of each
     elif total:
         out.update(num_shared_experts=1, shared_ffn=total)
     elif kind == "llama4_text":  # every Llama 4 MoE layer adds one shared expert of the expert width
@@ -234,15 +234,17 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
                          f"allowed: a model with routed experts")
     if kind == "longcat_flash":  # each layer: two attention + two dense FFN sublayers around one MoE
         dense2 = 2 * f.int("dense_ffn")
-        fields.update(num_shared_experts=fields.get("num_shared_experts", 0) + 1,
-                      shared_ffn=fields.get("shared_ffn", 0) + dense2)
+        _add_shared_mlp(fields, dense2)
         notes.append(f"each layer's two dense FFNs are priced as one shared expert of width {dense2}; "
                      f"its second attention block is not priced")
     if kind == "arctic" and cfg.get("use_residual") is True:  # Arctic: a dense residual MLP beside each MoE
-        fields.update(num_shared_experts=fields.get("num_shared_experts", 0) + 1,
-                      shared_ffn=fields.get("shared_ffn", 0) + D)
+        _add_shared_mlp(fields, D)
         notes.append(f"use_residual: each MoE layer's residual MLP (width hidden_size {D}) is priced as a "
                      f"shared expert")
+    if cfg.get("residual_moe") is True:  # Grok-2: a dense MLP of intermediate_size beside each MoE
+        dense = f.int("dense_ffn")
+        _add_shared_mlp(fields, dense)
+        notes.append(f"residual_moe: each MoE layer's dense MLP (width {dense}) is priced as a shared expert")
     if num_moe < H:  # intermediate_size_mlp (Llama 4) first: there intermediate_size is the experts'
         fields["dense_ffn"] = f.int("dense_ffn")
     mtp_key = f.key("mtp")
@@ -255,3 +257,13 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
     spec = ModelSpec(name or _name(outer, cfg, path), num_layers=H, num_moe_layers=num_moe,
                      num_expert_groups=groups, **fields)
     return HFModel(spec, moe, kind, tuple(notes), topk_group)
+
+
+def _add_shared_mlp(fields: dict, width: int) -> None:
+    """Add a dense MLP that runs beside every MoE layer to ``fields``' shared experts.
+
+    ``ModelSpec`` prices ``num_shared_experts`` experts of width ``shared_ffn`` each, so the
+    existing ones and the new MLP become one shared expert of their summed width (the same
+    FLOPs and parameters)."""
+    total = fields.get("num_shared_experts", 0) * fields.get("shared_ffn", 0) + width
+    fields.update(num_shared_experts=1, shared_ffn=total)
