@@ -426,3 +426,14 @@ def test_shared_experts_are_priced_once_per_expert():
     both = model_from_hf_config(_moe(model_type="arctic", num_local_experts=8, num_experts_per_tok=2,
                                      n_shared_experts=2, moe_intermediate_size=32, use_residual=True)).spec
     assert both.num_shared_experts * both.shared_ffn == 2 * 32 + 64
+
+
+def test_hybrid_layers_given_by_period_are_named_and_a_layer_count_typo_is_refused():
+    jamba = model_from_hf_config(_moe(model_type="jamba", num_experts=8, num_experts_per_tok=2, num_hidden_layers=8,
+                                      attn_layer_period=4, attn_layer_offset=2))
+    assert "6 linear-attention / Mamba layers priced as full-attention layers" in jamba.notes
+    nxt = model_from_hf_config(_moe(model_type="qwen3_next", num_experts=8, num_experts_per_tok=2,
+                                    num_hidden_layers=8, full_attention_interval=4))
+    assert "6 linear-attention / Mamba layers priced as full-attention layers" in nxt.notes
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 1000000000; allowed: an int in \[1, 4096\]"):
+        model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=2, num_hidden_layers=10**9))

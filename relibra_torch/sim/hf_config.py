@@ -150,6 +150,14 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
     kinds = [t for t in (types[0] if types else []) if isinstance(t, str) and any(w in t for w in ("linear", "mamba"))]
     attn = cfg.get("attn_type_list")
     kinds += [t for t in (attn if isinstance(attn, list) else []) if t == 0]  # MiniMax: 0 = lightning attention
+    if not kinds:  # Jamba: attention every attn_layer_period layers; Qwen3-Next: every full_attention_interval
+        period, interval = cfg.get("attn_layer_period"), cfg.get("full_attention_interval")
+        H = f.int("layers")
+        if isinstance(period, int) and not isinstance(period, bool) and period > 1:
+            offset = cfg.get("attn_layer_offset", 0)
+            kinds = [i for i in range(H) if i % period != offset]
+        elif isinstance(interval, int) and not isinstance(interval, bool) and interval > 1:
+            kinds = [i for i in range(H) if (i + 1) % interval]
     if kinds:
         notes.append(f"{len(kinds)} linear-attention / Mamba layers priced as full-attention layers")
     return out

@@ -57,6 +57,9 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+MAX_LAYERS = 4096  # far above any published model (DeepSeek-V3: 61, Qwen3-235B: 94)
+
+
 class Fields:
     """Typed access to a config's quantities; every error names ``--model-config`` and the field."""
 
@@ -181,6 +184,8 @@ def layer_map(cfg: dict, where: str) -> tuple[bool, ...]:
     cfg, _ = text_modality(cfg, where)
     f = Fields(cfg, where)
     H = f.int("layers")
+    if H > MAX_LAYERS:  # per-layer tables are built below: a typo must not take minutes and gigabytes
+        raise ValueError(f"--model-config {where}: {f.key('layers')} = {H}; allowed: an int in [1, {MAX_LAYERS}]")
     explicit = cfg.get("moe_layers")
     if explicit is not None:
         idx = set(f.int_list("moe_layers", H))
