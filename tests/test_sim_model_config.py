@@ -437,3 +437,11 @@ def test_hybrid_layers_given_by_period_are_named_and_a_layer_count_typo_is_refus
     assert "6 linear-attention / Mamba layers priced as full-attention layers" in nxt.notes
     with pytest.raises(ValueError, match=r"num_hidden_layers = 1000000000; allowed: an int in \[1, 4096\]"):
         model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=2, num_hidden_layers=10**9))
+
+
+def test_a_byte_order_mark_is_read_and_a_preset_name_is_pointed_to_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(_moe(num_experts=8, num_experts_per_tok=2)).encode())
+    assert model_from_hf_config(str(path)).spec.num_experts == 8
+    with pytest.raises(FileNotFoundError, match="use --model qwen3-30b-a3b"):
+        model_from_hf_config("qwen3-30b-a3b")

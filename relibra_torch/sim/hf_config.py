@@ -71,10 +71,12 @@ def load_hf_config(path: str) -> dict:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     if not os.path.exists(path):
+        hint = "" if os.sep in path or path.endswith(".json") else (
+            f" (for a preset by name use --model {path})")
         raise FileNotFoundError(f"--model-config {path!r} does not exist; pass the model's "
-                                f"Hugging Face config.json (or the folder holding it)")
+                                f"Hugging Face config.json (or the folder holding it){hint}")
     try:
-        with open(path, encoding="utf-8") as fh:
+        with open(path, encoding="utf-8-sig") as fh:  # -sig: a byte-order mark some editors write
             data = json.load(fh)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"--model-config {path!r} is not valid JSON: {exc}") from None
