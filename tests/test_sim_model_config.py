@@ -445,3 +445,13 @@ def test_a_byte_order_mark_is_read_and_a_preset_name_is_pointed_to_model(tmp_pat
     assert model_from_hf_config(str(path)).spec.num_experts == 8
     with pytest.raises(FileNotFoundError, match="use --model qwen3-30b-a3b"):
         model_from_hf_config("qwen3-30b-a3b")
+
+
+def test_a_null_expert_width_is_refused_and_other_spellings_are_read():
+    with pytest.raises(ValueError, match="moe_intermediate_size = null"):
+        model_from_hf_config(_moe(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=None))
+    dbrx_like = model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=2, max_seq_len=32768))
+    assert dbrx_like.spec.max_context == 32768
+    mtp = model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=2, mtp_num_hidden_layers=1))
+    assert any("multi-token-prediction" in note for note in mtp.notes)

@@ -34,7 +34,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from .hf_fields import Fields, find_moe_config, layer_map, text_modality
+from .hf_fields import SPELLINGS, Fields, find_moe_config, layer_map, text_modality
 from .presets import ModelSpec
 
 __all__ = ["FAMILIES", "HFModel", "load_hf_config", "model_from_hf_config", "moe_layer_map"]
@@ -170,6 +170,10 @@ def _experts(f: Fields, kind: str, notes: list[str]) -> dict:
     cfg = f.cfg
     E, per_E = f.per_layer("experts", minimum=2)
     K, per_K = f.per_layer("top_k")
+    unset = [k for k in SPELLINGS["expert_ffn"] if k in cfg and cfg[k] is None]
+    if unset and not f.key("expert_ffn"):  # not the dense width in its place: 8x too wide on Qwen3
+        raise ValueError(f"--model-config {f.where}: {unset[0]} = null; allowed: an int >= 1 (the routed "
+                         f"experts' width)")
     F, per_F = f.per_layer("expert_ffn" if f.key("expert_ffn") else "expert_ffn_fallback")
     for what, per in (("routed-expert counts", per_E), ("top-k", per_K), ("expert widths", per_F)):
         if per is not None and len(set(per)) > 1:  # e.g. Hunyuan's per-layer lists
@@ -261,7 +265,7 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
     mtp = f.int("mtp", 0, minimum=0) if cfg.get("use_mtp", True) is not False else 0
     if mtp:
         notes.append(f"{mtp} multi-token-prediction (MTP) layer(s) ({mtp_key}) not modelled")
-    context = cfg.get("max_position_embeddings")
+    context = cfg.get("max_position_embeddings", cfg.get("max_seq_len"))  # max_seq_len: DBRX
     if isinstance(context, int) and not isinstance(context, bool) and context > 0:
         fields["max_context"] = context
     spec = ModelSpec(name or _name(outer, cfg, path), num_layers=H, num_moe_layers=num_moe,

@@ -38,7 +38,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "groups": ("n_group", "num_expert_group", "moe_n_group"),
     "topk_group": ("topk_group",),
     "first_dense": ("first_k_dense_replace", "first_k_dense", "moe_layer_start_index"),
-    "mtp": ("num_nextn_predict_layers", "num_mtp_modules", "mtp_num_layers"),
+    "mtp": ("num_nextn_predict_layers", "num_mtp_modules", "mtp_num_layers", "mtp_num_hidden_layers"),
 }
 # wrappers whose text model is nested (multimodal, omni)
 NESTED = ("text_config", "llm_config", "language_config", "thinker_config")
