@@ -455,3 +455,8 @@ def test_a_null_expert_width_is_refused_and_other_spellings_are_read():
     assert dbrx_like.spec.max_context == 32768
     mtp = model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=2, mtp_num_hidden_layers=1))
     assert any("multi-token-prediction" in note for note in mtp.notes)
+
+
+def test_top_k_above_the_expert_count_names_the_config_fields():
+    with pytest.raises(ValueError, match=r"--model-config .*num_experts_per_tok = 9 with num_experts = 8"):
+        model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=9))

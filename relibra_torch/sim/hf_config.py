@@ -170,6 +170,9 @@ def _experts(f: Fields, kind: str, notes: list[str]) -> dict:
     cfg = f.cfg
     E, per_E = f.per_layer("experts", minimum=2)
     K, per_K = f.per_layer("top_k")
+    if K > E:
+        raise ValueError(f"--model-config {f.where}: {f.key('top_k')} = {K} with {f.key('experts')} = {E}; "
+                         f"allowed: an int in [1, {E}] (experts chosen per token)")
     unset = [k for k in SPELLINGS["expert_ffn"] if k in cfg and cfg[k] is None]
     if unset and not f.key("expert_ffn"):  # not the dense width in its place: 8x too wide on Qwen3
         raise ValueError(f"--model-config {f.where}: {unset[0]} = null; allowed: an int >= 1 (the routed "
