@@ -208,6 +208,12 @@ def test_a_checkpoint_not_stored_in_fp8_is_named_in_a_note(tmp_path):
         "the checkpoint stores its weights as mxfp4")
     assert notes({**src, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}) == []
     assert notes(src, "--set", "serving.weight_bytes=2") == []
+    fp8_groups = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                  "config_groups": {"group_0": {"weights": {"num_bits": 8, "type": "float"}}}}
+    assert notes({**src, "quantization_config": fp8_groups}) == []   # GLM-4.5-Air-FP8's layout
+    int4_groups = {**fp8_groups, "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "int"}}}}
+    assert notes({**src, "quantization_config": int4_groups})[0].startswith(
+        "the checkpoint stores its weights as compressed-tensors")
     folder = build_parser().parse_args(["serve-sim", "--model-config", str(tmp_path), "--window", "20"])
     assert setup_from_args(folder).model_notes          # the folder holding config.json, as --model-config takes
 

@@ -133,6 +133,11 @@ def _weight_format_notes(path: str, serving_sets: dict) -> list[str]:
     cfg = load_hf_config(path)
     quant = cfg.get("quantization_config") if isinstance(cfg.get("quantization_config"), dict) else {}
     stored = str(quant.get("quant_method") or cfg.get("torch_dtype") or cfg.get("dtype") or "").lower()
+    groups = quant.get("config_groups") if isinstance(quant.get("config_groups"), dict) else {}
+    weights = [g.get("weights") for g in groups.values() if isinstance(g, dict)]
+    if weights and all(isinstance(w, dict) and w.get("num_bits") == 8 and w.get("type") == "float"
+                       for w in weights):
+        return []  # compressed-tensors with 8-bit float weights: an FP8 checkpoint
     if not stored or "fp8" in stored or "weight_bytes" in serving_sets:
         return []
     return [f"the checkpoint stores its weights as {stored}; the model prices an FP8 deployment (weights at "
