@@ -153,12 +153,12 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
     attn = cfg.get("attn_type_list")
     kinds += [t for t in (attn if isinstance(attn, list) else []) if t == 0]  # MiniMax: 0 = lightning attention
     if not kinds:  # Jamba: attention every attn_layer_period layers; Qwen3-Next: every full_attention_interval
-        period, interval = cfg.get("attn_layer_period"), cfg.get("full_attention_interval")
+        period, interval = f.int("attn_layer_period", 0, minimum=0), f.int("full_attention_interval", 0, minimum=0)
         H = f.int("layers")
-        if isinstance(period, int) and not isinstance(period, bool) and period > 1:
-            offset = cfg.get("attn_layer_offset", 0)
+        if period > 1:
+            offset = f.int("attn_layer_offset", 0, minimum=0)
             kinds = [i for i in range(H) if i % period != offset]
-        elif isinstance(interval, int) and not isinstance(interval, bool) and interval > 1:
+        elif interval > 1:
             kinds = [i for i in range(H) if (i + 1) % interval]
     if kinds:
         notes.append(f"{len(kinds)} linear-attention / Mamba layers priced as full-attention layers")
