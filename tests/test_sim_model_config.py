@@ -460,3 +460,33 @@ def test_a_null_expert_width_is_refused_and_other_spellings_are_read():
 def test_top_k_above_the_expert_count_names_the_config_fields():
     with pytest.raises(ValueError, match=r"--model-config .*num_experts_per_tok = 9 with num_experts = 8"):
         model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=9))
+
+
+def test_encoder_decoder_is_refused_as_such_and_kv_channels_is_the_head_size():
+    # Switch Transformers: refused for what it is, not for a missing attention field
+    switch = {"model_type": "switch_transformers", "is_encoder_decoder": True, "d_model": 768, "d_ff": 3072,
+              "num_experts": 8, "num_heads": 12, "num_layers": 12, "vocab_size": 32128}
+    with pytest.raises(ValueError, match=r"an encoder-decoder model \(is_encoder_decoder: true, model_type "
+                                         r"switch_transformers\); allowed: a decoder-only MoE"):
+        model_from_hf_config(switch)
+    # JetMoE / Megatron spell the head size kv_channels: 128 here, not hidden / heads = 64
+    jet = model_from_hf_config(_moe(model_type="jetmoe", num_local_experts=8, num_experts_per_tok=2,
+                                    hidden_size=2048, num_attention_heads=32, num_key_value_heads=16,
+                                    kv_channels=128)).spec
+    assert jet.head_dim == 128
+    # an MoE architecture that lost its expert count is told the least it accepts (1 expert is refused)
+    with pytest.raises(ValueError, match=r"field 'n_routed_experts' is missing .*allowed: an int >= 2"):
+        model_from_hf_config({"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "vocab_size": 100, "num_experts_per_tok": 2,
+                              "moe_intermediate_size": 32})
+
+
+def test_simulate_prints_the_shape_it_read(tmp_path, capsys):
+    f = tmp_path / "config.json"
+    f.write_text(json.dumps(_moe(model_type="deepseek_v2", n_routed_experts=8, num_experts_per_tok=2,
+                                 moe_intermediate_size=32, n_shared_experts=2, first_k_dense_replace=1)))
+    rc, out, err = run(capsys, "--model-config", str(f), "--micro-batches", "2", "--steps", "1", *SMALL)
+    assert rc == 0, err
+    spec = model_from_hf_config(str(f)).spec
+    assert (f"model: {spec.num_layers} layers ({spec.num_moe_layers} MoE, 1 dense of width {spec.dense_ffn}), "
+            f"hidden {spec.hidden_size}; 8 routed experts, top-2, width 32; 2 shared of width 32") in out

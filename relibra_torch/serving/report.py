@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from ..sim import run_checks
+from ..sim.presets import describe_model
 
 __all__ = ["print_report", "write_json", "write_plot"]
 
@@ -26,6 +27,7 @@ def print_report(doc: dict, console=None) -> None:
                   f"{s['hardware']['name'].upper()}; trace {escape(s['trace'])} ({s['requests']} requests, "
                   f"{s['trace_rate']:.3g} req/s as recorded); SLO TTFT {sv['ttft_slo_s']:g} s, TPOT "
                   f"{sv['tpot_slo_s'] * 1e3:g} ms, P{sv['attainment'] * 100:g} goodput", highlight=False)
+    console.print(f"model: {describe_model(s['model'])}", highlight=False)
     console.print(f"routing: {escape(s['routing'])}; tile time {s['tile_time_us']:.2f} us per row tile "
                   f"({escape(s['tile_time_source'])}), preemption bound {s['sm_tile_us']:.1f} us per layer",
                   highlight=False)

@@ -9,7 +9,8 @@ when it spells its fields like one of them. Refused, with a one-line ValueError 
 field: a config with no routed experts ("not an MoE"), a hybrid Mamba config
 (``hybrid_override_pattern`` with ``M`` / ``*`` layers, which have no FFN), and impossible values
 (layer indices or a per-layer list beyond ``num_hidden_layers``, ``num_key_value_heads`` not
-dividing ``num_attention_heads``, ``topk_group > n_group``). ERNIE-4.5-VL's per-modality
+dividing ``num_attention_heads``, ``topk_group > n_group``) and an encoder-decoder model
+(``is_encoder_decoder``: Switch Transformers, NLLB-MoE). ERNIE-4.5-VL's per-modality
 ``[text, vision]`` lists are read for the text modality.
 
 Expert width: a dedicated spelling (``moe_intermediate_size``, ...) when the config has one,
@@ -223,6 +224,10 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
     where = repr(path) if path else "config"
     cfg, modal = text_modality(find_moe_config(outer, where), where)
     kind = str(cfg.get("model_type") or outer.get("model_type"))
+    if any(c.get("is_encoder_decoder") is True for c in (outer, cfg)):  # Switch Transformers, NLLB-MoE
+        raise ValueError(f"--model-config {where}: an encoder-decoder model (is_encoder_decoder: true, model_type "
+                         f"{kind}); allowed: a decoder-only MoE (the cost model prices one causal stack); for its "
+                         f"dims pass --model PRESET with --set model.FIELD=VALUE")
     f = Fields(cfg, where)
     moe = layer_map(cfg, where)
     H, D = len(moe), f.int("hidden")

@@ -33,7 +33,7 @@ SPELLINGS: dict[str, tuple[str, ...]] = {
     "hidden": ("hidden_size", "d_model", "n_embd"),
     "heads": ("num_attention_heads", "n_heads", "n_head"),
     "kv_heads": ("num_key_value_heads", "num_kv_heads", "multi_query_group_num", "kv_n_heads"),
-    "head_dim": ("head_dim", "attention_head_dim"),
+    "head_dim": ("head_dim", "attention_head_dim", "kv_channels"),  # kv_channels: Megatron, JetMoE
     "vocab": ("vocab_size", "padded_vocab_size"),
     "groups": ("n_group", "num_expert_group", "moe_n_group"),
     "topk_group": ("topk_group",),
@@ -151,7 +151,7 @@ def find_moe_config(outer: dict, where: str) -> dict:
         todo += [cfg[k] for k in NESTED if isinstance(cfg.get(k), dict)]
     known = [c for c in seen if c.get("model_type") in MOE_TYPES]
     if known:  # an MoE architecture that lost its expert field: name the field
-        Fields(known[-1], where).int("experts")
+        Fields(known[-1], where).int("experts", minimum=2)
         return known[-1]
     kinds = sorted({str(c.get("model_type")) for c in seen})
     raise ValueError(f"--model-config {where}: not an MoE (model_type {', '.join(kinds)}): no routed-expert "

@@ -23,7 +23,7 @@ from ..planning.pricing import HARDWARE, HardwareSpec, get_hardware
 
 __all__ = [
     "HardwareSpec", "ModelSpec", "HARDWARE", "MODELS", "get_hardware", "get_model",
-    "apply_overrides", "parse_override", "load_config_file",
+    "apply_overrides", "parse_override", "load_config_file", "describe_model",
 ]
 
 
@@ -290,3 +290,21 @@ def load_config_file(path: str) -> dict:
 def spec_dict(spec) -> dict:
     """A JSON-ready dict of a spec."""
     return dataclasses.asdict(spec)
+
+
+def describe_model(model: dict) -> str:
+    """One line of the shape a report prices (``model``: a :class:`ModelSpec` as a dict, as the
+    JSON documents hold it), so a config read by meaning can be checked at a glance."""
+    m = model
+    dense = m["num_layers"] - m["num_moe_layers"]
+    text = (f"{m['num_layers']} layers ({m['num_moe_layers']} MoE" + (f", {dense} dense of width {m['dense_ffn']}"
+            if dense else "") + f"), hidden {m['hidden_size']}; {m['num_experts']} routed experts, top-{m['top_k']}, "
+            f"width {m['moe_ffn']}")
+    if m.get("num_shared_experts"):
+        text += f"; {m['num_shared_experts']} shared of width {m['shared_ffn']}"
+    if m.get("kv_lora_rank"):
+        text += f"; MLA attention, {m['num_heads']} heads, kv_lora_rank {m['kv_lora_rank']}"
+    else:
+        text += f"; attention {m['num_heads']} query / {m['num_kv_heads']} KV heads x {m['head_dim']}"
+    return text + f"; vocab {m['vocab_size']}"
+

@@ -14,6 +14,7 @@ import torch
 from ..planning.lis import lis, lis_summary
 from . import run_checks
 from .memory import capacity_bytes
+from .presets import describe_model
 from .simulator import SimResult
 
 __all__ = ["result_json", "write_json", "format_seconds", "format_table", "print_table", "write_plot",
@@ -251,6 +252,7 @@ def print_table(doc: dict, console=None) -> None:
                       f"(max/mean GPU load under static placement)"
                       + (f", trace.skew = {cfg['trace_skew']:g}" if cfg.get("trace_skew") is not None else ""),
                       highlight=False)
+    console.print(f"model: {describe_model(cfg['model'])}", highlight=False)
     if cfg.get("model_from") and cfg.get("file"):
         console.print(f"model dims from {cfg['model_from']}", highlight=False)
     elif cfg.get("model_from", "").startswith("--model-config"):
