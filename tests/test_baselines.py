@@ -358,7 +358,10 @@ def test_every_system_table_fits_80_columns():
     fig.update(moe_layer_time_s=308.71, step_time_s=346.72, cross_node_bytes=130_383e9,
                intra_node_bytes=11_585e9, replica_bytes=4_035e9, migrated_experts=11_599,
                migrated_bytes=1_234e9, planner_s=22.8, balanced_at_own_bytes_s=301.5)
-    doc = {"config": {"model": {"name": "qwen3-235b-a22b"}, "hardware": {"name": "h200"}, "nodes": 4,
+    import dataclasses
+
+    from relibra_torch.sim.presets import MODELS
+    doc = {"config": {"model": dataclasses.asdict(MODELS["qwen3-235b-a22b"]), "hardware": {"name": "h200"}, "nodes": 4,
                       "gpus_per_node": 8, "ep_size": 32, "replica_slots": 2, "micro_batches": 32,
                       "measured_steps": 1, "cost_options": {"overlap_replication": False},
                       "baseline_options": {"online_plan_latency_us": 67.0}, "source": "s", "notes": {}},
