@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import all_gather_single
+from .moe.host_speed import measure_host_scale
 from .moe.schedule_batch import rank_schedules, share_splits
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
 from .planning.base import layer_share
@@ -150,8 +151,10 @@ class ReplayBalancer:
                 on_gpu = any(p.device.type == "cuda" for p in self.layers[0].parameters())
                 # the light plan's price keeps replica buffers (one fill per residency)
                 refetch = {"light_share": 0.0} if self.layers[0].engine.refetch_replicas else {}
+                # on a GPU the guard's host-time constants are scaled to this host (moe.host_speed)
                 kwargs["config"] = relibra_config_for(self.layers[0], hardware, **(
-                    refetch if on_gpu else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
+                    {**refetch, "host_scale": measure_host_scale()} if on_gpu
+                    else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
             planner = make_planner(planner, self.topology, **kwargs)
         elif planner.topology != self.topology:
             raise ValueError(f"planner topology {planner.topology} differs from the layers' {self.topology}")

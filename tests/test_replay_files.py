@@ -329,7 +329,7 @@ def _loads_ok():
         (lambda: _loads_ok().short(), 2, r"loads has dtype int16; allowed: int32 or int64"),
         (lambda: _loads_ok()[0], 2, r"loads has shape \(2, 2, 1, 4\); allowed: \[steps, micro_batches, num_layers, source_ranks, num_experts\]"),
         (lambda: _loads_ok()[:, :0], 2, r"every dim >= 1"),
-        (lambda: _set(_loads_ok(), (0, 1, 1, 0, 3), -1), 2, r"loads\[0, 1, 1, 0, 3\] = -1; allowed: counts >= 0"),
+        (lambda: _set(_loads_ok(), (0, 1, 1, 0, 3), -1), 2, r"loads\[0, 1, 1, 0, 3\] = -1; allowed: counts in \[0, 2\*\*40\]"),
         (lambda: _set(_loads_ok(), (0, 1, 1, 0, 3), 2), 2, r"loads\[0, 1, 1, 0, :\] sums to 3, not a multiple of top_k = 2"),
         (lambda: _set(_set(_loads_ok(), (0, 1, 1, 0, 2), 2), (0, 1, 1, 0, 3), 2), 2, r"loads\[0, 1, 1, 0, :\] holds 2 tokens but layer 0 of the same \(step, micro-batch, source\) holds 1"),
         (lambda: _set(_set(_loads_ok(), (0, 0, 0, 0, 0), 3), (0, 0, 0, 0, 1), 0), 2, r"loads\[0, 0, 0, 0, 0\] = 3 exceeds the 2 tokens"),

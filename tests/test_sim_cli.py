@@ -31,6 +31,12 @@ def loads_file(path, S=4, M=2, X=1, tokens=64, top_k=K, experts=E, layers=L, see
     return loads
 
 
+def _raw_loads(path, loads):
+    """A loads file written without ``save_loads``' checks (a malformed one)."""
+    from safetensors.torch import save_file
+    save_file({"loads": loads.contiguous()}, str(path), {"format": "relibra.loads/1", "top_k": str(K)})
+
+
 def routing_file(path, top_k=K, experts=E, layers=L, lengths=(30, 50, 20, 40, 60, 10, 25, 35), steps=None):
     ids = random_ids_TLK(sum(lengths), layers, top_k, experts, seed=1, skew=0.5)
     save_routing(str(path), ids, offsets_from_lengths(lengths), experts, sample_step=steps)
@@ -132,6 +138,13 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     (None, ["--steps", "3"], r"--steps shapes the synthetic trace; it does not apply to the file .*\(drop it or "),
     (None, ["--seed", "1", "--micro-batch-tokens", "64"], r"--micro-batch-tokens, --seed shape the synthetic trace; "
                                                           r"they do not apply to the file"),
+    (None, ["--micro-batches", "5"], r"--micro-batches 5 does not apply to the loads file .*which holds 2 "
+                                     r"micro-batches per step \(drop --micro-batches"),
+    (lambda p: _raw_loads(p, torch.ones(1, 2, 48, 4, 128, dtype=torch.int64)[0]),
+     ["--model", "qwen3-30b-a3b"], r"loads has shape \[2, 48, 4, 128\]; allowed: \[steps, micro_batches, num_layers, "
+                                   r"source_ranks, num_experts\]"),
+    (lambda p: _raw_loads(p, torch.full((1, 1, 48, 4, 128), 2**50, dtype=torch.int64)),
+     ["--model", "qwen3-30b-a3b"], r"loads\[0, 0, 0, 0, 0\] = 1125899906842624; allowed: counts in \[0, 2\*\*40\]"),
     (None, ["--trace", "collapsed", "--steps", "2", "--set", "trace.skew=0.5"],
      r"--trace collapsed, --steps, --set trace.skew=0.5 shape the synthetic trace; they do not apply to the file "
      r".*which holds its own routing, steps and tokens \(drop them or the file\)"),

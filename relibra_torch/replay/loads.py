@@ -39,6 +39,11 @@ def _pos(flat_index: int, shape) -> list[int]:
     return [int(i) for i in torch.unravel_index(torch.tensor(flat_index), tuple(shape))]
 
 
+#: The most tokens one (step, micro-batch, layer, source) may send an expert: sums over
+#: 2**20 experts and the step's ranks and micro-batches then stay well inside int64.
+MAX_COUNT = 2**40
+
+
 def validate_loads(loads_XMLSE, top_k: int) -> None:
     """Check a loads tensor int32/int64 ``[X, M, L, S, E]`` against ``top_k``.
 
@@ -60,11 +65,14 @@ def validate_loads(loads_XMLSE, top_k: int) -> None:
         raise ValueError(f"loads has {E} experts; allowed: at most {MAX_EXPERTS}")
     if top_k > E:
         raise ValueError(f"top_k = {top_k} exceeds num_experts = {E} (loads shape {tuple(loads_XMLSE.shape)}); allowed: top_k <= num_experts")
-    neg = loads_XMLSE < 0
-    if bool(neg.any()):
-        flat = int(neg.reshape(-1).nonzero()[0, 0])
+    bad = loads_XMLSE < 0
+    if loads_XMLSE.dtype == torch.int64:  # (an int32 count cannot pass it; comparing one with 2**40 would wrap)
+        bad |= loads_XMLSE > MAX_COUNT
+    if bool(bad.any()):
+        flat = int(bad.reshape(-1).nonzero()[0, 0])
         pos = _pos(flat, loads_XMLSE.shape)
-        raise ValueError(f"loads{pos} = {int(loads_XMLSE.reshape(-1)[flat])}; allowed: counts >= 0")
+        raise ValueError(f"loads{pos} = {int(loads_XMLSE.reshape(-1)[flat])}; allowed: counts in [0, 2**40] "
+                         f"(larger ones overflow the step's sums)")
     sums_XMLS = loads_XMLSE.sum(dim=-1, dtype=torch.int64)
     rem = sums_XMLS % top_k != 0
     if bool(rem.any()):

@@ -47,7 +47,7 @@ from .workload import DEFAULT_SAMPLE_TOKENS, synthetic_workload, workload_from_f
 from ..planning.packing import PACKING_METHODS
 from .packed import replay_packing_workload, sample_workload
 from .trace_families import TRACE_FAMILIES
-from .run_checks import PlainProgress, check_output_path, check_warmup, file_steps
+from .run_checks import PlainProgress, check_output_path, check_warmup, file_steps, refuse_synthetic_options
 
 # Count-level families (generated per rank and micro-batch) and sample-level ones (per
 # sample, so --packing can repack them); "default" is both.
@@ -231,7 +231,8 @@ def resolve(args: argparse.Namespace) -> dict:
     opts["skew"] = _trace_skew(args, file_cfg)
     systems = parse_systems(opts["systems"])
     if args.file:
-        _refuse_synthetic_options(args, opts, sim_cfg)
+        refuse_synthetic_options(args.file, opts, {k for k in ("steps", "micro_batch_tokens", "seed", "micro_batches")
+                                                   if getattr(args, k, None) is not None or k in sim_cfg})
     _check_trace_packing(args.file, opts)
     # checked now, not after a run of minutes
     check_output_path("json", opts["json"])
@@ -262,21 +263,6 @@ def resolve(args: argparse.Namespace) -> dict:
             "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"],
                                         refetch_replicas=opts["refetch_replicas"]),
             "model_from": named_by, "model_notes": notes, "baseline_options": baselines}
-
-
-def _refuse_synthetic_options(args: argparse.Namespace, opts: dict, sim_cfg: dict) -> None:
-    """Options that shape the synthetic trace (command line or ``--config``) given with a file: an error."""
-    given = [f"--{k.replace('_', '-')}" for k in ("steps", "micro_batch_tokens", "seed")
-             if getattr(args, k, None) is not None or k in sim_cfg]
-    if opts["trace"] != "default":
-        given.insert(0, f"--trace {opts['trace']}")
-    if opts["skew"] != 1.0:
-        given.append(f"--set trace.skew={opts['skew']:g}")
-    if given:
-        one = len(given) == 1
-        raise ValueError(f"{', '.join(given)} {'shapes' if one else 'shape'} the synthetic trace; "
-                         f"{'it does' if one else 'they do'} not apply to the file {args.file!r}, which holds "
-                         f"its own routing, steps and tokens (drop {'it' if one else 'them'} or the file)")
 
 
 def _check_trace_packing(file: str | None, opts: dict) -> None:

@@ -58,11 +58,18 @@ def file_shape(path: str) -> FileShape:
     meta = header.metadata
     fmt = meta.get("format")
     where = f"file {path!r}"
-    if fmt == replay.ROUTING_FORMAT and "routed_experts" in header.tensors:
+    needs = {replay.ROUTING_FORMAT: "routed_experts", replay.LOADS_FORMAT: "loads"}.get(fmt)
+    if needs is not None and needs not in header.tensors:
+        raise ValueError(f"{where}: a {fmt!r} file holds a {needs!r} tensor; this one holds "
+                         f"{', '.join(map(repr, sorted(header.tensors))) or 'no tensor'}")
+    if fmt == replay.ROUTING_FORMAT:
         return FileShape(path, "routing", parse_int_metadata(meta, "num_experts", where, 1, 2**20),
                          parse_int_metadata(meta, "top_k", where, 1, 2**10),
                          parse_int_metadata(meta, "num_layers", where, 1, 2**16), None, meta.get("model"))
-    if fmt == replay.LOADS_FORMAT and "loads" in header.tensors and len(header.shape("loads")) == 5:
+    if fmt == replay.LOADS_FORMAT:
+        if len(header.shape("loads")) != 5:
+            raise ValueError(f"{where}: loads has shape {list(header.shape('loads'))}; allowed: [steps, "
+                             f"micro_batches, num_layers, source_ranks, num_experts]")
         X, M, L, S, E = header.shape("loads")
         return FileShape(path, "loads", E, parse_int_metadata(meta, "top_k", where, 1, 2**10), L, S,
                          meta.get("model"))

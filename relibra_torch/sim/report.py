@@ -300,10 +300,14 @@ def host_planning_line(doc: dict) -> str:
             + ", ".join(f"{n} {format_seconds(f['host_cpu_s'])}" for n, f in ahead.items())
             + f"; overlap window {window}")
     charged = {n: f["planning_charged_s"] for n, f in ahead.items() if f["planning_charged_s"] > 0}
+    scale = doc["config"].get("baseline_options", {}).get("relibra_host_scale")
+    guard = (f"\nrelibra's guard: host scale {scale:.3g} (this host's planning time over that of the machine "
+             f"its host-time constants were fitted on; --set relibra.host_scale={scale:.3g} repeats the run)"
+             if "relibra" in ahead and scale is not None else "")
     if not charged:
-        return line + "; charged: none (every system fits the window)"
+        return line + "; charged: none (every system fits the window)" + guard
     return line + ("; charged (measured CPU time: varies run to run): "
-                   + ", ".join(f"{n} {format_seconds(v)}" for n, v in charged.items()))
+                   + ", ".join(f"{n} {format_seconds(v)}" for n, v in charged.items())) + guard
 
 
 # step-time parts of the plot's stacked bars: (label, figure key, colour)

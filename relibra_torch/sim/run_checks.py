@@ -15,7 +15,8 @@ import os
 import sys
 import time
 
-__all__ = ["OUTPUT_SUFFIXES", "check_output_path", "file_steps", "check_warmup", "PlainProgress", "write_json"]
+__all__ = ["OUTPUT_SUFFIXES", "check_output_path", "file_steps", "check_warmup", "PlainProgress",
+           "refuse_synthetic_options", "write_json"]
 
 # --plot: the formats write_plot's matplotlib writes without extra packages
 OUTPUT_SUFFIXES = {"json": (".json",), "plot": (".png", ".svg", ".pdf")}
@@ -80,6 +81,32 @@ def file_steps(path: str) -> int:
         return 1
     import torch
     return int(torch.unique(read_tensors(header, ["sample_step"])["sample_step"]).numel())
+
+
+def refuse_synthetic_options(file: str, opts: dict, given: set[str]) -> None:
+    """Options that shape the synthetic trace given with a file (``given``: the ``simulate``
+    options set on the command line or in ``--config``): an error naming them; so is
+    ``--micro-batches`` other than a loads file's own (it fixes its micro-batches; a routing
+    file is packed into ``--micro-batches``)."""
+    named = [f"--{k.replace('_', '-')}" for k in ("steps", "micro_batch_tokens", "seed") if k in given]
+    if opts["trace"] != "default":
+        named.insert(0, f"--trace {opts['trace']}")
+    if opts["skew"] != 1.0:
+        named.append(f"--set trace.skew={opts['skew']:g}")
+    if named:
+        one = len(named) == 1
+        raise ValueError(f"{', '.join(named)} {'shapes' if one else 'shape'} the synthetic trace; "
+                         f"{'it does' if one else 'they do'} not apply to the file {file!r}, which holds "
+                         f"its own routing, steps and tokens (drop {'it' if one else 'them'} or the file)")
+    if "micro_batches" in given:
+        from ..replay import LOADS_FORMAT
+        from ..replay.fileio import read_header
+        header = read_header(file)
+        shape = header.shape("loads") if "loads" in header.tensors else ()
+        if header.metadata.get("format") == LOADS_FORMAT and len(shape) == 5 and shape[1] != opts["micro_batches"]:
+            raise ValueError(f"--micro-batches {opts['micro_batches']} does not apply to the loads file {file!r}, "
+                             f"which holds {shape[1]} micro-batches per step (drop --micro-batches; a routing "
+                             f"replay file is packed into --micro-batches)")
 
 
 def check_warmup(warmup: int | None, steps: int, source: str) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -37,7 +37,7 @@ from ..planning.evaluate import evaluate
 from ..planning.plan import StepPlan, plan_digest, validate_plan
 from ..planning.topology import Topology
 from ..replay.counts import count_pairs
-from .baselines import BaselineOptions
+from .baselines import BaselineOptions, with_host_scale
 from .bound import REFERENCES, balanced_at_own_bytes_s, bound_step_cost
 from .cost import CostModel, CostOptions, StepCost
 from .dispatch import ESTIMATE_NOTE, EXACT_NOTE, hierarchical_metrics
@@ -76,7 +76,7 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
     from ..planning import ReLibraConfig, make_planner
     if name == "relibra":
         # hierarchical dispatch: relibra prices co-activation (where the source has per-token ids)
-        options = options or BaselineOptions()
+        options = with_host_scale(options or BaselineOptions())
         fields = options.relibra_fields()  # [relibra] ablation switches
         if options.planning_overlap_s is not None:  # a fixed window: the guard's estimate does not apply
             fields.update(plan_floor_s=0.0, plan_floor_nodes_s=0.0)
@@ -252,6 +252,7 @@ def simulate(workload: Workload, config: SimConfig,
         raise ValueError(f"the workload's loads {tuple(workload.loads_XMLSE.shape)} do not fit "
                          f"{topo.num_gpus} GPUs x {topo.num_experts} experts")
     cost = CostModel(config.model, config.hardware, config.cost_options)
+    config = replace(config, baseline_options=with_host_scale(config.baseline_options, config.systems))
     if planner_factory is default_planner_factory:
         def planner_factory(name, topology, cost_model):
             return default_planner_factory(name, topology, cost_model, config.baseline_options)

@@ -1,0 +1,104 @@
+"""How fast this host plans, against the machine the guard's host-time constants were fitted on.
+
+The guard (:mod:`relibra_torch.planning.worth`) weighs host seconds against GPU seconds: a
+layer keeps its placement where the full search (or the light plan) would cost more host
+time than the overlap window hides and the layer's gain bound repays. The GPU side comes
+from the cost model; the host side from constants fitted on one 2-core machine
+(``planning.pricing.PLAN_FLOOR_S`` and the rest, ``planning.worth.LIGHT_LAYER_S``). Hosts
+differ: the same 2-core VM ran the full search at 0.24-0.87x of those constants in later
+sessions (median 0.45), and a training node's CPU is faster still. With the constants as
+fitted the guard then keeps layers whose plan the host would make well inside the window
+(``docs/results.md``, "The guard calibrated to its host").
+
+:func:`measure_host_scale` times the full search, as an EP rank runs it on its share (the
+planner with the guard admitting every layer, then the share's token splits and relays), on
+four fixed reference shares of 1-2 layers (one node and two, top-2 and top-8, 8 to 128
+experts, 256 to 1,024 tokens per GPU, 8 micro-batches), and divides each by what the fitted
+constants predict for it (:func:`~relibra_torch.planning.worth.layer_floor_s` times the
+share). The median, rounded to a power of ``2 ** (1 / 4)`` (19% apart, so that one noisy
+measurement rarely moves it) and kept in ``[1/8, 8]``, is ``ReLibraConfig.host_scale``: the
+guard multiplies every host-time constant by it. Measured once per process (about 0.3 s of
+one thread), as the slowest of two runs per share is noise and the faster is the host.
+
+The plan stays a pure function of the loads and the config: the scale is measured before
+planning, printed by ``relibra simulate`` and written to its JSON, and ``--set
+relibra.host_scale=X`` (or ``ReLibraConfig(host_scale=X)``) repeats a run exactly.
+
+Legend: M micro-batches, L layers, S source ranks, E experts, T tokens per source, K top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+import time
+
+import torch
+
+from ..planning import ReLibraConfig, Topology
+from ..planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S, PLAN_LAYER_S,
+                                PLAN_SCHEDULE_S, priced_config)
+from ..planning.relibra import add_relays, relibra_plan
+from ..planning.worth import layer_floor_s
+from .schedule_batch import share_splits
+
+__all__ = ["REFERENCE_SHARES", "measure_host_scale", "reference_loads"]
+
+#: ``(nodes, gpus per node, E, K, step layers L, share layers, T)``: each EP rank plans
+#: ``ceil(L / G)`` layers, the share (as ``planning.base.layer_share`` gives them).
+REFERENCE_SHARES = ((1, 8, 32, 2, 16, 2, 512), (1, 8, 128, 8, 16, 2, 256),
+                    (2, 8, 64, 8, 16, 1, 256), (2, 4, 8, 2, 16, 2, 1024))
+_MICRO_BATCHES = 8
+
+
+def reference_loads(E: int, K: int, L: int, S: int, T: int, seed: int = 0) -> torch.Tensor:
+    """int64 ``[M, L, S, E]``: ``T`` tokens per source, each choosing ``K`` distinct experts
+    (Gumbel top-k) from a Zipf(1) popularity whose ranks are shuffled per layer; seeded."""
+    g = torch.Generator().manual_seed(seed)
+    rank_LE = torch.stack([torch.randperm(E, generator=g) for _ in range(L)]) + 1
+    logits_LE = -torch.log(rank_LE.to(torch.float64))                       # p ~ 1 / rank
+    u = torch.rand(_MICRO_BATCHES, L, S, T, E, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+    chosen = (logits_LE.view(1, L, 1, 1, E) - torch.log(-torch.log(u))).topk(K, -1).indices
+    out = torch.zeros(_MICRO_BATCHES, L, S, E, dtype=torch.int64)
+    return out.scatter_add_(3, chosen.flatten(3), torch.ones_like(chosen.flatten(3)))
+
+
+def _config(topology: Topology, K: int, host_scale: float) -> ReLibraConfig:
+    """The simulator's relibra config for Qwen3-30B-A3B's expert (2048 x 768) on H200, the
+    fitted host-time constants times ``host_scale``."""
+    floors = dict(plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S, plan_layer_s=PLAN_LAYER_S,
+                  plan_layer_nodes_s=PLAN_LAYER_NODES_S, light_share=LIGHT_SHARE, plan_schedule_s=PLAN_SCHEDULE_S)
+    return priced_config(2048, 768, "h200", dispatch="hierarchical" if topology.num_nodes > 1 else "flat",
+                         top_k=K, host_scale=host_scale, **floors)
+
+
+def _share_seconds(topology: Topology, config: ReLibraConfig, loads_MLSE: torch.Tensor, total_layers: int) -> float:
+    """One thread's CPU seconds of an EP rank's share: its plan, token splits and relays."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    t0 = time.thread_time()
+    try:
+        plan = relibra_plan(loads_MLSE, topology, None, config, None, total_layers)
+        split_MLSGJ, _ = share_splits(plan, loads_MLSE)
+        add_relays(plan, loads_MLSE, config, split_MLSGJ)
+        return time.thread_time() - t0
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.lru_cache(maxsize=1)
+def measure_host_scale() -> float:
+    """This host's planning time over the fitted constants' (module docstring): a power of
+    ``2 ** (1 / 4)`` in ``[1/8, 8]``; measured once per process."""
+    ratios = []
+    for i, (N, g, E, K, L, share, T) in enumerate(REFERENCE_SHARES):
+        topology = Topology(N, g, E, 2)
+        loads_MLSE = reference_loads(E, K, share, N * g, T, seed=i)
+        # a host scale this small admits every layer to the full search (fast path off)
+        config = _config(topology, K, host_scale=1e-9)
+        best = min(_share_seconds(topology, config, loads_MLSE, L) for _ in range(2))
+        predicted = layer_floor_s(topology, _config(topology, K, 1.0), share, _MICRO_BATCHES) * share
+        ratios.append(best / predicted)
+    quarter_steps = round(4 * math.log2(statistics.median(ratios)))
+    return 2.0 ** (min(max(quarter_steps, -12), 12) / 4)
