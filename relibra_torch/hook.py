@@ -153,7 +153,7 @@ class ReplayBalancer:
                 refetch = {"light_share": 0.0} if self.layers[0].engine.refetch_replicas else {}
                 # on a GPU the guard's host-time constants are scaled to this host (moe.host_speed)
                 kwargs["config"] = relibra_config_for(self.layers[0], hardware, **(
-                    {**refetch, "host_scale": measure_host_scale()} if on_gpu
+                    {**refetch, **dict(zip(("host_scale", "host_scale_nodes"), measure_host_scale()))} if on_gpu
                     else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
             planner = make_planner(planner, self.topology, **kwargs)
         elif planner.topology != self.topology:

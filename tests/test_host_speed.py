@@ -20,16 +20,17 @@ from relibra_torch.planning import Topology
 from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S,
                                             PLAN_LAYER_S, PLAN_SCHEDULE_S, priced_config)
 from relibra_torch.planning.relibra import relibra_plan
-from relibra_torch.planning.worth import layer_floor_s, light_floor_s, plan_floor_s
+from relibra_torch.planning.worth import host_scale, layer_floor_s, light_floor_s, plan_floor_s
 from relibra_torch.sim.baselines import BaselineOptions, baseline_options
 
 FLOORS = dict(plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S, plan_layer_s=PLAN_LAYER_S,
               plan_layer_nodes_s=PLAN_LAYER_NODES_S, light_share=LIGHT_SHARE, plan_schedule_s=PLAN_SCHEDULE_S)
 
 
-def _switch_config(host_scale: float, **overrides):
+def _switch_config(scale: float, nodes_scale: float | None = None, **overrides):
     """The simulator's relibra config for a Switch-base expert (768 x 3072) on H200, top-1."""
-    return priced_config(768, 3072, "h200", top_k=1, host_scale=host_scale, **{**FLOORS, **overrides})
+    return priced_config(768, 3072, "h200", top_k=1, host_scale=scale,
+                         host_scale_nodes=scale if nodes_scale is None else nodes_scale, **{**FLOORS, **overrides})
 
 
 @settings(max_examples=60, deadline=None)
@@ -37,7 +38,10 @@ def _switch_config(host_scale: float, **overrides):
        share=st.integers(1, 8), micro_batches=st.integers(1, 32))
 def test_host_scale_multiplies_every_host_time_constant(scale, nodes, experts, share, micro_batches):
     topo = Topology(nodes, 8 // nodes, experts, 2)
-    one, scaled = _switch_config(1.0), _switch_config(scale)
+    # the topology's scale only: one node's where it has one, across nodes' where it has more
+    one = _switch_config(1.0)
+    scaled = _switch_config(scale, 7.0) if nodes == 1 else _switch_config(7.0, scale)
+    assert host_scale(topo, scaled) == scale
     for fn in (layer_floor_s, light_floor_s):
         assert math.isclose(fn(topo, scaled, share, micro_batches), scale * fn(topo, one, share, micro_batches),
                             rel_tol=1e-12)
@@ -73,11 +77,13 @@ def test_reference_loads_are_valid_top_k_counts_and_seeded():
     assert not torch.equal(loads, host_speed.reference_loads(16, 4, 2, 4, 64, seed=4))
 
 
-def test_the_measured_scale_is_a_quarter_power_of_two_in_range_and_measured_once():
-    scale = host_speed.measure_host_scale()
-    steps = 4 * math.log2(scale)
-    assert abs(steps - round(steps)) < 1e-9 and 1 / 8 <= scale <= 8
-    assert host_speed.measure_host_scale() is scale  # cached: the same object, no second measurement
+def test_the_measured_scales_are_quarter_powers_of_two_in_range_and_measured_once():
+    scales = host_speed.measure_host_scale()
+    assert len(scales) == 2
+    for scale in scales:
+        steps = 4 * math.log2(scale)
+        assert abs(steps - round(steps)) < 1e-9 and 1 / 8 <= scale <= 8
+    assert host_speed.measure_host_scale() is scales  # cached: the same object, no second measurement
 
 
 def test_a_host_scale_must_be_positive():
@@ -92,17 +98,18 @@ SIM = ["simulate", "--model", "qwen3-30b-a3b", "--nodes", "1", "--gpus-per-node"
 
 
 def test_simulate_records_the_scale_it_used(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(host_speed, "measure_host_scale", lambda: 0.75)
+    monkeypatch.setattr(host_speed, "measure_host_scale", lambda: (0.75, 1.5))
     out = tmp_path / "run.json"
     assert main([*SIM, "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["config"]["baseline_options"]["relibra_host_scale"] == 0.75
-    assert "relibra's guard: host scale 0.75" in capsys.readouterr().out
+    recorded = json.loads(out.read_text())["config"]["baseline_options"]
+    assert (recorded["relibra_host_scale"], recorded["relibra_host_scale_nodes"]) == (0.75, 1.5)
+    assert "relibra's guard: host scale 0.75 on one node, 1.5 across nodes" in capsys.readouterr().out
 
     def unmeasured():
         raise AssertionError("a given host scale is not measured")
     monkeypatch.setattr(host_speed, "measure_host_scale", unmeasured)
-    assert main([*SIM, "--json", str(out), "--set", "relibra.host_scale=2"]) == 0
-    assert json.loads(out.read_text())["config"]["baseline_options"]["relibra_host_scale"] == 2.0
+    assert main([*SIM, "--json", str(out), "--set", "relibra.host_scale=2", "--set", "relibra.host_scale_nodes=3"]) == 0
+    assert json.loads(out.read_text())["config"]["baseline_options"]["relibra_host_scale_nodes"] == 3.0
     # without relibra nothing is measured, and a guard turned off scales nothing
     assert main([*SIM[:-3], "--systems", "static,eplb", "--no-progress", "--json", str(out)]) == 0
     assert main([*SIM, "--json", str(out), "--set", "planning.overlap_s=1"]) == 0

@@ -131,10 +131,11 @@ class ReLibraConfig:
         light_share: the light plan's fixed host time as a share of the full search's
             (``light``; per layer ``worth.light_floor_s``): layers the guard keeps whose gain
             bound and window reach it get a step-long set on the kept placement where it pays (0: off).
-        host_scale: this host's planning time over that of the machine the host-time fields
-            above were fitted on (``planning.pricing``): the guard multiplies every one of
-            them, and the light plan's per-layer parts, by it. 1: that machine;
-            ``moe.host_speed.measure_host_scale`` measures it (the simulator and the hook do).
+        host_scale, host_scale_nodes: this host's planning time over that of the machine the
+            host-time fields above were fitted on (``planning.pricing``), on one node and
+            across nodes (two fits): the guard multiplies every one of them, and the light
+            plan's per-layer parts, by the topology's. 1: that machine;
+            ``moe.host_speed.measure_host_scale`` measures both (the simulator and the hook do).
         max_swap_rounds: bound on local-search rounds (both node searches, and ``gpu_pack``'s).
         swap_candidates: experts per node considered for swaps each round (the busiest
             node's heaviest against every other node's lightest, and vice versa).
@@ -167,6 +168,7 @@ class ReLibraConfig:
     light_share: float = 0.0
     plan_schedule_s: float = 0.0
     host_scale: float = 1.0
+    host_scale_nodes: float = 1.0
     max_swap_rounds: int = 64
     swap_candidates: int = 8
 
@@ -231,6 +233,7 @@ class ReLibraConfig:
         check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_number("light_share", self.light_share, 0, maximum=1)
         check_number("host_scale", self.host_scale, 0, strict=True)
+        check_number("host_scale_nodes", self.host_scale_nodes, 0, strict=True)
         check_choice("dispatch", self.dispatch, ("flat", "hierarchical"))
         check_int("top_k", self.top_k, 0)
         for name in (f.name for f in dataclasses.fields(self) if f.type == "bool"):  # the switches

@@ -84,7 +84,7 @@ from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
 __all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_SHARE",
-           "gain_bound_L", "guarded_plan", "layer_floor_s", "light_floor_s", "plan_floor_s", "worth_planning_L"]
+           "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "plan_floor_s", "worth_planning_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -160,8 +160,14 @@ def _gain_and_forward_L(gpu_MLG: torch.Tensor, a2a_ML: torch.Tensor, topology: T
 
 def plan_floor_s(topology: Topology, config) -> float:
     """The config's fixed floor for the topology (``plan_floor_nodes_s`` across nodes, else
-    ``plan_floor_s``) on this host (times ``host_scale``): 0 turns the guard off."""
-    return (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) * config.host_scale
+    ``plan_floor_s``) on this host (:func:`host_scale`): 0 turns the guard off."""
+    return (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) * host_scale(topology, config)
+
+
+def host_scale(topology: Topology, config) -> float:
+    """This host's planning time over the fitted constants' for the topology
+    (``host_scale_nodes`` across nodes, else ``host_scale``)."""
+    return config.host_scale_nodes if topology.num_nodes > 1 else config.host_scale
 
 
 def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
@@ -170,7 +176,7 @@ def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
     nodes and the micro-batches."""
     nodes = topology.num_nodes > 1
     experts = max(topology.num_experts / 64, 1.0) if nodes else 1.0
-    per_layer = (config.plan_layer_nodes_s if nodes else config.plan_layer_s) * config.host_scale
+    per_layer = (config.plan_layer_nodes_s if nodes else config.plan_layer_s) * host_scale(topology, config)
     return (plan_floor_s(topology, config) / max(share, 1) + per_layer * (max(config.top_k, 1) * experts) ** 0.5) \
         * max(micro_batches, 8) / 8
 
@@ -212,7 +218,7 @@ def light_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
         return 0.0
     nodes = topology.num_nodes > 1
     layer_s = (LIGHT_LAYER_NODES_S + LIGHT_EXPERT_NODES_S * topology.num_experts if nodes
-               else LIGHT_LAYER_S + LIGHT_EXPERT_S * topology.num_experts) * config.host_scale
+               else LIGHT_LAYER_S + LIGHT_EXPERT_S * topology.num_experts) * host_scale(topology, config)
     return (config.light_share * plan_floor_s(topology, config) / max(share, 1) + layer_s) * max(micro_batches, 8) / 8
 
 
@@ -269,8 +275,8 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
-        return Tiers(gain_L, forward_L * scale, config.plan_schedule_s * config.host_scale * M / 8 * scale, floor,
-                     light, scale)
+        return Tiers(gain_L, forward_L * scale, config.plan_schedule_s * host_scale(topology, config) * M / 8 * scale,
+                     floor, light, scale)
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):

@@ -52,8 +52,9 @@ class BaselineOptions:
             ``planning.pricing.PLAN_FLOOR_S`` etc.); ``light_share`` (0: off) sends the layers
             it keeps that can repay a step-long set's host time to ``planning.light``;
             ``plan_schedule_s``: every rank's schedule time per layer with copies;
-            ``host_scale``: this host's planning time over the machine those were fitted on
-            (``None``: measured here, :func:`with_host_scale`). A fixed
+            ``host_scale``, ``host_scale_nodes``: this host's planning time over the machine
+            those were fitted on, one node and across nodes (``None``: measured here,
+            :func:`with_host_scale`). A fixed
             ``planning.overlap_s`` turns the guard off: its window estimate is the default
             window's.
     """
@@ -82,6 +83,7 @@ class BaselineOptions:
     relibra_light_share: float = LIGHT_SHARE
     relibra_plan_schedule_s: float = PLAN_SCHEDULE_S
     relibra_host_scale: float | None = None
+    relibra_host_scale_nodes: float | None = None
 
     def __post_init__(self) -> None:
         check_int("eplb.interval", self.eplb_interval, 1)
@@ -105,8 +107,9 @@ class BaselineOptions:
         check_number("relibra.plan_layer_nodes_s", self.relibra_plan_layer_nodes_s, 0.0)
         check_number("relibra.light_share", self.relibra_light_share, 0.0, maximum=1.0)
         check_number("relibra.plan_schedule_s", self.relibra_plan_schedule_s, 0.0)
-        if self.relibra_host_scale is not None:
-            check_number("relibra.host_scale", self.relibra_host_scale, 0.0, strict=True)
+        for name in ("host_scale", "host_scale_nodes"):
+            if getattr(self, f"relibra_{name}") is not None:
+                check_number(f"relibra.{name}", getattr(self, f"relibra_{name}"), 0.0, strict=True)
 
     def guard_on(self) -> bool:
         """Whether relibra's guard (``planning.worth``) runs with these options."""
@@ -145,7 +148,7 @@ SECTIONS = {
                 "two_hop": bool, "choose": bool, "spread_fills": bool, "relay": bool, "max_swap_rounds": int, "swap_candidates": int,
                 "plan_floor_s": float, "plan_floor_nodes_s": float, "plan_layer_s": float,
                 "plan_layer_nodes_s": float, "light_share": float,
-                "plan_schedule_s": float, "host_scale": float},
+                "plan_schedule_s": float, "host_scale": float, "host_scale_nodes": float},
 }
 """Sections and fields accepted in ``--config`` files and ``--set SECTION.FIELD=VALUE``."""
 
@@ -191,12 +194,14 @@ def baseline_options(sections: dict[str, dict]) -> BaselineOptions:
 
 
 def with_host_scale(options: BaselineOptions, systems=("relibra",)) -> BaselineOptions:
-    """``options`` with ``relibra.host_scale`` set where it is unset and relibra is among
-    ``systems``: measured on this host (``moe.host_speed``) where relibra's guard runs, else 1
-    (it scales nothing then). The simulator resolves it before any plan, so its JSON records
-    the scale a run used."""
-    if options.relibra_host_scale is not None or "relibra" not in systems:
+    """``options`` with ``relibra.host_scale`` and ``host_scale_nodes`` set where unset and
+    relibra is among ``systems``: measured on this host (``moe.host_speed``) where relibra's
+    guard runs, else 1 (they scale nothing then). The simulator resolves them before any
+    plan, so its JSON records the scales a run used."""
+    unset = [n for n in ("host_scale", "host_scale_nodes") if getattr(options, f"relibra_{n}") is None]
+    if not unset or "relibra" not in systems:
         return options
     from ..moe.host_speed import measure_host_scale
-    return dataclasses.replace(options, relibra_host_scale=measure_host_scale() if options.guard_on() else 1.0)
+    measured = dict(zip(("host_scale", "host_scale_nodes"), measure_host_scale() if options.guard_on() else (1.0, 1.0)))
+    return dataclasses.replace(options, **{f"relibra_{n}": measured[n] for n in unset})
 

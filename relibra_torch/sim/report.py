@@ -300,10 +300,12 @@ def host_planning_line(doc: dict) -> str:
             + ", ".join(f"{n} {format_seconds(f['host_cpu_s'])}" for n, f in ahead.items())
             + f"; overlap window {window}")
     charged = {n: f["planning_charged_s"] for n, f in ahead.items() if f["planning_charged_s"] > 0}
-    scale = doc["config"].get("baseline_options", {}).get("relibra_host_scale")
-    guard = (f"\nrelibra's guard: host scale {scale:.3g} (this host's planning time over that of the machine "
-             f"its host-time constants were fitted on; --set relibra.host_scale={scale:.3g} repeats the run)"
-             if "relibra" in ahead and scale is not None else "")
+    b = doc["config"].get("baseline_options", {})
+    one, nodes = b.get("relibra_host_scale"), b.get("relibra_host_scale_nodes")
+    guard = (f"\nrelibra's guard: host scale {one:.3g} on one node, {nodes:.3g} across nodes (this host's planning "
+             f"time over that of the machine its host-time constants were fitted on; --set relibra.host_scale="
+             f"{one:.3g} --set relibra.host_scale_nodes={nodes:.3g} repeats the run)"
+             if "relibra" in ahead and one is not None and nodes is not None else "")
     if not charged:
         return line + "; charged: none (every system fits the window)" + guard
     return line + ("; charged (measured CPU time: varies run to run): "
