@@ -207,7 +207,8 @@ def run_case(case: Case, args, options, tmp: Path) -> dict:
     model = config.model
     dispatch = config.cost_options.dispatch
     t0 = time.perf_counter()
-    figs = simulate(workload, config).figures()
+    result = simulate(workload, config)
+    figs, used = result.figures(), result.config.baseline_options
     secs = time.perf_counter() - t0
     step = {n: f["step_time_s"] for n, f in figs.items()}
     charged = {n: f["planning_charged_s"] for n, f in figs.items()}
@@ -225,6 +226,8 @@ def run_case(case: Case, args, options, tmp: Path) -> dict:
         "relibra_replica_s": figs[MINE]["replica_transfer_s"],
         "relibra_migration_s": figs[MINE]["migration_s"],
         "relibra_planner_s": figs[MINE]["planner_s"],
+        # the guard's host scales the run used (measured in this process unless --set)
+        "host_scale": [used.relibra_host_scale, used.relibra_host_scale_nodes],
         "sim_s": secs,
     }
     for tag, t in (("", model_s), ("charged_", step)):
@@ -312,6 +315,9 @@ def print_table(rows: list[dict]) -> None:
                       f"{worst[f'{tag}relibra_over_fastest']:.4f}x); {len(behind)} of {len(rows)} cases more than "
                       f"1% behind static or a baseline" + (": " + ", ".join(r["case"] for r in behind) if behind else ""),
                       highlight=False, soft_wrap=True)
+    scales = sorted({tuple(r["host_scale"]) for r in rows if "host_scale" in r})
+    console.print(f"relibra's guard: host scale (one node, across nodes) {', '.join(map(str, scales))}",
+                  highlight=False)
 
 
 def _layers_arg(text: str):
