@@ -335,7 +335,8 @@ def test_cli_takes_the_new_sections_and_names(tmp_path, capsys):
         "relibra_max_swap_rounds": 64,
         "relibra_swap_candidates": 8, "relibra_plan_floor_s": PLAN_FLOOR_S, "relibra_plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
         "relibra_plan_layer_s": PLAN_LAYER_S, "relibra_plan_layer_nodes_s": PLAN_LAYER_NODES_S,
-        "relibra_light_share": LIGHT_SHARE, "relibra_plan_schedule_s": PLAN_SCHEDULE_S}
+        "relibra_light_share": LIGHT_SHARE, "relibra_plan_schedule_s": PLAN_SCHEDULE_S,
+        "relibra_host_scale": None, "relibra_host_scale_nodes": None}  # no relibra run: nothing measured
     assert list(doc["systems"]) == ["static", "eplb", "eplb-oracle-instance", "online-node",
                                     "online-global", "uniform", "bound"]
     assert "run-time planning 10.0 us per layer" in " ".join(capsys.readouterr().out.split())

@@ -86,7 +86,8 @@ def test_relibra_section_switches_each_mechanism():
                                      "relay": True, "max_swap_rounds": 64, "swap_candidates": 8,
                                      "plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
                                      "plan_layer_s": PLAN_LAYER_S, "plan_layer_nodes_s": PLAN_LAYER_NODES_S,
-                                     "light_share": LIGHT_SHARE, "plan_schedule_s": PLAN_SCHEDULE_S}
+                                     "light_share": LIGHT_SHARE, "plan_schedule_s": PLAN_SCHEDULE_S,
+                                     "host_scale": None, "host_scale_nodes": None}  # measured when a run needs it
     with pytest.raises(ValueError, match="relibra.balance = 'maybe'; allowed: true or false"):
         baseline_options({"relibra": {"balance": "maybe"}})
     loads_MLSE = _loads()[0]
