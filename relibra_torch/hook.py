@@ -143,6 +143,7 @@ class ReplayBalancer:
                 raise ValueError(f"MoE layer {i} has topology {layer.topology}, layer 0 has "
                                  f"{self.topology}; all layers must share one EP layout")
         self.ep = self.layers[0].engine.ep  # the EP group the layers exchange over
+        self._collectives = 0
         if isinstance(planner, str):
             kwargs = dict(planner_kwargs or {})
             if planner == "relibra" and "config" not in kwargs:
@@ -151,10 +152,8 @@ class ReplayBalancer:
                 on_gpu = any(p.device.type == "cuda" for p in self.layers[0].parameters())
                 # the light plan's price keeps replica buffers (one fill per residency)
                 refetch = {"light_share": 0.0} if self.layers[0].engine.refetch_replicas else {}
-                # on a GPU the guard's host-time constants are scaled to this host (moe.host_speed)
                 kwargs["config"] = relibra_config_for(self.layers[0], hardware, **(
-                    {**refetch, **dict(zip(("host_scale", "host_scale_nodes"), measure_host_scale()))} if on_gpu
-                    else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
+                    {**refetch, **self.host_scales()} if on_gpu else {"plan_floor_s": 0.0, "plan_floor_nodes_s": 0.0}))
             planner = make_planner(planner, self.topology, **kwargs)
         elif planner.topology != self.topology:
             raise ValueError(f"planner topology {planner.topology} differs from the layers' {self.topology}")
@@ -172,6 +171,14 @@ class ReplayBalancer:
             raise ValueError(f"the MoE layers route to different top_k {sorted(top_k)}; one balancer plans "
                              "layers of one top_k (one replayed [T, L, K] tensor per micro-batch)")
         self.top_k = top_k.pop() if top_k else None
+
+    def host_scales(self) -> dict[str, float]:
+        """``host_scale`` and ``host_scale_nodes`` for relibra's guard on GPU layers: each EP
+        rank's host measured (``moe.host_speed``, once per process), the slowest rank's (the
+        largest) on every rank: split planning waits for it, and the ranks must hold one
+        config (their planner digests must agree). One all-gather."""
+        scales = self._all_gather(torch.tensor(measure_host_scale(), dtype=torch.float64)).amax(0)
+        return {"host_scale": float(scales[0]), "host_scale_nodes": float(scales[1])}
 
     @property
     def num_layers(self) -> int:

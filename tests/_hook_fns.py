@@ -217,6 +217,14 @@ def _two_layer_ep(E: int = 4, replica_slots: int = 0):
                                 for _ in range(2)])
 
 
+def agreed_host_scales() -> dict:
+    """``ReplayBalancer.host_scales`` where every rank measures another host speed."""
+    import relibra_torch.hook as hook
+    rank = dist.get_rank()
+    hook.measure_host_scale = lambda: (0.25 * (rank + 1), 2.0 - 0.25 * rank)   # this process only
+    return hook.ReplayBalancer(list(_two_layer_ep())).host_scales()
+
+
 def bad_replay_on_one_rank(kind: str) -> str:
     """``plan_step`` where only rank 1's replay is bad (``kind``): the error this rank raised."""
     from relibra_torch.hook import ReplayBalancer

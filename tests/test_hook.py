@@ -119,6 +119,12 @@ def test_diverging_plans_raise_on_every_rank_without_hanging(pool):
     assert "did not finish" not in text
 
 
+def test_every_rank_takes_the_slowest_hosts_scale(pool):
+    # each rank measures its own host; one config on every rank (the planner digests agree)
+    scales = pool.run(_hook_fns.agreed_host_scales)
+    assert scales == [{"host_scale": 1.0, "host_scale_nodes": 2.0}] * 4
+
+
 def test_split_planning_assembles_the_whole_plan(pool):
     """Each of the 4 ranks plans every 4th layer; the all-gathered plan is the plan of the
     whole step (same planner state), step after step (placements carried over)."""
