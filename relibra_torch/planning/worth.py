@@ -35,7 +35,9 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   columns); both times ``max(M, 8) / 8`` (fitted at 8 micro-batches). The fixed part (a few
   thousand small tensor calls whatever the layer count) is most of a one- or two-layer
   share's search, which is what 8-16 EP ranks plan on models of 12-16 layers. Fitted on
-  this project's 2-core machine (``planning.pricing.PLAN_FLOOR_S``).
+  this project's 2-core machine (``planning.pricing.PLAN_FLOOR_S``); every host time here
+  (floors, light plan, schedules) is multiplied by the config's scale for the topology
+  (:func:`host_scale`: this host's planning time over that machine's, ``moe.host_speed``).
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
