@@ -22,7 +22,7 @@ from relibra_torch.planning.light import light_plan
 from relibra_torch.planning.plain import layers_price
 from relibra_torch.planning.plan import StepPlan, validate_plan
 from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
-from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE
+from relibra_torch.planning.worth import light_schedule_share
 from relibra_torch.planning.step_set import step_long_set
 from relibra_torch.planning import relibra as relibra_module
 from relibra_torch.planning import worth
@@ -217,7 +217,7 @@ def test_the_guard_keeps_a_light_plan_only_where_its_exact_saving_pays(N):
              (0.0, w / 2, light),                                  # all fits: any saving
              (over, w - over + 0.5 * saving, light))               # overflow 0.5 S of the schedules
     for sched, light_floor, want in cases:
-        c = dataclasses.replace(cfg, plan_schedule_s=sched / LIGHT_SCHEDULE_SHARE / 0.5)  # M / 8 = 0.5, one layer
+        c = dataclasses.replace(cfg, plan_schedule_s=sched / light_schedule_share(topo) / 0.5)  # M / 8 = 0.5, one layer
         with mock.patch.object(worth, "light_floor_s", lambda *a, f=light_floor: f), \
                 mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L):
             t = worth._tiers(loads, topo, prev, c, None)

@@ -245,7 +245,7 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
     """A layer given copies costs every rank its schedules (``rank_schedules`` builds every
     layer's), so the guard takes ``plan_schedule_s * M / 8`` per layer out of the window a
     rank's share plans in: ``L / ceil(L / G)`` times it off the layer's margin."""
-    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _tiers
+    from relibra_torch.planning.worth import _tiers, light_schedule_share
     topo, loads_MLSE, placement_LE = _random_case(4, 2, 2, 2, 2, 12, 3, 6.0)     # M = 12, L = 3, G = 4
     base = dataclasses.replace(PRICED, plan_schedule_s=0.0)
     for total in (3, 10):
@@ -255,10 +255,12 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
         assert t0.floor == t1.floor
         m0, m1 = t0.margin_L(), t1.margin_L()
         torch.testing.assert_close(m0 - m1, torch.full_like(m0, 2e-3 * 12 / 8 * total / share), rtol=1e-9, atol=0)
-        # a light layer's schedules cost LIGHT_SCHEDULE_SHARE of that: one residency per copy
+        # a light layer's schedules cost a share of that (one residency per copy; more with many
+        # experts and across nodes: 0.7 + 2.2e-3 E of it here, two nodes)
+        assert light_schedule_share(topo) == 0.7 + 2.2e-3 * topo.num_experts
         w0 = _tiers(loads_MLSE, topo, placement_LE, base, total).light_window_L()
         w1 = _tiers(loads_MLSE, topo, placement_LE, dataclasses.replace(base, plan_schedule_s=2e-3), total).light_window_L()
-        torch.testing.assert_close(w0 - w1, torch.full_like(w0, LIGHT_SCHEDULE_SHARE * 2e-3 * 12 / 8 * total / share),
+        torch.testing.assert_close(w0 - w1, torch.full_like(w0, light_schedule_share(topo) * 2e-3 * 12 / 8 * total / share),
                                    rtol=1e-9, atol=0)
 
 
@@ -274,7 +276,7 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     at least the exact gain bound and window, per layer, and where it keeps every layer the
     exact margin keeps them too (so the tiers are the same as from the exact margin alone).
     Loads scaled up to 1000x and floors up to 10 s put layers in either tier, and in neither."""
-    from relibra_torch.planning.worth import LIGHT_SCHEDULE_SHARE, _quick_bound_L, _tiers
+    from relibra_torch.planning.worth import _quick_bound_L, _tiers, light_schedule_share
 
     topo, loads_MLSE, placement_LE = _random_case(seed, 1, g, El, 2, M, L, skew)
     loads_MLSE = loads_MLSE * scale
@@ -290,7 +292,7 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     share = -(-total // topo.num_gpus)
     k, sched = total / share, config.plan_schedule_s * M / 8
     exact_L = gain_L + forward_L * k - sched * k                    # the guard's own order of operations
-    exact_light_L = gain_L + (forward_L * k - LIGHT_SCHEDULE_SHARE * (sched * k))
+    exact_light_L = gain_L + (forward_L * k - light_schedule_share(topo) * (sched * k))
     assert (light_floor > 0) == (light > 0)
     assert torch.equal(margin_L < floor, exact_L < floor)
     if light > 0:   # the light tier decides the same from either bound

@@ -85,7 +85,8 @@ from .plan import StepPlan
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_SHARE",
+__all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_EXPERTS",
+           "LIGHT_SCHEDULE_SHARE", "light_schedule_share",
            "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "plan_floor_s", "worth_planning_L"]
 
 
@@ -209,8 +210,23 @@ LIGHT_LAYER_S, LIGHT_EXPERT_S = 4.9e-4, 6.6e-6
 LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 3.0e-4, 5.2e-5
 #: A light layer's schedules (``moe.schedule_batch.rank_schedules``) against ``plan_schedule_s``
 #: (fitted on the full search's plans): each copy holds its slot all step, one residency, so
-#: 0.3-0.7 ms per layer on the same stand-ins and machine, about half (x 1.4) of 1.1 ms.
+#: 0.3-0.7 ms per layer on the same stand-ins and machine, about half (x 1.4) of 1.1 ms. At
+#: least that; more with many experts and across nodes (:func:`light_schedule_share`).
 LIGHT_SCHEDULE_SHARE = 0.5
+#: ``(base, per expert)`` of the light schedules' share, one node and across nodes: measured per
+#: light layer with the light tier forced on the 64 stand-ins with 256-1,024 tokens per GPU
+#: (one session, divided by that session's host scale): one node 0.36-0.55 of
+#: ``plan_schedule_s`` at 8-64 experts, 0.66 at 128, 1.0-1.2 at 256; across nodes 0.75 at 32,
+#: 0.97 at 64, 1.25 at 256 experts (16 GPUs' schedules). A share that follows the experts kept
+#: 256-expert light plans whose schedules overran the window the constant share expected.
+LIGHT_SCHEDULE_EXPERTS = ((0.4, 2.8e-3), (0.7, 2.2e-3))
+
+
+def light_schedule_share(topology: Topology) -> float:
+    """A light layer's schedules as a share of ``plan_schedule_s`` on ``topology``: at least
+    :data:`LIGHT_SCHEDULE_SHARE`, growing with the experts (:data:`LIGHT_SCHEDULE_EXPERTS`)."""
+    base, per_expert = LIGHT_SCHEDULE_EXPERTS[topology.num_nodes > 1]
+    return max(LIGHT_SCHEDULE_SHARE, base + per_expert * topology.num_experts)
 
 
 def light_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
@@ -227,8 +243,8 @@ def light_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
 class Tiers(NamedTuple):
     """:func:`_tiers`: per layer ``[L]`` (float64 seconds) the gain bound ``U_l`` and the
     layer's window share before schedules; the schedules a rank builds per planned layer,
-    scaled as the window (full search's; the light plan's are :data:`LIGHT_SCHEDULE_SHARE`
-    of them); the floors ``F`` and ``F'``; and ``scale = L / ceil(L / G)``, the layers whose
+    scaled as the window (full search's; the light plan's are :func:`light_schedule_share`
+    of them, ``light_schedules``); the floors ``F`` and ``F'``; and ``scale = L / ceil(L / G)``, the layers whose
     savings one share-layer's host time buys, which the light plan's keep rule counts
     (module docstring)."""
 
@@ -238,6 +254,7 @@ class Tiers(NamedTuple):
     floor: float
     light_floor: float
     scale: float
+    light_schedules: float = LIGHT_SCHEDULE_SHARE
 
     def margin_L(self) -> torch.Tensor:
         """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
@@ -249,7 +266,7 @@ class Tiers(NamedTuple):
 
     def light_window_L(self) -> torch.Tensor:
         """``W'_l``: the window less the light plan's schedules."""
-        return self.window_L - LIGHT_SCHEDULE_SHARE * self.schedules_s
+        return self.window_L - self.light_schedules * self.schedules_s
 
     def light_L(self) -> torch.Tensor:
         """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'`` (never where it is off)."""
@@ -278,7 +295,7 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
         return Tiers(gain_L, forward_L * scale, config.plan_schedule_s * host_scale(topology, config) * M / 8 * scale,
-                     floor, light, scale)
+                     floor, light, scale, light_schedule_share(topology))
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
