@@ -143,7 +143,7 @@ class ReplayBalancer:
                 raise ValueError(f"MoE layer {i} has topology {layer.topology}, layer 0 has "
                                  f"{self.topology}; all layers must share one EP layout")
         self.ep = self.layers[0].engine.ep  # the EP group the layers exchange over
-        self._collectives = 0
+        self._collectives = 0  # host_scales' all-gather below counts here; the count restarts with the steps
         if isinstance(planner, str):
             kwargs = dict(planner_kwargs or {})
             if planner == "relibra" and "config" not in kwargs:

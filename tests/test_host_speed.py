@@ -17,14 +17,11 @@ from hypothesis import strategies as st
 from relibra_torch.cli import main
 from relibra_torch.moe import host_speed
 from relibra_torch.planning import Topology
-from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S,
-                                            PLAN_LAYER_S, PLAN_SCHEDULE_S, priced_config)
+from relibra_torch.planning.pricing import GUARD_FLOORS as FLOORS
+from relibra_torch.planning.pricing import priced_config
 from relibra_torch.planning.relibra import relibra_plan
 from relibra_torch.planning.worth import host_scale, layer_floor_s, light_floor_s, plan_floor_s
 from relibra_torch.sim.baselines import BaselineOptions, baseline_options
-
-FLOORS = dict(plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S, plan_layer_s=PLAN_LAYER_S,
-              plan_layer_nodes_s=PLAN_LAYER_NODES_S, light_share=LIGHT_SHARE, plan_schedule_s=PLAN_SCHEDULE_S)
 
 
 def _switch_config(scale: float, nodes_scale: float | None = None, **overrides):

@@ -44,13 +44,12 @@ from __future__ import annotations
 import functools
 import math
 import statistics
-import time
 
 import torch
 
+from ..cputime import one_thread_cpu
 from ..planning import ReLibraConfig, Topology
-from ..planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S, PLAN_LAYER_S,
-                                PLAN_SCHEDULE_S, priced_config)
+from ..planning.pricing import GUARD_FLOORS, priced_config
 from ..planning.relibra import add_relays, relibra_plan
 from ..planning.worth import layer_floor_s
 from .schedule_batch import share_splits
@@ -82,24 +81,17 @@ def reference_loads(E: int, K: int, L: int, S: int, T: int, seed: int = 0) -> to
 def _config(topology: Topology, K: int, host_scale: float) -> ReLibraConfig:
     """The simulator's relibra config for Qwen3-30B-A3B's expert (2048 x 768) on H200, the
     fitted host-time constants times ``host_scale``."""
-    floors = dict(plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S, plan_layer_s=PLAN_LAYER_S,
-                  plan_layer_nodes_s=PLAN_LAYER_NODES_S, light_share=LIGHT_SHARE, plan_schedule_s=PLAN_SCHEDULE_S)
     return priced_config(2048, 768, "h200", dispatch="hierarchical" if topology.num_nodes > 1 else "flat",
-                         top_k=K, host_scale=host_scale, host_scale_nodes=host_scale, **floors)
+                         top_k=K, host_scale=host_scale, host_scale_nodes=host_scale, **GUARD_FLOORS)
 
 
 def _share_seconds(topology: Topology, config: ReLibraConfig, loads_MLSE: torch.Tensor, total_layers: int) -> float:
-    """One thread's CPU seconds of an EP rank's share: its plan, token splits and relays."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    t0 = time.thread_time()
-    try:
+    """One thread's CPU seconds of an EP rank's share (its plan, token splits and relays), on
+    the simulator's clock (:func:`~relibra_torch.cputime.one_thread_cpu`)."""
+    def share() -> None:
         plan = relibra_plan(loads_MLSE, topology, None, config, None, total_layers)
-        split_MLSGJ, _ = share_splits(plan, loads_MLSE)
-        add_relays(plan, loads_MLSE, config, split_MLSGJ)
-        return time.thread_time() - t0
-    finally:
-        torch.set_num_threads(threads)
+        add_relays(plan, loads_MLSE, config, share_splits(plan, loads_MLSE)[0])
+    return one_thread_cpu(share)[1]
 
 
 @functools.lru_cache(maxsize=1)

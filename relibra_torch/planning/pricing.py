@@ -27,6 +27,7 @@ __all__ = [
     "PLAN_LAYER_NODES_S",
     "PLAN_LAYER_S",
     "LIGHT_SHARE",
+    "GUARD_FLOORS",
     "PLAN_SCHEDULE_S",
     "ReorderWeights",
     "get_hardware",
@@ -247,6 +248,9 @@ PLAN_SCHEDULE_S = 1.1e-3
 #: follows the experts rather than top-k (``planning.worth.LIGHT_LAYER_S`` and
 #: ``LIGHT_EXPERT_S``). 0 turns the light tier off.
 LIGHT_SHARE = 0.25
+#: The guard's host-time fields of ``ReLibraConfig`` as fitted (the simulator's and the hook's).
+GUARD_FLOORS = {"plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S, "plan_layer_s": PLAN_LAYER_S,
+                "plan_layer_nodes_s": PLAN_LAYER_NODES_S, "light_share": LIGHT_SHARE, "plan_schedule_s": PLAN_SCHEDULE_S}
 
 
 def priced_config(dim: int, hidden_dim: int, hardware: str | HardwareSpec = "h200", **overrides) -> ReLibraConfig:
@@ -267,7 +271,4 @@ def relibra_config_for(layer, hardware: str | HardwareSpec = "h200", **overrides
     (``planning.worth``): on a toy model every layer does; ``plan_floor_s=0,
     plan_floor_nodes_s=0`` plans it anyway (``ReplayBalancer`` does so on CPU layers).
     """
-    floors = {"plan_floor_s": PLAN_FLOOR_S, "plan_floor_nodes_s": PLAN_FLOOR_NODES_S,
-              "plan_layer_s": PLAN_LAYER_S, "plan_layer_nodes_s": PLAN_LAYER_NODES_S, "light_share": LIGHT_SHARE,
-              "plan_schedule_s": PLAN_SCHEDULE_S}
-    return priced_config(layer.dim, layer.hidden_dim, hardware, **{**floors, **overrides})
+    return priced_config(layer.dim, layer.hidden_dim, hardware, **{**GUARD_FLOORS, **overrides})

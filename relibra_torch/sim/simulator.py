@@ -24,14 +24,13 @@ bound" figures are relative to them). ``bound`` is a lower bound no plan can bea
 
 from __future__ import annotations
 
-import gc
-import time
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 
 from ..checks import check_int
+from ..cputime import one_thread_cpu
 from ..planning.base import Planner, StaticPlanner, join_layer_shares, layer_share, planner_digest
 from ..planning.evaluate import evaluate
 from ..planning.plan import StepPlan, plan_digest, validate_plan
@@ -394,23 +393,6 @@ def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -
         f"{config.hardware.name}, R={topo.replica_slots})", config.memory_trace)
     if msg:
         raise ValueError(msg)
-
-
-def one_thread_cpu(fn: Callable[[], object]) -> tuple[object, float]:
-    """``fn()`` and this thread's CPU seconds in it, torch on one thread and Python's garbage
-    collector paused as ``timeit`` pauses it (a full collection walks the simulator's whole
-    heap, ~0.1 s, and landed at random in one system's planning)."""
-    threads, collecting = torch.get_num_threads(), gc.isenabled()
-    torch.set_num_threads(1)
-    gc.disable()
-    t0 = time.thread_time()
-    try:
-        out = fn()
-    finally:
-        secs = time.thread_time() - t0
-        torch.set_num_threads(threads)
-        gc.enable() if collecting else None
-    return out, secs
 
 
 def forward_s(c: StepCost) -> float:
