@@ -205,6 +205,19 @@ def test_report_records_every_outcome_and_writes_json_and_markdown(tmp_path, cap
     assert "[failed ] p: broken" in capsys.readouterr().out
 
 
+def test_report_with_an_out_dir_keeps_what_a_cut_short_run_measured(tmp_path):
+    report = Report("default", tmp_path / "o")
+    report.check("p", "first", lambda: 1)
+    data = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
+    assert data["partial"] is True and [c["name"] for c in data["checks"]] == ["first"]
+    assert "partial" in (tmp_path / "o" / "summary.md").read_text()
+    report.check("p", "second", lambda: 2)
+    assert len(json.loads((tmp_path / "o" / "gpu_check.json").read_text())["checks"]) == 2
+    report.write(tmp_path / "o", [])
+    final = json.loads((tmp_path / "o" / "gpu_check.json").read_text())
+    assert final["partial"] is False and "partial" not in (tmp_path / "o" / "summary.md").read_text()
+
+
 @pytest.mark.slow
 def test_ep_check_runs_on_two_gloo_ranks():
     result = ep.run_ranks(2, seed=1, device_type="cpu")

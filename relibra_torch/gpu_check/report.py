@@ -41,8 +41,11 @@ def load_benchmark(name: str) -> ModuleType:
 class Report:
     """Outcomes of the checks of one run, in order; ``failed`` decides the exit status."""
 
-    def __init__(self, mode: str):
+    def __init__(self, mode: str, out_dir: Path | None = None):
         self.mode = mode
+        #: where the outputs go; when set, they are rewritten after every check (marked
+        #: ``partial``) so a run cut short by a time limit still leaves what it measured
+        self.out_dir = out_dir
         self.env: dict[str, Any] = {}
         self.checks: list[dict[str, Any]] = []
         #: extra top-level keys of gpu_check.json (e.g. ``expertplex``: its measured tile time)
@@ -68,6 +71,8 @@ class Report:
         note = row.get("error") or row.get("reason") or ""
         print(f"[{row['status']:7}] {part}: {name} ({row['seconds']:.1f} s){' -- ' + note if note else ''}",
               flush=True)
+        if self.out_dir is not None:
+            self.write(self.out_dir, [], partial=True)
         return detail
 
     @property
@@ -80,18 +85,22 @@ class Report:
             out[c["status"]] += 1
         return out
 
-    def write(self, out_dir: Path, highlights: list[str]) -> tuple[Path, Path]:
-        """Write ``gpu_check.json`` and ``summary.md`` into ``out_dir``; return both paths."""
+    def write(self, out_dir: Path, highlights: list[str], partial: bool = False) -> tuple[Path, Path]:
+        """Write ``gpu_check.json`` and ``summary.md`` into ``out_dir``; return both paths.
+
+        ``partial``: the run is still going (the files say so and are rewritten at its end).
+        """
         out_dir.mkdir(parents=True, exist_ok=True)
-        data = {"mode": self.mode, "seconds": round(time.perf_counter() - self.t0, 1), "counts": self.counts(),
+        data = {"mode": self.mode, "partial": partial, "seconds": round(time.perf_counter() - self.t0, 1),
+                "counts": self.counts(),
                 "env": self.env, "highlights": highlights, "checks": self.checks, **self.keys}
         json_path = out_dir / "gpu_check.json"
         json_path.write_text(json.dumps(data, indent=1, default=str))
         md_path = out_dir / "summary.md"
-        md_path.write_text(self.markdown(highlights, data["seconds"]))
+        md_path.write_text(self.markdown(highlights, data["seconds"], partial))
         return json_path, md_path
 
-    def markdown(self, highlights: list[str], seconds: float) -> str:
+    def markdown(self, highlights: list[str], seconds: float, partial: bool = False) -> str:
         e = self.env
         c = self.counts()
         lines = [
@@ -100,7 +109,8 @@ class Report:
             f"driver {e.get('driver', '?')}; Python {e.get('python', '?')}, torch {e.get('torch', '?')} "
             f"(CUDA {e.get('torch_cuda', '?')}), triton {e.get('triton', '?')}, "
             f"torchtitan {e.get('torchtitan', 'not importable')}.", "",
-            f"{c['ok']} ok, {c['failed']} failed, {c['skipped']} skipped in {seconds:.0f} s.", "",
+            f"{c['ok']} ok, {c['failed']} failed, {c['skipped']} skipped in {seconds:.0f} s"
+            f"{' (partial: the run had not finished when this was written)' if partial else ''}.", "",
         ]
         if highlights:
             lines += ["## Figures", ""] + [f"- {h}" for h in highlights] + [""]

@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     from relibra_torch.gpu_check.report import Report
 
     seed = args.seed if args.seed is not None else int.from_bytes(os.urandom(4), "little")
-    report = Report(args.mode)
+    report = Report(args.mode, args.out)
     report.env = report.check("env", "versions, GPUs, declared ranges", lambda: environment(torch)) or {}
     report.env["seed"] = seed
     device = torch.device("cuda", 0)
