@@ -23,4 +23,4 @@ def test_every_kernel_compiles_for_sm90_with_pipelined_gemm_loops():
     proc = subprocess.run([sys.executable, "-m", "relibra_torch.ops.aot", "--arch", "90"], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "20 kernels compiled for sm_90: 0 failed, 0 GEMM loops not pipelined" in proc.stdout, proc.stdout
+    assert "19 kernels compiled for sm_90: 0 failed, 0 GEMM loops not pipelined" in proc.stdout, proc.stdout

@@ -63,11 +63,10 @@ def _compile_all(arch: int, all_configs: bool) -> list[dict]:
                 {"BLOCK": tk.PERMUTE_BLOCK, "S_PAD": 64}, ["slot_ptr", "counts_SB_ptr"])
     compile_one(tk._slot_scan_kernel, "", {"counts_SB_ptr": "*i32", "totals_ptr": "*i32"},
                 {"CHUNK": tk.SCAN_CHUNK}, ["counts_SB_ptr", "totals_ptr"])
-    compile_one(tk._slot_offsets_kernel, "", {"totals_ptr": "*i32", "offsets_ptr": "*i32", "starts_ptr": "*i32"},
-                {"S_PAD": 64}, ["totals_ptr", "offsets_ptr", "starts_ptr"])
-    compile_one(tk._slot_scatter_kernel, "", {"slot_ptr": "*i64", "base_SB_ptr": "*i32", "starts_ptr": "*i32",
-                                              "row_of_ptr": "*i64"}, {"BLOCK": tk.PERMUTE_BLOCK},
-                ["slot_ptr", "base_SB_ptr", "starts_ptr", "row_of_ptr"])
+    compile_one(tk._slot_scatter_kernel, "S<=64", {"slot_ptr": "*i64", "base_SB_ptr": "*i32", "totals_ptr": "*i32",
+                                                   "offsets_ptr": "*i32", "row_of_ptr": "*i64"},
+                {"BLOCK": tk.PERMUTE_BLOCK, "S_PAD": 64},
+                ["slot_ptr", "base_SB_ptr", "totals_ptr", "offsets_ptr", "row_of_ptr"])
     bt, k_pad, bd = tk._row_tiles(8, 4096)
     tiles = {"BT": bt, "K_PAD": k_pad, "BD": bd}
     compile_one(tk._permute_rows_kernel, "bf16 K=8", {"x_ptr": "*bf16", "row_of_ptr": "*i64", "out_ptr": "*bf16"},

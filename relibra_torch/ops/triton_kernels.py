@@ -131,35 +131,40 @@ def _slot_scan_kernel(counts_SB_ptr, totals_ptr, num_blocks, CHUNK: tl.constexpr
 
 
 @triton.jit
-def _slot_offsets_kernel(totals_ptr, offsets_ptr, starts_ptr, S, S_PAD: tl.constexpr):
-    i = tl.arange(0, S_PAD)
-    m = i < S
-    v = tl.load(totals_ptr + i, mask=m, other=0)
-    ends = tl.cumsum(v, axis=0)
-    tl.store(offsets_ptr + i, ends, mask=m)
-    tl.store(starts_ptr + i, ends - v, mask=m)
-
-
-@triton.jit
-def _slot_scatter_kernel(slot_ptr, base_SB_ptr, starts_ptr, row_of_ptr, n, num_blocks,
-                         BLOCK: tl.constexpr):
+def _slot_scatter_kernel(slot_ptr, base_SB_ptr, totals_ptr, offsets_ptr, row_of_ptr, n, num_blocks, S,
+                         BLOCK: tl.constexpr, S_PAD: tl.constexpr):
     # Stable: a token-slot's row = start of its slot + earlier blocks' count for the slot
-    # + number of equal slots before it inside the block.
+    # + number of equal slots before it inside the block. Every block derives the slot
+    # starts from the totals itself (S_PAD values), so no launch is spent on them; block 0
+    # writes the offsets.
     b = tl.program_id(0)
+    si = tl.arange(0, S_PAD)
+    tot = tl.load(totals_ptr + si, mask=si < S, other=0)
+    ends = tl.cumsum(tot, axis=0)
+    if b == 0:
+        tl.store(offsets_ptr + si, ends, mask=si < S)
+    starts = ends - tot
     loc = tl.arange(0, BLOCK)
     idx = b * BLOCK + loc
     valid = idx < n
-    s = tl.load(slot_ptr + idx, mask=valid, other=-1).to(tl.int32)
-    same = (s[:, None] == s[None, :]) & (loc[None, :] < loc[:, None])
+    s = tl.load(slot_ptr + idx, mask=valid, other=0).to(tl.int32)
+    s_rank = tl.where(valid, s, -1)
+    same = (s_rank[:, None] == s_rank[None, :]) & (loc[None, :] < loc[:, None])
     rank = tl.sum(same.to(tl.int32), axis=1)
-    start = tl.load(starts_ptr + s, mask=valid, other=0)
+    start = tl.gather(starts, s, 0)
     base = tl.load(base_SB_ptr + s.to(tl.int64) * num_blocks + b, mask=valid, other=0)
     row = (start + base + rank).to(tl.int64)
     tl.store(row_of_ptr + idx, row, mask=valid)
 
 
 def permute_index(expert_slot_TK: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton: ``(row_of_TK int64 [T, K], offsets_S int32 [S])`` of the stable sort by slot."""
+    """Triton: ``(row_of_TK int64 [T, K], offsets_S int32 [S])`` of the stable sort by slot.
+
+    Three launches (per-block histograms, their scan per slot, the scatter) and three
+    allocations: on an H200 the call is launch-bound below ~64K token-slots (eager ~110 us
+    with four launches against 11-19 us replayed from a CUDA graph;
+    ``benchmarks/kernel_configs.py``), so every launch and allocation saved counts.
+    """
     T, K = expert_slot_TK.shape
     n = T * K
     dev = expert_slot_TK.device
@@ -173,16 +178,15 @@ def permute_index(expert_slot_TK: torch.Tensor, num_slots: int) -> tuple[torch.T
     slots = expert_slot_TK.contiguous().view(-1)
     num_blocks = triton.cdiv(n, PERMUTE_BLOCK)
     s_pad = _next_pow2(num_slots)
-    counts_SB = torch.empty((num_slots, num_blocks), dtype=torch.int32, device=dev)
-    totals = torch.empty((num_slots,), dtype=torch.int32, device=dev)
-    starts = torch.empty((num_slots,), dtype=torch.int32, device=dev)
+    # one allocation: the per-(slot, block) counts, then the per-slot totals
+    scratch = torch.empty((num_slots * (num_blocks + 1),), dtype=torch.int32, device=dev)
+    counts_SB, totals = scratch[: num_slots * num_blocks], scratch[num_slots * num_blocks:]
     _slot_histogram_kernel[(num_blocks,)](slots, counts_SB, n, num_blocks, num_slots,
                                           BLOCK=PERMUTE_BLOCK, S_PAD=s_pad)
     _slot_scan_kernel[(num_slots,)](counts_SB, totals, num_blocks,
                                     CHUNK=min(SCAN_CHUNK, _next_pow2(num_blocks)))
-    _slot_offsets_kernel[(1,)](totals, offsets, starts, num_slots, S_PAD=s_pad)
-    _slot_scatter_kernel[(num_blocks,)](slots, counts_SB, starts, row_of, n, num_blocks,
-                                        BLOCK=PERMUTE_BLOCK)
+    _slot_scatter_kernel[(num_blocks,)](slots, counts_SB, totals, offsets, row_of, n, num_blocks, num_slots,
+                                        BLOCK=PERMUTE_BLOCK, S_PAD=s_pad)
     return row_of, offsets
 
 
@@ -374,10 +378,18 @@ def _maybe_autotune(configs, key):
     return wrap
 
 
-@_maybe_autotune(_gemm_configs(), key=["N", "K", "S_PAD", "HAS_S2W", "TRANS_W"])
+def _rows_bucket(rows: int) -> int:
+    """The autotune key's row count: its power of two. Measured on an H200 (bf16, 8 slots,
+    D 2048, F 768; ``benchmarks/kernel_configs.py``): the best forward config at 4K rows costs
+    1.17x at 64K rows, and the best at 64K costs 1.38x at 4K, so one config per N, K cannot
+    serve every micro-batch; per power of two the tuning runs a handful of times per run."""
+    return max(int(rows), 1).bit_length()
+
+
+@_maybe_autotune(_gemm_configs(), key=["N", "K", "S_PAD", "HAS_S2W", "TRANS_W", "ROWS_BUCKET"])
 @triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BK"] == 0})
 @triton.jit
-def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, s2w_ptr, R, N, K, S,
+def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, s2w_ptr, R, N, K, S, ROWS_BUCKET,
                        sxm, sxk, swg, swk, swn, sym, syn,
                        HAS_S2W: tl.constexpr, S_PAD: tl.constexpr, TRANS_W: tl.constexpr,
                        UPCAST: tl.constexpr, IEEE: tl.constexpr, FIX_BF16: tl.constexpr,
@@ -443,9 +455,9 @@ def _grouped_mm_kernel(x_ptr, w_ptr, y_ptr, offs_ptr, s2w_ptr, R, N, K, S,
              mask=m_mask[:, None] & n_mask[None, :])
 
 
-@_maybe_autotune(_wgrad_configs(), key=["K", "N", "HAS_S2W"])
+@_maybe_autotune(_wgrad_configs(), key=["K", "N", "HAS_S2W", "ROWS_BUCKET"])
 @triton.jit
-def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, s2w_ptr, K, N, S,
+def _grouped_mm_wgrad_kernel(x_ptr, dy_ptr, dw_ptr, offs_ptr, s2w_ptr, K, N, S, ROWS_BUCKET,
                              sxm, sxk, sdm, sdn, swg, swk, swn,
                              HAS_S2W: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                              FIX_BF16: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -530,7 +542,7 @@ def grouped_mm(x_RK: torch.Tensor, w_GKN: torch.Tensor, offsets_S: torch.Tensor,
     def grid(meta):
         return ((triton.cdiv(R, meta["BM"]) + S) * triton.cdiv(N, meta["BN"]),)
 
-    _launch(_grouped_mm_kernel, grid, x_RK, w_GKN, y, offs, s2w, R, N, K, S,
+    _launch(_grouped_mm_kernel, grid, x_RK, w_GKN, y, offs, s2w, R, N, K, S, _rows_bucket(R),
             x_RK.stride(0), x_RK.stride(1), w_GKN.stride(0), w_GKN.stride(1), w_GKN.stride(2),
             y.stride(0), y.stride(1),
             HAS_S2W=slot_to_weight_S is not None, S_PAD=s_pad,
@@ -556,7 +568,7 @@ def grouped_mm_wgrad(x_RK: torch.Tensor, dy_RN: torch.Tensor, offsets_S: torch.T
     def grid(meta):
         return (num_weights * triton.cdiv(K, meta["BK"]) * triton.cdiv(N, meta["BN"]),)
 
-    _launch(_grouped_mm_wgrad_kernel, grid, x_RK, dy_RN, dw, offs, s2w, K, N, S,
+    _launch(_grouped_mm_wgrad_kernel, grid, x_RK, dy_RN, dw, offs, s2w, K, N, S, _rows_bucket(R),
             x_RK.stride(0), x_RK.stride(1), dy_RN.stride(0), dy_RN.stride(1),
             dw.stride(0), dw.stride(1), dw.stride(2),
             HAS_S2W=slot_to_weight_S is not None, UPCAST=_needs_upcast(x_RK.dtype),

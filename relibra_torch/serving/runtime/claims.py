@@ -1,12 +1,15 @@
 """A pure-Python event model of the two-phase claim rule of the persistent grouped GEMM.
 
 It runs the rule of :mod:`relibra_torch.ops.persistent_gemm` on the same tile tables, with a
-time per tile and a time per claim (``check``), and records every claim: which program took
+time per tile and a time per check (``check``), and records every claim: which program took
 which tile of which phase, when it started and ended. A program repeatedly checks (the check
-takes ``check`` time and sees what is published at its end), claims a tile of its first phase
-(decode for programs ``pid < decode_programs``, else prefill), else one of its other phase,
-and computes it; it leaves once both phases are exhausted and closed. Ties are broken by
-program id, the same order the CAS counters serialise claims in.
+takes ``check`` time and sees what is published at its end) and claims a tile of its first
+phase (decode for programs ``pid < decode_programs``, else prefill), else one of its other
+phase, and computes it; it leaves once both claims fail and the run is closed. Decode is
+claimed as the kernel's compare-and-swap does: the next published decode tile, by whichever
+program checks first. Prefill is claimed by ticket: a program takes the next prefill tile
+number unless it holds one, and computes that tile once it is published. Ties are broken by
+program id, the order the counters serialise claims in.
 
 Consequence shown by the tests: with ``decode_programs >= 1``, a decode table published at
 ``t`` starts by ``t + (longest tile in flight) + check``: the worst-case preemption delay
@@ -82,7 +85,9 @@ def simulate_claims(decode_cost: Sequence[float], prefill_cost: Sequence[float],
     published = (check_number("decode_published_at", decode_published_at, 0.0),
                  check_number("prefill_published_at", prefill_published_at, 0.0))
     closed_at = max(published)
-    claimed = [0, 0]
+    claimed_dec = 0
+    tickets_pre = 0  # next prefill ticket
+    held = [-1] * programs  # each program's prefill ticket (-1: none)
     trace = ClaimTrace(published=published)
     # (time the next check ends, program): a program's claim takes effect at its check's end.
     events = [(check, p) for p in range(programs)]
@@ -95,9 +100,18 @@ def simulate_claims(decode_cost: Sequence[float], prefill_cost: Sequence[float],
         first = DECODE if p < decode_programs else PREFILL
         got = None
         for ph in (first, 1 - first):
-            if t >= published[ph] and claimed[ph] < len(costs[ph]):
-                got = (ph, claimed[ph])
-                claimed[ph] += 1
+            if ph == DECODE:
+                if t >= published[DECODE] and claimed_dec < len(costs[DECODE]):
+                    got = (DECODE, claimed_dec)
+                    claimed_dec += 1
+                    break
+                continue
+            if held[p] < 0:
+                held[p] = tickets_pre
+                tickets_pre += 1
+            if t >= published[PREFILL] and held[p] < len(costs[PREFILL]):
+                got = (PREFILL, held[p])
+                held[p] = -1
                 break
         if got is None:
             if not closed:
