@@ -116,16 +116,19 @@ def control_words(n_decode: int, n_prefill: int, *, closed: bool = True, device=
 @triton.jit
 def _claim(ctrl_ptr, phase):
     # Compare-and-swap against the published count: never takes an unpublished tile.
-    # Retries only when another program won the race.
+    # Retries only when another program won the race. The counters are read with plain
+    # volatile loads (a stale value only fails the swap), so a program polling an empty
+    # phase writes nothing.
     got = -1
     trying = 1
     while trying != 0:
-        c = tl.atomic_add(ctrl_ptr + phase, 0)
+        c = tl.load(ctrl_ptr + phase, volatile=True)
         n = tl.load(ctrl_ptr + 2 + phase, volatile=True)
-        avail = c < n
-        old = tl.atomic_cas(ctrl_ptr + phase, c, tl.where(avail, c + 1, c))
-        got = tl.where(avail & (old == c), c, got)
-        trying = (avail & (old != c)).to(tl.int32)
+        trying = 0
+        if c < n:
+            old = tl.atomic_cas(ctrl_ptr + phase, c, c + 1)
+            got = tl.where(old == c, c, got)
+            trying = (old != c).to(tl.int32)
     return got
 
 
