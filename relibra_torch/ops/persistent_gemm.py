@@ -114,21 +114,28 @@ def control_words(n_decode: int, n_prefill: int, *, closed: bool = True, device=
 
 
 @triton.jit
+def _read(ptr):
+    # A control word read as an atomic. Triton performs a scalar atomic in one thread and
+    # broadcasts the result, so every thread of the program sees the same value; a volatile
+    # load is issued per thread and may differ across threads while the word changes, and a
+    # branch on it splits the program. A version that branched on volatile loads crashed on
+    # an H200 with an illegal instruction once decode tiles were claimed.
+    return tl.atomic_add(ptr, 0)
+
+
+@triton.jit
 def _claim(ctrl_ptr, phase):
     # Compare-and-swap against the published count: never takes an unpublished tile.
-    # Retries only when another program won the race. The counters are read with plain
-    # volatile loads (a stale value only fails the swap), so a program polling an empty
-    # phase writes nothing.
+    # Retries only when another program won the race.
     got = -1
     trying = 1
     while trying != 0:
-        c = tl.load(ctrl_ptr + phase, volatile=True)
-        n = tl.load(ctrl_ptr + 2 + phase, volatile=True)
-        trying = 0
-        if c < n:
-            old = tl.atomic_cas(ctrl_ptr + phase, c, c + 1)
-            got = tl.where(old == c, c, got)
-            trying = (old != c).to(tl.int32)
+        c = _read(ctrl_ptr + phase)
+        n = _read(ctrl_ptr + 2 + phase)
+        avail = c < n
+        old = tl.atomic_cas(ctrl_ptr + phase, c, tl.where(avail, c + 1, c))
+        got = tl.where(avail & (old == c), c, got)
+        trying = (avail & (old != c)).to(tl.int32)
     return got
 
 
@@ -166,7 +173,7 @@ def _two_phase_kernel(x_ptr, w1_ptr, w3_ptr, y_ptr, tab_ptr, ctrl_ptr, DEC_CAP, 
     while running != 0:
         # `closed` is read before the claims: if it was set and both then fail, every tile
         # that will ever be published is claimed or ticketed, and this program may leave.
-        closed = tl.load(ctrl_ptr + 4, volatile=True)
+        closed = _read(ctrl_ptr + 4)
         ph = 1
         t = -1
         if first == 0:
@@ -174,7 +181,7 @@ def _two_phase_kernel(x_ptr, w1_ptr, w3_ptr, y_ptr, tab_ptr, ctrl_ptr, DEC_CAP, 
             ph = 0
         if t < 0:
             held = _take(ctrl_ptr, 1, held)
-            if held < tl.load(ctrl_ptr + 3, volatile=True):
+            if held < _read(ctrl_ptr + 3):
                 t = held
                 held = -1
                 ph = 1
