@@ -20,39 +20,52 @@ import sys
 import time
 
 
+def compile_kernel(kernel, label: str, types: dict, consts: dict, aligned: list, arch: int = 90,
+                   num_warps: int = 4, num_stages: int = 3, gemm: bool = False, uniform: bool = False) -> dict:
+    """Compile one kernel for ``sm_<arch>``; the row printed and checked (``ok``, ``error``).
+
+    ``gemm``: record whether its K loop was software-pipelined. ``uniform``: the kernel
+    branches on control words, which it must read by scalar atomics (Triton runs those in
+    one thread and broadcasts the value through shared memory behind a barrier); a volatile
+    load is per thread, a branch on it can split the program at that barrier (it did, with an
+    illegal instruction on an H200), so one fails the row.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    fn = kernel
+    while not isinstance(fn, triton.runtime.jit.JITFunction):
+        fn = fn.fn  # through autotune / heuristics wrappers
+    names = fn.arg_names
+    signature = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    t0 = time.perf_counter()
+    row = {"kernel": fn.__name__, "variant": label}
+    try:
+        out = triton.compile(triton.compiler.ASTSource(fn, signature, consts, attrs),
+                             target=GPUTarget("cuda", arch, 32),
+                             options={"num_warps": num_warps, "num_stages": num_stages})
+        ttgir = out.asm["ttgir"]
+        row.update(ok=True, shared=out.metadata.shared, seconds=time.perf_counter() - t0,
+                   pipelined=("async_copy_global_to_local" in ttgir or "async_tma_copy" in ttgir
+                              or "descriptor_load" in ttgir) if gemm else None)
+        if uniform and "isVolatile = true" in ttgir:
+            row.update(ok=False, error="branches on a control word read by a volatile load; read it with an atomic")
+    except Exception as e:  # report every kernel, fail at the end
+        row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    return row
+
+
 def _compile_all(arch: int, all_configs: bool) -> list[dict]:
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("relibra_torch.ops.aot needs TRITON_INTERPRET unset (the kernels would be "
                            "interpreter functions)")
-    import triton
-    from triton.backends.compiler import GPUTarget
-
     from relibra_torch.ops import triton_kernels as tk
 
-    target = GPUTarget("cuda", arch, 32)
     results = []
 
-    def jit_fn(kernel):
-        while not isinstance(kernel, triton.runtime.jit.JITFunction):
-            kernel = kernel.fn  # through autotune / heuristics wrappers
-        return kernel
-
-    def compile_one(kernel, label, types, consts, aligned, num_warps=4, num_stages=3, gemm=False):
-        fn = jit_fn(kernel)
-        names = fn.arg_names
-        signature = {n: ("constexpr" if n in consts else types.get(n, "i32")) for n in names}
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-        t0 = time.perf_counter()
-        row = {"kernel": fn.__name__, "variant": label}
-        try:
-            out = triton.compile(triton.compiler.ASTSource(fn, signature, consts, attrs), target=target,
-                                 options={"num_warps": num_warps, "num_stages": num_stages})
-            ttgir = out.asm["ttgir"]
-            row.update(ok=True, shared=out.metadata.shared, seconds=time.perf_counter() - t0,
-                       pipelined=("async_copy_global_to_local" in ttgir or "async_tma_copy" in ttgir
-                                  or "descriptor_load" in ttgir) if gemm else None)
-        except Exception as e:  # report every kernel, fail at the end
-            row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+    def compile_one(kernel, label, types, consts, aligned, num_warps=4, num_stages=3, gemm=False, uniform=False):
+        row = compile_kernel(kernel, label, types, consts, aligned, arch, num_warps, num_stages, gemm, uniform)
         results.append(row)
         status = "ok" if row["ok"] else f"FAILED {row['error']}"
         extra = "" if row.get("pipelined") is None else f" pipelined={row['pipelined']}"
@@ -122,9 +135,9 @@ def _compile_all(arch: int, all_configs: bool) -> list[dict]:
                         {"GATED": gated, "UPCAST": False, "IEEE": dt == "fp32", "FIX_BF16": False,
                          "BM": 128, "BN": 128, "BK": 64, "sxk": 1, "swn": 1, "syn": 1},
                         ["x_ptr", "w1_ptr", "w3_ptr", "y_ptr", "tab_ptr", "ctrl_ptr", "N", "K", "sxm", "swg",
-                         "swk", "sym"], 8, 3, gemm=True)
+                         "swk", "sym"], 8, 3, gemm=True, uniform=True)
     compile_one(pg._publish_kernel, "", {"ctrl_ptr": "*i32"}, {}, ["ctrl_ptr"], 1, 1)
-    compile_one(pg._wait_done_kernel, "", {"ctrl_ptr": "*i32"}, {}, ["ctrl_ptr"], 1, 1)
+    compile_one(pg._wait_done_kernel, "", {"ctrl_ptr": "*i32"}, {}, ["ctrl_ptr"], 1, 1, uniform=True)
     return results
 
 
