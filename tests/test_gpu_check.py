@@ -308,3 +308,18 @@ def test_main_runs_the_parts_in_order_and_fails_only_on_a_failed_check(monkeypat
     assert runner.main(["--out", str(tmp_path / "b")]) == 1
     assert [c[0] for c in calls] == ["kernels", "layer", "bench", "expertplex", "ep", "layer_full"]
     assert "1 failed" in capsys.readouterr().out.strip().splitlines()[-1]
+
+
+def test_kernel_configs_benchmark_runs_its_three_parts_in_the_interpreter(tmp_path):
+    # benchmarks/kernel_configs.py is what took the H200 findings apart (index build, GEMM
+    # configs by rows, the persistent kernel and its controls): keep it runnable without a GPU.
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "kc.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "kernel_configs.py"), "--cpu-smoke",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = json.loads(out.read_text())
+    assert {"permute_index", "gemm", "persistent"} <= set(data)
+    assert all(r["static_us"] > 0 and r["persistent_us"] > 0 for r in data["persistent"])
+    assert {r["pass"] for r in data["gemm"]} == {"fwd", "dW"}
