@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .residency import residency_masks
+from .residency import residency_masks_numpy
 from .step_set import step_long_sets
 from .topology import Topology
 
@@ -246,23 +246,29 @@ def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
     the GPU also held in the previous micro-batch sits in the same slot: its residency then
     continues (one fill for the run, ``planning.residency``) instead of ending. Loads and
     token counts per (GPU, expert) are unchanged. Returns new ``[M, L, G, J]`` tensors."""
-    se, st = slot_expert_MLGJ.clone(), slot_tokens_MLGJ.clone()
-    # in numpy, on se and st (shared memory): integers only, one short step per micro-batch
-    se_n, st_n = se.numpy(), st.numpy()
-    for m in range(1, se.shape[0] if first < se.shape[-1] else 0):
-        prev, cur, tok = se_n[m - 1, ..., first:], se_n[m, ..., first:], st_n[m, ..., first:]
-        match = (prev[..., :, None] == cur[..., None, :]) & (prev >= 0)[..., None]   # [L, G, k, j]
+    se, st = (t.clone(memory_format=torch.contiguous_format) for t in (slot_expert_MLGJ, slot_tokens_MLGJ))
+    M, L, G, J = se.shape
+    k = J - first
+    if M < 2 or k <= 1:  # one slot (or none) to permute: nothing moves
+        return se, st
+    # in numpy on se and st (shared memory): integers only, one short step per micro-batch,
+    # rows [X = L G, k] indexed directly (numpy's take/put_along_axis cost more than the step)
+    se_n, st_n = se.numpy().reshape(M, L * G, J), st.numpy().reshape(M, L * G, J)
+    rows = np.arange(L * G).reshape(-1, 1)
+    for m in range(1, M):
+        prev, cur, tok = se_n[m - 1, :, first:], se_n[m, :, first:], st_n[m, :, first:]
+        match = (prev[..., :, None] == cur[..., None, :]) & (prev >= 0)[..., None]   # [X, k, j]
         matched_j = match.any(-2)
         taken_k = match.any(-1)
         # a matched copy keeps its previous slot k; the others take the free slots in order
         own_k = match.argmax(-2)
         free_k = np.argsort(taken_k, axis=-1, kind="stable")
         rank_j = np.cumsum(~matched_j, -1) - 1
-        dest = np.where(matched_j, own_k, np.take_along_axis(free_k, np.maximum(rank_j, 0), -1))
+        dest = np.where(matched_j, own_k, free_k[rows, np.maximum(rank_j, 0)])
         new_e, new_t = np.empty_like(cur), np.empty_like(tok)
-        np.put_along_axis(new_e, dest, cur, -1)
-        np.put_along_axis(new_t, dest, tok, -1)
-        se_n[m, ..., first:], st_n[m, ..., first:] = new_e, new_t
+        new_e[rows, dest] = cur
+        new_t[rows, dest] = tok
+        se_n[m, :, first:], st_n[m, :, first:] = new_e, new_t
     return se, st
 
 
@@ -271,14 +277,19 @@ def step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s, 
     residencies, each charged ``fill_s`` on the busier of its owner's and its GPU's link in
     the micro-batch it starts, plus ``latency_s`` in every micro-batch where one starts."""
     M, L, G, J = slot_expert_MLGJ.shape
-    owner = owner_LE.view(1, L, 1, -1).expand(M, L, G, -1).gather(3, slot_expert_MLGJ.clamp(min=0))
-    fill = (slot_expert_MLGJ >= 0) & (owner != torch.arange(G).view(1, 1, G, 1))
-    start = residency_masks(slot_expert_MLGJ, fill, slot_tokens_MLGJ)[0].to(torch.int64)
+    # in numpy (integer counts, then the same float64 products and sums per element; the
+    # sum over micro-batches stays torch's): a few dozen small torch ops per candidate
+    se = slot_expert_MLGJ.numpy()
+    owner = owner_LE.numpy()[np.arange(L).reshape(1, L, 1, 1), np.maximum(se, 0)]
+    fill = (se >= 0) & (owner != np.arange(G).reshape(1, 1, G, 1))
+    start = residency_masks_numpy(se.reshape(M, -1), fill.reshape(M, -1),
+                                  slot_tokens_MLGJ.numpy().reshape(M, -1))[0].reshape(M, L, G, J)
     recv = start.sum(-1)
-    sent = torch.zeros_like(recv).scatter_add_(2, owner.reshape(M, L, -1), start.reshape(M, L, -1))
-    busiest = slot_tokens_MLGJ.sum(-1).amax(-1).to(torch.float64)
-    return (busiest * saved_s + torch.maximum(sent, recv).amax(-1).to(torch.float64) * fill_s
-            + start.flatten(2).any(-1).to(torch.float64) * latency_s).sum(0)
+    ml_G = (np.arange(M * L) * G).reshape(M, L, 1, 1)
+    sent = np.bincount((ml_G + owner)[start], minlength=M * L * G).reshape(M, L, G)
+    busiest = slot_tokens_MLGJ.numpy().sum(-1).max(-1).astype(np.float64)
+    return torch.from_numpy(busiest * saved_s + np.maximum(sent, recv).max(-1).astype(np.float64) * fill_s
+                            + start.reshape(M, L, -1).any(-1).astype(np.float64) * latency_s).sum(0)
 
 
 def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,

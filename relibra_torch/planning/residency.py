@@ -30,7 +30,7 @@ import torch
 
 from .two_hop import two_hop_hubs
 
-__all__ = ["Residencies", "residencies", "residency_masks", "residency_micro_batches",
+__all__ = ["Residencies", "residencies", "residency_masks", "residency_masks_numpy", "residency_micro_batches",
            "step_residency_micro_batches"]
 
 
@@ -54,23 +54,29 @@ def residency_masks(slot_expert_MLGJ: torch.Tensor, fill_MLGJ: torch.Tensor,
     if M == 0:
         empty = torch.zeros_like(fill_MLGJ, dtype=torch.bool)
         return empty, empty.clone(), empty.clone()
-    # in numpy over [M, X] (booleans, integer comparisons and running maxima: the same
-    # masks), each run found by running maxima, not a loop over M: some 30 small torch ops
-    # per call were much of the planner's time on small steps (it prices every candidate)
+    # in numpy (booleans, integer comparisons and running maxima: the same masks): some 30
+    # small torch ops per call were much of the planner's time on small steps
     shape, device = slot_expert_MLGJ.shape, slot_expert_MLGJ.device
-    se_MX = slot_expert_MLGJ.cpu().numpy().reshape(M, -1)
-    fill = fill_MLGJ.cpu().numpy().reshape(M, -1).astype(bool)
-    active = fill & (tokens_MLGJ.cpu().numpy().reshape(M, -1) > 0)
+    masks = residency_masks_numpy(*(t.cpu().numpy().reshape(M, -1) for t in (slot_expert_MLGJ, fill_MLGJ,
+                                                                             tokens_MLGJ)))
+    return tuple(torch.from_numpy(x.reshape(shape)).to(device) for x in masks)
+
+
+def residency_masks_numpy(slot_expert_MX: np.ndarray, fill_MX: np.ndarray, tokens_MX: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`residency_masks` on numpy arrays ``[M, X]`` (``M >= 1``), each run found by
+    running maxima rather than a loop over ``M``; returns new C-contiguous bool arrays."""
+    fill = fill_MX.astype(bool)
+    active = fill & (tokens_MX > 0)
     same_prev = np.zeros_like(fill)
-    same_prev[1:] = fill[1:] & fill[:-1] & (se_MX[1:] == se_MX[:-1])
+    same_prev[1:] = fill[1:] & fill[:-1] & (slot_expert_MX[1:] == slot_expert_MX[:-1])
     same_next = np.zeros_like(fill)
     same_next[:-1] = same_prev[1:]
     fill_start = _first_active(active, fill & ~same_prev)
     grad_return = _first_active(active[::-1], (fill & ~same_next)[::-1])[::-1].copy()
     started = _within(fill_start, same_prev)
     pending = _within(grad_return[::-1], same_next[::-1])[::-1]
-    return tuple(torch.from_numpy(x.reshape(shape)).to(device)
-                 for x in (fill_start, grad_return, started & pending & fill))
+    return fill_start, grad_return, started & pending & fill
 
 
 def _first_active(act_MX: np.ndarray, starts_MX: np.ndarray) -> np.ndarray:
