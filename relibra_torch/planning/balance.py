@@ -76,31 +76,37 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     M, L, S, E = loads_MLSE.shape
     N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
     G, J = topology.num_gpus, topology.slots_per_gpu
-    inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
-    native_LGl = inverse_LE.view(L, G, El)
-    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    # in numpy (integers only: the same values; _rounds and _sets_that_pay get torch views of
+    # the same memory): some 60 small torch ops per call were much of its time on small steps
+    place_LE = placement_LE.numpy()
+    inverse_LE = np.empty_like(place_LE)
+    inverse_LE[np.arange(L).reshape(L, 1), place_LE] = np.arange(E)
+    native_LGl = inverse_LE.reshape(L, G, El)
+    loads = loads_MLSE.numpy().astype(np.int64)
+    load_MLE = loads.sum(2)
     r0 = 0 if prefilled is None else prefilled[0].shape[-1]
     if prefilled is not None and r0:
-        pre_e, pre_q = prefilled
+        pre_e, pre_q = (t.numpy().astype(np.int64) for t in prefilled)
         if free_empty:  # each GPU's prefilled replicas first, its empty prefilled slots after
-            order = (pre_e < 0).to(torch.int64).argsort(dim=-1, stable=True)
-            pre_e, pre_q = pre_e.gather(-1, order), pre_q.gather(-1, order)
-        load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
-            2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
-    native_idx = native_LGl.reshape(1, L, -1).expand(M, L, G * El)
-    rem_MLGl = load_MLE.gather(2, native_idx).view(M, L, G, El)
+            order = np.argsort((pre_e < 0).astype(np.int64), axis=-1, kind="stable")
+            pre_e, pre_q = np.take_along_axis(pre_e, order, -1), np.take_along_axis(pre_q, order, -1)
+        taken_MLE = np.zeros_like(load_MLE)
+        np.add.at(taken_MLE, (np.arange(M).reshape(M, 1, 1), np.arange(L).reshape(1, L, 1),
+                              np.maximum(pre_e, 0).reshape(M, L, -1)), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
+        load_MLE = load_MLE - taken_MLE
+    l_L1 = np.arange(L).reshape(L, 1)
+    rem_MLGl = load_MLE[:, l_L1, native_LGl.reshape(L, G * El)].reshape(M, L, G, El)
     # The part of each native's remaining load that comes from other nodes' sources (its
     # owner node's own demand stays; traffic replicas elsewhere took their nodes' demand).
-    owner_node_LE = placement_LE // El // g
-    home_MLE = loads_MLSE.to(torch.int64).view(M, L, N, g, E).sum(3).gather(
-        2, owner_node_LE.view(1, L, 1, E).expand(M, L, 1, E)).squeeze(2)
-    remote_MLGl = (load_MLE - home_MLE).clamp(min=0).gather(2, native_idx).view(M, L, G, El)
+    owner_node_LE = place_LE // El // g
+    home_MLE = loads.reshape(M, L, N, g, E).sum(3)[:, l_L1, owner_node_LE, np.arange(E)]
+    remote_MLGl = np.maximum(load_MLE - home_MLE, 0)[:, l_L1, native_LGl.reshape(L, G * El)].reshape(M, L, G, El)
     B = M * L * N
-    rem = rem_MLGl.reshape(B, g, El).clone()
-    experts = native_LGl.view(1, L, N, g, El).expand(M, L, N, g, El).reshape(B, g, El)
-    rep_expert = torch.full((B, g, max(R, 1)), -1, dtype=torch.int64)
-    rep_quota = torch.zeros(B, g, max(R, 1), dtype=torch.int64)
-    used = torch.zeros(B, g, dtype=torch.int64)
+    rem = rem_MLGl.reshape(B, g, El).copy()
+    experts = np.broadcast_to(native_LGl.reshape(1, L, N, g, El), (M, L, N, g, El)).reshape(B, g, El)
+    rep_expert = np.full((B, g, max(R, 1)), -1, dtype=np.int64)
+    rep_quota = np.zeros((B, g, max(R, 1)), dtype=np.int64)
+    used = np.zeros((B, g), dtype=np.int64)
     load = rem.sum(-1)
     if r0:
         rep_expert[..., :r0] = pre_e.reshape(B, g, r0)
@@ -110,28 +116,30 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     target = (load.sum(-1) + g - 1) // g
     # What a GPU can give away: its native experts' remaining load, then its prefilled
     # replicas' quotas (a copy of those is filled from another node).
-    kept = rep_quota[..., :r0].clamp(max=int(keep_prefilled))             # stays on the first copy
-    giveable = torch.cat([rem, rep_quota[..., :r0] - kept], -1)            # [B, g, El + r0]
+    kept = np.minimum(rep_quota[..., :r0], int(keep_prefilled))             # stays on the first copy
+    giveable = np.concatenate([rem, rep_quota[..., :r0] - kept], -1)       # [B, g, El + r0]
     # ... and how much of it is remote (a cross-node copy's tokens are its node's own)
-    give_remote = torch.cat([remote_MLGl.reshape(B, g, El), torch.zeros_like(rep_quota[..., :r0])], -1)
-    give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
+    give_remote = np.concatenate([remote_MLGl.reshape(B, g, El), np.zeros_like(rep_quota[..., :r0])], -1)
+    give_expert = np.concatenate([experts, rep_expert[..., :r0]], -1)
     need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
-    start = (rep_expert.clone(), rep_quota.clone(), giveable.clone(), load.clone(), used.clone())
-    sent = _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, rep_quota, need_K,
-                   El, R, min_tokens, min_cross_tokens)
+    start = (rep_expert.copy(), rep_quota.copy(), giveable.copy(), load.copy(), used.copy())
+    sent = _rounds(*map(torch.from_numpy, (load, target, used, giveable, give_remote, give_expert, rep_expert,
+                                           rep_quota)), need_K, El, R, min_tokens, min_cross_tokens).numpy()
     if set_prices is not None and (set_prices[1] > 0 or set_prices[2] > 0):
-        keep_B = _sets_that_pay(start[3], load, torch.maximum(sent, used - start[4]),
-                                None if not r0 else (pre_q > 0).flatten(2).any(-1), (M, L, N, g), *set_prices)
-        drop = ~keep_B.view(B, 1, 1)
-        rep_expert = torch.where(drop, start[0], rep_expert)
-        rep_quota = torch.where(drop, start[1], rep_quota)
-        giveable = torch.where(drop, start[2], giveable)
+        keep_B = _sets_that_pay(torch.from_numpy(start[3]), torch.from_numpy(load),
+                                torch.from_numpy(np.maximum(sent, used - start[4])),
+                                None if not r0 else torch.from_numpy((pre_q > 0).reshape(M, L, -1).any(-1)),
+                                (M, L, N, g), *set_prices).numpy()
+        drop = ~keep_B.reshape(B, 1, 1)
+        rep_expert = np.where(drop, start[0], rep_expert)
+        rep_quota = np.where(drop, start[1], rep_quota)
+        giveable = np.where(drop, start[2], giveable)
     rem = giveable[..., :El]
     # prefilled replicas keep what they did not give (a free_empty slot may hold a copy)
-    rep_quota[..., :r0] = torch.where(start[0][..., :r0] >= 0, giveable[..., El:] + kept, rep_quota[..., :r0])
-    slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
-    slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
-    return slot_expert.contiguous(), slot_tokens.contiguous()
+    rep_quota[..., :r0] = np.where(start[0][..., :r0] >= 0, giveable[..., El:] + kept, rep_quota[..., :r0])
+    slot_expert = np.concatenate([experts, rep_expert[..., :R]], -1).reshape(M, L, G, J)
+    slot_tokens = np.concatenate([rem, rep_quota[..., :R]], -1).reshape(M, L, G, J)
+    return torch.from_numpy(slot_expert), torch.from_numpy(slot_tokens)
 
 
 def _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, rep_quota, need_K, El: int, R: int,
