@@ -60,13 +60,15 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
     used = np.zeros((B, g), dtype=np.int64)
     sends_Bg = np.zeros((B, g), dtype=np.int64)
     w = w_BK.numpy()
-    own_t, n_t, wf = torch.from_numpy(own), torch.from_numpy(n_BK), w_BK.to(torch.float64)
+    # each item's share per instance, float64 w / n (the same division as torch's), updated
+    # where n changes; torch reads it through a view of the same memory
+    share = w.astype(np.float64) / n_BK
+    own_t, share_t1 = torch.from_numpy(own), torch.from_numpy(share).unsqueeze(1)
     fixed = fixed_Bg.to(torch.float64)
     home = None if home_K is None else home_K.numpy()
     rows = np.arange(B)
     for _ in range(g * free):
-        share_t = wf / n_t
-        load_Bg = ((own_t * share_t.unsqueeze(1)).sum(-1) + fixed).numpy()
+        load_Bg = ((own_t * share_t1).sum(-1) + fixed).numpy()
         room_Bg = used < free
         # an item can gain an instance where a GPU with room lacks it, and its share pays
         addable_BK = ((~own) & room_Bg[..., None]).any(1) & (w >= min_tokens * (n_BK + 1))
@@ -74,7 +76,7 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
             addable_BK &= sends_Bg[:, home] < cap
         if not addable_BK.any():
             break
-        k = np.where(addable_BK, share_t.numpy(), -1.0).argmax(-1)
+        k = np.where(addable_BK, share, -1.0).argmax(-1)
         active = addable_BK[rows, k]
         can_Bg = room_Bg & ~own[rows, :, k]
         u = np.where(can_Bg, load_Bg, np.inf).argmin(-1)
@@ -82,6 +84,7 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
         out[r, uu, used[r, uu]] = kk
         own[r, uu, kk] = True
         n_BK[r, kk] += 1
+        share[r, kk] = w[r, kk] / n_BK[r, kk]
         used[r, uu] += 1
         if cap > 0:
             sends_Bg[r, home[kk]] += 1
