@@ -82,11 +82,11 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     inverse_LE = np.empty_like(place_LE)
     inverse_LE[np.arange(L).reshape(L, 1), place_LE] = np.arange(E)
     native_LGl = inverse_LE.reshape(L, G, El)
-    loads = loads_MLSE.numpy().astype(np.int64)
-    load_MLE = loads.sum(2)
+    loads_MLSE = loads_MLSE.to(torch.int64)   # its sums in torch (the same integers; faster on large steps)
+    load_MLE = loads_MLSE.sum(2).numpy()
     r0 = 0 if prefilled is None else prefilled[0].shape[-1]
     if prefilled is not None and r0:
-        pre_e, pre_q = (t.numpy().astype(np.int64) for t in prefilled)
+        pre_e, pre_q = (t.numpy().astype(np.int64, copy=False) for t in prefilled)
         if free_empty:  # each GPU's prefilled replicas first, its empty prefilled slots after
             order = np.argsort((pre_e < 0).astype(np.int64), axis=-1, kind="stable")
             pre_e, pre_q = np.take_along_axis(pre_e, order, -1), np.take_along_axis(pre_q, order, -1)
@@ -99,7 +99,7 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     # The part of each native's remaining load that comes from other nodes' sources (its
     # owner node's own demand stays; traffic replicas elsewhere took their nodes' demand).
     owner_node_LE = place_LE // El // g
-    home_MLE = loads.reshape(M, L, N, g, E).sum(3)[:, l_L1, owner_node_LE, np.arange(E)]
+    home_MLE = loads_MLSE.view(M, L, N, g, E).sum(3).numpy()[:, l_L1, owner_node_LE, np.arange(E)]
     remote_MLGl = np.maximum(load_MLE - home_MLE, 0)[:, l_L1, native_LGl.reshape(L, G * El)].reshape(M, L, G, El)
     B = M * L * N
     rem = rem_MLGl.reshape(B, g, El).copy()

@@ -66,7 +66,7 @@ def residency_masks_numpy(slot_expert_MX: np.ndarray, fill_MX: np.ndarray, token
                           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`residency_masks` on numpy arrays ``[M, X]`` (``M >= 1``), each run found by
     running maxima rather than a loop over ``M``; returns new C-contiguous bool arrays."""
-    fill = fill_MX.astype(bool)
+    fill = fill_MX.astype(bool, copy=False)
     active = fill & (tokens_MX > 0)
     same_prev = np.zeros_like(fill)
     same_prev[1:] = fill[1:] & fill[:-1] & (slot_expert_MX[1:] == slot_expert_MX[:-1])

@@ -43,6 +43,9 @@ from .topology import Topology
 __all__ = ["step_long_set", "step_long_sets"]
 
 _BIG = torch.iinfo(torch.int64).max
+# the most (micro-batch, slot) pairs whose caps are planned in one pass: below it each op's
+# fixed cost dominates; above it, the rounds of the cap that needs most would run on all
+_STACK_SLOTS = 1 << 14
 
 
 def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, free: int,
@@ -173,7 +176,10 @@ def step_long_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     plan = _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)
     out, most = plan([0])
     caps = [1 << i for i in range(max(most - 1, 0).bit_length())] if capped else []   # 1, 2, 4, ... < most
-    return out + (plan(caps)[0] if caps else [])
+    M, L, _, _ = loads_MLSE.shape
+    if M * L * topology.num_gpus * topology.slots_per_gpu <= _STACK_SLOTS:  # small: one pass for all caps
+        return out + (plan(caps)[0] if caps else [])
+    return out + [plan([c])[0][0] for c in caps]   # large: each cap's rounds stop when its own rows are done
 
 
 def _planner(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
