@@ -82,12 +82,10 @@ def residency_masks_numpy(slot_expert_MX: np.ndarray, fill_MX: np.ndarray, token
 def _first_active(act_MX: np.ndarray, starts_MX: np.ndarray) -> np.ndarray:
     """bool ``[M, X]``: ``act`` where it is the first ``act`` since the last ``starts`` (at or
     before it; ``starts`` is set at ``m = 0`` wherever ``act`` can be)."""
-    M, X = act_MX.shape
-    m_M1 = np.arange(M).reshape(M, 1)
-    start_pos = np.maximum.accumulate(np.where(starts_MX, m_M1, 0), axis=0)
-    count = np.cumsum(act_MX, axis=0, dtype=np.int64)          # active micro-batches up to m
-    before = (count - act_MX)[start_pos, np.arange(X)]          # ... before the run's start
-    return act_MX & (count - before == 1)
+    count = act_MX.cumsum(0, dtype=np.int64)                   # active micro-batches up to m
+    before = count - act_MX                                     # ... before m: non-decreasing, so
+    at_start = np.maximum.accumulate(np.where(starts_MX, before, 0), axis=0)   # its value at the last start
+    return act_MX & (count - at_start == 1)
 
 
 def _within(event_MX: np.ndarray, same_prev_MX: np.ndarray) -> np.ndarray:
