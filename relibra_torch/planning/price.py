@@ -311,9 +311,9 @@ def replica_seconds_ML(plan: StepPlan, config) -> torch.Tensor:
 
 
 def _direct_replica_seconds_ML(plan: StepPlan, config) -> torch.Tensor | None:
-    """:func:`replica_seconds_ML` in numpy where no cross-node residency is held (one node,
-    or no traffic replica): then no second hop (``two_hop_hubs`` needs two held cross-node
-    copies), every transfer goes between the slot and its expert's owner, and this is the
+    """:func:`replica_seconds_ML` in numpy where no slot holds another node's expert (one
+    node, or no traffic replica): then no second hop (``two_hop_hubs`` needs two held
+    cross-node copies), every transfer goes between the slot and its expert's owner, and this is the
     same integer counts and the same float64 operations, in the same order, as the torch
     path, at a fraction of its per-call cost on small steps; ``None`` otherwise."""
     topo = plan.topology
@@ -325,10 +325,10 @@ def _direct_replica_seconds_ML(plan: StepPlan, config) -> torch.Tensor | None:
     gpu = np.arange(G).reshape(G, 1)
     fill = (se >= 0) & (owner != gpu)
     cross = fill & (owner // topo.gpus_per_node != gpu // topo.gpus_per_node)
-    start, ret, held = (x.reshape(M * L, G, J) for x in residency_masks_numpy(
-        se.reshape(M, -1), fill.reshape(M, -1), plan.slot_tokens_MLGJ.numpy().reshape(M, -1)))
-    if (held & cross.reshape(M * L, G, J)).any():
+    if cross.any():   # checked before the residencies: on large steps with traffic replicas, little is lost
         return None
+    start, ret = (x.reshape(M * L, G, J) for x in residency_masks_numpy(
+        se.reshape(M, -1), fill.reshape(M, -1), plan.slot_tokens_MLGJ.numpy().reshape(M, -1))[:2])
     fc, fi, rc, ri = _prices(config)
     lat = collective_latency_s(topo, config)
     cross, at_XGJ = cross.reshape(M * L, G, J), (np.arange(M * L) * G).reshape(-1, 1, 1) + owner.reshape(M * L, G, J)
