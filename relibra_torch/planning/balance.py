@@ -39,7 +39,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .residency import residency_masks
+from .residency import residency_masks_numpy
 from .step_set import step_long_sets
 from .topology import Topology
 
@@ -76,31 +76,37 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     M, L, S, E = loads_MLSE.shape
     N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
     G, J = topology.num_gpus, topology.slots_per_gpu
-    inverse_LE = torch.empty_like(placement_LE).scatter_(1, placement_LE, torch.arange(E).expand(L, E))
-    native_LGl = inverse_LE.view(L, G, El)
-    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    # in numpy (integers only: the same values; _rounds and _sets_that_pay get torch views of
+    # the same memory): some 60 small torch ops per call were much of its time on small steps
+    place_LE = placement_LE.numpy()
+    inverse_LE = np.empty_like(place_LE)
+    inverse_LE[np.arange(L).reshape(L, 1), place_LE] = np.arange(E)
+    native_LGl = inverse_LE.reshape(L, G, El)
+    loads_MLSE = loads_MLSE.to(torch.int64)   # its sums in torch (the same integers; faster on large steps)
+    load_MLE = loads_MLSE.sum(2).numpy()
     r0 = 0 if prefilled is None else prefilled[0].shape[-1]
     if prefilled is not None and r0:
-        pre_e, pre_q = prefilled
+        pre_e, pre_q = (t.numpy().astype(np.int64, copy=False) for t in prefilled)
         if free_empty:  # each GPU's prefilled replicas first, its empty prefilled slots after
-            order = (pre_e < 0).to(torch.int64).argsort(dim=-1, stable=True)
-            pre_e, pre_q = pre_e.gather(-1, order), pre_q.gather(-1, order)
-        load_MLE = load_MLE - torch.zeros_like(load_MLE).scatter_add_(
-            2, pre_e.clamp(min=0).reshape(M, L, -1), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
-    native_idx = native_LGl.reshape(1, L, -1).expand(M, L, G * El)
-    rem_MLGl = load_MLE.gather(2, native_idx).view(M, L, G, El)
+            order = np.argsort((pre_e < 0).astype(np.int64), axis=-1, kind="stable")
+            pre_e, pre_q = np.take_along_axis(pre_e, order, -1), np.take_along_axis(pre_q, order, -1)
+        taken_MLE = np.zeros_like(load_MLE)
+        np.add.at(taken_MLE, (np.arange(M).reshape(M, 1, 1), np.arange(L).reshape(1, L, 1),
+                              np.maximum(pre_e, 0).reshape(M, L, -1)), (pre_q * (pre_e >= 0)).reshape(M, L, -1))
+        load_MLE = load_MLE - taken_MLE
+    l_L1 = np.arange(L).reshape(L, 1)
+    rem_MLGl = load_MLE[:, l_L1, native_LGl.reshape(L, G * El)].reshape(M, L, G, El)
     # The part of each native's remaining load that comes from other nodes' sources (its
     # owner node's own demand stays; traffic replicas elsewhere took their nodes' demand).
-    owner_node_LE = placement_LE // El // g
-    home_MLE = loads_MLSE.to(torch.int64).view(M, L, N, g, E).sum(3).gather(
-        2, owner_node_LE.view(1, L, 1, E).expand(M, L, 1, E)).squeeze(2)
-    remote_MLGl = (load_MLE - home_MLE).clamp(min=0).gather(2, native_idx).view(M, L, G, El)
+    owner_node_LE = place_LE // El // g
+    home_MLE = loads_MLSE.view(M, L, N, g, E).sum(3).numpy()[:, l_L1, owner_node_LE, np.arange(E)]
+    remote_MLGl = np.maximum(load_MLE - home_MLE, 0)[:, l_L1, native_LGl.reshape(L, G * El)].reshape(M, L, G, El)
     B = M * L * N
-    rem = rem_MLGl.reshape(B, g, El).clone()
-    experts = native_LGl.view(1, L, N, g, El).expand(M, L, N, g, El).reshape(B, g, El)
-    rep_expert = torch.full((B, g, max(R, 1)), -1, dtype=torch.int64)
-    rep_quota = torch.zeros(B, g, max(R, 1), dtype=torch.int64)
-    used = torch.zeros(B, g, dtype=torch.int64)
+    rem = rem_MLGl.reshape(B, g, El).copy()
+    experts = np.broadcast_to(native_LGl.reshape(1, L, N, g, El), (M, L, N, g, El)).reshape(B, g, El)
+    rep_expert = np.full((B, g, max(R, 1)), -1, dtype=np.int64)
+    rep_quota = np.zeros((B, g, max(R, 1)), dtype=np.int64)
+    used = np.zeros((B, g), dtype=np.int64)
     load = rem.sum(-1)
     if r0:
         rep_expert[..., :r0] = pre_e.reshape(B, g, r0)
@@ -110,28 +116,30 @@ def replicate(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.
     target = (load.sum(-1) + g - 1) // g
     # What a GPU can give away: its native experts' remaining load, then its prefilled
     # replicas' quotas (a copy of those is filled from another node).
-    kept = rep_quota[..., :r0].clamp(max=int(keep_prefilled))             # stays on the first copy
-    giveable = torch.cat([rem, rep_quota[..., :r0] - kept], -1)            # [B, g, El + r0]
+    kept = np.minimum(rep_quota[..., :r0], int(keep_prefilled))             # stays on the first copy
+    giveable = np.concatenate([rem, rep_quota[..., :r0] - kept], -1)       # [B, g, El + r0]
     # ... and how much of it is remote (a cross-node copy's tokens are its node's own)
-    give_remote = torch.cat([remote_MLGl.reshape(B, g, El), torch.zeros_like(rep_quota[..., :r0])], -1)
-    give_expert = torch.cat([experts, rep_expert[..., :r0]], -1)
+    give_remote = np.concatenate([remote_MLGl.reshape(B, g, El), np.zeros_like(rep_quota[..., :r0])], -1)
+    give_expert = np.concatenate([experts, rep_expert[..., :r0]], -1)
     need_K = torch.tensor([min_tokens] * El + [min_cross_tokens] * r0, dtype=torch.int64)
-    start = (rep_expert.clone(), rep_quota.clone(), giveable.clone(), load.clone(), used.clone())
-    sent = _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, rep_quota, need_K,
-                   El, R, min_tokens, min_cross_tokens)
+    start = (rep_expert.copy(), rep_quota.copy(), giveable.copy(), load.copy(), used.copy())
+    sent = _rounds(*map(torch.from_numpy, (load, target, used, giveable, give_remote, give_expert, rep_expert,
+                                           rep_quota)), need_K, El, R, min_tokens, min_cross_tokens).numpy()
     if set_prices is not None and (set_prices[1] > 0 or set_prices[2] > 0):
-        keep_B = _sets_that_pay(start[3], load, torch.maximum(sent, used - start[4]),
-                                None if not r0 else (pre_q > 0).flatten(2).any(-1), (M, L, N, g), *set_prices)
-        drop = ~keep_B.view(B, 1, 1)
-        rep_expert = torch.where(drop, start[0], rep_expert)
-        rep_quota = torch.where(drop, start[1], rep_quota)
-        giveable = torch.where(drop, start[2], giveable)
+        keep_B = _sets_that_pay(torch.from_numpy(start[3]), torch.from_numpy(load),
+                                torch.from_numpy(np.maximum(sent, used - start[4])),
+                                None if not r0 else torch.from_numpy((pre_q > 0).reshape(M, L, -1).any(-1)),
+                                (M, L, N, g), *set_prices).numpy()
+        drop = ~keep_B.reshape(B, 1, 1)
+        rep_expert = np.where(drop, start[0], rep_expert)
+        rep_quota = np.where(drop, start[1], rep_quota)
+        giveable = np.where(drop, start[2], giveable)
     rem = giveable[..., :El]
     # prefilled replicas keep what they did not give (a free_empty slot may hold a copy)
-    rep_quota[..., :r0] = torch.where(start[0][..., :r0] >= 0, giveable[..., El:] + kept, rep_quota[..., :r0])
-    slot_expert = torch.cat([experts, rep_expert[..., :R]], -1).view(M, L, G, J)
-    slot_tokens = torch.cat([rem, rep_quota[..., :R]], -1).view(M, L, G, J)
-    return slot_expert.contiguous(), slot_tokens.contiguous()
+    rep_quota[..., :r0] = np.where(start[0][..., :r0] >= 0, giveable[..., El:] + kept, rep_quota[..., :r0])
+    slot_expert = np.concatenate([experts, rep_expert[..., :R]], -1).reshape(M, L, G, J)
+    slot_tokens = np.concatenate([rem, rep_quota[..., :R]], -1).reshape(M, L, G, J)
+    return torch.from_numpy(slot_expert), torch.from_numpy(slot_tokens)
 
 
 def _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, rep_quota, need_K, El: int, R: int,
@@ -246,23 +254,29 @@ def align_slots(slot_expert_MLGJ: torch.Tensor, slot_tokens_MLGJ: torch.Tensor,
     the GPU also held in the previous micro-batch sits in the same slot: its residency then
     continues (one fill for the run, ``planning.residency``) instead of ending. Loads and
     token counts per (GPU, expert) are unchanged. Returns new ``[M, L, G, J]`` tensors."""
-    se, st = slot_expert_MLGJ.clone(), slot_tokens_MLGJ.clone()
-    # in numpy, on se and st (shared memory): integers only, one short step per micro-batch
-    se_n, st_n = se.numpy(), st.numpy()
-    for m in range(1, se.shape[0] if first < se.shape[-1] else 0):
-        prev, cur, tok = se_n[m - 1, ..., first:], se_n[m, ..., first:], st_n[m, ..., first:]
-        match = (prev[..., :, None] == cur[..., None, :]) & (prev >= 0)[..., None]   # [L, G, k, j]
+    se, st = (t.clone(memory_format=torch.contiguous_format) for t in (slot_expert_MLGJ, slot_tokens_MLGJ))
+    M, L, G, J = se.shape
+    k = J - first
+    if M < 2 or k <= 1:  # one slot (or none) to permute: nothing moves
+        return se, st
+    # in numpy on se and st (shared memory): integers only, one short step per micro-batch,
+    # rows [X = L G, k] indexed directly (numpy's take/put_along_axis cost more than the step)
+    se_n, st_n = se.numpy().reshape(M, L * G, J), st.numpy().reshape(M, L * G, J)
+    rows = np.arange(L * G).reshape(-1, 1)
+    for m in range(1, M):
+        prev, cur, tok = se_n[m - 1, :, first:], se_n[m, :, first:], st_n[m, :, first:]
+        match = (prev[..., :, None] == cur[..., None, :]) & (prev >= 0)[..., None]   # [X, k, j]
         matched_j = match.any(-2)
         taken_k = match.any(-1)
         # a matched copy keeps its previous slot k; the others take the free slots in order
         own_k = match.argmax(-2)
         free_k = np.argsort(taken_k, axis=-1, kind="stable")
         rank_j = np.cumsum(~matched_j, -1) - 1
-        dest = np.where(matched_j, own_k, np.take_along_axis(free_k, np.maximum(rank_j, 0), -1))
+        dest = np.where(matched_j, own_k, free_k[rows, np.maximum(rank_j, 0)])
         new_e, new_t = np.empty_like(cur), np.empty_like(tok)
-        np.put_along_axis(new_e, dest, cur, -1)
-        np.put_along_axis(new_t, dest, tok, -1)
-        se_n[m, ..., first:], st_n[m, ..., first:] = new_e, new_t
+        new_e[rows, dest] = cur
+        new_t[rows, dest] = tok
+        se_n[m, :, first:], st_n[m, :, first:] = new_e, new_t
     return se, st
 
 
@@ -271,14 +285,19 @@ def step_price_L(slot_expert_MLGJ, slot_tokens_MLGJ, owner_LE, saved_s, fill_s, 
     residencies, each charged ``fill_s`` on the busier of its owner's and its GPU's link in
     the micro-batch it starts, plus ``latency_s`` in every micro-batch where one starts."""
     M, L, G, J = slot_expert_MLGJ.shape
-    owner = owner_LE.view(1, L, 1, -1).expand(M, L, G, -1).gather(3, slot_expert_MLGJ.clamp(min=0))
-    fill = (slot_expert_MLGJ >= 0) & (owner != torch.arange(G).view(1, 1, G, 1))
-    start = residency_masks(slot_expert_MLGJ, fill, slot_tokens_MLGJ)[0].to(torch.int64)
+    # in numpy (integer counts, then the same float64 products and sums per element; the
+    # sum over micro-batches stays torch's): a few dozen small torch ops per candidate
+    se = slot_expert_MLGJ.numpy()
+    owner = owner_LE.numpy()[np.arange(L).reshape(1, L, 1, 1), np.maximum(se, 0)]
+    fill = (se >= 0) & (owner != np.arange(G).reshape(1, 1, G, 1))
+    start = residency_masks_numpy(se.reshape(M, -1), fill.reshape(M, -1),
+                                  slot_tokens_MLGJ.numpy().reshape(M, -1))[0].reshape(M, L, G, J)
     recv = start.sum(-1)
-    sent = torch.zeros_like(recv).scatter_add_(2, owner.reshape(M, L, -1), start.reshape(M, L, -1))
-    busiest = slot_tokens_MLGJ.sum(-1).amax(-1).to(torch.float64)
-    return (busiest * saved_s + torch.maximum(sent, recv).amax(-1).to(torch.float64) * fill_s
-            + start.flatten(2).any(-1).to(torch.float64) * latency_s).sum(0)
+    ml_G = (np.arange(M * L) * G).reshape(M, L, 1, 1)
+    sent = np.bincount((ml_G + owner)[start], minlength=M * L * G).reshape(M, L, G)
+    busiest = slot_tokens_MLGJ.numpy().sum(-1).max(-1).astype(np.float64)
+    return torch.from_numpy(busiest * saved_s + np.maximum(sent, recv).max(-1).astype(np.float64) * fill_s
+                            + start.reshape(M, L, -1).any(-1).astype(np.float64) * latency_s).sum(0)
 
 
 def replicate_step(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .two_hop import two_hop_hubs
 
-__all__ = ["Residencies", "residencies", "residency_masks", "residency_micro_batches",
+__all__ = ["Residencies", "residencies", "residency_masks", "residency_masks_numpy", "residency_micro_batches",
            "step_residency_micro_batches"]
 
 
@@ -53,34 +54,48 @@ def residency_masks(slot_expert_MLGJ: torch.Tensor, fill_MLGJ: torch.Tensor,
     if M == 0:
         empty = torch.zeros_like(fill_MLGJ, dtype=torch.bool)
         return empty, empty.clone(), empty.clone()
-    fill = fill_MLGJ.to(torch.bool)
-    active = fill & (tokens_MLGJ > 0)
-    same_prev = torch.zeros_like(fill)
-    same_prev[1:] = fill[1:] & fill[:-1] & (slot_expert_MLGJ[1:] == slot_expert_MLGJ[:-1])
-    same_next = torch.zeros_like(fill)
+    # in numpy (booleans, integer comparisons and running maxima: the same masks): some 30
+    # small torch ops per call were much of the planner's time on small steps
+    shape, device = slot_expert_MLGJ.shape, slot_expert_MLGJ.device
+    masks = residency_masks_numpy(*(t.cpu().numpy().reshape(M, -1) for t in (slot_expert_MLGJ, fill_MLGJ,
+                                                                             tokens_MLGJ)))
+    return tuple(torch.from_numpy(x.reshape(shape)).to(device) for x in masks)
+
+
+def residency_masks_numpy(slot_expert_MX: np.ndarray, fill_MX: np.ndarray, tokens_MX: np.ndarray
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`residency_masks` on numpy arrays ``[M, X]`` (``M >= 1``), each run found by
+    running maxima rather than a loop over ``M``; returns new C-contiguous bool arrays."""
+    fill = fill_MX.astype(bool, copy=False)
+    active = fill & (tokens_MX > 0)
+    same_prev = np.zeros_like(fill)
+    same_prev[1:] = fill[1:] & fill[:-1] & (slot_expert_MX[1:] == slot_expert_MX[:-1])
+    same_next = np.zeros_like(fill)
     same_next[:-1] = same_prev[1:]
-
-    def first_active(act: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        # micro-batch of each position's residency start, then active count since it
-        idx = torch.arange(M).view(M, *([1] * (act.dim() - 1))).expand_as(act)
-        start_pos = torch.where(starts, idx, torch.zeros_like(idx)).cummax(0).values
-        count = act.to(torch.int64).cumsum(0)
-        before = count.gather(0, start_pos) - act.to(torch.int64).gather(0, start_pos)
-        return act & (count - before == 1)
-
-    fill_start = first_active(active, fill & ~same_prev)
-    grad_return = first_active(active.flip(0), (fill & ~same_next).flip(0)).flip(0)
+    fill_start = _first_active(active, fill & ~same_prev)
+    grad_return = _first_active(active[::-1], (fill & ~same_next)[::-1])[::-1].copy()
     started = _within(fill_start, same_prev)
-    pending = _within(grad_return.flip(0), same_next.flip(0)).flip(0)
+    pending = _within(grad_return[::-1], same_next[::-1])[::-1]
     return fill_start, grad_return, started & pending & fill
 
 
-def _within(event: torch.Tensor, same_prev: torch.Tensor) -> torch.Tensor:
-    """True from an ``event`` onwards while the residency continues (``same_prev``)."""
-    out = event.clone()
-    for m in range(1, event.shape[0]):
-        out[m] |= out[m - 1] & same_prev[m]
-    return out
+def _first_active(act_MX: np.ndarray, starts_MX: np.ndarray) -> np.ndarray:
+    """bool ``[M, X]``: ``act`` where it is the first ``act`` since the last ``starts`` (at or
+    before it; ``starts`` is set at ``m = 0`` wherever ``act`` can be)."""
+    count = act_MX.cumsum(0, dtype=np.int64)                   # active micro-batches up to m
+    before = count - act_MX                                     # ... before m: non-decreasing, so
+    at_start = np.maximum.accumulate(np.where(starts_MX, before, 0), axis=0)   # its value at the last start
+    return act_MX & (count - at_start == 1)
+
+
+def _within(event_MX: np.ndarray, same_prev_MX: np.ndarray) -> np.ndarray:
+    """True from an ``event`` onwards while the residency continues (``same_prev``): where
+    the last event at or before ``m`` is not before the last run start (``~same_prev``)."""
+    M = event_MX.shape[0]
+    m_M1 = np.arange(M).reshape(M, 1)
+    run_start = np.maximum.accumulate(np.where(~same_prev_MX | (m_M1 == 0), m_M1, 0), axis=0)
+    last_event = np.maximum.accumulate(np.where(event_MX, m_M1, -1), axis=0)
+    return last_event >= run_start
 
 
 @dataclass

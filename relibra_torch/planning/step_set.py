@@ -43,6 +43,9 @@ from .topology import Topology
 __all__ = ["step_long_set", "step_long_sets"]
 
 _BIG = torch.iinfo(torch.int64).max
+# the most (micro-batch, slot) pairs whose caps are planned in one pass: below it each op's
+# fixed cost dominates; above it, the rounds of the cap that needs most would run on all
+_STACK_SLOTS = 1 << 14
 
 
 def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, free: int,
@@ -60,13 +63,15 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
     used = np.zeros((B, g), dtype=np.int64)
     sends_Bg = np.zeros((B, g), dtype=np.int64)
     w = w_BK.numpy()
-    own_t, n_t, wf = torch.from_numpy(own), torch.from_numpy(n_BK), w_BK.to(torch.float64)
+    # each item's share per instance, float64 w / n (the same division as torch's), updated
+    # where n changes; torch reads it through a view of the same memory
+    share = w.astype(np.float64) / n_BK
+    own_t, share_t1 = torch.from_numpy(own), torch.from_numpy(share).unsqueeze(1)
     fixed = fixed_Bg.to(torch.float64)
     home = None if home_K is None else home_K.numpy()
     rows = np.arange(B)
     for _ in range(g * free):
-        share_t = wf / n_t
-        load_Bg = ((own_t * share_t.unsqueeze(1)).sum(-1) + fixed).numpy()
+        load_Bg = ((own_t * share_t1).sum(-1) + fixed).numpy()
         room_Bg = used < free
         # an item can gain an instance where a GPU with room lacks it, and its share pays
         addable_BK = ((~own) & room_Bg[..., None]).any(1) & (w >= min_tokens * (n_BK + 1))
@@ -74,7 +79,7 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
             addable_BK &= sends_Bg[:, home] < cap
         if not addable_BK.any():
             break
-        k = np.where(addable_BK, share_t.numpy(), -1.0).argmax(-1)
+        k = np.where(addable_BK, share, -1.0).argmax(-1)
         active = addable_BK[rows, k]
         can_Bg = room_Bg & ~own[rows, :, k]
         u = np.where(can_Bg, load_Bg, np.inf).argmin(-1)
@@ -82,6 +87,7 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
         out[r, uu, used[r, uu]] = kk
         own[r, uu, kk] = True
         n_BK[r, kk] += 1
+        share[r, kk] = w[r, kk] / n_BK[r, kk]
         used[r, uu] += 1
         if cap > 0:
             sends_Bg[r, home[kk]] += 1
@@ -152,7 +158,7 @@ def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``; the copies keep
         their slots in every micro-batch.
     """
-    return _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)(cap)[:2]
+    return _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)([cap])[0][0]
 
 
 def step_long_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
@@ -168,18 +174,20 @@ def step_long_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     caller's price (``balance.replicate_step``). Arguments as :func:`step_long_set`;
     ``capped=False``: the set without a cap alone."""
     plan = _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)
-    se, tok, most = plan(0)
-    out, c = [(se, tok)], 1
-    while capped and c < most:
-        out.append(plan(c)[:2])
-        c *= 2
-    return out
+    out, most = plan([0])
+    caps = [1 << i for i in range(max(most - 1, 0).bit_length())] if capped else []   # 1, 2, 4, ... < most
+    M, L, _, _ = loads_MLSE.shape
+    if M * L * topology.num_gpus * topology.slots_per_gpu <= _STACK_SLOTS:  # small: one pass for all caps
+        return out + (plan(caps)[0] if caps else [])
+    return out + [plan([c])[0][0] for c in caps]   # large: each cap's rounds stop when its own rows are done
 
 
 def _planner(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
              prefilled: tuple[torch.Tensor, torch.Tensor] | None, keep_prefilled: int):
-    """``plan(cap) -> (slot_expert_MLGJ, slot_tokens_MLGJ, most copies one GPU fills)``: the
-    step-long candidate of the module docstring, with what every cap shares computed once."""
+    """``plan(caps) -> ([(slot_expert_MLGJ, slot_tokens_MLGJ) per cap], most copies one GPU
+    fills)``: the step-long candidate of the module docstring, with what every cap shares
+    computed once; after each cap's copies, the caps planned together, their layers stacked
+    (rows do not interact: one pass of small ops for all, each cap's plan as alone)."""
     M, L, S, E = loads_MLSE.shape
     N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
     G, J, K = topology.num_gpus, topology.slots_per_gpu, topology.gpus_per_node * topology.experts_per_gpu
@@ -207,19 +215,30 @@ def _planner(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.T
     seen_LNgP = pre_e.view(M, L, N, g, 1, r0) == item_e_LNI.view(1, L, N, 1, -1, 1)
     own_LNgI = (home_I == torch.arange(g).view(g, 1)).expand(L, N, g, K + P) | seen_LNgP.any(-1).any(0)
     own_LNgI &= (item_e_LNI >= 0).unsqueeze(2) | (torch.arange(K + P) < K)
-    return lambda cap: _plan_cap(cap, loads_MLSE.shape, topology, min_tokens, keep_prefilled, r0, native_LNK,
-                                 item_MLNI, own_LNgI, fixed_LNg, home_I, item_e_LNI, steady_LNP, pe_MLNP, pq_MLNP)
+    w_BI, own_BgI, fixed_Bg = item_MLNI.sum(0).view(L * N, -1), own_LNgI.view(L * N, g, -1), fixed_LNg.view(L * N, g)
+
+    def plan(caps: list[int]):
+        C = len(caps)
+        local_CLNgf = torch.cat([_copies(w_BI, own_BgI, fixed_Bg, free, min_tokens, home_I, cap)
+                                 for cap in caps]).view(C * L, N, g, free)
+        t = (lambda x, d: x) if C == 1 else (lambda x, d: torch.cat([x] * C, d))    # noqa: E731
+        se, tok, most = _plan_cap(local_CLNgf, M, topology, keep_prefilled, r0, t(native_LNK, 0), t(item_MLNI, 1),
+                                  home_I, t(item_e_LNI, 0), t(steady_LNP, 0), t(pe_MLNP, 1), t(pq_MLNP, 1))
+        if C == 1:
+            return [(se, tok)], most
+        return [(se[:, i * L:(i + 1) * L].contiguous(), tok[:, i * L:(i + 1) * L].contiguous()) for i in range(C)], most
+    return plan
 
 
-def _plan_cap(cap: int, shape, topology: Topology, min_tokens: int, keep_prefilled: int, r0: int, native_LNK,
-              item_MLNI, own_LNgI, fixed_LNg, home_I, item_e_LNI, steady_LNP, pe_MLNP, pq_MLNP):
-    """:func:`_planner`'s ``plan(cap)``."""
-    M, L, S, E = shape
+def _plan_cap(local_LNgf: torch.Tensor, M: int, topology: Topology, keep_prefilled: int, r0: int, native_LNK,
+              item_MLNI, home_I, item_e_LNI, steady_LNP, pe_MLNP, pq_MLNP):
+    """:func:`_planner`'s plans from their copies ``local_LNgf`` (:func:`_copies`, int64
+    ``[L, N, g, free]``): the tokens of every instance per micro-batch. ``L``: the layers of
+    every cap, stacked, with the other arguments stacked alike."""
+    L = local_LNgf.shape[0]
     N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
     G, J, K = topology.num_gpus, topology.slots_per_gpu, g * El
     free, P = R - r0, g * r0
-    local_LNgf = _copies(item_MLNI.sum(0).view(L * N, -1), own_LNgI.view(L * N, g, -1), fixed_LNg.view(L * N, g),
-                         free, min_tokens, home_I, cap).view(L, N, g, free)
     copy_e_LNgf = torch.where(local_LNgf >= 0, item_e_LNI.gather(2, local_LNgf.clamp(min=0).view(L, N, -1))
                               .view(L, N, g, free), -1)
     # per micro-batch: each item's tokens split evenly over its instances (the first, the
