@@ -62,8 +62,10 @@ REFERENCE_SHARES = ((1, 8, 32, 2, 16, 2, 512), (1, 8, 128, 8, 16, 2, 256), (1, 8
                     (2, 8, 64, 8, 16, 1, 256), (2, 4, 8, 2, 16, 2, 1024), (2, 8, 256, 1, 12, 1, 256))
 _MICRO_BATCHES = 8
 #: ``(one node, across nodes)``: the 90th percentile of a share's search time over its median,
-#: against the fit (module docstring).
-FIT_SPREAD = (1.5, 1.75)
+#: against the fit (module docstring). Across nodes 2.1 since the balancing code's numpy
+#: rewrite: the reference shares there got 1.23x faster, the two-node cases checked 1.04x,
+#: so the shares understate those cases by 1.19x more than before (1.75 x 1.19).
+FIT_SPREAD = (1.5, 2.1)
 
 
 def reference_loads(E: int, K: int, L: int, S: int, T: int, seed: int = 0) -> torch.Tensor:
