@@ -27,7 +27,7 @@ so on one host it scatters around the fit. On the 144 stand-ins of
 session) the measured time over the fit had a median of 0.40 and a 90th percentile of 0.61
 on one node, 0.50 and 0.87 across nodes. A guard priced at the median admits the shares whose
 search then overruns the window half the time; priced at the 90th percentile (1.5x and 1.75x
-the median) most of them fit. Each share runs in three round-robin passes and its fastest
+the median) most of them fit. Across nodes the spread is now 2.1 (:data:`FIT_SPREAD`). Each share runs in three round-robin passes and its fastest
 counts: another process on the machine slows some passes (by 2x across nodes on the 2-core
 VM), not all. About 0.6 s of one thread, once per process.
 
