@@ -24,11 +24,9 @@ output columns, D hidden, F expert hidden.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -37,16 +35,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _timer(device: torch.device):
-    if device.type == "cuda":
-        import triton.testing
+    """us per call: ``benchmarks/kernels.py``'s timer (``triton.testing.do_bench`` median on
+    CUDA; wall clock off it, where only the path matters)."""
+    from relibra_torch.gpu_check.report import load_benchmark
 
-        return lambda fn: float(triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")) * 1e3
-    def bench(fn) -> float:  # us, wall clock (the interpreter: only that the path runs)
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e6
-    return bench
+    seconds = load_benchmark("kernels")._timer(device, 10, 40)
+    return lambda fn: seconds(fn) * 1e6
 
 
 def _graph_timer(device: torch.device, bench):
@@ -69,7 +63,7 @@ def index_build(device: torch.device, sizes: list[tuple[int, int, int]]) -> list
     from relibra_torch.ops import reference as ref
     from relibra_torch.ops import triton_kernels as tk
 
-    bench, gbench = _timer(device), None
+    bench = _timer(device)
     gbench = _graph_timer(device, bench)
     rows = []
     for T, K, S in sizes:
@@ -89,16 +83,9 @@ def index_build(device: torch.device, sizes: list[tuple[int, int, int]]) -> list
     return rows
 
 
-@contextlib.contextmanager
-def _pinned(kernel, config):
-    from relibra_torch.gpu_check.kernels import pinned
-
-    with pinned(kernel, config):
-        yield
-
-
 def gemm_configs(device: torch.device, D: int, F: int, S: int, row_counts: list[int], dtype) -> list[dict]:
-    """Every autotune config of the forward / dX and the dW kernels, pinned, at each row count."""
+    """Every autotune config of the forward and the dW kernels, pinned, at each row count."""
+    from relibra_torch.gpu_check.kernels import pinned
     from relibra_torch.ops import triton_kernels as tk
 
     bench = _timer(device)
@@ -116,7 +103,7 @@ def gemm_configs(device: torch.device, D: int, F: int, S: int, row_counts: list[
                    lambda: tk.grouped_mm_wgrad(x_RD, dy_RF, offs, None, S), 2 * R * D * F)]
         for name, kernel, configs, fn, flop in passes:
             for i, cfg in enumerate(configs):
-                with _pinned(kernel, cfg):
+                with pinned(kernel, cfg):
                     us = bench(fn)
                 out.append({"R": R, "pass": name, "config": i, "cfg": str(cfg), "us": us,
                             "tflops": flop / (us * 1e-6) / 1e12})
@@ -178,6 +165,7 @@ def persistent(device: torch.device, small: bool) -> list[dict]:
     import triton
 
     from relibra_torch.gpu_check import expertplex as xp
+    from relibra_torch.gpu_check.kernels import pinned
     from relibra_torch.ops import persistent_gemm as pg
     from relibra_torch.ops import triton_kernels as tk
 
@@ -194,7 +182,7 @@ def persistent(device: torch.device, small: bool) -> list[dict]:
         x_pre = case["x"][shape.decode_rows:]
         cfg = triton.Config({"BM": shape.tile_m, "BN": shape.tile_n, "BK": shape.tile_k},
                             num_warps=shape.num_warps, num_stages=shape.num_stages)
-        with _pinned(tk._grouped_mm_kernel, cfg):
+        with pinned(tk._grouped_mm_kernel, cfg):
             plain_us = bench(lambda: tk.grouped_mm(x_pre, case["w"], case["off_pre"], None))
         static = _static_kernel()
         x, wt, tab = case["x"], case["w"], case["tab_pre"]
@@ -207,8 +195,7 @@ def persistent(device: torch.device, small: bool) -> list[dict]:
             # per call.
             ctrl0 = pg.control_words(0, n_pre, device=device)
             ctrl = ctrl0.clone()
-            y_p = torch.empty(x.shape[0], wt.shape[2], dtype=x.dtype, device=device)
-            us = bench(lambda: xp.run_persistent(case, shape, programs, ctrl.copy_(ctrl0), y_p))
+            us = bench(lambda: xp.run_persistent(case, shape, programs, ctrl.copy_(ctrl0), y))
             static_us = bench(lambda: static[(programs,)](
                 x, wt, y, tab, n_pre, wt.shape[2], x.shape[1], x.stride(0), x.stride(1), wt.stride(0), wt.stride(1),
                 wt.stride(2), y.stride(0), y.stride(1), UPCAST=tk.INTERPRET, BM=shape.tile_m, BN=shape.tile_n,
