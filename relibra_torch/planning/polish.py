@@ -12,7 +12,9 @@ load-first search's placement back because node totals over ``g`` GPUs hid the b
 Here, per layer, steepest descent over swaps of two experts on different GPUs, each priced
 exactly: the layer price the plain plan's check uses (:func:`~relibra_torch.planning.plain.layers_price`:
 expert compute, all-to-all and its latency per micro-batch, as the cost model charges them
-under flat dispatch; under hierarchical dispatch the planner's estimate of its rows) plus
+under flat dispatch; under hierarchical dispatch the planner's estimate of its rows, less
+what the relays the plan then gets save: priced before relays, swaps lowered the estimate
+while the relayed exchange the step runs rose, 1.016x on a tiny instance) plus
 what the swap adds to the layer's own migration by the cost model's rule (per GPU, moves
 across nodes at ``migration_s_per_expert`` plus moves over NVLink at
 ``intra_migration_s_per_expert``, of the busier of sending and receiving; the busiest GPU
@@ -41,6 +43,7 @@ from .base import native_plan
 from .plain import layers_price
 from .plan import StepPlan
 from .price import migration_seconds_L
+from .relay_choice import relay_savings
 from .topology import Topology
 
 __all__ = ["MAX_EXPERTS", "polish_placement"]
@@ -53,10 +56,14 @@ MAX_ROUNDS = 16
 
 
 def _price_L(placement_LE: torch.Tensor, loads_MLSE: torch.Tensor, topology: Topology, config) -> torch.Tensor:
-    """float64 ``[L]``: the layer price of each layer's native plan on ``placement_LE``."""
+    """float64 ``[L]``: the layer price of each layer's native plan on ``placement_LE``, less
+    what the relays that plan gets save (:func:`~relibra_torch.planning.relay_choice.relay_savings`:
+    the all-to-all the step runs is the relayed one, and a swap changes which GPUs send most)."""
     L = placement_LE.shape[0]
-    return layers_price(native_plan(loads_MLSE, topology, placement_LE, "polish"), torch.arange(L), loads_MLSE,
-                        config)
+    plan = native_plan(loads_MLSE, topology, placement_LE, "polish")
+    price_L = layers_price(plan, torch.arange(L), loads_MLSE, config)
+    relayed = relay_savings(plan, loads_MLSE, config)
+    return price_L if relayed is None else price_L - relayed[0].sum(0)
 
 
 def polish_placement(plan: StepPlan, loads_MLSE: torch.Tensor, config) -> StepPlan:
