@@ -65,6 +65,49 @@ def test_gain_bound_covers_the_ideal_plan(seed, N, g, El, M, L, skew, dispatch, 
     assert bool((forward_L >= 0).all())
 
 
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([2, 3]), g=st.sampled_from([1, 2, 4]),
+       El=st.sampled_from([1, 2, 3]), T=st.integers(0, 40), K=st.sampled_from([1, 2, 4]), skew=st.sampled_from([1.0, 6.0]))
+def test_the_hierarchical_forward_floor_is_below_the_exchange_estimated_and_exact(seed, N, g, El, T, K, skew):
+    """Across nodes the guard's step window counts half of a lower bound of static placement's
+    hierarchical all-to-all: it is at most the planner's count-level price of that exchange
+    (the simulator's on loads files), and at most the exchange of the very tokens behind the
+    counts (per-token routing: one cross-node row per (token, remote node), NVLink rows per
+    (token, GPU), ``hier_estimate.hierarchical_traffic``). A floor of 0 would pass: the check
+    that it is not is that it equals the exact exchange where every token picks one expert
+    and every GPU holds one (then a token's pairs on a GPU or a node are its rows there)."""
+    from relibra_torch.planning.hier_estimate import hierarchical_traffic
+    from relibra_torch.planning.price import a2a_seconds_ML, rows_seconds
+    from relibra_torch.planning.worth import _hierarchical_floor_ML
+
+    topo = Topology(N, g, N * g * El, 0)
+    E, S, G = topo.num_experts, topo.num_gpus, topo.num_gpus
+    K = min(K, E)
+    gen = torch.Generator().manual_seed(seed)
+    config = dataclasses.replace(PRICED, dispatch="hierarchical", top_k=K)
+    placement_LE = topo.static_placement(1)           # the floor's placement; the weights are random
+    owner_E = placement_LE[0] // El
+    weights_SE = torch.rand(S, E, generator=gen) ** skew + 1e-3
+    picks_STK = torch.stack([torch.multinomial(weights_SE[s].expand(max(T, 1), E), K, generator=gen)
+                             for s in range(S)])[:, :T]                                       # [S, T, K] distinct
+    loads_MLSE = torch.zeros(S, E, dtype=torch.int64).scatter_add_(
+        1, picks_STK.reshape(S, -1), torch.ones(S, T * K, dtype=torch.int64)).view(1, 1, S, E)
+    floor = float(_hierarchical_floor_ML(loads_MLSE, topo, config)[0, 0])
+    priced = float(a2a_seconds_ML(keep_plan(loads_MLSE, topo, placement_LE, config), loads_MLSE, config)[0, 0])
+    gpu_STK = owner_E[picks_STK]
+    copies_SG = torch.stack([torch.stack([(gpu_STK[s] == q).any(-1).sum() for q in range(G)]) for s in range(S)])
+    node_STK = gpu_STK // g
+    cross_SN = torch.stack([torch.stack([((node_STK[s] == n).any(-1).sum() if n != s // g else torch.tensor(0))
+                                         for n in range(N)]) for s in range(S)])
+    exact = float(rows_seconds(*hierarchical_traffic(copies_SG.double().unsqueeze(0), cross_SN.double().unsqueeze(0),
+                                                     topo), config)[0][0])
+    tol = 1e-12 * max(priced, exact, 1e-9)
+    assert floor <= priced + tol and floor <= exact + tol, (floor, priced, exact)
+    if K == 1 and El == 1 and g == 1:
+        assert abs(floor - exact) <= tol, (floor, exact)
+
+
 def test_hierarchical_bound_is_tighter_than_nothing():
     """Under hierarchical dispatch the rows bound is a real bound, not every pair counted on
     every GPU: on a two-node case it stays below the flat rows' double."""
@@ -121,6 +164,33 @@ def test_guard_decisions_do_not_depend_on_the_share():
         assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, layers])
         assert torch.equal(part.placement_LE, whole.placement_LE[layers])
 
+
+@pytest.mark.parametrize("big, free", [(60_000, True), (20_000, False)])
+def test_a_search_that_fits_the_steps_window_is_free(big, free):
+    """Layer 1's own gain bound and window share stay below the floor, but the step's forward
+    sits in layer 0 (a collapsed router): where the floor fits the whole step's window
+    (``worth.step_window_s`` over the rank's share) layer 1 gets the full search, as with the
+    guard off; in a step too small for that it keeps its placement. Every EP rank plans its
+    share as the whole-step plan does: each reads the whole step's loads."""
+    topo = Topology(2, 2, 8, 2)
+    loads = torch.zeros(4, 2, 4, 8, dtype=torch.int64)
+    loads[:, 0, :, 0], loads[:, 0, :, 1:] = big, 10
+    loads[:, 1] = torch.randint(0, 1000, (4, 4, 8), generator=torch.Generator().manual_seed(0))
+    prev = topo.static_placement(2)
+    assert worth_planning_L(loads, topo, prev, PRICED).tolist() == [True, False]      # the per-layer rule alone
+    plan = relibra_plan(loads, topo, prev, PRICED)
+    full = relibra_plan(loads, topo, prev, dataclasses.replace(PRICED, plan_floor_s=0.0, plan_floor_nodes_s=0.0))
+    kept = keep_plan(loads[:, 1:], topo, prev[1:], PRICED)
+    want = full.layers(torch.tensor([1])) if free else kept
+    assert not torch.equal(full.slot_expert_MLGJ[:, 1], kept.slot_expert_MLGJ[:, 0])  # the search does differ
+    assert torch.equal(plan.slot_expert_MLGJ[:, 1:], want.slot_expert_MLGJ)
+    assert torch.equal(plan.slot_tokens_MLGJ[:, 1:], want.slot_tokens_MLGJ)
+    planner = ReLibraPlanner(topo, PRICED)
+    whole = planner.plan(loads)
+    for r in range(2):
+        part = planner.plan_layers(loads, layer_share(r, topo.num_gpus, 2))
+        assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, r:r + 1])
+        assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, r:r + 1])
 
 def test_floors_reach_the_simulated_and_the_hooked_planner():
     assert PLAN_FLOOR_S > 0 and PLAN_FLOOR_NODES_S > 0
@@ -300,3 +370,34 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     lowest = (exact_L < floor) & ((exact_light_L < light_floor) | (light == 0))
     if not bool(lowest.all()):  # some layer is planned: the exact margin itself
         assert torch.allclose(margin_L, exact_L, rtol=0, atol=0)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(2, 2, 8), (2, 4, 8), (1, 4, 8), (3, 2, 12)]),
+       M=st.integers(1, 3), tokens=st.sampled_from([4, 64, 1024]), skew=st.sampled_from([1.0, 6.0]),
+       dispatch=st.sampled_from(["flat", "hierarchical"]))
+def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, skew, dispatch):
+    """``worth.step_window_s`` bounds the overlap window the simulator charges host work
+    against (static placement's forward pass of the step) from below, in both dispatch modes:
+    the guard's free admission then never counts on time the step does not give."""
+    from relibra_torch.sim.simulator import SimConfig, forward_s, simulate
+    from relibra_torch.sim.workload import workload_from_loads
+    from relibra_torch.planning.worth import step_window_s
+
+    N, g, E = shape
+    topo = Topology(N, g, E, 2)
+    model = ModelSpec("tiny-moe", num_layers=2, num_moe_layers=2, hidden_size=256, moe_ffn=128, num_experts=E,
+                      top_k=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=1000)
+    gen = torch.Generator().manual_seed(seed)
+    S = topo.num_gpus
+    w = (torch.rand(M * 2 * S, E, generator=gen) ** skew + 1e-3)
+    picks = torch.multinomial(w, 2, generator=gen).repeat(1, tokens)          # top-2 distinct per token row
+    loads = torch.zeros(M * 2 * S, E, dtype=torch.int64).scatter_add_(
+        1, picks, torch.ones_like(picks)).view(1, M, 2, S, E)
+    options = CostOptions(dispatch=dispatch)
+    wl = workload_from_loads(loads, model, topo, 2 * tokens)
+    res = simulate(wl, SimConfig(model, get_hardware("h200"), topo, ("static",), options, warmup_steps=0))
+    window = forward_s(res.systems["static"].costs[0])
+    config = default_planner_factory("relibra", topo, CostModel(model, get_hardware("h200"), options)).config
+    got = step_window_s(loads[0], topo, config)
+    assert 0 < got <= window * (1 + 1e-9), (got, window)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -54,7 +55,7 @@ from .gpu_pack import pack_gpus
 from .polish import polish_placement
 from .reorder_greedy import greedy_nodes
 from .relay_choice import add_relays
-from .worth import guarded_plan, plan_floor_s
+from .worth import guarded_plan, plan_floor_s, step_window_s
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -313,7 +314,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
                  config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None,
-                 total_layers: int | None = None) -> StepPlan:
+                 total_layers: int | None = None, step_window: Callable[[], float] | None = None) -> StepPlan:
     """Reorder (if ``config.reorder``) then replicate per micro-batch, on the layers where that
     can repay its host time (:mod:`~relibra_torch.planning.worth`; ``total_layers``: the step's
     layer count when these are a share of it). See the module docstring.
@@ -332,10 +333,13 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                              else check_previous_placement(previous_placement_LE, L, topology))
     if not (M and L):  # nothing to plan: every expert stays on its owner
         return native_plan(loads_MLSE, topology, previous_placement_LE, ReLibraPlanner.name, previous_placement_LE)
+    if step_window is None and total_layers is None:  # the whole step: its window from these loads
+        def step_window() -> float:
+            return step_window_s(loads_MLSE, topology, config)
     guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],
-            fast=False))
+            fast=False), step_window)
     if guarded is not None:  # the guard kept some layers and planned the others
         return guarded
     return _search(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
@@ -408,5 +412,8 @@ class ReLibraPlanner(Planner):
     def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int],
                     pairs_LEE: torch.Tensor | None = None) -> StepPlan:
         prev_LE = self.previous_placement(loads_MLSE.shape[1])[layers]
+
+        def step_window() -> float:  # every rank reads the whole step's loads (replay): the same window
+            return step_window_s(loads_MLSE, self.topology, self.config)
         return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config,
-                            None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1])
+                            None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1], step_window)

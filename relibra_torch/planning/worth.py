@@ -41,7 +41,15 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
-the window hides. It gets the light plan instead (:mod:`~relibra_torch.planning.light`)
+the window hides; unless the search is **free**: ``F`` plus the schedules fit the share's
+part of the whole step's window, ``step_window_s / ceil(L / G)`` (:func:`step_window_s`: a
+lower bound of static placement's forward pass from every layer's counts, with a lower bound
+of the hierarchical rows where ``W_l`` has none). Each layer's ``W_l`` counts that layer alone
+(times ``L / ceil(L / G)``), so a step whose forward sits in a few layers (a collapsed router)
+left the others' searches out although the rank's window held them
+(``docs/results.md``, "The guard's window under hierarchical dispatch"). Every EP rank reads
+the whole step's loads from replay, so every rank and the whole-step plan get the same
+window; it is computed only where a layer is not admitted otherwise. It gets the light plan instead (:mod:`~relibra_torch.planning.light`)
 where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
 (:func:`light_floor_s`: ``light_share`` of the fixed part, and a part per layer that
 follows the experts), ``W'_l`` the window less the light plan's cheaper schedules (one
@@ -141,6 +149,60 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     # price.a2a_parts_ML's rule; on one node the flat rows bound the hierarchical ones too
     cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, _hierarchical(config) and topology.num_nodes > 1)
     return _gain_and_forward_L(flow_MLSG.sum(2), rows_seconds(cs, cr, is_, ir, config)[0], topology, config)
+
+
+def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config) -> float:
+    """A lower bound of the step's overlap window, static placement's forward pass
+    (``sim.simulator.forward_s``), from its MoE layers alone: per (micro-batch, layer) a
+    third of the expert compute at the mean load, half of the all-to-all (exact under flat
+    dispatch; across nodes under hierarchical dispatch a lower bound of its rows,
+    :func:`_hierarchical_floor_ML`; none on one node there) and half of the exchange's
+    latency. ``loads_MLSE``: the whole step's loads (every layer), which every EP rank reads
+    from replay, so every rank and the whole-step plan get the same window."""
+    M, L, S, E = loads_MLSE.shape
+    G = topology.num_gpus
+    total_ML = loads_MLSE.to(torch.int64).sum((2, 3))
+    compute = float(((total_ML + G - 1) // G).sum()) * config.compute_s_per_token / 3
+    latency = 0.5 * exchange_latency_s(topology, config) * M * L
+    if not _hierarchical(config):
+        owner_LE = topology.static_placement(L) // topology.experts_per_gpu
+        a2a = float(rows_seconds(*_a2a_rows(_pair_flows(loads_MLSE, owner_LE, G), topology, False), config)[0].sum())
+    elif topology.num_nodes > 1:
+        a2a = float(_hierarchical_floor_ML(loads_MLSE, topology, config).sum())
+    else:
+        a2a = 0.0
+    return compute + 0.5 * a2a + latency
+
+
+def _hierarchical_floor_ML(loads_MLSE: torch.Tensor, topology: Topology, config) -> torch.Tensor:
+    """float64 ``[M, L]``: a lower bound of static placement's hierarchical all-to-all, as
+    :mod:`~relibra_torch.planning.price` prices it (count-level) and as the simulator counts
+    it from per-token routing (``hier_estimate.hierarchical_traffic``'s rows, each GPU at
+    ``max(send, receive)`` across nodes plus over NVLink, the slowest GPU's time).
+
+    A source's tokens with a pair on a node (or a GPU) are at least its pairs to the busiest
+    one expert there: a token picks an expert once, and the count-level estimate keeps that
+    bound (``hier_estimate._need``: at least the most-chosen expert's share). Per GPU it
+    counts the inter-node rows it sends and those it receives as a landing GPU (one per
+    (token, remote node)), and the NVLink rows it receives, from its node's other GPUs and
+    forwarded by its node's landing GPUs (every source whose local index differs from its
+    own); it leaves out the NVLink rows it sends. Static placement holds a node's and a GPU's
+    experts contiguously, so their busiest expert is a maximum over a view."""
+    M, L, S, E = loads_MLSE.shape
+    N, g, G = topology.num_nodes, topology.gpus_per_node, topology.num_gpus
+    X = M * L
+    busiest_XSG = loads_MLSE.reshape(X, S, G, E // G).amax(-1)
+    busiest_XSN = busiest_XSG.view(X, S, N, g).amax(-1)
+    busiest_XSN.masked_fill_(torch.nn.functional.one_hot(torch.arange(S) // g, N).bool().unsqueeze(0), 0)
+    send_XG = busiest_XSN.sum(-1)                                              # sources are GPUs
+    land_XG = busiest_XSN.view(X, N, g, N).sum(1).transpose(1, 2).reshape(X, G)  # landing GPU (n, i)
+    # NVLink rows into GPU q: from every source but those of q's local index (q itself, and
+    # the remote ones that land on q): all sources less the (source node, q) diagonal
+    same_XNG = busiest_XSG.view(X, N, g, N, g).diagonal(dim1=2, dim2=4).sum(1)   # [X, N, g]
+    nvlink_XG = busiest_XSG.sum(1) - same_XNG.reshape(X, G)
+    gpu_XG = (torch.maximum(send_XG, land_XG).to(torch.float64) * config.cross_node_s_per_token
+              + nvlink_XG.to(torch.float64) * config.intra_node_s_per_token)
+    return gpu_XG.amax(-1).view(M, L)
 
 
 def _hierarchical(config) -> bool:
@@ -255,14 +317,16 @@ class Tiers(NamedTuple):
     light_floor: float
     scale: float
     light_schedules: float = LIGHT_SCHEDULE_SHARE
+    free_window: float = 0.0
 
     def margin_L(self) -> torch.Tensor:
         """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
         return self.gain_L + self.window_L - self.schedules_s
 
     def full_L(self) -> torch.Tensor:
-        """bool ``[L]``: worth the full search, ``U_l + W_l >= F`` (the bound counted once)."""
-        return self.margin_L() >= self.floor
+        """bool ``[L]``: worth the full search, ``U_l + W_l >= F`` (the bound counted once), or
+        free: ``F`` and the schedules fit the share's part of the step's window."""
+        return (self.margin_L() >= self.floor) | (self.floor + self.schedules_s <= self.free_window)
 
     def light_window_L(self) -> torch.Tensor:
         """``W'_l``: the window less the light plan's schedules."""
@@ -281,7 +345,7 @@ class Tiers(NamedTuple):
 
 
 def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
-           total_layers: int | None) -> Tiers:
+           total_layers: int | None, step_window: Callable[[], float] | None = None) -> Tiers:
     """The guard's :class:`Tiers` of each layer (module docstring). On one node, where a
     cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below both tiers,
     that bound's instead: it decides the same, in about half the time."""
@@ -299,8 +363,16 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
-            return quick
-    return tiers(gain_bound_L)
+            return _with_free_window(quick, step_window, share)
+    return _with_free_window(tiers(gain_bound_L), step_window, share)
+
+
+def _with_free_window(tiers: Tiers, step_window: Callable[[], float] | None, share: int) -> Tiers:
+    """``tiers`` with the share's part of the step's window (``step_window()``, asked only where
+    a layer is not already worth the full search)."""
+    if step_window is None or bool(tiers.full_L().all()):
+        return tiers
+    return tiers._replace(free_window=step_window() / share)
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
@@ -315,7 +387,8 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
 
 
 def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
-                 total_layers: int | None, search: Callable[[list[int], object], StepPlan]) -> StepPlan | None:
+                 total_layers: int | None, search: Callable[[list[int], object], StepPlan],
+                 step_window: Callable[[], float] | None = None) -> StepPlan | None:
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
     the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``
     layers, in that order) with the guard off; of the others, those worth the light plan
@@ -325,7 +398,7 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     L = loads_MLSE.shape[1]
     if plan_floor_s(topology, config) <= 0 or L == 0:
         return None
-    tiers = _tiers(loads_MLSE, topology, previous_placement_LE, config, total_layers)
+    tiers = _tiers(loads_MLSE, topology, previous_placement_LE, config, total_layers, step_window)
     worth_L = tiers.full_L()
     if bool(worth_L.all()):
         return None
