@@ -191,7 +191,7 @@ def _hierarchical_floor_ML(loads_MLSE: torch.Tensor, topology: Topology, config)
     M, L, S, E = loads_MLSE.shape
     N, g, G = topology.num_nodes, topology.gpus_per_node, topology.num_gpus
     X = M * L
-    busiest_XSG = loads_MLSE.reshape(X, S, G, E // G).amax(-1)
+    busiest_XSG = loads_MLSE.reshape(X, S, G, E // G).amax(-1).to(torch.int64)   # sums below: no narrow overflow
     busiest_XSN = busiest_XSG.view(X, S, N, g).amax(-1)
     busiest_XSN.masked_fill_(torch.nn.functional.one_hot(torch.arange(S) // g, N).bool().unsqueeze(0), 0)
     send_XG = busiest_XSN.sum(-1)                                              # sources are GPUs
