@@ -401,3 +401,6 @@ def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, 
     config = default_planner_factory("relibra", topo, CostModel(model, get_hardware("h200"), options)).config
     got = step_window_s(loads[0], topo, config)
     assert 0 < got <= window * (1 + 1e-9), (got, window)
+    # the early out (an upper bound from the pairs alone) never hides a window that reaches at_least
+    assert step_window_s(loads[0], topo, config, at_least=got) == got
+    assert step_window_s(loads[0], topo, config, at_least=got * 1e6) in (0.0, got)

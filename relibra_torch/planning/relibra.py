@@ -314,7 +314,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
                  config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None,
-                 total_layers: int | None = None, step_window: Callable[[], float] | None = None) -> StepPlan:
+                 total_layers: int | None = None, step_window: Callable[[float], float] | None = None) -> StepPlan:
     """Reorder (if ``config.reorder``) then replicate per micro-batch, on the layers where that
     can repay its host time (:mod:`~relibra_torch.planning.worth`; ``total_layers``: the step's
     layer count when these are a share of it). See the module docstring.
@@ -334,8 +334,8 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     if not (M and L):  # nothing to plan: every expert stays on its owner
         return native_plan(loads_MLSE, topology, previous_placement_LE, ReLibraPlanner.name, previous_placement_LE)
     if step_window is None and total_layers is None:  # the whole step: its window from these loads
-        def step_window() -> float:
-            return step_window_s(loads_MLSE, topology, config)
+        def step_window(at_least: float) -> float:
+            return step_window_s(loads_MLSE, topology, config, at_least)
     guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],
@@ -413,7 +413,7 @@ class ReLibraPlanner(Planner):
                     pairs_LEE: torch.Tensor | None = None) -> StepPlan:
         prev_LE = self.previous_placement(loads_MLSE.shape[1])[layers]
 
-        def step_window() -> float:  # every rank reads the whole step's loads (replay): the same window
-            return step_window_s(loads_MLSE, self.topology, self.config)
+        def step_window(at_least: float) -> float:  # every rank reads the whole step's loads (replay)
+            return step_window_s(loads_MLSE, self.topology, self.config, at_least)
         return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config,
                             None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1], step_window)

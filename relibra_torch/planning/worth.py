@@ -151,26 +151,41 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     return _gain_and_forward_L(flow_MLSG.sum(2), rows_seconds(cs, cr, is_, ir, config)[0], topology, config)
 
 
-def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config) -> float:
+def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config, at_least: float = 0.0) -> float:
     """A lower bound of the step's overlap window, static placement's forward pass
     (``sim.simulator.forward_s``), from its MoE layers alone: per (micro-batch, layer) a
     third of the expert compute at the mean load, half of the all-to-all (exact under flat
     dispatch; across nodes under hierarchical dispatch a lower bound of its rows,
     :func:`_hierarchical_floor_ML`; none on one node there) and half of the exchange's
     latency. ``loads_MLSE``: the whole step's loads (every layer), which every EP rank reads
-    from replay, so every rank and the whole-step plan get the same window."""
+    from replay, so every rank and the whole-step plan get the same window. 0.0 where an
+    upper bound of the window from each source's pairs alone (a GPU's rows at most its
+    sources' tokens) is already below ``at_least``: then the all-to-all's pass over the pairs
+    is skipped (a step that nothing makes free, most of all one where nothing pays)."""
     M, L, S, E = loads_MLSE.shape
-    G = topology.num_gpus
-    total_ML = loads_MLSE.to(torch.int64).sum((2, 3))
-    compute = float(((total_ML + G - 1) // G).sum()) * config.compute_s_per_token / 3
+    G, g = topology.num_gpus, topology.gpus_per_node
+    pairs_MLS = loads_MLSE.to(torch.int64).sum(-1)
+    compute = float(((pairs_MLS.sum(-1) + G - 1) // G).sum()) * config.compute_s_per_token / 3
     latency = 0.5 * exchange_latency_s(topology, config) * M * L
-    if not _hierarchical(config):
+    hier = _hierarchical(config)
+    if hier and topology.num_nodes == 1:
+        return compute + latency
+    # rows one source can send to one GPU (or, hierarchical, per remote node): its pairs (tokens)
+    rows_XS = (pairs_MLS // max(config.top_k, 1) if hier else pairs_MLS).reshape(M * L, S).to(torch.float64)
+    node_S, local_S = torch.arange(S) // g, torch.arange(S) % g
+    remote_SG = node_S.view(S, 1) != node_S.view(1, G)
+    into_SG = (local_S.view(S, 1) != local_S.view(1, G)) if hier else (~remote_SG & ~torch.eye(S, dtype=torch.bool))
+    cross_XG = torch.maximum(rows_XS * (topology.num_nodes - 1 if hier else 1.0),
+                             rows_XS @ (remote_SG & (~into_SG if hier else remote_SG)).double())
+    upper = float((cross_XG * config.cross_node_s_per_token
+                   + torch.maximum(rows_XS, rows_XS @ into_SG.double()) * config.intra_node_s_per_token).amax(-1).sum())
+    if compute + 0.5 * upper + latency < at_least:
+        return 0.0
+    if not hier:
         owner_LE = topology.static_placement(L) // topology.experts_per_gpu
         a2a = float(rows_seconds(*_a2a_rows(_pair_flows(loads_MLSE, owner_LE, G), topology, False), config)[0].sum())
-    elif topology.num_nodes > 1:
-        a2a = float(_hierarchical_floor_ML(loads_MLSE, topology, config).sum())
     else:
-        a2a = 0.0
+        a2a = float(_hierarchical_floor_ML(loads_MLSE, topology, config).sum())
     return compute + 0.5 * a2a + latency
 
 
@@ -345,7 +360,7 @@ class Tiers(NamedTuple):
 
 
 def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
-           total_layers: int | None, step_window: Callable[[], float] | None = None) -> Tiers:
+           total_layers: int | None, step_window: Callable[[float], float] | None = None) -> Tiers:
     """The guard's :class:`Tiers` of each layer (module docstring). On one node, where a
     cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below both tiers,
     that bound's instead: it decides the same, in about half the time."""
@@ -367,12 +382,13 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     return _with_free_window(tiers(gain_bound_L), step_window, share)
 
 
-def _with_free_window(tiers: Tiers, step_window: Callable[[], float] | None, share: int) -> Tiers:
-    """``tiers`` with the share's part of the step's window (``step_window()``, asked only where
-    a layer is not already worth the full search)."""
+def _with_free_window(tiers: Tiers, step_window: Callable[[float], float] | None, share: int) -> Tiers:
+    """``tiers`` with the share's part of the step's window (``step_window(at_least)``, asked
+    only where a layer is not already worth the full search; ``at_least``: the window below
+    which no layer is free)."""
     if step_window is None or bool(tiers.full_L().all()):
         return tiers
-    return tiers._replace(free_window=step_window() / share)
+    return tiers._replace(free_window=step_window((tiers.floor + tiers.schedules_s) * share) / share)
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
@@ -388,7 +404,7 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
 
 def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
                  total_layers: int | None, search: Callable[[list[int], object], StepPlan],
-                 step_window: Callable[[], float] | None = None) -> StepPlan | None:
+                 step_window: Callable[[float], float] | None = None) -> StepPlan | None:
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
     the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``
     layers, in that order) with the guard off; of the others, those worth the light plan
