@@ -49,8 +49,10 @@ of the hierarchical rows where ``W_l`` has none). Each layer's ``W_l`` counts th
 left the others' searches out although the rank's window held them
 (``docs/results.md``, "The guard's window under hierarchical dispatch"). Every EP rank reads
 the whole step's loads from replay, so every rank and the whole-step plan get the same
-window; it is computed only where a layer is not admitted otherwise. It gets the light plan instead (:mod:`~relibra_torch.planning.light`)
-where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
+window; it is computed only where a layer is not admitted otherwise, and its pass over the
+pairs only where an upper bound from the sources' token counts reaches the free threshold.
+A layer neither worth the search nor free gets the light plan instead
+(:mod:`~relibra_torch.planning.light`) where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
 (:func:`light_floor_s`: ``light_share`` of the fixed part, and a part per layer that
 follows the experts), ``W'_l`` the window less the light plan's cheaper schedules (one
 residency per copy, :data:`LIGHT_SCHEDULE_SHARE`); and it keeps that plan only where its
