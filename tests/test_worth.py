@@ -79,7 +79,7 @@ def test_the_hierarchical_forward_floor_is_below_the_exchange_estimated_and_exac
     and every GPU holds one (then a token's pairs on a GPU or a node are its rows there)."""
     from relibra_torch.planning.hier_estimate import hierarchical_traffic
     from relibra_torch.planning.price import a2a_seconds_ML, rows_seconds
-    from relibra_torch.planning.worth import _hierarchical_floor_ML
+    from relibra_torch.planning.step_window import _hierarchical_floor_ML
 
     topo = Topology(N, g, N * g * El, 0)
     E, S, G = topo.num_experts, topo.num_gpus, topo.num_gpus
@@ -382,7 +382,7 @@ def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, 
     the guard's free admission then never counts on time the step does not give."""
     from relibra_torch.sim.simulator import SimConfig, forward_s, simulate
     from relibra_torch.sim.workload import workload_from_loads
-    from relibra_torch.planning.worth import step_window_s
+    from relibra_torch.planning.step_window import step_window_s
 
     N, g, E = shape
     topo = Topology(N, g, E, 2)
@@ -404,3 +404,36 @@ def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, 
     # the early out (an upper bound from the pairs alone) never hides a window that reaches at_least
     assert step_window_s(loads[0], topo, config, at_least=got) == got
     assert step_window_s(loads[0], topo, config, at_least=got * 1e6) in (0.0, got)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2]), g=st.sampled_from([2, 4]), El=st.sampled_from([1, 2]),
+       M=st.integers(1, 3), L=st.integers(1, 3), skew=st.sampled_from([1.0, 6.0]),
+       scale=st.sampled_from([1, 30, 1000]), dispatch=st.sampled_from(["flat", "hierarchical"]),
+       floor=st.sampled_from([1e-4, 3e-3, 0.05]))
+def test_the_surely_kept_shortcut_decides_as_the_tiers(seed, N, g, El, M, L, skew, scale, dispatch, floor):
+    """``worth._surely_kept`` (one sum of the pairs) keeps every layer only where the tiers and
+    the step's window would keep them all: the guard's plan is the same with it and without."""
+    from unittest import mock
+
+    from relibra_torch.planning import worth
+    from relibra_torch.planning.step_window import step_window_s
+
+    topo, loads_MLSE, placement_LE = _random_case(seed, N, g, El, 2, M, L, skew)
+    loads_MLSE = loads_MLSE * scale
+    config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=2, plan_schedule_s=PLAN_SCHEDULE_S,
+                                 plan_floor_s=floor, plan_floor_nodes_s=2 * floor, light_share=LIGHT_SHARE)
+
+    def window(at_least: float) -> float:
+        return step_window_s(loads_MLSE, topo, config, at_least)
+
+    def plan(shortcut: bool):
+        with mock.patch.object(worth, "_surely_kept", worth._surely_kept if shortcut else (lambda *a: False)):
+            return worth.guarded_plan(loads_MLSE, topo, placement_LE, config, None,
+                                      lambda ls, cfg: relibra_plan(loads_MLSE[:, ls], topo, placement_LE[ls], cfg),
+                                      window)
+    got, want = plan(True), plan(False)
+    assert (got is None) == (want is None)
+    if got is not None:
+        for name in ("placement_LE", "slot_expert_MLGJ", "slot_tokens_MLGJ"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name

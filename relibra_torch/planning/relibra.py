@@ -55,7 +55,8 @@ from .gpu_pack import pack_gpus
 from .polish import polish_placement
 from .reorder_greedy import greedy_nodes
 from .relay_choice import add_relays
-from .worth import guarded_plan, plan_floor_s, step_window_s
+from .step_window import step_window_s
+from .worth import guarded_plan, plan_floor_s
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 

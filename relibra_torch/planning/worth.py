@@ -42,7 +42,7 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
 the window hides; unless the search is **free**: ``F`` plus the schedules fit the share's
-part of the whole step's window, ``step_window_s / ceil(L / G)`` (:func:`step_window_s`: a
+part of the whole step's window, ``step_window_s / ceil(L / G)`` (:func:`~relibra_torch.planning.step_window.step_window_s`: a
 lower bound of static placement's forward pass from every layer's counts, with a lower bound
 of the hierarchical rows where ``W_l`` has none). Each layer's ``W_l`` counts that layer alone
 (times ``L / ceil(L / G)``), so a step whose forward sits in a few layers (a collapsed router)
@@ -151,75 +151,6 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     # price.a2a_parts_ML's rule; on one node the flat rows bound the hierarchical ones too
     cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, _hierarchical(config) and topology.num_nodes > 1)
     return _gain_and_forward_L(flow_MLSG.sum(2), rows_seconds(cs, cr, is_, ir, config)[0], topology, config)
-
-
-def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config, at_least: float = 0.0) -> float:
-    """A lower bound of the step's overlap window, static placement's forward pass
-    (``sim.simulator.forward_s``), from its MoE layers alone: per (micro-batch, layer) a
-    third of the expert compute at the mean load, half of the all-to-all (exact under flat
-    dispatch; across nodes under hierarchical dispatch a lower bound of its rows,
-    :func:`_hierarchical_floor_ML`; none on one node there) and half of the exchange's
-    latency. ``loads_MLSE``: the whole step's loads (every layer), which every EP rank reads
-    from replay, so every rank and the whole-step plan get the same window. 0.0 where an
-    upper bound of the window from each source's pairs alone (a GPU's rows at most its
-    sources' tokens) is already below ``at_least``: then the all-to-all's pass over the pairs
-    is skipped (a step that nothing makes free, most of all one where nothing pays)."""
-    M, L, S, E = loads_MLSE.shape
-    G, g = topology.num_gpus, topology.gpus_per_node
-    pairs_MLS = loads_MLSE.to(torch.int64).sum(-1)
-    compute = float(((pairs_MLS.sum(-1) + G - 1) // G).sum()) * config.compute_s_per_token / 3
-    latency = 0.5 * exchange_latency_s(topology, config) * M * L
-    hier = _hierarchical(config)
-    if hier and topology.num_nodes == 1:
-        return compute + latency
-    # rows one source can send to one GPU (or, hierarchical, per remote node): its pairs (tokens)
-    rows_XS = (pairs_MLS // max(config.top_k, 1) if hier else pairs_MLS).reshape(M * L, S).to(torch.float64)
-    node_S, local_S = torch.arange(S) // g, torch.arange(S) % g
-    remote_SG = node_S.view(S, 1) != node_S.view(1, G)
-    into_SG = (local_S.view(S, 1) != local_S.view(1, G)) if hier else (~remote_SG & ~torch.eye(S, dtype=torch.bool))
-    cross_XG = torch.maximum(rows_XS * (topology.num_nodes - 1 if hier else 1.0),
-                             rows_XS @ (remote_SG & (~into_SG if hier else remote_SG)).double())
-    upper = float((cross_XG * config.cross_node_s_per_token
-                   + torch.maximum(rows_XS, rows_XS @ into_SG.double()) * config.intra_node_s_per_token).amax(-1).sum())
-    if compute + 0.5 * upper + latency < at_least:
-        return 0.0
-    if not hier:
-        owner_LE = topology.static_placement(L) // topology.experts_per_gpu
-        a2a = float(rows_seconds(*_a2a_rows(_pair_flows(loads_MLSE, owner_LE, G), topology, False), config)[0].sum())
-    else:
-        a2a = float(_hierarchical_floor_ML(loads_MLSE, topology, config).sum())
-    return compute + 0.5 * a2a + latency
-
-
-def _hierarchical_floor_ML(loads_MLSE: torch.Tensor, topology: Topology, config) -> torch.Tensor:
-    """float64 ``[M, L]``: a lower bound of static placement's hierarchical all-to-all, as
-    :mod:`~relibra_torch.planning.price` prices it (count-level) and as the simulator counts
-    it from per-token routing (``hier_estimate.hierarchical_traffic``'s rows, each GPU at
-    ``max(send, receive)`` across nodes plus over NVLink, the slowest GPU's time).
-
-    A source's tokens with a pair on a node (or a GPU) are at least its pairs to the busiest
-    one expert there: a token picks an expert once, and the count-level estimate keeps that
-    bound (``hier_estimate._need``: at least the most-chosen expert's share). Per GPU it
-    counts the inter-node rows it sends and those it receives as a landing GPU (one per
-    (token, remote node)), and the NVLink rows it receives, from its node's other GPUs and
-    forwarded by its node's landing GPUs (every source whose local index differs from its
-    own); it leaves out the NVLink rows it sends. Static placement holds a node's and a GPU's
-    experts contiguously, so their busiest expert is a maximum over a view."""
-    M, L, S, E = loads_MLSE.shape
-    N, g, G = topology.num_nodes, topology.gpus_per_node, topology.num_gpus
-    X = M * L
-    busiest_XSG = loads_MLSE.reshape(X, S, G, E // G).amax(-1).to(torch.int64)   # sums below: no narrow overflow
-    busiest_XSN = busiest_XSG.view(X, S, N, g).amax(-1)
-    busiest_XSN.masked_fill_(torch.nn.functional.one_hot(torch.arange(S) // g, N).bool().unsqueeze(0), 0)
-    send_XG = busiest_XSN.sum(-1)                                              # sources are GPUs
-    land_XG = busiest_XSN.view(X, N, g, N).sum(1).transpose(1, 2).reshape(X, G)  # landing GPU (n, i)
-    # NVLink rows into GPU q: from every source but those of q's local index (q itself, and
-    # the remote ones that land on q): all sources less the (source node, q) diagonal
-    same_XNG = busiest_XSG.view(X, N, g, N, g).diagonal(dim1=2, dim2=4).sum(1)   # [X, N, g]
-    nvlink_XG = busiest_XSG.sum(1) - same_XNG.reshape(X, G)
-    gpu_XG = (torch.maximum(send_XG, land_XG).to(torch.float64) * config.cross_node_s_per_token
-              + nvlink_XG.to(torch.float64) * config.intra_node_s_per_token)
-    return gpu_XG.amax(-1).view(M, L)
 
 
 def _hierarchical(config) -> bool:
@@ -366,22 +297,49 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     """The guard's :class:`Tiers` of each layer (module docstring). On one node, where a
     cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below both tiers,
     that bound's instead: it decides the same, in about half the time."""
-    L, M = loads_MLSE.shape[1], loads_MLSE.shape[0]
-    total = L if total_layers is None else total_layers
-    share = -(-total // max(topology.num_gpus, 1))                         # layers per EP rank
-    scale = total / share                                                  # layers one share-layer stands for
-    floor, light = layer_floor_s(topology, config, share, M), light_floor_s(topology, config, share, M)
+    share, scale, floor, light, schedules = _share_terms(loads_MLSE.shape[0], loads_MLSE.shape[1], topology, config,
+                                                         total_layers)
 
     def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
-        # a layer given copies costs every rank its schedules (all layers, not a share), out of the window
-        return Tiers(gain_L, forward_L * scale, config.plan_schedule_s * host_scale(topology, config) * M / 8 * scale,
-                     floor, light, scale, light_schedule_share(topology))
+        return Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology))
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
             return _with_free_window(quick, step_window, share)
     return _with_free_window(tiers(gain_bound_L), step_window, share)
+
+
+def _share_terms(M: int, L: int, topology: Topology, config, total_layers: int | None
+                 ) -> tuple[int, float, float, float, float]:
+    """``(share, scale, F, F', schedules)`` of a rank's share of ``L`` layers (of the step's
+    ``total_layers``): layers per EP rank, ``L / ceil(L / G)``, the two floors, and the
+    schedules a planned layer costs every rank (all layers, not a share), out of the window."""
+    total = L if total_layers is None else total_layers
+    share = -(-total // max(topology.num_gpus, 1))
+    scale = total / share
+    schedules = config.plan_schedule_s * host_scale(topology, config) * M / 8 * scale
+    return (share, scale, layer_floor_s(topology, config, share, M), light_floor_s(topology, config, share, M),
+            schedules)
+
+
+def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None,
+                 step_window: Callable[[float], float] | None) -> bool:
+    """Whether every layer surely keeps its placement, from each layer's pairs alone (one sum):
+    the tiers' margins are at most ``P (c + (1 + scale / 2) (x + n) + scale c / 3)`` plus the
+    window's latency (``P`` a layer's pairs summed over micro-batches, ``c`` a pair's compute,
+    ``x`` and ``n`` a row across nodes and over NVLink: a GPU's busiest load and its rows are
+    at most the pairs), below both floors; and the step's window makes no layer free. Shares of
+    steps too small for any plan (a millisecond, 16 tokens per GPU) then skip the bounds."""
+    M, L = loads_MLSE.shape[:2]
+    share, scale, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
+    c, rows = config.compute_s_per_token, config.cross_node_s_per_token + config.intra_node_s_per_token
+    pairs = float(loads_MLSE.sum((0, 2, 3)).max())
+    margin = (pairs * (c * (1 + scale / 3) + rows * (1 + scale / 2))
+              + scale * M * 0.5 * exchange_latency_s(topology, config))
+    if margin - schedules >= floor or (light > 0 and margin - light_schedule_share(topology) * schedules >= light):
+        return False
+    return step_window is None or step_window((floor + schedules) * share) / share < floor + schedules
 
 
 def _with_free_window(tiers: Tiers, step_window: Callable[[float], float] | None, share: int) -> Tiers:
@@ -416,6 +374,8 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     L = loads_MLSE.shape[1]
     if plan_floor_s(topology, config) <= 0 or L == 0:
         return None
+    if _surely_kept(loads_MLSE, topology, config, total_layers, step_window):
+        return keep_plan(loads_MLSE, topology, previous_placement_LE, config)
     tiers = _tiers(loads_MLSE, topology, previous_placement_LE, config, total_layers, step_window)
     worth_L = tiers.full_L()
     if bool(worth_L.all()):
