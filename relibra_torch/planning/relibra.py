@@ -35,9 +35,9 @@ B batched problems (M * L * N), C swap candidates per node, W candidate swap pai
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -315,7 +315,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
                  config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None,
-                 total_layers: int | None = None, step_window: Callable[[float], float] | None = None) -> StepPlan:
+                 total_layers: int | None = None, step_loads_MLSE: torch.Tensor | None = None) -> StepPlan:
     """Reorder (if ``config.reorder``) then replicate per micro-batch, on the layers where that
     can repay its host time (:mod:`~relibra_torch.planning.worth`; ``total_layers``: the step's
     layer count when these are a share of it). See the module docstring.
@@ -325,6 +325,10 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         previous_placement_LE: int64 ``[L, E]`` placement in force (static if ``None``).
         pairs_LEE: optional int ``[L, E, E]`` co-activation counts of the step (used with
             ``config.dispatch == "hierarchical"``).
+        step_loads_MLSE: the whole step's loads when ``loads_MLSE`` is a share of them: the
+            guard's step window (:func:`~relibra_torch.planning.step_window.step_window_s`,
+            computed at most once). ``None``: ``loads_MLSE`` where it is the whole step
+            (``total_layers`` unset), else no step window.
     """
     check_loads(loads_MLSE, topology)
     if not isinstance(config, ReLibraConfig):
@@ -334,9 +338,10 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                              else check_previous_placement(previous_placement_LE, L, topology))
     if not (M and L):  # nothing to plan: every expert stays on its owner
         return native_plan(loads_MLSE, topology, previous_placement_LE, ReLibraPlanner.name, previous_placement_LE)
-    if step_window is None and total_layers is None:  # the whole step: its window from these loads
-        def step_window(at_least: float) -> float:
-            return step_window_s(loads_MLSE, topology, config, at_least)
+    # the step's window, from the whole step's loads: these when they are the whole step
+    step_loads_MLSE = loads_MLSE if step_loads_MLSE is None and total_layers is None else step_loads_MLSE
+    step_window = None if step_loads_MLSE is None else functools.cache(
+        lambda at_least: step_window_s(step_loads_MLSE, topology, config, at_least))
     guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],
@@ -413,8 +418,6 @@ class ReLibraPlanner(Planner):
     def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int],
                     pairs_LEE: torch.Tensor | None = None) -> StepPlan:
         prev_LE = self.previous_placement(loads_MLSE.shape[1])[layers]
-
-        def step_window(at_least: float) -> float:  # every rank reads the whole step's loads (replay)
-            return step_window_s(loads_MLSE, self.topology, self.config, at_least)
+        # every rank reads the whole step's loads (replay): the same step window on every rank
         return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config,
-                            None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1], step_window)
+                            None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1], loads_MLSE)
