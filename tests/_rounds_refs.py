@@ -9,8 +9,8 @@ import torch
 _BIG = torch.iinfo(torch.int64).max
 
 def copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, free: int,
-            min_tokens: int, home_K: torch.Tensor | None = None, cap: int = 0) -> torch.Tensor:
-    """``step_set._copies`` as it ran in torch."""
+            min_tokens: int, home_K: torch.Tensor | None = None, cap: int = 0, marginal: bool = False) -> torch.Tensor:
+    """``step_set._copies`` as it ran in torch (``marginal``, the margin rule, added since)."""
     B, g, K = own_BgK.shape
     rows = torch.arange(B)
     own_BgK = own_BgK.clone()
@@ -23,7 +23,7 @@ def copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, fr
         load_Bg = (own_BgK * (wf / n_BK).unsqueeze(1)).sum(-1) + fixed_Bg.to(torch.float64)
         room_Bg = used < free
         # an item can gain an instance where a GPU with room lacks it, and its share pays
-        addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (w_BK >= min_tokens * (n_BK + 1))
+        addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (w_BK >= min_tokens * (n_BK + 1) * (n_BK if marginal else 1))
         if cap > 0:  # ... and its home GPU sends fewer than cap copies
             addable_BK &= sends_Bg[:, home_K] < cap
         if not addable_BK.any():

@@ -23,7 +23,7 @@ from relibra_torch.planning.plain import layers_price
 from relibra_torch.planning.plan import StepPlan, validate_plan
 from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
 from relibra_torch.planning.worth import light_schedule_share
-from relibra_torch.planning.step_set import step_long_set
+from relibra_torch.planning.step_set import margin_sets
 from relibra_torch.planning import relibra as relibra_module
 from relibra_torch.planning import worth
 
@@ -59,9 +59,9 @@ def _collapsed(topo: Topology, M: int, L: int, seed: int, hot: float, tokens: in
        R=st.sampled_from([1, 2]), M=st.integers(1, 4), L=st.integers(1, 3), hot=st.sampled_from([0.0, 0.5, 0.95]),
        dispatch=st.sampled_from(["flat", "hierarchical"]))
 def test_light_plan_never_prices_above_keeping_and_is_layer_local(seed, N, g, El, R, M, L, hot, dispatch):
-    """Per layer the light plan is the step-long set where that prices strictly lower than
-    keeping (the plain plan's exact price), else the kept layer; so it never prices above
-    keeping. It keeps the kept placement, is a valid plan, and every layer planned alone is
+    """Per layer the light plan is the cheaper of the step-long sets by the margin and the
+    share rule (``step_set.margin_sets``) where that prices strictly lower than keeping (the
+    plain plan's exact price), else the kept layer; so it never prices above keeping. It keeps the kept placement, is a valid plan, and every layer planned alone is
     the whole step's (split planning; every layer sees the step's tokens per source)."""
     topo = Topology(N, g, N * g * El, R)
     loads = _collapsed(topo, M, L, seed, hot, tokens=50)
@@ -73,11 +73,14 @@ def test_light_plan_never_prices_above_keeping_and_is_layer_local(seed, N, g, El
     validate_plan(plan, loads)
     assert torch.equal(plan.placement_LE, kept.placement_LE)
     idx = torch.arange(L)
-    se, st = step_long_set(loads, topo, kept.placement_LE, config.min_replica_tokens_on(N))
-    spread = StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
-    cheaper_L = layers_price(spread, idx, loads, config) < layers_price(kept, idx, loads, config)
+    sets = [StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
+            for se, st in margin_sets(loads, topo, kept.placement_LE, config.min_replica_tokens_on(N))[::-1]
+            if bool((se[..., El:] >= 0).any())]   # the margin rule's first: it wins ties
+    kept_L = layers_price(kept, idx, loads, config)
+    price_PL = torch.stack([layers_price(p, idx, loads, config) for p in sets]) if sets else kept_L.view(1, L)
     for l in range(L):
-        want = spread if bool(cheaper_L[l]) else kept
+        best = int(price_PL[:, l].argmin())   # the first on ties
+        want = sets[best] if sets and bool(price_PL[best, l] < kept_L[l]) else kept
         assert torch.equal(plan.slot_expert_MLGJ[:, l], want.slot_expert_MLGJ[:, l])
         assert torch.equal(plan.slot_tokens_MLGJ[:, l], want.slot_tokens_MLGJ[:, l])
         part = light_plan(loads[:, l:l + 1], keep_plan(loads[:, l:l + 1], topo, prev[l:l + 1], config), config)
@@ -105,6 +108,50 @@ def test_light_plan_spreads_a_collapsed_router_and_keeps_balanced_layers():
     assert torch.equal(plan.slot_expert_MLGJ[:, 1], kept.slot_expert_MLGJ[:, 1])
     off = light_plan(loads, kept, dataclasses.replace(PRICED, balance=False))
     assert torch.equal(off.slot_expert_MLGJ, kept.slot_expert_MLGJ)
+
+
+def test_light_plan_weighs_the_margin_rule_against_the_share_rule():
+    """Neither rule for how many copies an item gets is cheaper everywhere: on one collapsed
+    layer the share rule's eighth instance of the hot expert keeps a GPU's own tokens local
+    (the all-to-all it saves outweighs a fill), on the other its fills cost more than the
+    compute they spread. The light plan takes each layer's cheaper set."""
+    topo = Topology(1, 8, 32, 2)
+    loads = torch.cat([_collapsed(topo, 4, 1, 0, 0.95, tokens=20), _collapsed(topo, 4, 1, 0, 0.95, tokens=40)], 1)
+    kept = keep_plan(loads, topo, topo.static_placement(2), PRICED)
+    share, margin = (StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
+                     for se, st in margin_sets(loads, topo, kept.placement_LE, PRICED.min_replica_tokens_on(1)))
+    idx = torch.arange(2)
+    share_L, margin_L = layers_price(share, idx, loads, PRICED), layers_price(margin, idx, loads, PRICED)
+    assert float(margin_L[0]) < 0.9 * float(share_L[0]) and float(share_L[1]) < 0.95 * float(margin_L[1])
+    plan = light_plan(loads, kept, PRICED)
+    for l, want in ((0, margin), (1, share)):
+        assert torch.equal(plan.slot_expert_MLGJ[:, l], want.slot_expert_MLGJ[:, l])
+        assert torch.equal(plan.slot_tokens_MLGJ[:, l], want.slot_tokens_MLGJ[:, l])
+    assert torch.allclose(layers_price(plan, idx, loads, PRICED), torch.minimum(share_L, margin_L))
+
+
+def test_the_share_rule_is_weighed_only_where_the_window_holds_it():
+    """``room_L`` (``worth.Tiers.light_room_L``): a layer whose window does not hold a second
+    set's host time gets the margin rule's set alone, even where the share rule's prices lower;
+    the other layers are weighed as without it, and a layer planned alone is the same."""
+    topo = Topology(1, 8, 32, 2)
+    loads = torch.cat([_collapsed(topo, 4, 1, 0, 0.95, tokens=40), _collapsed(topo, 4, 1, 0, 0.95, tokens=40)], 1)
+    kept = keep_plan(loads, topo, topo.static_placement(2), PRICED)
+    share, margin = (StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
+                     for se, st in margin_sets(loads, topo, kept.placement_LE, PRICED.min_replica_tokens_on(1)))
+    idx = torch.arange(2)
+    assert bool((layers_price(share, idx, loads, PRICED) < layers_price(margin, idx, loads, PRICED)).all())
+    plan = light_plan(loads, kept, PRICED, room_L=torch.tensor([False, True]))
+    for l, want in ((0, margin), (1, share)):
+        assert torch.equal(plan.slot_expert_MLGJ[:, l], want.slot_expert_MLGJ[:, l])
+        assert torch.equal(plan.slot_tokens_MLGJ[:, l], want.slot_tokens_MLGJ[:, l])
+        alone = light_plan(loads[:, l:l + 1], kept.layers(torch.tensor([l])), PRICED, room_L=torch.tensor([l == 1]))
+        assert torch.equal(alone.slot_expert_MLGJ[:, 0], want.slot_expert_MLGJ[:, l])
+    none = light_plan(loads, kept, PRICED, room_L=torch.tensor([False, False]))
+    assert torch.equal(none.slot_expert_MLGJ, margin.slot_expert_MLGJ)
+    tiers = worth.Tiers(torch.zeros(3, dtype=torch.float64), torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64),
+                        schedules_s=0.4, floor=10.0, light_floor=1.0, scale=1.0, light_schedules=0.5, light_layer=0.8)
+    assert tiers.light_room_L().tolist() == [False, True, True]   # window less 0.2 of schedules >= 1.8
 
 
 @pytest.mark.parametrize("N", [1, 2])
@@ -227,3 +274,31 @@ def test_the_guard_keeps_a_light_plan_only_where_its_exact_saving_pays(N):
             got = relibra_plan(loads, topo, prev, c)
         assert torch.equal(got.slot_expert_MLGJ, want.slot_expert_MLGJ), (sched / saving, light_floor)
         assert torch.equal(got.slot_tokens_MLGJ, want.slot_tokens_MLGJ), (sched / saving, light_floor)
+
+
+def test_the_guard_weighs_the_share_rule_where_its_window_has_room():
+    """The guard hands the light plan ``Tiers.light_room_L`` of its light layers: a wide window
+    (the light floor small) weighs the share rule's set too, a window its light floor fills
+    does not, and the plans differ on a layer where the share rule prices lower."""
+    topo = Topology(1, 8, 32, 2)
+    loads = _collapsed(topo, 4, 1, 0, 0.95, tokens=40)
+    prev = topo.static_placement(1)
+    cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, light_share=LIGHT_SHARE,
+                              plan_schedule_s=0.0)   # no full search; no schedules
+    kept = keep_plan(loads, topo, prev, cfg)
+    share, margin = margin_sets(loads, topo, prev, cfg.min_replica_tokens_on(1))
+    _, forward_L = worth.gain_bound_L(loads, topo, prev, cfg)
+    w = float(forward_L[0])                       # one layer, share 1: the window is the forward
+    seen = []
+
+    def spy(*args):
+        seen.append(args[4].tolist())
+        return light_plan(*args)
+    for light_floor, room, want in ((0.1 * w, True, share), (0.99 * w, False, margin)):
+        with mock.patch.object(worth, "light_floor_s", lambda *a, f=light_floor: f), \
+                mock.patch.object(worth, "light_layer_s", lambda *a: 0.05 * w), \
+                mock.patch.object(worth, "light_plan", spy):
+            got = relibra_plan(loads, topo, prev, cfg)
+        assert seen[-1] == [room]
+        assert torch.equal(got.slot_expert_MLGJ, want[0]) and torch.equal(got.slot_tokens_MLGJ, want[1])
+    assert not torch.equal(share[0], margin[0]) and not torch.equal(kept.slot_expert_MLGJ, share[0])

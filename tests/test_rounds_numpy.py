@@ -46,9 +46,11 @@ def test_step_long_sets_as_the_torch_rounds(seed, M, nodes, g, R, hot, min_token
                              for l in range(2)])
     pre = traffic_replicas(loads, topo, placement, 1, 1e-6, 1e-5) if nodes > 1 else None
     got = step_set.step_long_sets(loads, topo, placement, min_tokens, pre, keep)
+    got_margin = step_set.margin_sets(loads, topo, placement, min_tokens)
     with mock.patch.object(step_set, "_copies", ref.copies), mock.patch.object(step_set, "_rebalance", ref.rebalance):
         want = step_set.step_long_sets(loads, topo, placement, min_tokens, pre, keep)
-    assert _same(got, want)
+        want_margin = step_set.margin_sets(loads, topo, placement, min_tokens)
+    assert _same(got, want) and _same(got_margin, want_margin)
 
 
 @settings(max_examples=25, deadline=None)

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from relibra_torch.planning import ReLibraConfig, StepPlan, Topology, evaluate, relibra_plan, validate_plan
 from relibra_torch.planning.residency import residencies
-from relibra_torch.planning.step_set import step_long_set
+from relibra_torch.planning.step_set import margin_sets, step_long_set
 from relibra_torch.planning.traffic import traffic_replicas
 
 
@@ -78,3 +78,36 @@ def test_a_collapsed_expert_spreads_over_both_nodes_with_one_inter_node_fill():
     remote = (plan.slot_expert_MLGJ[0, 0] == 0) & (node_G != owner_node).view(-1, 1)
     assert int(remote.sum()) >= 2                                          # several copies on the other node
     assert int((res.fill_start_MLGJ[:, 0] & remote).sum()) == int(remote.sum())   # each filled once
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), M=st.integers(1, 4), nodes=st.sampled_from([1, 2]), R=st.integers(1, 3),
+       min_tokens=st.sampled_from([0, 50, 800, 5000]), hot=st.sampled_from([0.0, 3.0]))
+def test_margin_sets_the_second_set_pays_each_copy_at_the_margin(seed, M, nodes, R, min_tokens, hot):
+    """``margin_sets``: the share rule's set (:func:`step_long_set`), then, only where its copies
+    differ, the margin rule's: each item with ``n`` instances on a node has
+    ``w >= min_tokens * n * (n - 1)`` (its last instance took a fill's worth off each of the
+    others), while the share rule only has ``w >= min_tokens * n``. Both are valid step-long
+    plans that keep every token."""
+    topo = Topology(nodes, 4, 16, R)
+    loads = _loads(seed, M, 2, topo, 400, hot)
+    placement = topo.static_placement(2)
+    sets = margin_sets(loads, topo, placement, min_tokens)
+    assert 1 <= len(sets) <= 2
+    share = step_long_set(loads, topo, placement, min_tokens)
+    margin = step_long_set(loads, topo, placement, min_tokens, marginal=True)
+    assert torch.equal(sets[0][0], share[0]) and torch.equal(sets[0][1], share[1])
+    assert torch.equal(sets[-1][0], margin[0]) and torch.equal(sets[-1][1], margin[1])
+    assert (len(sets) == 2) == (not torch.equal(share[0], margin[0]))
+    El, g = topo.experts_per_gpu, topo.gpus_per_node
+    for se, tok in sets:
+        validate_plan(StepPlan(topo, placement, se, tok, "t", placement.clone()), loads)
+    se = margin[0]
+    for l in range(2):
+        step_e = loads[:, l].sum((0, 1))
+        for n in range(topo.num_nodes):
+            node = se[0, l, n * g:(n + 1) * g].flatten()
+            copied = se[0, l, n * g:(n + 1) * g, El:].flatten()
+            for e in copied[copied >= 0].unique().tolist():
+                count = int((node == e).sum())
+                assert int(step_e[e]) >= min_tokens * count * (count - 1)

@@ -7,10 +7,16 @@ priced) costs more host time than the layer's window and gain bound. On small mo
 8-16 EP ranks a rank's share is one or two layers and that search's fixed part alone is
 40-140 ms of one thread, against windows of 10-50 ms; yet a collapsed router's hot expert
 leaves a one-node layer 3x slower than balanced, which a GPU-side planner fixes for free.
-The light plan is relibra's step-long set (:func:`relibra_torch.planning.step_set.step_long_set`:
-every free slot of a node given to its experts with the most step tokens per instance, the
-same copies all step, so each fills once, with per-micro-batch quotas from replay) on the
-placement the guard keeps, no reordering and no traffic replica. Per layer it is priced
+The light plan is relibra's step-long set (:mod:`relibra_torch.planning.step_set`: every
+free slot of a node given to its experts with the most step tokens per instance, the same
+copies all step, so each fills once, with per-micro-batch quotas from replay) on the
+placement the guard keeps, no reordering and no traffic replica. Its copies are those that
+take a fill's worth off the item's other instances (the margin rule of
+:func:`~relibra_torch.planning.step_set.margin_sets`; the share rule before it spread a
+collapsed router's hot expert at 2.5x the fills of the cheapest plan); where the layer's
+window holds one more set's host time (``worth.Tiers.light_room_L``), the cheaper of that set
+and the set whose every copy's own share pays a fill (it wins where a copy on every GPU keeps
+each GPU's own tokens local). Per layer it is priced
 against the kept plan with the plain plan's exact price (:func:`relibra_torch.planning.plain.layers_price`:
 expert compute, all-to-all, fills and returns with their latency) and kept only where it
 is cheaper (by more than the charge the guard says its schedules add), so
@@ -41,36 +47,79 @@ from .gpu_pack import pack_gpus
 from .plain import layers_price
 from .plan import StepPlan
 from .price import moe_seconds_ML
-from .step_set import step_long_set
+from .step_set import margin_sets, step_long_set
 
 __all__ = ["light_plan"]
 
 
-def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config, min_saving_L: torch.Tensor | None = None) -> StepPlan:
+def light_plan(loads_MLSE: torch.Tensor, kept: StepPlan, config, min_saving_L: torch.Tensor | None = None,
+               room_L: torch.Tensor | None = None) -> StepPlan:
     """``kept`` (the kept plan of these layers, :func:`~relibra_torch.planning.fastpath.keep_plan`)
     with, in each layer where it prices lower by more than ``min_saving_L`` (float64 ``[L]``
     seconds, the charge its schedules add, ``worth.Tiers.light_saving_L``; default 0), the step-long set on
-    the same placement (module docstring). ``loads_MLSE``: int ``[M, L, S, E]``; ``config``:
-    a ``ReLibraConfig``."""
+    the same placement (module docstring). ``room_L``: bool ``[L]``, the layers where the
+    share rule's set is built and weighed too (``worth.Tiers.light_room_L``: where the window
+    holds its host time; default every layer); elsewhere the margin rule's set alone.
+    ``loads_MLSE``: int ``[M, L, S, E]``; ``config``: a ``ReLibraConfig``."""
     topology, L = kept.topology, loads_MLSE.shape[1]
     if topology.replica_slots == 0:
         spread = _swapped(loads_MLSE, kept, config) if config.reorder and L else None
         if spread is None:
             return kept
+        price_L = layers_price(spread, torch.arange(L), loads_MLSE, config)
     else:
         min_tokens = config.min_replica_tokens_on(topology.num_nodes)
         if not config.balance or L == 0 or min_tokens == torch.iinfo(torch.int64).max:
             return kept   # (the last: no token saves anything, so no copy can pay its fill)
-        slot_expert_MLGJ, slot_tokens_MLGJ = step_long_set(loads_MLSE, topology, kept.placement_LE, min_tokens)
-        if not bool((slot_expert_MLGJ[..., topology.experts_per_gpu:] >= 0).any()):  # no copy made
+        sets = [s for s in _sets(loads_MLSE, kept.placement_LE, topology, min_tokens, room_L)
+                if bool((s[0][..., topology.experts_per_gpu:] >= 0).any())]   # those that copy something
+        if not sets:
             return kept
-        spread = StepPlan(topology, kept.placement_LE, slot_expert_MLGJ, slot_tokens_MLGJ, kept.planner,
-                          kept.previous_placement_LE)
+        spread, price_L = _cheapest(loads_MLSE, kept, sets, config)
     idx = torch.arange(L)
     # the kept plan holds no copy: its price is its MoE time alone (no fill, no return, no latency)
-    saving_L = moe_seconds_ML(kept, loads_MLSE, config).sum(0) - layers_price(spread, idx, loads_MLSE, config)
+    saving_L = moe_seconds_ML(kept, loads_MLSE, config).sum(0) - price_L
     cheaper_L = saving_L > (0.0 if min_saving_L is None else min_saving_L.clamp(min=0.0))
     return kept.with_layers(idx[cheaper_L], spread.layers(cheaper_L)) if bool(cheaper_L.any()) else kept
+
+
+def _sets(loads_MLSE: torch.Tensor, placement_LE: torch.Tensor, topology, min_tokens: int,
+          room_L: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The margin rule's step-long set, and where the share rule's differs in a layer of
+    ``room_L`` (``None``: every layer), that set with those layers by the share rule
+    (:func:`~relibra_torch.planning.step_set.margin_sets`; both layer-local). Alone, the
+    margin rule priced lower on most light layers of the stand-ins and the reviewer's files
+    (``docs/results.md``, "The light plan weighs the margin rule")."""
+    if room_L is None or bool(room_L.all()):
+        return margin_sets(loads_MLSE, topology, placement_LE, min_tokens)[::-1]
+    margin = step_long_set(loads_MLSE, topology, placement_LE, min_tokens, marginal=True)
+    room = room_L.nonzero().flatten()
+    if not room.numel():
+        return [margin]
+    both = margin_sets(loads_MLSE[:, room], topology, placement_LE[room], min_tokens)
+    if len(both) == 1:
+        return [margin]
+    se_MLGJ, tok_MLGJ = margin[0].clone(), margin[1].clone()
+    se_MLGJ[:, room], tok_MLGJ[:, room] = both[0]
+    return [margin, (se_MLGJ, tok_MLGJ)]
+
+
+def _cheapest(loads_MLSE: torch.Tensor, kept: StepPlan, sets: list[tuple[torch.Tensor, torch.Tensor]],
+              config) -> tuple[StepPlan, torch.Tensor]:
+    """``(plan, price_L)``: ``kept``'s placement with, per layer, the set of ``sets``
+    (``(slot_expert_MLGJ, slot_tokens_MLGJ)`` pairs,
+    :func:`~relibra_torch.planning.step_set.margin_sets`) of lowest exact price (the first on
+    ties), and that price (float64 ``[L]``)."""
+    idx = torch.arange(loads_MLSE.shape[1])
+    plans = [StepPlan(kept.topology, kept.placement_LE, se, tok, kept.planner, kept.previous_placement_LE)
+             for se, tok in sets]
+    price_PL = torch.stack([layers_price(p, idx, loads_MLSE, config) for p in plans])
+    best, price_L = plans[0], price_PL[0]
+    for p, q_L in zip(plans[1:], price_PL[1:]):
+        lower_L = q_L < price_L
+        if bool(lower_L.any()):
+            best, price_L = best.with_layers(idx[lower_L], p.layers(lower_L)), torch.minimum(price_L, q_L)
+    return best, price_L
 
 
 def _swapped(loads_MLSE: torch.Tensor, kept: StepPlan, config) -> StepPlan | None:

@@ -9,7 +9,9 @@ which keeps per layer the cheapest of its plans at their step price). Per (layer
   instances) that has a free slot and does not hold it, as long as the new instance's
   share of the step's tokens, ``w / (n + 1)``, is at least ``min_tokens`` (a fill's worth of
   tokens: each copy keeps its slot all step, so it is filled once and its gradient goes home
-  once, ``planning.residency``).
+  once, ``planning.residency``): the *share rule*. The *margin rule* (:func:`margin_sets`)
+  asks instead that the new instance take a fill's worth off each existing one,
+  ``w / (n (n + 1)) >= min_tokens``.
 * **how many tokens each instance takes, per micro-batch**: what replay knows and a
   step-long placement from step totals does not. Start from an even split of the
   micro-batch's tokens over the expert's instances, then repeatedly move tokens from the
@@ -40,7 +42,7 @@ import torch
 
 from .topology import Topology
 
-__all__ = ["step_long_set", "step_long_sets"]
+__all__ = ["margin_sets", "step_long_set", "step_long_sets"]
 
 _BIG = torch.iinfo(torch.int64).max
 # the most (micro-batch, slot) pairs whose caps are planned in one pass: below it each op's
@@ -49,11 +51,13 @@ _STACK_SLOTS = 1 << 14
 
 
 def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, free: int,
-            min_tokens: int, home_K: torch.Tensor | None = None, cap: int = 0) -> torch.Tensor:
+            min_tokens: int, home_K: torch.Tensor | None = None, cap: int = 0, marginal: bool = False) -> torch.Tensor:
     """int64 ``[B, g, free]`` item (``0..K-1``, ``-1`` none) copied into each free slot.
     ``w_BK``: each item's step tokens; ``own_BgK``: the GPUs that hold its expert already;
     ``fixed_Bg``: step tokens of what no copy can share; ``cap > 0``: at most ``cap`` copies
-    fill from one GPU (``home_K``: each item's GPU in the node, the one its copies fill from)."""
+    fill from one GPU (``home_K``: each item's GPU in the node, the one its copies fill from);
+    ``marginal``: the margin rule, ``w / (n (n + 1)) >= min_tokens`` for an item's ``n + 1``-th
+    instance (:func:`margin_sets`)."""
     B, g, K = own_BgK.shape
     # in numpy (integers, and float64 shares compared, not summed; the loads' sums stay in
     # torch, the same floats): torch's per-call cost on these small tensors was most of it
@@ -74,7 +78,7 @@ def _copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, f
         load_Bg = ((own_t * share_t1).sum(-1) + fixed).numpy()
         room_Bg = used < free
         # an item can gain an instance where a GPU with room lacks it, and its share pays
-        addable_BK = ((~own) & room_Bg[..., None]).any(1) & (w >= min_tokens * (n_BK + 1))
+        addable_BK = ((~own) & room_Bg[..., None]).any(1) & (w >= min_tokens * (n_BK + 1) * (n_BK if marginal else 1))
         if cap > 0:  # ... and its home GPU sends fewer than cap copies
             addable_BK &= sends_Bg[:, home] < cap
         if not addable_BK.any():
@@ -142,9 +146,10 @@ def _rebalance(item_BgJ: torch.Tensor, tok_BgJ: torch.Tensor, keep_BgJ: torch.Te
 
 def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
                   prefilled: tuple[torch.Tensor, torch.Tensor] | None = None,
-                  keep_prefilled: int = 0, cap: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                  keep_prefilled: int = 0, cap: int = 0, marginal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The step-long candidate of the module docstring (``cap > 0``: at most ``cap`` copies
-    filled from one GPU, see :func:`step_long_sets`).
+    filled from one GPU, see :func:`step_long_sets`; ``marginal``: the margin rule of
+    :func:`margin_sets` instead of the share rule).
 
     Args:
         loads_MLSE: int ``[M, L, S, E]``; placement_LE: int64 ``[L, E]`` native slot per expert.
@@ -158,7 +163,29 @@ def step_long_set(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
         ``(slot_expert_MLGJ, slot_tokens_MLGJ)`` int64 ``[M, L, G, J]``; the copies keep
         their slots in every micro-batch.
     """
-    return _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)([cap])[0][0]
+    return _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)[0]([cap], marginal)[0][0]
+
+
+def margin_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                min_tokens: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step-long set (no traffic replicas, no cap) by the share rule of the module
+    docstring, then by the **margin rule** where that copies anything differently: an item
+    gets its ``n + 1``-th instance only where that takes a fill's worth off each of its
+    ``n`` instances, ``w / n - w / (n + 1) = w / (n (n + 1)) >= min_tokens``, instead of
+    the new instance's own share ``w / (n + 1) >= min_tokens``. The rules agree on the first
+    copy. Every copy of an item fills from the same GPU, whose link carries one more fill and
+    gradient return per copy, while the item's busiest instance falls by ``w / (n (n + 1))``
+    tokens only; but a copy on a GPU also keeps that GPU's own tokens for the item off the
+    all-to-all, which the margin rule does not count. Neither rule prices lower everywhere
+    (``docs/results.md``, "The light plan weighs the margin rule"), so the light plan
+    (:mod:`~relibra_torch.planning.light`) prices both where its window holds the second.
+    Arguments as :func:`step_long_set`; one or two ``(slot_expert_MLGJ, slot_tokens_MLGJ)``
+    pairs, the share rule's first."""
+    plan, copies = _planner(loads_MLSE, topology, placement_LE, min_tokens, None, 0)
+    share_BGf, margin_BGf = copies(0, False), copies(0, True)
+    if torch.equal(share_BGf, margin_BGf):
+        return plan([0], local=share_BGf)[0]
+    return plan([0, 0], local=torch.cat([share_BGf, margin_BGf]))[0]
 
 
 def step_long_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
@@ -173,7 +200,7 @@ def step_long_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
     against 18.7 ms for the layers' experts, eplb 17.8 ms). Which is cheapest is for the
     caller's price (``balance.replicate_step``). Arguments as :func:`step_long_set`;
     ``capped=False``: the set without a cap alone."""
-    plan = _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)
+    plan = _planner(loads_MLSE, topology, placement_LE, min_tokens, prefilled, keep_prefilled)[0]
     out, most = plan([0])
     caps = [1 << i for i in range(max(most - 1, 0).bit_length())] if capped else []   # 1, 2, 4, ... < most
     M, L, _, _ = loads_MLSE.shape
@@ -184,10 +211,12 @@ def step_long_sets(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: t
 
 def _planner(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, min_tokens: int,
              prefilled: tuple[torch.Tensor, torch.Tensor] | None, keep_prefilled: int):
-    """``plan(caps) -> ([(slot_expert_MLGJ, slot_tokens_MLGJ) per cap], most copies one GPU
-    fills)``: the step-long candidate of the module docstring, with what every cap shares
-    computed once; after each cap's copies, the caps planned together, their layers stacked
-    (rows do not interact: one pass of small ops for all, each cap's plan as alone)."""
+    """``(plan, copies)``: ``plan(caps, marginal=False, local=None) -> ([(slot_expert_MLGJ,
+    slot_tokens_MLGJ) per cap], most copies one GPU fills)``, the step-long candidate of the
+    module docstring, with what every cap shares computed once; after each cap's copies
+    (``copies(cap, marginal)``, int64 ``[L * N, g, f]``, or ``local``: those of every cap,
+    concatenated), the caps planned together, their layers stacked (rows do not interact:
+    one pass of small ops for all, each cap's plan as alone)."""
     M, L, S, E = loads_MLSE.shape
     N, g, El, R = topology.num_nodes, topology.gpus_per_node, topology.experts_per_gpu, topology.replica_slots
     G, J, K = topology.num_gpus, topology.slots_per_gpu, topology.gpus_per_node * topology.experts_per_gpu
@@ -217,17 +246,21 @@ def _planner(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.T
     own_LNgI &= (item_e_LNI >= 0).unsqueeze(2) | (torch.arange(K + P) < K)
     w_BI, own_BgI, fixed_Bg = item_MLNI.sum(0).view(L * N, -1), own_LNgI.view(L * N, g, -1), fixed_LNg.view(L * N, g)
 
-    def plan(caps: list[int]):
+    def copies(cap: int, marginal: bool) -> torch.Tensor:
+        return _copies(w_BI, own_BgI, fixed_Bg, free, min_tokens, home_I, cap, marginal)
+
+    def plan(caps: list[int], marginal: bool = False, local: torch.Tensor | None = None):
         C = len(caps)
-        local_CLNgf = torch.cat([_copies(w_BI, own_BgI, fixed_Bg, free, min_tokens, home_I, cap)
-                                 for cap in caps]).view(C * L, N, g, free)
+        if local is None:
+            local = torch.cat([copies(cap, marginal) for cap in caps])
+        local_CLNgf = local.view(C * L, N, g, free)
         t = (lambda x, d: x) if C == 1 else (lambda x, d: torch.cat([x] * C, d))    # noqa: E731
         se, tok, most = _plan_cap(local_CLNgf, M, topology, keep_prefilled, r0, t(native_LNK, 0), t(item_MLNI, 1),
                                   home_I, t(item_e_LNI, 0), t(steady_LNP, 0), t(pe_MLNP, 1), t(pq_MLNP, 1))
         if C == 1:
             return [(se, tok)], most
         return [(se[:, i * L:(i + 1) * L].contiguous(), tok[:, i * L:(i + 1) * L].contiguous()) for i in range(C)], most
-    return plan
+    return plan, copies
 
 
 def _plan_cap(local_LNgf: torch.Tensor, M: int, topology: Topology, keep_prefilled: int, r0: int, native_LNK,

@@ -97,7 +97,8 @@ from .topology import Topology
 
 __all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_EXPERTS",
            "LIGHT_SCHEDULE_SHARE", "light_schedule_share",
-           "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "plan_floor_s", "worth_planning_L"]
+           "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "light_layer_s", "plan_floor_s",
+           "worth_planning_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -244,10 +245,17 @@ def light_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
     0 when the light plan is off (``light_share`` 0)."""
     if config.light_share <= 0:
         return 0.0
+    return (config.light_share * plan_floor_s(topology, config) / max(share, 1)
+            + light_layer_s(topology, config, 8)) * max(micro_batches, 8) / 8
+
+
+def light_layer_s(topology: Topology, config, micro_batches: int) -> float:
+    """The light plan's part per layer of :func:`light_floor_s` (constants above): what one more
+    step-long set of a layer costs to build and price, about."""
     nodes = topology.num_nodes > 1
     layer_s = (LIGHT_LAYER_NODES_S + LIGHT_EXPERT_NODES_S * topology.num_experts if nodes
                else LIGHT_LAYER_S + LIGHT_EXPERT_S * topology.num_experts) * host_scale(topology, config)
-    return (config.light_share * plan_floor_s(topology, config) / max(share, 1) + layer_s) * max(micro_batches, 8) / 8
+    return layer_s * max(micro_batches, 8) / 8
 
 
 class Tiers(NamedTuple):
@@ -266,6 +274,7 @@ class Tiers(NamedTuple):
     scale: float
     light_schedules: float = LIGHT_SCHEDULE_SHARE
     free_window: float = 0.0
+    light_layer: float = 0.0
 
     def margin_L(self) -> torch.Tensor:
         """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
@@ -283,6 +292,13 @@ class Tiers(NamedTuple):
     def light_L(self) -> torch.Tensor:
         """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'`` (never where it is off)."""
         return (self.gain_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
+
+    def light_room_L(self) -> torch.Tensor:
+        """bool ``[L]``: the light plan may build and price a second set (the share rule's,
+        ``step_set.margin_sets``): the window less the light schedules holds the light plan's
+        host time and one more layer's part of it (``light_layer``), so the second set adds
+        no charge."""
+        return self.light_window_L() >= self.light_floor + self.light_layer
 
     def light_saving_L(self) -> torch.Tensor:
         """``[L]``: what a made light plan's exact saving (per layer) must exceed to be kept:
@@ -302,7 +318,8 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
 
     def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
-        return Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology))
+        return Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology),
+                     light_layer=light_layer_s(topology, config, loads_MLSE.shape[0]) if light > 0 else 0.0)
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
@@ -383,7 +400,8 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     plan = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
     light = (~worth_L & tiers.light_L()).nonzero().flatten()
     if light.numel():   # kept where the exact saving (not the bound) repays its schedules' charge
-        part = light_plan(loads_MLSE[:, light], plan.layers(light), config, tiers.light_saving_L()[light])
+        part = light_plan(loads_MLSE[:, light], plan.layers(light), config, tiers.light_saving_L()[light],
+                          tiers.light_room_L()[light])
         plan = plan.with_layers(light, part)
     layers = worth_L.nonzero().flatten()
     if layers.numel():
