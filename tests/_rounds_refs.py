@@ -23,7 +23,8 @@ def copies(w_BK: torch.Tensor, own_BgK: torch.Tensor, fixed_Bg: torch.Tensor, fr
         load_Bg = (own_BgK * (wf / n_BK).unsqueeze(1)).sum(-1) + fixed_Bg.to(torch.float64)
         room_Bg = used < free
         # an item can gain an instance where a GPU with room lacks it, and its share pays
-        addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (w_BK >= min_tokens * (n_BK + 1) * (n_BK if marginal else 1))
+        addable_BK = ((~own_BgK) & room_Bg.unsqueeze(-1)).any(1) & (
+            w_BK >= min_tokens * (n_BK + 1) * (n_BK if marginal else 1))
         if cap > 0:  # ... and its home GPU sends fewer than cap copies
             addable_BK &= sends_Bg[:, home_K] < cap
         if not addable_BK.any():

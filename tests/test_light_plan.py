@@ -110,16 +110,24 @@ def test_light_plan_spreads_a_collapsed_router_and_keeps_balanced_layers():
     assert torch.equal(off.slot_expert_MLGJ, kept.slot_expert_MLGJ)
 
 
+def _two_collapsed_layers(tokens_0: int, tokens_1: int):
+    """``(loads, kept, share, margin)``: two one-node collapsed layers (8 GPUs, 32 experts,
+    4 micro-batches, ``tokens_l`` per GPU in layer ``l``), the kept plan and the step-long
+    sets by the share and the margin rule (``step_set.margin_sets``, both made)."""
+    topo = Topology(1, 8, 32, 2)
+    loads = torch.cat([_collapsed(topo, 4, 1, 0, 0.95, tokens=t) for t in (tokens_0, tokens_1)], 1)
+    kept = keep_plan(loads, topo, topo.static_placement(2), PRICED)
+    share, margin = (StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
+                     for se, st in margin_sets(loads, topo, kept.placement_LE, PRICED.min_replica_tokens_on(1)))
+    return loads, kept, share, margin
+
+
 def test_light_plan_weighs_the_margin_rule_against_the_share_rule():
     """Neither rule for how many copies an item gets is cheaper everywhere: on one collapsed
     layer the share rule's eighth instance of the hot expert keeps a GPU's own tokens local
     (the all-to-all it saves outweighs a fill), on the other its fills cost more than the
     compute they spread. The light plan takes each layer's cheaper set."""
-    topo = Topology(1, 8, 32, 2)
-    loads = torch.cat([_collapsed(topo, 4, 1, 0, 0.95, tokens=20), _collapsed(topo, 4, 1, 0, 0.95, tokens=40)], 1)
-    kept = keep_plan(loads, topo, topo.static_placement(2), PRICED)
-    share, margin = (StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
-                     for se, st in margin_sets(loads, topo, kept.placement_LE, PRICED.min_replica_tokens_on(1)))
+    loads, kept, share, margin = _two_collapsed_layers(20, 40)
     idx = torch.arange(2)
     share_L, margin_L = layers_price(share, idx, loads, PRICED), layers_price(margin, idx, loads, PRICED)
     assert float(margin_L[0]) < 0.9 * float(share_L[0]) and float(share_L[1]) < 0.95 * float(margin_L[1])
@@ -134,11 +142,7 @@ def test_the_share_rule_is_weighed_only_where_the_window_holds_it():
     """``room_L`` (``worth.Tiers.light_room_L``): a layer whose window does not hold a second
     set's host time gets the margin rule's set alone, even where the share rule's prices lower;
     the other layers are weighed as without it, and a layer planned alone is the same."""
-    topo = Topology(1, 8, 32, 2)
-    loads = torch.cat([_collapsed(topo, 4, 1, 0, 0.95, tokens=40), _collapsed(topo, 4, 1, 0, 0.95, tokens=40)], 1)
-    kept = keep_plan(loads, topo, topo.static_placement(2), PRICED)
-    share, margin = (StepPlan(topo, kept.placement_LE, se, st, "relibra", kept.previous_placement_LE)
-                     for se, st in margin_sets(loads, topo, kept.placement_LE, PRICED.min_replica_tokens_on(1)))
+    loads, kept, share, margin = _two_collapsed_layers(40, 40)
     idx = torch.arange(2)
     assert bool((layers_price(share, idx, loads, PRICED) < layers_price(margin, idx, loads, PRICED)).all())
     plan = light_plan(loads, kept, PRICED, room_L=torch.tensor([False, True]))

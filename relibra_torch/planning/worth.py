@@ -97,8 +97,8 @@ from .topology import Topology
 
 __all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_EXPERTS",
            "LIGHT_SCHEDULE_SHARE", "light_schedule_share",
-           "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "light_layer_s", "plan_floor_s",
-           "worth_planning_L"]
+           "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "light_layer_s",
+           "plan_floor_s", "worth_planning_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
