@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from relibra_torch.planning import ReLibraPlanner, Topology, relibra_plan
 from relibra_torch.planning.base import layer_share
 from relibra_torch.planning.fastpath import keep_plan
-from relibra_torch.planning.light import light_plan
+from relibra_torch.planning.light import hot_spread_saving_L, light_plan
 from relibra_torch.planning.plain import layers_price
 from relibra_torch.planning.plan import StepPlan, validate_plan
 from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
@@ -306,3 +306,55 @@ def test_the_guard_weighs_the_share_rule_where_its_window_has_room():
         assert seen[-1] == [room]
         assert torch.equal(got.slot_expert_MLGJ, want[0]) and torch.equal(got.slot_tokens_MLGJ, want[1])
     assert not torch.equal(share[0], margin[0]) and not torch.equal(kept.slot_expert_MLGJ, share[0])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2]), g=st.sampled_from([2, 4, 8]),
+       El=st.sampled_from([1, 4]), R=st.sampled_from([0, 1, 2]), M=st.integers(1, 4), L=st.integers(1, 3),
+       hot=st.sampled_from([0.0, 0.5, 0.95]), tokens=st.sampled_from([20, 400]))
+def test_the_hot_expert_estimate_is_below_the_bounds_compute_part(seed, N, g, El, R, M, L, hot, tokens):
+    """``light.hot_spread_saving_L``: never negative, at most the gain bound's expert-compute
+    part (the busiest GPU's pairs above the mean, per micro-batch) and so at most the bound;
+    0 across nodes and without replica slots."""
+    topo = Topology(N, g, N * g * El, R)
+    loads = _collapsed(topo, M, L, seed, hot, tokens=tokens)
+    prev = topo.static_placement(L)
+    est_L = hot_spread_saving_L(loads, topo, prev, PRICED)
+    assert est_L.shape == (L,) and bool((est_L >= 0).all())
+    if N > 1 or R == 0:
+        assert bool((est_L == 0).all())
+    gpu_MLG = torch.zeros(M, L, topo.num_gpus, dtype=torch.int64).scatter_add_(
+        2, (prev // El).expand(M, L, -1), loads.sum(2))
+    G = topo.num_gpus
+    compute_L = ((gpu_MLG.amax(-1) - (gpu_MLG.sum(-1) + G - 1) // G).sum(0).to(torch.float64)
+                 * PRICED.compute_s_per_token)
+    assert bool((est_L <= compute_L + 1e-15).all())
+    assert bool((est_L <= worth.gain_bound_L(loads, topo, prev, PRICED)[0] + 1e-15).all())
+
+
+def test_the_light_tier_admits_a_collapsed_layer_on_its_hot_expert():
+    """A rank plans 2 of the step's 12 layers on 8 GPUs, so its plan saves 6 layers' worth per
+    share-layer. A collapsed layer whose gain bound, counted once, is below the light floor,
+    but whose hot expert's estimate counted 6 times is above it, gets the light plan (the
+    stand-in ``switch-256/collapsed/t32x8/1x8``); without the estimate it does not, and a
+    balanced layer is not admitted either way."""
+    topo = Topology(1, 8, 64, 2)
+    loads = torch.cat([_collapsed(topo, 8, 1, 0, 0.95, tokens=64), _collapsed(topo, 8, 1, 1, 0.0, tokens=64)], 1)
+    prev = topo.static_placement(2)
+    cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, light_share=LIGHT_SHARE,
+                              plan_schedule_s=0.0)   # no full search; no schedules
+    with mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L):
+        t = worth._tiers(loads, topo, prev, cfg, 12)
+    assert t.scale == 6.0
+    hot, gain, window = float(t.hot_saving_L[0]), float(t.gain_L[0]), float(t.light_window_L()[0])
+    assert 6 * hot > gain > 0
+    floor = window + (gain + 6 * hot) / 2                        # between the bound once and the estimate
+    with mock.patch.object(worth, "light_floor_s", lambda *a: floor), \
+            mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L):
+        t = worth._tiers(loads, topo, prev, cfg, 12)
+        assert t.light_L().tolist() == [True, False]
+        assert t._replace(hot_saving_L=None).light_L().tolist() == [False, False]
+        plan = relibra_plan(loads, topo, prev, cfg, total_layers=12)
+    El = topo.experts_per_gpu
+    assert bool((plan.slot_expert_MLGJ[:, 0, :, El:] >= 0).any())          # the light plan's copies
+    assert not bool((plan.slot_expert_MLGJ[:, 1, :, El:] >= 0).any())      # the balanced layer kept

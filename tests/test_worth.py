@@ -20,6 +20,7 @@ from relibra_torch.planning.fastpath import keep_plan
 from relibra_torch.planning.price import exchange_latency_s, moe_seconds_ML
 from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S,
                                             PLAN_LAYER_S, PLAN_SCHEDULE_S, priced_config, relibra_config_for)
+from relibra_torch.planning.light import hot_spread_saving_L
 from relibra_torch.planning.worth import gain_bound_L, layer_floor_s, worth_planning_L
 from relibra_torch.sim import get_hardware
 from relibra_torch.sim.baselines import BaselineOptions
@@ -256,7 +257,9 @@ def test_the_light_keep_rule_counts_a_layers_saving_once_per_layer_the_ranks_pla
     overrun and saves every layer's saving. So a built light plan's exact saving must exceed
     the charge its schedules add per share-layer over ``L / ceil(L / G)``; admission to the
     light tier (and to the full search) counts the loose gain bound once, since an admitted
-    plan's host time is spent whether or not it is kept."""
+    plan's host time is spent whether or not it is kept, and the light tier the estimate of
+    spreading the hot expert (``light.hot_spread_saving_L``, one node) ``L / ceil(L / G)`` times
+    where that is more."""
     from unittest import mock
 
     from relibra_torch.planning import worth
@@ -274,12 +277,15 @@ def test_the_light_keep_rule_counts_a_layers_saving_once_per_layer_the_ranks_pla
         scale = total / -(-total // G)
         with mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L):
             light_window = float(worth._tiers(loads_MLSE, topo, prev, cfg, total).light_window_L()[0])
-            for factor, want in ((0.5, True), (1.5, False)):
-                floor = light_window + factor * gain                  # the light floor F' around the bound
+            hot = float(hot_spread_saving_L(loads_MLSE, topo, prev, cfg)[0])
+            assert (hot > 0) == (N == 1)
+            counted = max(gain, scale * hot)                          # the bound once, or the estimate
+            for factor, want in ((0.5, True), (0.99, True), (1.01, False), (1.5, False)):
+                floor = light_window + factor * counted               # the light floor F' around it
                 with mock.patch.object(worth, "light_floor_s", lambda *a, f=floor: f):
                     t = worth._tiers(loads_MLSE, topo, prev, cfg, total)
                 assert t.light_floor == floor and not bool(t.full_L()[0])
-                assert bool(t.light_L()[0]) == want, (total, factor)   # the bound counted once
+                assert bool(t.light_L()[0]) == want, (total, factor)
                 charge = ((t.light_floor - t.light_window_L()).clamp(min=0)
                           - (t.light_floor - t.window_L).clamp(min=0))
                 assert float(charge[0]) > 0

@@ -134,3 +134,42 @@ def _swapped(loads_MLSE: torch.Tensor, kept: StepPlan, config) -> StepPlan | Non
         return None
     return StepPlan(topology, placement_LE, *native_slots(loads_MLSE, topology, placement_LE), kept.planner,
                     kept.previous_placement_LE)
+
+
+def hot_spread_saving_L(loads_MLSE: torch.Tensor, topology, placement_LE: torch.Tensor, config) -> torch.Tensor:
+    """float64 ``[L]``: an estimate of what the light plan saves on one node by spreading each
+    layer's hottest expert alone, from the counts (a few ops per layer, no plan built): its
+    step tokens ``w`` get the margin rule's instance count ``n`` (``n (n - 1) min_tokens <= w``,
+    at most one per GPU), its owner keeps ``1 / n`` of its tokens and the busiest other GPU
+    takes another ``1 / n`` (the copy is assumed to land there), per micro-batch, at a pair's
+    compute and at most the busiest GPU's pairs above the mean (the gain bound's compute part);
+    less the ``n - 1`` fills its owner's link carries. Other items, the all-to-all and
+    the quotas' rebalancing are not counted, so on a collapsed router it is close to the light
+    plan's saving and elsewhere below it. 0 across nodes, without replica slots, and where the
+    light plan makes no copy (``worth.Tiers``'s light admission counts it ``L / ceil(L / G)``
+    times, ``docs/results.md``, "The light tier admits a collapsed layer on its hot expert")."""
+    M, L, S, E = loads_MLSE.shape
+    min_tokens = config.min_replica_tokens_on(topology.num_nodes)
+    zero_L = torch.zeros(L, dtype=torch.float64)
+    if (topology.num_nodes > 1 or topology.replica_slots == 0 or not config.balance or L == 0
+            or min_tokens == torch.iinfo(torch.int64).max):
+        return zero_L
+    G = topology.num_gpus
+    load_MLE = loads_MLSE.to(torch.int64).sum(2)
+    owner_LE = placement_LE // topology.experts_per_gpu
+    gpu_MLG = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(2, owner_LE.expand(M, L, E), load_MLE)
+    hot_L = load_MLE.sum(0).argmax(-1)                                                  # the hottest expert
+    w_ML = load_MLE.gather(2, hot_L.view(1, L, 1).expand(M, L, 1)).squeeze(-1)
+    w_L = w_ML.sum(0).to(torch.float64)
+    # the margin rule's instances: the largest n <= G with n (n - 1) <= w / min_tokens
+    n_L = ((1 + (1 + 4 * w_L / max(min_tokens, 1)).sqrt()) / 2).floor().clamp(1, G)
+    owner_L = owner_LE.gather(1, hot_L.view(L, 1)).squeeze(-1)
+    mine_ML = gpu_MLG.gather(2, owner_L.view(1, L, 1).expand(M, L, 1)).squeeze(-1).to(torch.float64)
+    others_ML = gpu_MLG.scatter(2, owner_L.view(1, L, 1).expand(M, L, 1), 0).amax(-1).to(torch.float64)
+    share_ML = w_ML.to(torch.float64) / n_L
+    after_ML = torch.maximum(mine_ML - w_ML + share_ML, others_ML + torch.where(n_L > 1, share_ML, 0.0))
+    busiest_ML = torch.maximum(mine_ML, others_ML)
+    floor_ML = ((gpu_MLG.sum(-1) + G - 1) // G).to(torch.float64)     # no plan goes below the mean
+    saved_ML = torch.minimum(busiest_ML - after_ML, busiest_ML - floor_ML).clamp(min=0)
+    saved_L = saved_ML.sum(0) * config.compute_s_per_token
+    return (saved_L - (n_L - 1) * config.replica_fill_s_per_expert).clamp(min=0)

@@ -71,7 +71,11 @@ the gain bound once: the bound overstates what a plan saves (on the stand-ins of
 top-k-fold, as each row is bounded by its pairs), and the host time of an admitted plan is
 spent whether or not it is kept. Counted ``scale`` times, admissions sent layers to searches
 and light plans whose host time their plans did not repay (``docs/results.md``, "The light
-tier's keep rule counts every layer's saving").
+tier's keep rule counts every layer's saving"). On one node the light tier also admits a
+layer on an estimate, counted ``scale`` times, of what spreading its hottest expert by the
+light plan's margin rule saves (:func:`~relibra_torch.planning.light.hot_spread_saving_L`):
+one expert's compute, less its fills, below the light plan's saving where it admitted (a
+collapsed router: 0.50 against 0.65 ms a layer).
 
 The fixed part is spread over the share per layer, while a rank pays it whole once any of its
 layers is searched, and both fixed parts where its share mixes tiers: a share that mixes
@@ -90,7 +94,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .fastpath import keep_plan
-from .light import light_plan
+from .light import hot_spread_saving_L, light_plan
 from .plan import StepPlan
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
@@ -275,6 +279,7 @@ class Tiers(NamedTuple):
     light_schedules: float = LIGHT_SCHEDULE_SHARE
     free_window: float = 0.0
     light_layer: float = 0.0
+    hot_saving_L: torch.Tensor | None = None
 
     def margin_L(self) -> torch.Tensor:
         """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
@@ -290,8 +295,14 @@ class Tiers(NamedTuple):
         return self.window_L - self.light_schedules * self.schedules_s
 
     def light_L(self) -> torch.Tensor:
-        """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'`` (never where it is off)."""
-        return (self.gain_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
+        """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'``, or ``scale H_l + W'_l >= F'``
+        with ``H_l`` the estimate of spreading the layer's hottest expert (``hot_saving_L``,
+        :func:`~relibra_torch.planning.light.hot_spread_saving_L`: every rank's plan saves its
+        own layers, and this estimate, unlike the bound, counts one expert's compute less its
+        fills); never where the light plan is off."""
+        counted_L = self.gain_L if self.hot_saving_L is None else torch.maximum(self.gain_L,
+                                                                                 self.scale * self.hot_saving_L)
+        return (counted_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
 
     def light_room_L(self) -> torch.Tensor:
         """bool ``[L]``: the light plan may build and price a second set (the share rule's,
@@ -319,7 +330,8 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         return Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology),
-                     light_layer=light_layer_s(topology, config, loads_MLSE.shape[0]) if light > 0 else 0.0)
+                     light_layer=light_layer_s(topology, config, loads_MLSE.shape[0]) if light > 0 else 0.0,
+                     hot_saving_L=hot_spread_saving_L(loads_MLSE, topology, placement_LE, config) if light > 0 else None)
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
@@ -346,7 +358,8 @@ def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_lay
     the tiers' margins are at most ``P (c + (1 + scale / 2) (x + n) + scale c / 3)`` plus the
     window's latency (``P`` a layer's pairs summed over micro-batches, ``c`` a pair's compute,
     ``x`` and ``n`` a row across nodes and over NVLink: a GPU's busiest load and its rows are
-    at most the pairs), below both floors; and the step's window makes no layer free. Shares of
+    at most the pairs; on one node the light tier's has ``(scale - 1) P c`` more, its hot
+    expert's estimate counted ``scale`` times), below both floors; and the step's window makes no layer free. Shares of
     steps too small for any plan (a millisecond, 16 tokens per GPU) then skip the bounds."""
     M, L = loads_MLSE.shape[:2]
     share, scale, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
@@ -354,7 +367,9 @@ def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_lay
     pairs = float(loads_MLSE.sum((0, 2, 3)).max())
     margin = (pairs * (c * (1 + scale / 3) + rows * (1 + scale / 2))
               + scale * M * 0.5 * exchange_latency_s(topology, config))
-    if margin - schedules >= floor or (light > 0 and margin - light_schedule_share(topology) * schedules >= light):
+    # the hot expert's estimate (one node), counted scale times: at most the pairs' compute
+    light_margin = margin + (pairs * c * (scale - 1) if topology.num_nodes == 1 else 0.0)
+    if margin - schedules >= floor or (light > 0 and light_margin - light_schedule_share(topology) * schedules >= light):
         return False
     return step_window is None or step_window((floor + schedules) * share) / share < floor + schedules
 
