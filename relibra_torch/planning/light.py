@@ -87,21 +87,24 @@ def _sets(loads_MLSE: torch.Tensor, placement_LE: torch.Tensor, topology, min_to
           room_L: torch.Tensor | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The margin rule's step-long set, and where the share rule's differs in a layer of
     ``room_L`` (``None``: every layer), that set with those layers by the share rule
-    (:func:`~relibra_torch.planning.step_set.margin_sets`; both layer-local). Alone, the
-    margin rule priced lower on most light layers of the stand-ins and the reviewer's files
-    (``docs/results.md``, "The light plan weighs the margin rule")."""
+    (:func:`~relibra_torch.planning.step_set.margin_sets`; both layer-local, so each layer's
+    sets are built once: the others' by the margin rule alone). Alone, the margin rule priced
+    lower on most light layers of the stand-ins and the reviewer's files (``docs/results.md``,
+    "The light plan weighs the margin rule")."""
     if room_L is None or bool(room_L.all()):
         return margin_sets(loads_MLSE, topology, placement_LE, min_tokens)[::-1]
-    margin = step_long_set(loads_MLSE, topology, placement_LE, min_tokens, marginal=True)
-    room = room_L.nonzero().flatten()
-    if not room.numel():
-        return [margin]
-    both = margin_sets(loads_MLSE[:, room], topology, placement_LE[room], min_tokens)
-    if len(both) == 1:
-        return [margin]
-    se_MLGJ, tok_MLGJ = margin[0].clone(), margin[1].clone()
-    se_MLGJ[:, room], tok_MLGJ[:, room] = both[0]
-    return [margin, (se_MLGJ, tok_MLGJ)]
+    if not bool(room_L.any()):
+        return [step_long_set(loads_MLSE, topology, placement_LE, min_tokens, marginal=True)]
+    room, rest = room_L.nonzero().flatten(), (~room_L).nonzero().flatten()
+    both = margin_sets(loads_MLSE[:, room], topology, placement_LE[room], min_tokens)   # share, margin
+    margin_rest = step_long_set(loads_MLSE[:, rest], topology, placement_LE[rest], min_tokens, marginal=True)
+
+    def joined(room_set: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        out = tuple(torch.empty(t.shape[0], room_L.numel(), *t.shape[2:], dtype=t.dtype) for t in room_set)
+        for o, r, m in zip(out, room_set, margin_rest):
+            o[:, room], o[:, rest] = r, m
+        return out
+    return [joined(both[-1])] + ([joined(both[0])] if len(both) == 2 else [])
 
 
 def _cheapest(loads_MLSE: torch.Tensor, kept: StepPlan, sets: list[tuple[torch.Tensor, torch.Tensor]],

@@ -327,11 +327,14 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     share, scale, floor, light, schedules = _share_terms(loads_MLSE.shape[0], loads_MLSE.shape[1], topology, config,
                                                          total_layers)
 
+    # the light tier's terms read the counts, not the bound: computed once for both bounds
+    light_layer = light_layer_s(topology, config, loads_MLSE.shape[0]) if light > 0 else 0.0
+    hot_L = hot_spread_saving_L(loads_MLSE, topology, placement_LE, config) if light > 0 else None
+
     def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         return Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology),
-                     light_layer=light_layer_s(topology, config, loads_MLSE.shape[0]) if light > 0 else 0.0,
-                     hot_saving_L=hot_spread_saving_L(loads_MLSE, topology, placement_LE, config) if light > 0 else None)
+                     light_layer=light_layer, hot_saving_L=hot_L)
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
