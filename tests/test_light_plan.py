@@ -358,3 +358,75 @@ def test_the_light_tier_admits_a_collapsed_layer_on_its_hot_expert():
     El = topo.experts_per_gpu
     assert bool((plan.slot_expert_MLGJ[:, 0, :, El:] >= 0).any())          # the light plan's copies
     assert not bool((plan.slot_expert_MLGJ[:, 1, :, El:] >= 0).any())      # the balanced layer kept
+
+
+def test_a_layer_rides_the_light_plan_another_rank_runs():
+    """Three one-layer shares on four GPUs: a collapsed layer admitted to the light tier, a
+    half-collapsed one below it whose gain bound covers its own part of the light plan, and a
+    balanced one whose bound does not. Where the collapsed layer is planned, some rank spends
+    the light plan's fixed host time anyway, so the half-collapsed layer gets the light plan
+    too, on its own rank (which learns it from the step's loads) as in the whole-step plan;
+    where no layer of the step is planned it is kept, and the balanced layer always is."""
+    topo = Topology(1, 4, 8, 2)
+    El = topo.experts_per_gpu
+    loads = torch.cat([_collapsed(topo, 4, 1, s, hot) for s, hot in enumerate([0.95, 0.5, 0.0])], 1)
+    L, prev = loads.shape[1], topo.static_placement(3)
+    cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, plan_schedule_s=0.0,
+                              light_share=LIGHT_SHARE)   # no full search, no schedules
+    exact = mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L)
+    with exact:
+        t = worth._tiers(loads, topo, prev, cfg, L)
+    counted_L = torch.maximum(t.gain_L, t.scale * t.hot_saving_L) + t.light_window_L()
+    assert float(counted_L[0]) > float(counted_L[1:].max()) and float(t.gain_L[2]) < float(t.gain_L[1])
+    floor = float(counted_L[0] + counted_L[1:].max()) / 2              # admits the collapsed layer alone
+    part = float(t.gain_L[1] + t.gain_L[2]) / 2                        # covered by the half-collapsed bound
+    planner = ReLibraPlanner(topo, cfg)
+
+    def copies_L(plan: StepPlan) -> list[bool]:
+        return [bool((plan.slot_expert_MLGJ[:, l, :, El:] >= 0).any()) for l in range(plan.num_layers)]
+
+    with exact, mock.patch.object(worth, "light_floor_s", lambda *a: floor), \
+            mock.patch.object(worth, "light_layer_s", lambda *a: part):
+        t = worth._tiers(loads, topo, prev, cfg, L)
+        assert t.light_L().tolist() == [True, False, False] and t.ride_L().tolist() == [False, True, False]
+        whole = planner.plan(loads)
+        assert copies_L(whole) == [True, True, False]
+        for r in range(L):                                             # each rank plans its layer alone
+            got = planner.plan_layers(loads, [r])
+            assert torch.equal(got.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, [r]])
+            assert torch.equal(got.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, [r]])
+        # without the collapsed layer nothing of the step is planned: the layer is kept
+        calm = torch.cat([_collapsed(topo, 4, 1, 7, 0.0), loads[:, 1:]], 1)
+        assert copies_L(planner.plan(calm)) == [False, False, False]
+        assert copies_L(planner.plan_layers(calm, [1])) == [False]
+        with mock.patch.object(worth.Tiers, "ride_L", lambda self: torch.zeros_like(self.gain_L, dtype=torch.bool)):
+            assert copies_L(planner.plan(loads)) == [True, False, False]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2]), L=st.integers(2, 8), M=st.integers(1, 4),
+       hots=st.lists(st.sampled_from([0.0, 0.5, 0.8, 0.95]), min_size=8, max_size=8),
+       floor_at=st.floats(0.05, 0.95), part_at=st.floats(0.0, 1.0))
+def test_split_planning_gives_the_whole_step_plan_with_riding_layers(seed, N, L, M, hots, floor_at, part_at):
+    """One-layer shares on eight GPUs, the light floor drawn between the two highest margins
+    (one layer admitted) and its per-layer part below the highest gain bound (others may
+    ride): every rank's share plans as the whole step does, so a layer rides on its rank, which
+    learns from the step's loads that another is planned, exactly where it rides in the
+    whole-step plan."""
+    topo = Topology(N, 8 // N, 16, 2)
+    loads = torch.cat([_collapsed(topo, M, 1, seed + l, hots[l], tokens=200) for l in range(L)], 1)
+    prev = topo.static_placement(L)
+    cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, plan_schedule_s=0.0,
+                              light_share=LIGHT_SHARE)
+    t = worth._tiers(loads, topo, prev, cfg, L)
+    top = (torch.maximum(t.gain_L, t.scale * t.hot_saving_L) + t.light_window_L()).sort(descending=True).values
+    floor = float(top[1] + floor_at * (top[0] - top[1]))
+    part = float(part_at * t.gain_L.max())
+    planner = ReLibraPlanner(topo, cfg)
+    with mock.patch.object(worth, "light_floor_s", lambda *a: floor), \
+            mock.patch.object(worth, "light_layer_s", lambda *a: part):
+        whole = planner.plan(loads)
+        for r in range(L):
+            got = planner.plan_layers(loads, [r])
+            assert torch.equal(got.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, [r]])
+            assert torch.equal(got.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, [r]])

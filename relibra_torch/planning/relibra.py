@@ -56,7 +56,7 @@ from .polish import polish_placement
 from .reorder_greedy import greedy_nodes
 from .relay_choice import add_relays
 from .step_window import step_window_s
-from .worth import guarded_plan, plan_floor_s
+from .worth import any_planned, guarded_plan, plan_floor_s
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -315,7 +315,8 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
                  previous_placement_LE: torch.Tensor | None = None,
                  config: ReLibraConfig = ReLibraConfig(), pairs_LEE: torch.Tensor | None = None,
-                 total_layers: int | None = None, step_loads_MLSE: torch.Tensor | None = None) -> StepPlan:
+                 total_layers: int | None = None, step_loads_MLSE: torch.Tensor | None = None,
+                 share_layers: list[int] | None = None, step_placement_LE: torch.Tensor | None = None) -> StepPlan:
     """Reorder (if ``config.reorder``) then replicate per micro-batch, on the layers where that
     can repay its host time (:mod:`~relibra_torch.planning.worth`; ``total_layers``: the step's
     layer count when these are a share of it). See the module docstring.
@@ -329,6 +330,9 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
             guard's step window (:func:`~relibra_torch.planning.step_window.step_window_s`,
             computed at most once). ``None``: ``loads_MLSE`` where it is the whole step
             (``total_layers`` unset), else no step window.
+        share_layers, step_placement_LE: the share's layers in the step and the whole step's
+            placement (int64 ``[total_layers, E]``), with ``step_loads_MLSE``: whether another
+            rank plans a layer of the step (``worth.guarded_plan``'s ``others_planned``).
     """
     check_loads(loads_MLSE, topology)
     if not isinstance(config, ReLibraConfig):
@@ -342,10 +346,16 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     step_loads_MLSE = loads_MLSE if step_loads_MLSE is None and total_layers is None else step_loads_MLSE
     step_window = None if step_loads_MLSE is None else functools.cache(
         lambda at_least: step_window_s(step_loads_MLSE, topology, config, at_least))
+    others_planned = None
+    if step_loads_MLSE is not None and share_layers is not None and step_placement_LE is not None:
+        others = sorted(set(range(step_loads_MLSE.shape[1])) - set(share_layers))
+        others_planned = functools.cache(lambda: any_planned(step_loads_MLSE[:, others], topology,
+                                                             step_placement_LE[others], config, total_layers,
+                                                             step_window))
     guarded = None if config.choose else guarded_plan(  # choose weighs whole-step alternatives
         loads_MLSE, topology, previous_placement_LE, config, total_layers, lambda ls, cfg: _search(
             loads_MLSE[:, ls], topology, previous_placement_LE[ls], cfg, None if pairs_LEE is None else pairs_LEE[ls],
-            fast=False), step_window)
+            fast=False), step_window, others_planned)
     if guarded is not None:  # the guard kept some layers and planned the others
         return guarded
     return _search(loads_MLSE, topology, previous_placement_LE, config, pairs_LEE,
@@ -417,7 +427,8 @@ class ReLibraPlanner(Planner):
 
     def plan_layers(self, loads_MLSE: torch.Tensor, layers: list[int],
                     pairs_LEE: torch.Tensor | None = None) -> StepPlan:
-        prev_LE = self.previous_placement(loads_MLSE.shape[1])[layers]
+        step_LE = self.previous_placement(loads_MLSE.shape[1])
         # every rank reads the whole step's loads (replay): the same step window on every rank
-        return relibra_plan(loads_MLSE[:, layers], self.topology, prev_LE, self.config,
-                            None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1], loads_MLSE)
+        return relibra_plan(loads_MLSE[:, layers], self.topology, step_LE[layers], self.config,
+                            None if pairs_LEE is None else pairs_LEE[layers], loads_MLSE.shape[1], loads_MLSE,
+                            list(layers), step_LE)

@@ -61,6 +61,16 @@ charge once the plan's own host time is spent:
 ``(max(0, F' - W'_l) - max(0, F' - V_l)) / scale`` with ``V_l`` the window before any
 schedules.
 
+A layer below both tiers **rides** the light plan where another layer of the step is planned
+(either tier) and its bound covers its own part of the light plan, ``U_l >= light_layer_s +``
+its light schedules (:meth:`Tiers.ride_L`): the ranks plan at once and the step waits for the
+slowest, so once some rank spends a plan's fixed host time, another rank's light plan adds
+only its per-layer part and its schedules (the schedules' own fixed part, 1.4-2.2 ms on the
+reviewer's one-node files, is paid once for all layers). Every rank reads the step's loads,
+so a rank learns whether another is planned from the other layers' tiers
+(:func:`any_planned`, asked only where a layer could ride), and a layer its share would keep
+whole (:func:`_below_L`) does not ride: split planning and the whole-step plan agree.
+
 ``scale = L / ceil(L / G)``: every EP rank plans its share at the same time, so the step
 waits once for the slowest rank's overrun and gains every layer's saving. With every layer
 planned a rank overruns the window by ``share`` times a layer's charge while the step saves
@@ -94,86 +104,16 @@ from typing import Callable, NamedTuple
 import torch
 
 from .fastpath import keep_plan
+from .gain_bound import gain_bound_L, quick_bound_L as _quick_bound_L
 from .light import hot_spread_saving_L, light_plan
 from .plan import StepPlan
-from .price import exchange_latency_s, flat_rows, rows_seconds
+from .price import exchange_latency_s
 from .topology import Topology
 
 __all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_EXPERTS",
            "LIGHT_SCHEDULE_SHARE", "light_schedule_share",
-           "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "light_layer_s",
+           "any_planned", "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "light_layer_s",
            "plan_floor_s", "worth_planning_L"]
-
-
-def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
-    """int64 ``[M, L, S, G]``: token-expert pairs each source sends to each GPU when every
-    expert sits on its owner ``owner_LE`` (int64 ``[L, E]``) only."""
-    M, L, S, E = loads_MLSE.shape
-    return torch.zeros(M, L, S, G, dtype=torch.int64).scatter_add_(
-        3, owner_LE.view(1, L, 1, E).expand(M, L, S, E), loads_MLSE.to(torch.int64))
-
-
-def _a2a_rows(flow_MLSG: torch.Tensor, topology: Topology, hierarchical: bool) -> tuple[torch.Tensor, ...]:
-    """Per-GPU ``(cross send, cross receive, intra send, intra receive)`` ``[M, L, G]`` of the
-    kept placement: exact pairs under flat dispatch (:func:`planning.price.a2a_parts_ML`);
-    under hierarchical dispatch bounds of its rows (``hier_estimate.hierarchical_traffic``),
-    whose counts are expected tokens, each at most its pairs:
-
-    * cross send of ``s``: one row per (token, remote node) <= pairs to remote nodes;
-    * cross receive of landing GPU ``(n, i)``: the rows of the sources of local index ``i``
-      on other nodes for node ``n`` <= their pairs to node ``n``;
-    * intra send of ``q``: its pairs to the other GPUs of its node, plus what it forwards as
-      a landing GPU <= the pairs its remote sources send to its node's other GPUs;
-    * intra receive of ``q``: at most every pair sent to it by another GPU."""
-    M, L, S, G = flow_MLSG.shape
-    N, g = topology.num_nodes, topology.gpus_per_node
-    cs, cr, is_, ir = flat_rows(flow_MLSG, topology)
-    if not hierarchical:
-        return cs, cr, is_, ir
-    node_G = torch.arange(G) // g
-    node_MLSN = flow_MLSG.view(M, L, S, N, g).sum(-1)                     # pairs to each node
-    land_SN = torch.arange(N).view(1, N) * g + (torch.arange(S) % g).view(S, 1)
-    at_land = flow_MLSG.gather(3, land_SN.view(1, 1, S, N).expand(M, L, S, N))
-    remote_SN = node_G.view(S, 1) != torch.arange(N).view(1, N)
-
-    def by_landing(x_MLSN: torch.Tensor) -> torch.Tensor:
-        """``[M, L, G]``: per landing GPU ``(n, i)``, the sum over remote sources of index ``i``."""
-        per = (x_MLSN * remote_SN).view(M, L, N, g, N).sum(2)              # [M, L, i, n]
-        return per.transpose(2, 3).reshape(M, L, G)
-
-    cr = by_landing(node_MLSN)
-    forwarded = by_landing(node_MLSN - at_land)
-    ir = flow_MLSG.sum(2) - flow_MLSG.diagonal(dim1=2, dim2=3)
-    return cs, cr, is_ + forwarded, ir
-
-
-def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-                 config) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``([L], [L])``: the bound ``U_l`` on what any plan saves per layer against
-    ``placement_LE`` without copies, and that plan's forward estimate (module docstring),
-    both summed over micro-batches, in the planner's price (``config``: a ``ReLibraConfig``)."""
-    flow_MLSG = _pair_flows(loads_MLSE, placement_LE // topology.experts_per_gpu, topology.num_gpus)
-    # price.a2a_parts_ML's rule; on one node the flat rows bound the hierarchical ones too
-    cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, _hierarchical(config) and topology.num_nodes > 1)
-    return _gain_and_forward_L(flow_MLSG.sum(2), rows_seconds(cs, cr, is_, ir, config)[0], topology, config)
-
-
-def _hierarchical(config) -> bool:
-    """Whether ``config`` prices hierarchical dispatch (an unknown top-k is priced flat)."""
-    return config.dispatch == "hierarchical" and config.top_k > 0
-
-
-def _gain_and_forward_L(gpu_MLG: torch.Tensor, a2a_ML: torch.Tensor, topology: Topology,
-                        config) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 ``([L], [L])`` ``(U_l, forward)`` from each GPU's token-expert pairs ``[M, L, G]``
-    under the kept placement and that placement's all-to-all (or a bound of it) ``[M, L]``."""
-    G = topology.num_gpus
-    compute_ML = gpu_MLG.amax(-1).to(torch.float64) * config.compute_s_per_token
-    floor_ML = ((gpu_MLG.sum(-1) + G - 1) // G).to(torch.float64) * config.compute_s_per_token
-    gain_L = (compute_ML - floor_ML + a2a_ML).sum(0)
-    forward_L = (compute_ML / 3 + (0.0 if _hierarchical(config) else 0.5) * a2a_ML
-                 + 0.5 * exchange_latency_s(topology, config)).sum(0)
-    return gain_L, forward_L
 
 
 def plan_floor_s(topology: Topology, config) -> float:
@@ -197,19 +137,6 @@ def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
     per_layer = (config.plan_layer_nodes_s if nodes else config.plan_layer_s) * host_scale(topology, config)
     return (plan_floor_s(topology, config) / max(share, 1) + per_layer * (max(config.top_k, 1) * experts) ** 0.5) \
         * max(micro_batches, 8) / 8
-
-
-def _quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
-                   config) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`gain_bound_L` on one node with each GPU's all-to-all rows bounded by all it
-    sends and all it receives (its own pairs counted too), from two sums of the loads
-    instead of the pairs per (source, GPU): both parts are at least :func:`gain_bound_L`'s."""
-    load_MLE = loads_MLSE.to(torch.int64).sum(2)
-    M, L, E = load_MLE.shape
-    gpu_MLG = torch.zeros(M, L, topology.num_gpus, dtype=torch.int64).scatter_add_(
-        2, (placement_LE // topology.experts_per_gpu).expand(M, L, E), load_MLE)
-    rows_ML = torch.maximum(loads_MLSE.sum(3).amax(-1), gpu_MLG.amax(-1))
-    return _gain_and_forward_L(gpu_MLG, rows_ML.to(torch.float64) * config.intra_node_s_per_token, topology, config)
 
 
 #: The light tier's host time (:mod:`~relibra_torch.planning.light` and its share's token
@@ -304,6 +231,14 @@ class Tiers(NamedTuple):
                                                                                  self.scale * self.hot_saving_L)
         return (counted_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
 
+    def ride_L(self) -> torch.Tensor:
+        """bool ``[L]``: admitted by neither tier, but worth the light plan once another layer
+        of the step is planned (:func:`guarded_plan`): then some rank spends a plan's fixed
+        host time anyway, and the layer adds only its own part (``light_layer``) and its light
+        schedules, which its gain bound ``U_l`` (counted once) covers."""
+        marginal = self.light_layer + self.light_schedules * self.schedules_s / self.scale
+        return ~self.full_L() & ~self.light_L() & (self.gain_L >= marginal) & (self.light_floor > 0)
+
     def light_room_L(self) -> torch.Tensor:
         """bool ``[L]``: the light plan may build and price a second set (the share rule's,
         ``step_set.margin_sets``): the window less the light schedules holds the light plan's
@@ -355,26 +290,50 @@ def _share_terms(M: int, L: int, topology: Topology, config, total_layers: int |
             schedules)
 
 
-def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None,
-                 step_window: Callable[[float], float] | None) -> bool:
-    """Whether every layer surely keeps its placement, from each layer's pairs alone (one sum):
-    the tiers' margins are at most ``P (c + (1 + scale / 2) (x + n) + scale c / 3)`` plus the
-    window's latency (``P`` a layer's pairs summed over micro-batches, ``c`` a pair's compute,
-    ``x`` and ``n`` a row across nodes and over NVLink: a GPU's busiest load and its rows are
-    at most the pairs; on one node the light tier's has ``(scale - 1) P c`` more, its hot
-    expert's estimate counted ``scale`` times), below both floors; and the step's window makes no layer free. Shares of
-    steps too small for any plan (a millisecond, 16 tokens per GPU) then skip the bounds."""
+def _below_L(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None) -> torch.Tensor:
+    """bool ``[L]``: the layers whose tiers' margins are surely below both floors, from each
+    layer's pairs alone (one sum): the margins are at most ``P (c + (1 + scale / 2) (x + n) +
+    scale c / 3)`` plus the window's latency (``P`` a layer's pairs summed over micro-batches,
+    ``c`` a pair's compute, ``x`` and ``n`` a row across nodes and over NVLink: a GPU's busiest
+    load and its rows are at most the pairs; on one node the light tier's has ``(scale - 1) P
+    c`` more, its hot expert's estimate counted ``scale`` times)."""
     M, L = loads_MLSE.shape[:2]
     share, scale, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
     c, rows = config.compute_s_per_token, config.cross_node_s_per_token + config.intra_node_s_per_token
-    pairs = float(loads_MLSE.sum((0, 2, 3)).max())
-    margin = (pairs * (c * (1 + scale / 3) + rows * (1 + scale / 2))
-              + scale * M * 0.5 * exchange_latency_s(topology, config))
+    pairs_L = loads_MLSE.sum((0, 2, 3)).to(torch.float64)
+    margin_L = (pairs_L * (c * (1 + scale / 3) + rows * (1 + scale / 2))
+                + scale * M * 0.5 * exchange_latency_s(topology, config))
     # the hot expert's estimate (one node), counted scale times: at most the pairs' compute
-    light_margin = margin + (pairs * c * (scale - 1) if topology.num_nodes == 1 else 0.0)
-    if margin - schedules >= floor or (light > 0 and light_margin - light_schedule_share(topology) * schedules >= light):
+    light_margin_L = margin_L + (pairs_L * c * (scale - 1) if topology.num_nodes == 1 else 0.0)
+    return (margin_L - schedules < floor) & ((light <= 0) | (light_margin_L - light_schedule_share(topology) * schedules
+                                                             < light))
+
+
+def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int | None,
+                  step_window: Callable[[float], float] | None) -> bool:
+    """Whether the share's part of the step's window holds the full search and its schedules."""
+    share, _, floor, _, schedules = _share_terms(M, L, topology, config, total_layers)
+    return step_window is not None and step_window((floor + schedules) * share) / share >= floor + schedules
+
+
+def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None,
+                 step_window: Callable[[float], float] | None) -> bool:
+    """Whether every layer surely keeps its placement: every margin below both floors
+    (:func:`_below_L`), and the step's window makes no layer free. Shares of steps too small
+    for any plan (a millisecond, 16 tokens per GPU) then skip the bounds."""
+    M, L = loads_MLSE.shape[:2]
+    return bool(_below_L(loads_MLSE, topology, config, total_layers).all()) and not _window_frees(
+        M, L, topology, config, total_layers, step_window)
+
+
+def any_planned(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
+                total_layers: int | None, step_window: Callable[[float], float] | None = None) -> bool:
+    """Whether the guard admits some of these layers (of a step of ``total_layers``) to either
+    tier, as the ranks that plan them decide: where one is, a rank spends a plan's host time."""
+    if not loads_MLSE.shape[1] or _surely_kept(loads_MLSE, topology, config, total_layers, step_window):
         return False
-    return step_window is None or step_window((floor + schedules) * share) / share < floor + schedules
+    tiers = _tiers(loads_MLSE, topology, placement_LE, config, total_layers, step_window)
+    return bool((tiers.full_L() | tiers.light_L()).any())
 
 
 def _with_free_window(tiers: Tiers, step_window: Callable[[float], float] | None, share: int) -> Tiers:
@@ -399,7 +358,8 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
 
 def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
                  total_layers: int | None, search: Callable[[list[int], object], StepPlan],
-                 step_window: Callable[[float], float] | None = None) -> StepPlan | None:
+                 step_window: Callable[[float], float] | None = None,
+                 others_planned: Callable[[], bool] | None = None) -> StepPlan | None:
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
     the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``
     layers, in that order) with the guard off; of the others, those worth the light plan
@@ -416,7 +376,16 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     if bool(worth_L.all()):
         return None
     plan = keep_plan(loads_MLSE, topology, previous_placement_LE, config)
-    light = (~worth_L & tiers.light_L()).nonzero().flatten()
+    light_L = ~worth_L & tiers.light_L()
+    ride_L = tiers.ride_L()
+    if bool(ride_L.any()):  # where another layer of the step is planned (these, or others_planned())
+        M, L = loads_MLSE.shape[:2]
+        if not _window_frees(M, L, topology, config, total_layers, step_window):  # a layer a share keeps
+            ride_L &= ~_below_L(loads_MLSE, topology, config, total_layers)
+        if bool(ride_L.any()) and (bool(worth_L.any() or light_L.any()) or (others_planned is not None
+                                                                            and others_planned())):
+            light_L |= ride_L
+    light = light_L.nonzero().flatten()
     if light.numel():   # kept where the exact saving (not the bound) repays its schedules' charge
         part = light_plan(loads_MLSE[:, light], plan.layers(light), config, tiers.light_saving_L()[light],
                           tiers.light_room_L()[light])
