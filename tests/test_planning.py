@@ -605,3 +605,20 @@ def test_count_pairs_matches_brute_force(problem, seed):
                     if a != b:
                         want[l, a, b] += 1
     assert torch.equal(count_pairs(ids, E), want)
+
+
+def test_relibra_on_one_gpu_plans_nothing_and_spends_no_guard():
+    """With one GPU there is nothing to balance, move or copy: relibra returns every expert on
+    its owner without running the guard or a search (a collapsed router included)."""
+    from unittest import mock
+    from relibra_torch.planning import relibra as relibra_module
+    topo = Topology(1, 1, 8, 2)
+    loads = torch.zeros(2, 3, 1, 8, dtype=torch.int64)
+    loads[..., 0] = 900
+    loads[..., 1:] = 10
+    boom = mock.Mock(side_effect=AssertionError("planned on one GPU"))
+    with mock.patch.object(relibra_module, "guarded_plan", boom), mock.patch.object(relibra_module, "_search", boom):
+        plan = relibra_plan(loads, topo)
+    validate_plan(plan, loads)
+    assert not bool((plan.slot_expert_MLGJ[..., topo.experts_per_gpu:] >= 0).any())
+    assert torch.equal(plan.placement_LE, topo.static_placement(3))

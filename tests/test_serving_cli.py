@@ -174,8 +174,8 @@ def test_only_the_cli_reaches_the_serving_package():
 def test_a_trace_too_short_for_its_percentile_says_so_and_an_empty_plot_says_why(tmp_path, capsys, recwarn):
     """Fewer requests than a P90 needs (10) leave no percentile below the worst request, and the
     runs repeat them to ``serving.min_trace_s``: the goodput reads as confident as any, so the
-    report adds a note. A cluster where no system fits still writes a plot, without a
-    matplotlib warning."""
+    report adds a note. A cluster where no system fits still writes its report, JSON and a
+    plot, without a matplotlib warning, and exits 2."""
     from relibra_torch.serving.compare import trace_notes
     from relibra_torch.serving.constants import DEFAULT_CONSTANTS
 
@@ -188,7 +188,7 @@ def test_a_trace_too_short_for_its_percentile_says_so_and_an_empty_plot_says_why
                "--model", "qwen3-30b-a3b", "--systems", "expertplex,pd-disagg", "--jobs", "1",
                "--json", str(out), "--plot", str(png)])
     captured = capsys.readouterr()
-    assert rc == 0, captured.err
+    assert rc == 2 and "no system has a configuration that fits" in captured.err
     assert "note: the trace holds 2 request(s), fewer than the 10 a P90 needs" in captured.out
     assert json.loads(out.read_text())["setup"]["notes"][0].startswith("the trace holds 2 request(s)")
     assert png.stat().st_size > 1000 and not [w for w in recwarn if "legend" in str(w.message)]
@@ -225,3 +225,34 @@ def test_the_default_compares_five_systems_and_all_adds_replication():
     assert systems() == ("expertplex", "pd-colocate", "pd-disagg", "colocated", "chunked-prefill")
     assert systems("--systems", "all") == (*systems(), "expertplex-repl")
     assert systems("--systems", "expertplex-repl,pd-disagg") == ("expertplex-repl", "pd-disagg")
+
+
+def test_serve_sim_fails_when_no_system_fits_and_says_how_much_memory(tmp_path, capsys):
+    """DeepSeek-V3 on one GPU: no configuration of any system fits; the row names the weights
+    and the memory a GPU holds, and the command exits 2 (nothing was compared)."""
+    trace = tmp_path / "t.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+        f"2023-11-16 18:15:{10 + i:02d}.0000000,{100 + i},20\n" for i in range(12)))
+    cfg = str(ROOT / "tests" / "fixtures" / "hf_configs" / "DeepSeek-V3" / "config.json")
+    out = tmp_path / "o.json"
+    rc = main(["serve-sim", "--model-config", cfg, "--trace", str(trace), "--window", "0", "--nodes", "1",
+               "--gpus-per-node", "1", "--systems", "pd-disagg,colocated", "--json", str(out)])
+    captured = capsys.readouterr()
+    assert rc == 2
+    assert "no system has a configuration that fits" in captured.err
+    notes = [r["note"] for r in json.loads(out.read_text())["systems"].values()]
+    assert len(notes) == 2 and all("GB of experts" in n and "1 GPUs hold" in n for n in notes)
+
+
+def test_serve_sim_warns_before_searching_a_trace_in_seconds(tmp_path, capsys):
+    """A Mooncake trace whose timestamps look like seconds is named before the search, which
+    such a rate makes long, and the progress goes to stderr line by line off a terminal."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": i // 2, "input_length": 50, "output_length": 5}) + "\n"
+                             for i in range(12)))     # two a millisecond: 2,400 req/s as recorded
+    rc = main(["serve-sim", "--trace", str(trace), "--nodes", "1", "--systems", "colocated", "--jobs", "1",
+               "--set", "serving.min_trace_s=0"])
+    err = capsys.readouterr().err
+    assert rc == 0
+    warn, done = err.index("warning: the trace arrives at 2,400 req/s"), err.index("colocated done (1/1)")
+    assert warn < done

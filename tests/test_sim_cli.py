@@ -117,6 +117,11 @@ def test_config_file_and_set_precedence(tmp_path, capsys):
     (lambda p: loads_file(p, top_k=4), ["--model", "qwen3-30b-a3b"], r"top_k 4 \(model: 8\); fix with"),
     (lambda p: loads_file(p, layers=47), ["--model", "qwen3-30b-a3b"], r"MoE layers 47 \(model: 48\)"),
     (lambda p: loads_file(p, S=2), [], r"batched for 2 ranks but --nodes x --gpus-per-node = 4"),
+    # a file broken in itself says so before it is compared with the model (whose fix would not help)
+    (lambda p: _raw_loads(p, -torch.ones(1, 2, 3, 4, 64, dtype=torch.int64)), ["--model", "qwen3-30b-a3b"],
+     r"loads\[0, 0, 0, 0, 0\] = -1; allowed: counts"),
+    (lambda p: _raw_loads(p, torch.ones(1, 2, 3, 4, 64)), ["--model", "qwen3-30b-a3b"],
+     r"loads has dtype float32; allowed: int32 or int64"),
     (lambda p: routing_file(p, top_k=6), [], r"top_k=6.*nothing gives the model's dims; pass --model-config"),
     (lambda p: routing_file(p, experts=64), ["--model", "qwen3-30b-a3b"], r"num_experts 64 \(model: 128\).*"
                                                                            r"--set model.num_experts=64"),

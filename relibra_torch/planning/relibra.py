@@ -340,7 +340,7 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     M, L = loads_MLSE.shape[:2]
     previous_placement_LE = (topology.static_placement(L) if previous_placement_LE is None
                              else check_previous_placement(previous_placement_LE, L, topology))
-    if not (M and L):  # nothing to plan: every expert stays on its owner
+    if not (M and L) or topology.num_gpus == 1:  # nothing to plan (one GPU: nothing to balance or copy)
         return native_plan(loads_MLSE, topology, previous_placement_LE, ReLibraPlanner.name, previous_placement_LE)
     # the step's window, from the whole step's loads: these when they are the whole step
     step_loads_MLSE = loads_MLSE if step_loads_MLSE is None and total_layers is None else step_loads_MLSE

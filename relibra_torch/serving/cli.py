@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
+import time
 
 from ..checks import check_int, check_number
 from ..planning.pricing import HARDWARE, get_hardware
@@ -231,20 +233,30 @@ def setup_from_args(args):
 def run(args) -> int:
     from rich.console import Console
 
-    from .compare import compare
+    from .compare import compare, rate_notes
     from .report import print_report, write_json, write_plot
 
     setup = setup_from_args(args)  # checks the options, --jobs included, before the trace is read
     jobs = args.jobs
+    for note in rate_notes(setup.requests):  # before a search that such a rate makes long
+        print(f"relibra serve-sim: warning: {note}", file=sys.stderr, flush=True)
     console = Console()
-    if not console.is_terminal:  # a file or pipe: wide enough for the table's columns
+    t0 = time.perf_counter()
+    if console.is_terminal:
+        with console.status("searching configurations...") as status:
+            doc = compare(setup, progress=lambda s, i, n: status.update(f"{s} done ({i}/{n})"), workers=jobs)
+    else:  # a file or pipe: a line per system as it finishes, and a table wide enough for its columns
         console = Console(width=180)
-    with console.status("searching configurations...") as status:
-        doc = compare(setup, progress=lambda s, i, n: status.update(f"{s} done ({i}/{n})"),
-                      workers=jobs)
+        print(f"relibra serve-sim: searching {len(setup.systems)} system(s)", file=sys.stderr, flush=True)
+        doc = compare(setup, workers=jobs, progress=lambda s, i, n: print(
+            f"relibra serve-sim: {time.perf_counter() - t0:.0f} s: {s} done ({i}/{n})", file=sys.stderr, flush=True))
     print_report(doc, console)
     if args.json:
         write_json(doc, args.json)
     if args.plot:
         write_plot(doc, args.plot)
+    if not any(r["fits"] for r in doc["systems"].values()):
+        print("relibra serve-sim: error: no system has a configuration that fits this cluster (see the notes "
+              "above); add --nodes or pick a smaller model", file=sys.stderr)
+        return 2
     return 0

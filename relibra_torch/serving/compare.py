@@ -149,10 +149,17 @@ def span_notes(reqs: Requests, results: dict, consts) -> list[str]:
             notes.append(f"{system}: at its goodput ({g:,.0f} req/s) a run's {consts.max_trace_requests:,} requests "
                          f"(serving.max_trace_requests) span {consts.max_trace_requests / g:.0f} s, less than "
                          f"serving.min_trace_s = {consts.min_trace_s:g} s: raise the cap for a steady state")
-    if reqs.source.startswith("mooncake:") and len(reqs) > 1 and reqs.rate > 1000:
-        notes.append(f"the trace arrives at {reqs.rate:,.0f} req/s as recorded: Mooncake timestamps are read as "
-                     f"milliseconds; a file in seconds would look like this")
+    notes.extend(rate_notes(reqs))
     return notes
+
+
+def rate_notes(reqs: Requests) -> list[str]:
+    """A Mooncake trace whose recorded rate suggests seconds where milliseconds are read (known
+    before the search: the search is long at such rates, so the CLI says it first)."""
+    if reqs.source.startswith("mooncake:") and len(reqs) > 1 and reqs.rate > 1000:
+        return [f"the trace arrives at {reqs.rate:,.0f} req/s as recorded: Mooncake timestamps are read as "
+                f"milliseconds; a file in seconds would look like this"]
+    return []
 
 
 def context_notes(reqs: Requests, model) -> list[str]:
@@ -185,9 +192,13 @@ def trace_notes(num_requests: int, consts) -> list[str]:
 def _system_doc(system: str, best, configs, cl: Cluster, setup: CompareSetup) -> dict:
     G, gpn = cl.num_gpus, setup.gpus_per_node
     if best is None:
+        c = cl.cost
         return {"fits": False, "configs_tried": 0, "goodput": 0.0, "goodput_per_gpu": 0.0,
                 "goodput_per_node": 0.0,
-                "note": "no configuration fits: too little memory, or too few GPUs for its servers; add --nodes"}
+                "note": (f"no configuration fits: the weights take {c.expert_bytes_total() / 1e9:,.0f} GB of experts "
+                         f"plus {c.attention_side_bytes() / 1e9:,.0f} GB on every attention GPU, the longest request's "
+                         f"KV cache comes on top, and the {G} GPUs hold {c.usable_bytes() / 1e9:,.0f} GB each "
+                         f"(serving.mem_fraction of {c.hw.hbm_gb:g} GB); or too few GPUs for its servers; add --nodes")}
     if best.rate == float("inf"):  # the whole trace as one burst meets the SLO
         return {"fits": True, "configs_tried": len(configs), "config": dict(best.config.knobs),
                 "config_label": best.config.label(), "gpus_used": best.config.gpus, "goodput": None,

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from ..planning.topology import Topology
-from .report import static_imbalance
+from .report import format_seconds, static_imbalance
 from .simulator import REFERENCES, SimConfig, simulate
 from .workload import Workload
 
@@ -197,8 +197,8 @@ def print_layouts(rows: list[LayoutRow], console) -> None:
         table.add_column(col, justify="left" if col == "system" else "right", no_wrap=True)
     static = {r.ep_size: r.step_s for r in rows if r.system == "static"}
     for r in rows:
-        table.add_row(str(r.ep_size), str(r.groups), f"{r.static_imbalance:.2f}", r.system, f"{r.step_s:.2f} s",
-                      f"{r.grad_sync_s:.2f} s", f"{r.tokens_per_gpu_s:,.0f}", f"{static[r.ep_size] / r.step_s:.3f}x")
+        table.add_row(str(r.ep_size), str(r.groups), f"{r.static_imbalance:.2f}", r.system, format_seconds(r.step_s),
+                      format_seconds(r.grad_sync_s), f"{r.tokens_per_gpu_s:,.0f}", f"{static[r.ep_size] / r.step_s:.3f}x")
     console.print(table)
     h = headline(rows)
     if h:

@@ -119,6 +119,11 @@ def check_file_model(shape: FileShape, spec: ModelSpec | None, named_by: str, nu
     fix_model = ["--model-config PATH (the model's Hugging Face config.json)"]
     if fits:
         fix_model.append(f"--model {' or '.join(fits)}")
+    disagrees = spec is None or (shape.num_experts, shape.top_k, shape.num_moe_layers) != (
+        spec.num_experts, spec.top_k, spec.num_moe_layers) or shape.source_ranks not in (None, num_gpus)
+    if disagrees:  # a file that is broken in itself says so first: a fix of the model would not help
+        from .. import replay
+        (replay.load_loads if shape.kind == "loads" else replay.load_routing)(shape.path)
     if spec is None:
         raise ValueError(f"{name!r} has {shape.describe()} and "
                          f"{'model ' + repr(shape.model) if shape.model else 'no model metadata'}, "
