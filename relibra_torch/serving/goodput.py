@@ -184,7 +184,7 @@ def _beats(a: Goodput, b: Goodput) -> bool:
 
 def _may_reach(r: _Runs, t: int) -> bool:
     """False only when the configuration's goodput is provably below grid index ``t``
-    (1 <= t <= 32 max_doublings); the probes are cached for the scan.
+    (``|t| <= 32 max_doublings``); the probes are cached for the scan.
 
     Why. Let the scan end at g >= t, lo_i be the last point met at level i (step s_i; lo_0
     the last doubling, lo_m = g), and i the coarsest level with lo_i >= t. Every multiple of
@@ -194,7 +194,13 @@ def _may_reach(r: _Runs, t: int) -> bool:
     an earlier level's (lo_j >= e_j, else lo_i < lo_j + s_j <= e_j <= t). So goodput >= t
     needs, for some i, u_i met and e_j met for all j <= i; this refutes every i. For a
     configuration far below t one early-stopped run does it (e_0, the doubling at or below
-    t, missed); for one close below, e_0 met, e_1 (at most 3 steps below t) and u_0 missed."""
+    t, missed); for one close below, e_0 met, e_1 (at most 3 steps below t) and u_0 missed.
+
+    Below the trace's own rate (t <= 0; every configuration missed k = 0 in a trace recorded
+    faster than any serves it) the scan goes down the doublings to the first met, lo_0, then
+    up the finer levels below lo_0 + 32. A goodput >= t then has either a doubling in
+    [u_0, 0] met (lo_0 >= u_0 >= t), or lo_0 = e_0 and, within that doubling, the same chain
+    as above (e_j met for j <= i and u_i met for some i): both are refuted."""
     n = len(LEVELS)
     e = [s * (t // s) for s in LEVELS]
     u = [s * -(-t // s) for s in LEVELS]
@@ -202,7 +208,7 @@ def _may_reach(r: _Runs, t: int) -> bool:
     # (u_m = e_m = t). e_0 first: where the best is far above most configurations, one
     # missed run rules a configuration out.
     j = next((j for j in range(n) if not r.ok(e[j])), n)
-    return any(r.ok(u[i]) for i in range(j))
+    return any(r.ok(u[i]) for i in range(j)) or (t <= 0 and any(r.ok(d) for d in range(u[0], 1, LEVELS[0])))
 
 
 def best_config(configs: list[SystemConfig], cl: Cluster, reqs: Requests) -> Goodput | None:
@@ -284,8 +290,8 @@ def _branch_and_bound(runs: list[_Runs]) -> Goodput | None:
     The first configuration is scanned in full. Every other one needs grid index t = the
     best's (when it wins the tie) or one above, and is first probed (:func:`_may_reach`):
     one that the probes rule out has a lower goodput and is skipped; any other is scanned
-    (reusing the probes). Outside the range the probes cover (t < 1, past the doublings, or
-    an unbounded best) every configuration that could win is scanned.
+    (reusing the probes). Outside the range the probes cover (past the doublings either way,
+    or an unbounded best) every configuration that could win is scanned.
     """
     best: Goodput | None = None
     top = LEVELS[0] * MAX_DOUBLINGS
@@ -295,7 +301,7 @@ def _branch_and_bound(runs: list[_Runs]) -> Goodput | None:
             if best.k == K_UNBOUNDED and not wins_tie:
                 continue  # at most a tie that it loses
             t = best.k + (0 if wins_tie else 1)
-            if 1 <= t <= top and not _may_reach(r, t):
+            if -top <= t <= top and not _may_reach(r, t):
                 continue
         g = goodput(r.cfg, r.cl, r.reqs, _runs=r)
         if best is None or _beats(g, best):
