@@ -292,21 +292,26 @@ def _share_terms(M: int, L: int, topology: Topology, config, total_layers: int |
 
 def _below_L(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None) -> torch.Tensor:
     """bool ``[L]``: the layers whose tiers' margins are surely below both floors, from each
-    layer's pairs alone (one sum): the margins are at most ``P (c + (1 + scale / 2) (x + n) +
-    scale c / 3)`` plus the window's latency (``P`` a layer's pairs summed over micro-batches,
-    ``c`` a pair's compute, ``x`` and ``n`` a row across nodes and over NVLink: a GPU's busiest
-    load and its rows are at most the pairs; on one node the light tier's has ``(scale - 1) P
-    c`` more, its hot expert's estimate counted ``scale`` times)."""
+    layer's pairs alone (:func:`_pairs_below`)."""
     M, L = loads_MLSE.shape[:2]
+    return _pairs_below(loads_MLSE.sum((0, 2, 3)).to(torch.float64), M, L, topology, config, total_layers)
+
+
+def _pairs_below(pairs, M: int, L: int, topology: Topology, config, total_layers: int | None):
+    """Whether a layer with ``pairs`` token-expert pairs (summed over micro-batches; a float,
+    or float64 ``[L]``) has both tiers' margins surely below their floors: the margins are at
+    most ``P (c + (1 + scale / 2) (x + n) + scale c / 3)`` plus the window's latency (``P``
+    the pairs, ``c`` a pair's compute, ``x`` and ``n`` a row across nodes and over NVLink: a
+    GPU's busiest load and its rows are at most the pairs; on one node the light tier's has
+    ``(scale - 1) P c`` more, its hot expert's estimate counted ``scale`` times)."""
     share, scale, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
     c, rows = config.compute_s_per_token, config.cross_node_s_per_token + config.intra_node_s_per_token
-    pairs_L = loads_MLSE.sum((0, 2, 3)).to(torch.float64)
-    margin_L = (pairs_L * (c * (1 + scale / 3) + rows * (1 + scale / 2))
-                + scale * M * 0.5 * exchange_latency_s(topology, config))
+    margin = pairs * (c * (1 + scale / 3) + rows * (1 + scale / 2)) + scale * M * 0.5 * exchange_latency_s(topology,
+                                                                                                         config)
     # the hot expert's estimate (one node), counted scale times: at most the pairs' compute
-    light_margin_L = margin_L + (pairs_L * c * (scale - 1) if topology.num_nodes == 1 else 0.0)
-    return (margin_L - schedules < floor) & ((light <= 0) | (light_margin_L - light_schedule_share(topology) * schedules
-                                                             < light))
+    light_margin = margin + (pairs * c * (scale - 1) if topology.num_nodes == 1 else 0.0)
+    return (margin - schedules < floor) & ((light <= 0) | (light_margin - light_schedule_share(topology) * schedules
+                                                           < light))
 
 
 def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int | None,
@@ -318,12 +323,13 @@ def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int 
 
 def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None,
                  step_window: Callable[[float], float] | None) -> bool:
-    """Whether every layer surely keeps its placement: every margin below both floors
-    (:func:`_below_L`), and the step's window makes no layer free. Shares of steps too small
-    for any plan (a millisecond, 16 tokens per GPU) then skip the bounds."""
+    """Whether every layer surely keeps its placement: the margins of the layer with the most
+    pairs below both floors (:func:`_pairs_below`, one sum), and the step's window makes no
+    layer free. Shares of steps too small for any plan (a millisecond, 16 tokens per GPU) then
+    skip the bounds."""
     M, L = loads_MLSE.shape[:2]
-    return bool(_below_L(loads_MLSE, topology, config, total_layers).all()) and not _window_frees(
-        M, L, topology, config, total_layers, step_window)
+    return bool(_pairs_below(float(loads_MLSE.sum((0, 2, 3)).max()), M, L, topology, config, total_layers)) \
+        and not _window_frees(M, L, topology, config, total_layers, step_window)
 
 
 def any_planned(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
