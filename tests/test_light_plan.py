@@ -346,7 +346,8 @@ def test_the_light_tier_admits_a_collapsed_layer_on_its_hot_expert():
     with mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L):
         t = worth._tiers(loads, topo, prev, cfg, 12)
     assert t.scale == 6.0
-    hot, gain, window = float(t.hot_saving_L[0]), float(t.gain_L[0]), float(t.light_window_L()[0])
+    hot = float(hot_spread_saving_L(loads, topo, prev, cfg)[0])
+    gain, window = float(t.gain_L[0]), float(t.light_window_L()[0])
     assert 6 * hot > gain > 0
     floor = window + (gain + 6 * hot) / 2                        # between the bound once and the estimate
     with mock.patch.object(worth, "light_floor_s", lambda *a: floor), \
@@ -376,7 +377,7 @@ def test_a_layer_rides_the_light_plan_another_rank_runs():
     exact = mock.patch.object(worth, "_quick_bound_L", worth.gain_bound_L)
     with exact:
         t = worth._tiers(loads, topo, prev, cfg, L)
-    counted_L = torch.maximum(t.gain_L, t.scale * t.hot_saving_L) + t.light_window_L()
+    counted_L = torch.maximum(t.gain_L, t.scale * hot_spread_saving_L(loads, topo, prev, cfg)) + t.light_window_L()
     assert float(counted_L[0]) > float(counted_L[1:].max()) and float(t.gain_L[2]) < float(t.gain_L[1])
     floor = float(counted_L[0] + counted_L[1:].max()) / 2              # admits the collapsed layer alone
     part = float(t.gain_L[1] + t.gain_L[2]) / 2                        # covered by the half-collapsed bound
@@ -419,7 +420,8 @@ def test_split_planning_gives_the_whole_step_plan_with_riding_layers(seed, N, L,
     cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, plan_schedule_s=0.0,
                               light_share=LIGHT_SHARE)
     t = worth._tiers(loads, topo, prev, cfg, L)
-    top = (torch.maximum(t.gain_L, t.scale * t.hot_saving_L) + t.light_window_L()).sort(descending=True).values
+    hot_L = hot_spread_saving_L(loads, topo, prev, cfg)
+    top = (torch.maximum(t.gain_L, t.scale * hot_L) + t.light_window_L()).sort(descending=True).values
     floor = float(top[1] + floor_at * (top[0] - top[1]))
     part = float(part_at * t.gain_L.max())
     planner = ReLibraPlanner(topo, cfg)
@@ -430,3 +432,25 @@ def test_split_planning_gives_the_whole_step_plan_with_riding_layers(seed, N, L,
             got = planner.plan_layers(loads, [r])
             assert torch.equal(got.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, [r]])
             assert torch.equal(got.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, [r]])
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2]), L=st.integers(1, 4), M=st.integers(1, 4),
+       hot=st.sampled_from([0.0, 0.5, 0.95]), tokens=st.sampled_from([20, 100, 400]), total=st.sampled_from([1, 4, 12]),
+       floor_at=st.floats(0.0, 1.5))
+def test_the_hot_expert_estimate_is_skipped_only_where_it_cannot_admit(seed, N, L, M, hot, tokens, total, floor_at):
+    """The guard computes the hot expert's estimate only where ``scale`` times the bound could
+    reach the light floor; the tiers (light and riding) are those with the estimate computed."""
+    topo = Topology(N, 8 // N, 16, 2)
+    loads = torch.cat([_collapsed(topo, M, 1, seed + l, hot, tokens) for l in range(L)], 1)
+    prev, cfg = topo.static_placement(L), dataclasses.replace(PRICED, host_scale=0.5, host_scale_nodes=0.5)
+    total = max(total, L)
+    hot_L = hot_spread_saving_L(loads, topo, prev, cfg)
+    t = worth._tiers(loads, topo, prev, cfg, total)
+    floor = floor_at * max(float((t.scale * torch.maximum(t.gain_L, hot_L) + t.light_window_L()).max()), 1e-9)
+    with mock.patch.object(worth, "light_floor_s", lambda *a: floor):
+        t = worth._tiers(loads, topo, prev, cfg, total)
+    full = t._replace(hot_saving_L=hot_L)
+    assert torch.equal(t.light_L(), full.light_L()) and torch.equal(t.ride_L(), full.ride_L())
+    if t.hot_saving_L is None:   # the light tier off (a zero floor), or no layer within reach
+        assert floor <= 0 or bool((t.scale * t.gain_L + t.light_window_L() < floor).all())

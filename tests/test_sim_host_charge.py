@@ -269,3 +269,34 @@ def test_the_layers_host_code_is_imported_before_any_step_is_timed():
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_without_a_warm_up_step_each_planner_plans_the_first_step_once_untimed_on_a_copy(monkeypatch):
+    """A one-step run times the host code's first call in the process, 1-2 ms more than the
+    hook's steady state; the simulator plans that step once untimed on a copy of each planner
+    first. The copy leaves the planner's state alone: every figure but the host times equals
+    a run without it, and with a warm-up step no extra plan is made."""
+    from relibra_torch.sim import simulator
+
+    calls = []
+    real = simulator._warm_up
+    monkeypatch.setattr(simulator, "_warm_up", lambda planner, *a: calls.append(type(planner).__name__) or real(planner, *a))
+    systems = ("static", "eplb", "eplb-oracle", "online-global", "relibra", "uniform")
+    wl = workload_from_loads(_loads(X=2), MODEL, TOPO, 128)
+    cfg = SimConfig(MODEL, HW, TOPO, systems, warmup_steps=0)
+    warm = simulate(wl, cfg).figures()
+    assert sorted(calls) == sorted(["StaticPlanner", "EPLBPlanner", "EPLBPlanner", "OnlinePlanner",
+                                    "ReLibraPlanner"]), calls
+    monkeypatch.setattr(simulator, "_warm_up", lambda *a: None)
+    cold = simulate(wl, cfg).figures()
+    host = {"planner_s", "host_cpu_s", "planning_charged_s", "step_time_s", "speedup_vs_static",
+            "speedup_vs_eplb_oracle", "fraction_of_bound", "fraction_of_uniform", "overlap_window_s"}
+    for name in systems:
+        same = {k: v for k, v in warm[name].items() if k not in host}
+        assert same == {k: v for k, v in cold[name].items() if k not in host}, name
+        assert warm[name]["step_time_s"] - warm[name]["planning_charged_s"] == pytest.approx(
+            cold[name]["step_time_s"] - cold[name]["planning_charged_s"])
+    calls.clear()
+    monkeypatch.setattr(simulator, "_warm_up", lambda planner, *a: calls.append(planner))
+    simulate(wl, dataclasses.replace(cfg, warmup_steps=1))
+    assert calls == []

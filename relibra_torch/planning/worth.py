@@ -195,7 +195,8 @@ class Tiers(NamedTuple):
     scaled as the window (full search's; the light plan's are :func:`light_schedule_share`
     of them, ``light_schedules``); the floors ``F`` and ``F'``; and ``scale = L / ceil(L / G)``, the layers whose
     savings one share-layer's host time buys, which the light plan's keep rule counts
-    (module docstring)."""
+    (module docstring); ``hot_saving_L``: the hot expert's estimate, ``None`` where it could
+    not admit a layer (``scale`` times the bound below the light floor) and was not computed."""
 
     gain_L: torch.Tensor
     window_L: torch.Tensor
@@ -264,12 +265,17 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
 
     # the light tier's terms read the counts, not the bound: computed once for both bounds
     light_layer = light_layer_s(topology, config, loads_MLSE.shape[0]) if light > 0 else 0.0
-    hot_L = hot_spread_saving_L(loads_MLSE, topology, placement_LE, config) if light > 0 else None
+    hot: list[torch.Tensor] = []
 
     def tiers(bound) -> Tiers:
         gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
-        return Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology),
-                     light_layer=light_layer, hot_saving_L=hot_L)
+        t = Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology),
+                  light_layer=light_layer)
+        # the hot expert's estimate is at most the bound's compute part, so it admits a layer
+        # only where scale times the bound would: elsewhere it is not computed (same tiers)
+        if not hot and light > 0 and bool((scale * gain_L + t.light_window_L() >= light).any()):
+            hot.append(hot_spread_saving_L(loads_MLSE, topology, placement_LE, config))
+        return t._replace(hot_saving_L=hot[0]) if hot else t
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
         if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
