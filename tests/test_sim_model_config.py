@@ -178,6 +178,8 @@ def test_per_modality_lists_are_read_for_the_text_modality():
     (dict(moe_layers_enum="1,9"), "moe_layers_enum = '1,9'; allowed: layer indices 0..3"),
     (dict(num_key_value_heads=8), "num_key_value_heads = 8 with num_attention_heads = 4; allowed: a divisor of 4"),
     (dict(num_key_value_heads=3), "num_key_value_heads = 3 with num_attention_heads = 4; allowed: a divisor of 4"),
+    (dict(num_attention_heads=6, num_key_value_heads=2), "num_attention_heads = 6 does not divide hidden_size = 64 "
+                                                         "and the config has no head_dim"),
     (dict(n_group=2, topk_group=3), "topk_group = 3 with n_group = 2; allowed: 0..2"),
     (dict(moe_intermediate_size=[32, 64]), "moe_intermediate_size has 2 entries; allowed: one int, or one per layer"),
 ])

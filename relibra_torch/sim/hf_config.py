@@ -133,6 +133,10 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
     if (kv_heads > heads or heads % kv_heads) and not f.int("kv_lora_rank", 0, minimum=0):
         raise ValueError(f"--model-config {f.where}: {f.key('kv_heads')} = {kv_heads} with {f.key('heads')} = "
                          f"{heads}; allowed: a divisor of {heads} (grouped-query attention)")
+    if D % heads and f.key("head_dim") is None and not f.int("kv_lora_rank", 0, minimum=0):
+        raise ValueError(f"--model-config {f.where}: {f.key('heads')} = {heads} does not divide {f.key('hidden')} = "
+                         f"{D} and the config has no head_dim; allowed: a head count that divides the hidden "
+                         f"size, or the field head_dim")
     out = dict(num_heads=heads, num_kv_heads=kv_heads,
                head_dim=f.int("head_dim", D // heads if D % heads == 0 else None))
     if f.int("kv_lora_rank", 0, minimum=0):
