@@ -238,6 +238,10 @@ def test_routing_and_loads_files_give_inclusion_probabilities(tmp_path):
     assert torch.allclose(popularity_from_file(str(loads), 2, 4, 2), pi)
     with pytest.raises(ValueError, match=r"has \(layers, experts, top_k\) = \(2, 4, 2\) but the model has"):
         popularity_from_file(str(path), 3, 4, 2)
+    # the fix names the fields that differ, the layer count keeping the model's dense layers
+    with pytest.raises(ValueError, match=r"or --set model.num_moe_layers=2 --set model.top_k=2 "
+                                         r"--set model.num_layers=3 \(keeps the model's other dims\)$"):
+        popularity_from_file(str(path), 3, 4, 8, dense_layers=1)
 
 
 def test_the_model_and_the_runtime_share_one_decode_rule():

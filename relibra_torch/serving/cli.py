@@ -210,7 +210,8 @@ def setup_from_args(args):
         if args.output_len is not None:
             reqs = reqs.with_output(check_int("--output-len", args.output_len))
     if args.routing:
-        pi = popularity_from_file(args.routing, model.num_moe_layers, model.num_experts, model.top_k)
+        pi = popularity_from_file(args.routing, model.num_moe_layers, model.num_experts, model.top_k,
+                                  model.num_dense_layers)
         routing = f"routing file {os.path.basename(args.routing)}"
     else:
         pi = synthetic_popularity(model.num_moe_layers, model.num_experts, model.top_k, args.seed)

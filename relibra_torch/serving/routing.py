@@ -46,7 +46,8 @@ def synthetic_popularity(num_layers: int, num_experts: int, top_k: int, seed: in
                                          seed=seed)).clone()
 
 
-def popularity_from_file(path: str, num_layers: int, num_experts: int, top_k: int) -> torch.Tensor:
+def popularity_from_file(path: str, num_layers: int, num_experts: int, top_k: int,
+                         dense_layers: int = 0) -> torch.Tensor:
     """float64 ``[L, E]`` inclusion probabilities counted from a routing replay or loads file."""
     from .. import replay
     from ..replay.fileio import read_header
@@ -68,8 +69,13 @@ def popularity_from_file(path: str, num_layers: int, num_experts: int, top_k: in
         raise ValueError(f"--routing {path!r} has format {fmt!r}; allowed: {replay.ROUTING_FORMAT!r} or "
                          f"{replay.LOADS_FORMAT!r}")
     if shape != (num_layers, num_experts, top_k):
+        sets = [f"--set model.{field}={got}" for field, got, want in zip(
+            ("num_moe_layers", "num_experts", "top_k"), shape, (num_layers, num_experts, top_k)) if got != want]
+        if shape[0] != num_layers:  # keep the model's dense layers
+            sets.append(f"--set model.num_layers={shape[0] + dense_layers}")
         raise ValueError(f"--routing {path!r} has (layers, experts, top_k) = {shape} but the model has "
-                         f"{(num_layers, num_experts, top_k)}; pass the matching --model or --model-config")
+                         f"{(num_layers, num_experts, top_k)}; pass the matching --model or --model-config, "
+                         f"or {' '.join(sets)} (keeps the model's other dims)")
     if tokens <= 0:
         raise ValueError(f"--routing {path!r} holds no tokens")
     return (counts_LE / tokens).clamp(max=1.0)
