@@ -104,6 +104,21 @@ def test_planners_are_deterministic(problem):
     assert first == second
 
 
+def test_a_copy_that_closes_the_gap_beats_one_that_moves_more_remote_tokens():
+    """Found by the property test below in a clean-clone CI run: with one replica slot per
+    GPU, node 0's busiest GPU gave expert 2 (228 tokens, 199 of them from the other node,
+    which the greedy counts twice) instead of expert 1 (312 tokens, exactly its excess), and
+    stayed 64 tokens above the node's balance, at a higher price in the planner's own terms."""
+    topo = Topology(2, 2, 12, 1)
+    loads = torch.tensor([[[[132, 136, 5, 0, 4, 2, 0, 64, 98, 0, 0, 127],
+                            [2, 143, 24, 1, 3, 0, 0, 2, 185, 0, 0, 166],
+                            [0, 29, 15, 7, 0, 0, 0, 0, 0, 0, 14, 0],
+                            [0, 4, 184, 0, 6, 27, 37, 0, 0, 59, 0, 11]]]])
+    plan = relibra_plan(loads, topo, config=ReLibraConfig(reorder=False, replica_fill_s_per_expert=0.0,
+                                                          cross_node_replicas=False))
+    assert evaluate(plan, loads).gpu_load_MLG.tolist() == [[[362, 362, 381, 382]]]
+
+
 @SETTINGS
 @given(problems())
 def test_replication_never_raises_the_max_load(problem):

@@ -171,7 +171,12 @@ def _rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, 
         room = np.maximum(target - np.where(below, load, big).min(-1), 0)
         cand = giveable[rows, h]
         movable = np.minimum(cand, room[:, None])
-        idx = np.where(movable >= need_K, movable + np.minimum(movable, give_remote[rows, h]), -1).argmax(-1)
+        # an expert whose one copy closes the gap (moves all the giver's excess, or fills the
+        # receiver) comes first: a copy that leaves the giver above the target for fewer remote
+        # tokens priced higher (the remote ones are only the giver's inter-node receive)
+        closes = movable >= np.minimum(np.maximum(excess, 0), room)[:, None]
+        score = movable + np.minimum(movable, give_remote[rows, h]) + closes * (2 * cand.max(-1, keepdims=True) + 1)
+        idx = np.where(movable >= need_K, score, -1).argmax(-1)
         expert_B = give_expert[rows, h, idx]
         holds = (rep_expert == expert_B[:, None, None]).any(-1)             # a GPU holds it already
         can_take = below & ~holds
