@@ -97,7 +97,10 @@ def rounds(load, target, used, giveable, give_remote, give_expert, rep_expert, r
         cand = giveable[rows, h]
         movable = torch.minimum(cand, room.unsqueeze(1))
         pays = movable >= need_K
-        idx = (movable + torch.minimum(movable, give_remote[rows, h])).masked_fill(~pays, -1).argmax(-1)
+        # a copy that closes the gap (all the giver's excess, or the receiver's deficit) first
+        closes = movable >= torch.minimum(excess.clamp(min=0), room).unsqueeze(1)
+        score = movable + torch.minimum(movable, give_remote[rows, h]) + closes * (2 * cand.amax(-1, keepdim=True) + 1)
+        idx = score.masked_fill(~pays, -1).argmax(-1)
         expert_B = give_expert[rows, h, idx]
         holds = (rep_expert == expert_B.view(B, 1, 1)).any(-1)             # a GPU holds it already
         can_take = (used < R) & (load < target.unsqueeze(1)) & ~holds
