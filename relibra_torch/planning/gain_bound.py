@@ -12,7 +12,7 @@ import torch
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["gain_bound_L", "quick_bound_L"]
+__all__ = ["gain_bound_L", "owner_loads", "quick_bound_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -91,9 +91,17 @@ def quick_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
     """:func:`gain_bound_L` on one node with each GPU's all-to-all rows bounded by all it
     sends and all it receives (its own pairs counted too), from two sums of the loads
     instead of the pairs per (source, GPU): both parts are at least :func:`gain_bound_L`'s."""
+    gpu_MLG = owner_loads(loads_MLSE, topology, placement_LE)[1]
+    rows_ML = torch.maximum(loads_MLSE.sum(3).amax(-1), gpu_MLG.amax(-1))
+    return _gain_and_forward_L(gpu_MLG, rows_ML.to(torch.float64) * config.intra_node_s_per_token, topology, config)
+
+
+def owner_loads(loads_MLSE: torch.Tensor, topology: Topology,
+                placement_LE: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int64 ``(load_MLE, gpu_MLG)``: each expert's tokens summed over sources, and each GPU's
+    with every expert on its owner under ``placement_LE`` (no copy)."""
     load_MLE = loads_MLSE.to(torch.int64).sum(2)
     M, L, E = load_MLE.shape
     gpu_MLG = torch.zeros(M, L, topology.num_gpus, dtype=torch.int64).scatter_add_(
         2, (placement_LE // topology.experts_per_gpu).expand(M, L, E), load_MLE)
-    rows_ML = torch.maximum(loads_MLSE.sum(3).amax(-1), gpu_MLG.amax(-1))
-    return _gain_and_forward_L(gpu_MLG, rows_ML.to(torch.float64) * config.intra_node_s_per_token, topology, config)
+    return load_MLE, gpu_MLG

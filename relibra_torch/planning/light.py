@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from .choose import native_slots
+from .gain_bound import owner_loads
 from .gpu_pack import pack_gpus
 from .plain import layers_price
 from .plan import StepPlan
@@ -151,22 +152,20 @@ def hot_spread_saving_L(loads_MLSE: torch.Tensor, topology, placement_LE: torch.
     plan's saving and elsewhere below it. 0 across nodes, without replica slots, and where the
     light plan makes no copy (``worth.Tiers``'s light admission counts it ``L / ceil(L / G)``
     times, ``docs/results.md``, "The light tier admits a collapsed layer on its hot expert")."""
-    M, L, S, E = loads_MLSE.shape
+    M, L = loads_MLSE.shape[:2]
     min_tokens = config.min_replica_tokens_on(topology.num_nodes)
     zero_L = torch.zeros(L, dtype=torch.float64)
     if (topology.num_nodes > 1 or topology.replica_slots == 0 or not config.balance or L == 0
             or min_tokens == torch.iinfo(torch.int64).max):
         return zero_L
     G = topology.num_gpus
-    load_MLE = loads_MLSE.to(torch.int64).sum(2)
-    owner_LE = placement_LE // topology.experts_per_gpu
-    gpu_MLG = torch.zeros(M, L, G, dtype=torch.int64).scatter_add_(2, owner_LE.expand(M, L, E), load_MLE)
+    load_MLE, gpu_MLG = owner_loads(loads_MLSE, topology, placement_LE)
     hot_L = load_MLE.sum(0).argmax(-1)                                                  # the hottest expert
     w_ML = load_MLE.gather(2, hot_L.view(1, L, 1).expand(M, L, 1)).squeeze(-1)
     w_L = w_ML.sum(0).to(torch.float64)
     # the margin rule's instances: the largest n <= G with n (n - 1) <= w / min_tokens
     n_L = ((1 + (1 + 4 * w_L / max(min_tokens, 1)).sqrt()) / 2).floor().clamp(1, G)
-    owner_L = owner_LE.gather(1, hot_L.view(L, 1)).squeeze(-1)
+    owner_L = placement_LE.gather(1, hot_L.view(L, 1)).squeeze(-1) // topology.experts_per_gpu
     mine_ML = gpu_MLG.gather(2, owner_L.view(1, L, 1).expand(M, L, 1)).squeeze(-1).to(torch.float64)
     others_ML = gpu_MLG.scatter(2, owner_L.view(1, L, 1).expand(M, L, 1), 0).amax(-1).to(torch.float64)
     share_ML = w_ML.to(torch.float64) / n_L

@@ -216,7 +216,11 @@ class Tiers(NamedTuple):
     def full_L(self) -> torch.Tensor:
         """bool ``[L]``: worth the full search, ``U_l + W_l >= F`` (the bound counted once), or
         free: ``F`` and the schedules fit the share's part of the step's window."""
-        return (self.margin_L() >= self.floor) | (self.floor + self.schedules_s <= self.free_window)
+        return (self.margin_L() >= self.floor) | self.search_free()
+
+    def search_free(self) -> bool:
+        """Whether the share's part of the step's window holds the full search and its schedules."""
+        return self.floor + self.schedules_s <= self.free_window
 
     def light_window_L(self) -> torch.Tensor:
         """``W'_l``: the window less the light plan's schedules."""
@@ -391,8 +395,7 @@ def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placemen
     light_L = ~worth_L & tiers.light_L()
     ride_L = tiers.ride_L()
     if bool(ride_L.any()):  # where another layer of the step is planned (these, or others_planned())
-        M, L = loads_MLSE.shape[:2]
-        if not _window_frees(M, L, topology, config, total_layers, step_window):  # a layer a share keeps
+        if not tiers.search_free():  # a layer its share would keep whole does not ride
             ride_L &= ~_below_L(loads_MLSE, topology, config, total_layers)
         if bool(ride_L.any()) and (bool(worth_L.any() or light_L.any()) or (others_planned is not None
                                                                             and others_planned())):

@@ -328,9 +328,15 @@ def _warm_up(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor
     warm-up step would otherwise charge as a step's host work."""
     plan, _, splits = plan_as_run(copy.deepcopy(planner), loads_MLSE, pairs_LEE, config)
     if getattr(planner, "host_token_splits", False):
-        from ..moe.schedule_batch import rank_schedules
-        split_MLSGJ, native_L = splits if splits is not None else (None, None)
-        rank_schedules(plan, loads_MLSE, 0, split_MLSGJ, native_L=native_L)
+        _rank0_schedules(plan, loads_MLSE, splits)
+
+
+def _rank0_schedules(plan: StepPlan, loads_MLSE: torch.Tensor, splits: tuple[torch.Tensor, torch.Tensor] | None):
+    """Rank 0's schedules of every micro-batch, as ``ReplayBalancer.plan_step`` builds them after
+    planning (``splits``: the ranks' token splits and native layers, or ``None``)."""
+    from ..moe.schedule_batch import rank_schedules  # the layer's host code
+    split_MLSGJ, native_L = splits if splits is not None else (None, None)
+    rank_schedules(plan, loads_MLSE, 0, split_MLSGJ, native_L=native_L)
 
 
 def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None,
@@ -436,10 +442,7 @@ def _charge_host_work(host: dict[str, list[float]], plan, loads_MLSE: torch.Tens
     elif not host_splits:
         work = planner_s
     else:  # what ReplayBalancer.plan_step does after planning: every micro-batch's schedules
-        from ..moe.schedule_batch import rank_schedules  # the layer's host code
-        split_MLSGJ, native_L = splits if splits is not None else (None, None)
-        work = planner_s + one_thread_cpu(lambda: rank_schedules(plan, loads_MLSE, 0, split_MLSGJ,
-                                                                  native_L=native_L))[1]
+        work = planner_s + one_thread_cpu(lambda: _rank0_schedules(plan, loads_MLSE, splits))[1]
     charged = max(0.0, work - window)
     c.step_s += charged
     host["host_s"].append(work)
