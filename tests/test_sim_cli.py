@@ -275,3 +275,17 @@ def test_a_json_write_that_fails_after_the_run_names_the_option(tmp_path, monkey
     with pytest.raises(ValueError, match="Out of range float"):   # a non-finite number: nothing written
         report.write_json({"a": float("inf")}, str(target))
     assert json.loads(target.read_text()) == {"a": 1}
+
+
+def test_the_docs_example_config_runs(tmp_path, capsys):
+    """docs/simulator.md's example config file is accepted as written (its model fits its
+    cluster's memory); only the run's size is cut on the command line, which wins."""
+    from pathlib import Path
+    text = (Path(__file__).resolve().parents[1] / "docs" / "simulator.md").read_text()
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    cfg = tmp_path / "example.toml"
+    cfg.write_text(example)
+    rc, out, err = run(capsys, "--config", str(cfg), "--no-progress", "--steps", "2", "--micro-batches", "1",
+                       "--micro-batch-tokens", "64", "--systems", "static,relibra")
+    assert rc == 0, err
+    assert "relibra" in out
