@@ -328,7 +328,13 @@ def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int 
                   step_window: Callable[[float], float] | None) -> bool:
     """Whether the share's part of the step's window holds the full search and its schedules."""
     share, _, floor, _, schedules = _share_terms(M, L, topology, config, total_layers)
-    return step_window is not None and step_window((floor + schedules) * share) / share >= floor + schedules
+    return step_window is not None and floor + schedules <= _share_window(step_window, floor + schedules, share)
+
+
+def _share_window(step_window: Callable[[float], float], need: float, share: int) -> float:
+    """The share's part of the step's window, ``step_window(at_least) / share``, asked for at
+    least what ``share`` layers' searches need (``need`` each): below that no layer is free."""
+    return step_window(need * share) / share
 
 
 def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None,
@@ -358,7 +364,7 @@ def _with_free_window(tiers: Tiers, step_window: Callable[[float], float] | None
     which no layer is free)."""
     if step_window is None or bool(tiers.full_L().all()):
         return tiers
-    return tiers._replace(free_window=step_window((tiers.floor + tiers.schedules_s) * share) / share)
+    return tiers._replace(free_window=_share_window(step_window, tiers.floor + tiers.schedules_s, share))
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,

@@ -242,12 +242,12 @@ def run(args) -> int:
     for note in rate_notes(setup.requests):  # before a search that such a rate makes long
         print(f"relibra serve-sim: warning: {note}", file=sys.stderr, flush=True)
     console = Console()
-    t0 = time.perf_counter()
     if console.is_terminal:
         with console.status("searching configurations...") as status:
             doc = compare(setup, progress=lambda s, i, n: status.update(f"{s} done ({i}/{n})"), workers=jobs)
     else:  # a file or pipe: a line per system as it finishes, and a table wide enough for its columns
         console = Console(width=180)
+        t0 = time.perf_counter()
         print(f"relibra serve-sim: searching {len(setup.systems)} system(s)", file=sys.stderr, flush=True)
         doc = compare(setup, workers=jobs, progress=lambda s, i, n: print(
             f"relibra serve-sim: {time.perf_counter() - t0:.0f} s: {s} done ({i}/{n})", file=sys.stderr, flush=True))
