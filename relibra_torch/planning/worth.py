@@ -262,8 +262,8 @@ class Tiers(NamedTuple):
 def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
            total_layers: int | None, step_window: Callable[[float], float] | None = None) -> Tiers:
     """The guard's :class:`Tiers` of each layer (module docstring). On one node, where a
-    cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below both tiers,
-    that bound's instead: it decides the same, in about half the time."""
+    cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below both tiers and
+    lets none ride, that bound's instead: it decides the same, in about half the time."""
     share, scale, floor, light, schedules = _share_terms(loads_MLSE.shape[0], loads_MLSE.shape[1], topology, config,
                                                          total_layers)
 
@@ -282,7 +282,9 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
         return t._replace(hot_saving_L=hot[0]) if hot else t
     if topology.num_nodes == 1:
         quick = tiers(_quick_bound_L)
-        if not bool(quick.full_L().any()) and not bool(quick.light_L().any()):
+        # nor may it let a layer ride that the exact bound would not (split planning, where a
+        # rank's share is that layer, would then plan what the whole-step plan keeps)
+        if not bool(quick.full_L().any() or quick.light_L().any() or quick.ride_L().any()):
             return _with_free_window(quick, step_window, share)
     return _with_free_window(tiers(gain_bound_L), step_window, share)
 
