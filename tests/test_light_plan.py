@@ -407,9 +407,10 @@ def test_a_layer_rides_the_light_plan_another_rank_runs():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2]), L=st.integers(2, 8), M=st.integers(1, 4),
        hots=st.lists(st.sampled_from([0.0, 0.5, 0.8, 0.95]), min_size=8, max_size=8),
-       floor_at=st.floats(0.05, 0.95), part_at=st.floats(0.0, 1.0))
-@example(seed=0, N=1, L=4, M=1, hots=[0.0, 0.0, 0.8, 0.95, 0.0, 0.0, 0.0, 0.0], floor_at=0.5, part_at=0.203125)
-def test_split_planning_gives_the_whole_step_plan_with_riding_layers(seed, N, L, M, hots, floor_at, part_at):
+       floor_at=st.floats(0.05, 0.95), part_at=st.floats(0.0, 1.0), dispatch=st.sampled_from(["flat", "hierarchical"]))
+@example(seed=0, N=1, L=4, M=1, hots=[0.0, 0.0, 0.8, 0.95, 0.0, 0.0, 0.0, 0.0], floor_at=0.5, part_at=0.203125,
+         dispatch="flat")
+def test_split_planning_gives_the_whole_step_plan_with_riding_layers(seed, N, L, M, hots, floor_at, part_at, dispatch):
     """One-layer shares on eight GPUs, the light floor drawn between the two highest margins
     (one layer admitted) and its per-layer part below the highest gain bound (others may
     ride): every rank's share plans as the whole step does, so a layer rides on its rank, which
@@ -420,12 +421,12 @@ def test_split_planning_gives_the_whole_step_plan_with_riding_layers(seed, N, L,
     loads = torch.cat([_collapsed(topo, M, 1, seed + l, hots[l], tokens=200) for l in range(L)], 1)
     prev = topo.static_placement(L)
     cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, plan_schedule_s=0.0,
-                              light_share=LIGHT_SHARE)
+                              light_share=LIGHT_SHARE, dispatch=dispatch, top_k=2 if dispatch == "hierarchical" else 0)
     t = worth._tiers(loads, topo, prev, cfg, L)
     hot_L = hot_spread_saving_L(loads, topo, prev, cfg)
-    top = (torch.maximum(t.gain_L, t.scale * hot_L) + t.light_window_L()).sort(descending=True).values
+    top = (torch.maximum(t.light_bound_L(), t.scale * hot_L) + t.light_window_L()).sort(descending=True).values
     floor = float(top[1] + floor_at * (top[0] - top[1]))
-    part = float(part_at * t.gain_L.max())
+    part = float(part_at * t.light_bound_L().max())
     planner = ReLibraPlanner(topo, cfg)
     with mock.patch.object(worth, "light_floor_s", lambda *a: floor), \
             mock.patch.object(worth, "light_layer_s", lambda *a: part):

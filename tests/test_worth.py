@@ -21,6 +21,7 @@ from relibra_torch.planning.price import exchange_latency_s, moe_seconds_ML
 from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLAN_FLOOR_S, PLAN_LAYER_NODES_S,
                                             PLAN_LAYER_S, PLAN_SCHEDULE_S, priced_config, relibra_config_for)
 from relibra_torch.planning.light import hot_spread_saving_L
+from relibra_torch.planning.gain_bound import gain_bounds_L
 from relibra_torch.planning.worth import gain_bound_L, layer_floor_s, worth_planning_L
 from relibra_torch.sim import get_hardware
 from relibra_torch.sim.baselines import BaselineOptions
@@ -61,8 +62,11 @@ def test_gain_bound_covers_the_ideal_plan(seed, N, g, El, M, L, skew, dispatch, 
     gain_L, forward_L = gain_bound_L(loads_MLSE, topo, placement_LE, config)
     scale = float(saving_L.abs().max()) + 1e-9
     assert bool((gain_L >= saving_L - 1e-9 * scale).all()), (gain_L, saving_L)
+    tight_L, light_L, _ = gain_bounds_L(loads_MLSE, topo, placement_LE, config)
+    assert torch.equal(tight_L, gain_L) and bool((light_L >= gain_L).all())      # the light tier's is looser
     if dispatch == "flat" or top_k == 0:
         torch.testing.assert_close(gain_L, saving_L, rtol=1e-9, atol=1e-15)
+        assert torch.equal(light_L, gain_L)
     assert bool((forward_L >= 0).all())
 
 
@@ -117,6 +121,43 @@ def test_hierarchical_bound_is_tighter_than_nothing():
     hier = dataclasses.replace(PRICED, dispatch="hierarchical", top_k=4)
     assert float(gain_bound_L(loads_MLSE, topo, placement_LE, hier)[0].sum()) < 2 * float(
         gain_bound_L(loads_MLSE, topo, placement_LE, flat)[0].sum())
+
+
+@pytest.mark.parametrize("g", [1, 2])
+def test_the_hierarchical_bound_counts_a_token_once_per_node_and_gpu(g):
+    """Under hierarchical dispatch a token is one row per remote node and per GPU however
+    many of its top-k experts sit there: where every token of a source picks both experts of
+    one GPU of the other node (not its landing GPU when ``g`` is 2), the bound is the exact
+    saving. Bounding rows by pairs alone counted each token twice there."""
+    topo = Topology(2, g, 4 * g, 2)
+    S, E, El, T = topo.num_gpus, topo.num_experts, topo.experts_per_gpu, 30
+    placement_LE = topo.static_placement(1)
+    loads_MLSE = torch.zeros(1, 1, S, E, dtype=torch.int64)
+    for s in range(S):
+        target = (s + g + (1 if g > 1 else 0)) % S if g > 1 else (s + 1) % S   # the other node
+        target = target if target // g != s // g else (target + g) % S
+        loads_MLSE[0, 0, s, target * El:(target + 1) * El] = T + s        # both experts of that GPU
+    config = dataclasses.replace(PRICED, dispatch="hierarchical", top_k=El, reorder=False)
+    kept = keep_plan(loads_MLSE, topo, placement_LE, config)
+    total_ML = loads_MLSE.sum((2, 3))
+    ideal_ML = ((total_ML + topo.num_gpus - 1) // topo.num_gpus).to(torch.float64) * config.compute_s_per_token
+    saving_L = (moe_seconds_ML(kept, loads_MLSE, config) - ideal_ML - exchange_latency_s(topo, config)).sum(0)
+    gain_L, _ = gain_bound_L(loads_MLSE, topo, placement_LE, config)
+    torch.testing.assert_close(gain_L, saving_L, rtol=1e-9, atol=1e-15)
+
+
+def test_the_full_search_admits_on_the_token_bound_and_the_light_tier_on_the_pair_bound():
+    """Between the two bounds a floor refuses the full search (its host time grows with the
+    load; the token bound says no plan repays it) and admits the light plan (the looser
+    bound, its host time bounded by its floor), and a layer rides on the looser bound too."""
+    from relibra_torch.planning.worth import Tiers
+    one = torch.tensor([1.0e-3], dtype=torch.float64)
+    t = Tiers(gain_L=one, window_L=0 * one, schedules_s=0.0, floor=2e-3, light_floor=2e-3, scale=1.0,
+              light_layer=2e-3, light_gain_L=3 * one)
+    assert t.full_L().tolist() == [False] and t.light_L().tolist() == [True]
+    low = t._replace(light_floor=4e-3)
+    assert low.light_L().tolist() == [False] and low.ride_L().tolist() == [True]    # 3 ms covers the 2 ms part
+    assert t._replace(light_gain_L=None).light_L().tolist() == [False]              # U_l alone: below
 
 
 def _mixed_loads(topo: Topology, M: int = 4):

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from .hier_estimate import hierarchical_traffic
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["gain_bound_L", "owner_loads", "quick_bound_L"]
+__all__ = ["gain_bound_L", "gain_bounds_L", "owner_loads", "quick_bound_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -23,38 +24,20 @@ def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> tor
         3, owner_LE.view(1, L, 1, E).expand(M, L, S, E), loads_MLSE.to(torch.int64))
 
 
-def _a2a_rows(flow_MLSG: torch.Tensor, topology: Topology, hierarchical: bool) -> tuple[torch.Tensor, ...]:
-    """Per-GPU ``(cross send, cross receive, intra send, intra receive)`` ``[M, L, G]`` of the
-    kept placement: exact pairs under flat dispatch (:func:`planning.price.a2a_parts_ML`);
-    under hierarchical dispatch bounds of its rows (``hier_estimate.hierarchical_traffic``),
-    whose counts are expected tokens, each at most its pairs:
-
-    * cross send of ``s``: one row per (token, remote node) <= pairs to remote nodes;
-    * cross receive of landing GPU ``(n, i)``: the rows of the sources of local index ``i``
-      on other nodes for node ``n`` <= their pairs to node ``n``;
-    * intra send of ``q``: its pairs to the other GPUs of its node, plus what it forwards as
-      a landing GPU <= the pairs its remote sources send to its node's other GPUs;
-    * intra receive of ``q``: at most every pair sent to it by another GPU."""
+def _hierarchical_rows(flow_MLSG: torch.Tensor, topology: Topology, cap_MLS: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-GPU ``(cross send, cross receive, intra send, intra receive)`` ``[M, L, G]``: bounds
+    of the kept placement's rows under hierarchical dispatch, ``hier_estimate.hierarchical_traffic``
+    (the rule the planner's price applies to its count-level estimate) of upper bounds of that
+    estimate's counts. Its tokens of a source with a pair on a GPU, or on a remote node, are at
+    most those pairs and at most ``cap_MLS``, when that is the source's tokens."""
     M, L, S, G = flow_MLSG.shape
     N, g = topology.num_nodes, topology.gpus_per_node
-    cs, cr, is_, ir = flat_rows(flow_MLSG, topology)
-    if not hierarchical:
-        return cs, cr, is_, ir
-    node_G = torch.arange(G) // g
-    node_MLSN = flow_MLSG.view(M, L, S, N, g).sum(-1)                     # pairs to each node
-    land_SN = torch.arange(N).view(1, N) * g + (torch.arange(S) % g).view(S, 1)
-    at_land = flow_MLSG.gather(3, land_SN.view(1, 1, S, N).expand(M, L, S, N))
-    remote_SN = node_G.view(S, 1) != torch.arange(N).view(1, N)
-
-    def by_landing(x_MLSN: torch.Tensor) -> torch.Tensor:
-        """``[M, L, G]``: per landing GPU ``(n, i)``, the sum over remote sources of index ``i``."""
-        per = (x_MLSN * remote_SN).view(M, L, N, g, N).sum(2)              # [M, L, i, n]
-        return per.transpose(2, 3).reshape(M, L, G)
-
-    cr = by_landing(node_MLSN)
-    forwarded = by_landing(node_MLSN - at_land)
-    ir = flow_MLSG.sum(2) - flow_MLSG.diagonal(dim1=2, dim2=3)
-    return cs, cr, is_ + forwarded, ir
+    cap_MLS1 = cap_MLS.unsqueeze(-1)
+    copies_MLSG = torch.minimum(flow_MLSG, cap_MLS1)
+    remote_SN = (torch.arange(S) // g).view(S, 1) != torch.arange(N).view(1, N)
+    cross_MLSN = torch.minimum(flow_MLSG.view(M, L, S, N, g).sum(-1), cap_MLS1) * remote_SN
+    rows = hierarchical_traffic(copies_MLSG.view(M * L, S, G), cross_MLSN.view(M * L, S, N), topology)
+    return tuple(r.view(M, L, G) for r in rows)
 
 
 def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
@@ -62,10 +45,33 @@ def gain_bound_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: tor
     """float64 ``([L], [L])``: the bound ``U_l`` on what any plan saves per layer against
     ``placement_LE`` without copies, and that plan's forward estimate (module docstring),
     both summed over micro-batches, in the planner's price (``config``: a ``ReLibraConfig``)."""
+    gain_L, _, forward_L = gain_bounds_L(loads_MLSE, topology, placement_LE, config)
+    return gain_L, forward_L
+
+
+def gain_bounds_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor,
+                  config) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float64 ``([L], [L], [L])``: :func:`gain_bound_L`'s ``U_l``, the looser bound the light
+    tier admits on (``worth.Tiers.light_gain_L``: under hierarchical dispatch across nodes each
+    row bounded by its pairs only; elsewhere ``U_l``), and the forward estimate."""
     flow_MLSG = _pair_flows(loads_MLSE, placement_LE // topology.experts_per_gpu, topology.num_gpus)
+    gpu_MLG = flow_MLSG.sum(2)
     # price.a2a_parts_ML's rule; on one node the flat rows bound the hierarchical ones too
-    cs, cr, is_, ir = _a2a_rows(flow_MLSG, topology, _hierarchical(config) and topology.num_nodes > 1)
-    return _gain_and_forward_L(flow_MLSG.sum(2), rows_seconds(cs, cr, is_, ir, config)[0], topology, config)
+    if not (_hierarchical(config) and topology.num_nodes > 1):
+        gain_L, forward_L = _gain_and_forward_L(gpu_MLG, rows_seconds(*flat_rows(flow_MLSG, topology), config)[0],
+                                                topology, config)
+        return gain_L, gain_L, forward_L
+    # a token is one row per node and per GPU however many of its top-k experts sit there:
+    # its source's rows there are at most its tokens, ceil(pairs / top_k) (pairs alone
+    # overstated them about four-fold under top-8 routing over two nodes, and the guard
+    # admitted full searches that no plan could repay, docs/results.md)
+    pairs_MLS = flow_MLSG.sum(-1)
+    by_tokens = rows_seconds(*_hierarchical_rows(flow_MLSG, topology, -(-pairs_MLS // config.top_k)), config)[0]
+    # the light tier's: rows bounded by pairs, an intra receive by every pair another source sends
+    cs, cr, is_, _ = _hierarchical_rows(flow_MLSG, topology, pairs_MLS)
+    by_pairs = rows_seconds(cs, cr, is_, gpu_MLG - flow_MLSG.diagonal(dim1=2, dim2=3), config)[0]
+    gain_L, forward_L = _gain_and_forward_L(gpu_MLG, by_tokens, topology, config)
+    return gain_L, _gain_and_forward_L(gpu_MLG, by_pairs, topology, config)[0], forward_L
 
 
 def _hierarchical(config) -> bool:

@@ -13,8 +13,9 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   ``ceil(total / G)`` tokens on the busiest GPU; the all-to-all cannot fall below zero.
   So ``U_l <= sum_m (busiest GPU's tokens - ceil(total / G)) * compute_s_per_token +
   a2a_m``, with ``a2a_m`` the kept placement's all-to-all as :mod:`planning.price` prices it
-  (exactly under flat dispatch; under hierarchical dispatch an upper bound: each row is at
-  most one token-expert pair, so every GPU's rows are bounded by its pairs, below). Fills,
+  (exactly under flat dispatch; under hierarchical dispatch an upper bound: a row is one
+  token per node or GPU, so a source's rows there are at most its pairs there and at most
+  its tokens, ``ceil(pairs / top_k)``, :mod:`~relibra_torch.planning.gain_bound`). Fills,
   migrations and latency only add to a plan's price.
 * **window share** ``W_l``: the layer's share of the overlap window. Split planning gives
   each EP rank ``ceil(L / G)`` layers and the whole step's forward pass, so a layer gets
@@ -55,7 +56,12 @@ A layer neither worth the search nor free gets the light plan instead
 (:mod:`~relibra_torch.planning.light`) where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
 (:func:`light_floor_s`: ``light_share`` of the fixed part, and a part per layer that
 follows the experts), ``W'_l`` the window less the light plan's cheaper schedules (one
-residency per copy, :data:`LIGHT_SCHEDULE_SHARE`); and it keeps that plan only where its
+residency per copy, :data:`LIGHT_SCHEDULE_SHARE`), and ``U_l`` there the looser bound with
+each hierarchical row bounded by its pairs only (``Tiers.light_gain_L``): the light plan's
+host time does not grow with the load as the search's does, and its keep rule (next) checks
+its exact saving, so a light admission risks at most its own floor, while the token bound
+refused light plans that repaid their host time three-fold (``docs/results.md``, "The gain
+bound counts a token once per node"); and it keeps that plan only where its
 exact saving (the plain plan's price, not the bound) repays what its schedules add to the
 charge once the plan's own host time is spent:
 ``(max(0, F' - W'_l) - max(0, F' - V_l)) / scale`` with ``V_l`` the window before any
@@ -77,8 +83,8 @@ planned a rank overruns the window by ``share`` times a layer's charge while the
 ``L`` times one layer's saving (layers alike), so a layer's exact saving counts ``scale``
 times against its share-layer's charge, as the window does. Both tiers' admissions count
 the gain bound once: the bound overstates what a plan saves (on the stand-ins of
-``benchmarks/never_behind.py`` by more than ``scale``; under hierarchical dispatch up to
-top-k-fold, as each row is bounded by its pairs), and the host time of an admitted plan is
+``benchmarks/never_behind.py`` by more than ``scale``; under hierarchical dispatch more, as a
+row is bounded by counts, not by the tokens' own routing), and the host time of an admitted plan is
 spent whether or not it is kept. Counted ``scale`` times, admissions sent layers to searches
 and light plans whose host time their plans did not repay (``docs/results.md``, "The light
 tier's keep rule counts every layer's saving"). On one node the light tier also admits a
@@ -104,7 +110,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from .fastpath import keep_plan
-from .gain_bound import gain_bound_L, quick_bound_L as _quick_bound_L
+from .gain_bound import gain_bound_L, gain_bounds_L, quick_bound_L as _quick_bound_L
 from .light import hot_spread_saving_L, light_plan
 from .plan import StepPlan
 from .price import exchange_latency_s
@@ -208,6 +214,13 @@ class Tiers(NamedTuple):
     free_window: float = 0.0
     light_layer: float = 0.0
     hot_saving_L: torch.Tensor | None = None
+    light_gain_L: torch.Tensor | None = None
+
+    def light_bound_L(self) -> torch.Tensor:
+        """The bound the light tier admits on: ``light_gain_L`` (under hierarchical dispatch
+        across nodes each row bounded by its pairs only, :func:`~relibra_torch.planning.gain_bound.gain_bounds_L`;
+        module docstring), else ``U_l``."""
+        return self.gain_L if self.light_gain_L is None else self.light_gain_L
 
     def margin_L(self) -> torch.Tensor:
         """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
@@ -232,8 +245,8 @@ class Tiers(NamedTuple):
         :func:`~relibra_torch.planning.light.hot_spread_saving_L`: every rank's plan saves its
         own layers, and this estimate, unlike the bound, counts one expert's compute less its
         fills); never where the light plan is off."""
-        counted_L = self.gain_L if self.hot_saving_L is None else torch.maximum(self.gain_L,
-                                                                                 self.scale * self.hot_saving_L)
+        bound_L = self.light_bound_L()
+        counted_L = bound_L if self.hot_saving_L is None else torch.maximum(bound_L, self.scale * self.hot_saving_L)
         return (counted_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
 
     def ride_L(self) -> torch.Tensor:
@@ -242,7 +255,7 @@ class Tiers(NamedTuple):
         host time anyway, and the layer adds only its own part (``light_layer``) and its light
         schedules, which its gain bound ``U_l`` (counted once) covers."""
         marginal = self.light_layer + self.light_schedules * self.schedules_s / self.scale
-        return ~self.full_L() & ~self.light_L() & (self.gain_L >= marginal) & (self.light_floor > 0)
+        return ~self.full_L() & ~self.light_L() & (self.light_bound_L() >= marginal) & (self.light_floor > 0)
 
     def light_room_L(self) -> torch.Tensor:
         """bool ``[L]``: the light plan may build and price a second set (the share rule's,
@@ -272,21 +285,21 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     hot: list[torch.Tensor] = []
 
     def tiers(bound) -> Tiers:
-        gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
+        gain_L, light_gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         t = Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology),
-                  light_layer=light_layer)
+                  light_layer=light_layer, light_gain_L=light_gain_L)
         # the hot expert's estimate is at most the bound's compute part, so it admits a layer
         # only where scale times the bound would: elsewhere it is not computed (same tiers)
-        if not hot and light > 0 and bool((scale * gain_L + t.light_window_L() >= light).any()):
+        if not hot and light > 0 and bool((scale * light_gain_L + t.light_window_L() >= light).any()):
             hot.append(hot_spread_saving_L(loads_MLSE, topology, placement_LE, config))
         return t._replace(hot_saving_L=hot[0]) if hot else t
     if topology.num_nodes == 1:
-        quick = tiers(_quick_bound_L)
+        quick = tiers(lambda *args: (lambda gain_L, forward_L: (gain_L, gain_L, forward_L))(*_quick_bound_L(*args)))
         # nor may it let a layer ride that the exact bound would not (split planning, where a
         # rank's share is that layer, would then plan what the whole-step plan keeps)
         if not bool(quick.full_L().any() or quick.light_L().any() or quick.ride_L().any()):
             return _with_free_window(quick, step_window, share)
-    return _with_free_window(tiers(gain_bound_L), step_window, share)
+    return _with_free_window(tiers(gain_bounds_L), step_window, share)
 
 
 def _share_terms(M: int, L: int, topology: Topology, config, total_layers: int | None
