@@ -64,7 +64,9 @@ def gain_bounds_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
     # a token is one row per node and per GPU however many of its top-k experts sit there:
     # its source's rows there are at most its tokens, ceil(pairs / top_k) (pairs alone
     # overstated them about four-fold under top-8 routing over two nodes, and the guard
-    # admitted full searches that no plan could repay, docs/results.md)
+    # admitted full searches that no plan could repay, docs/results.md). The layer's own pairs:
+    # every layer of a step carries the same tokens, so this is the price's count (a share's
+    # first layer's pairs // top_k) or one more; it keeps the rule to the layer's own counts
     pairs_MLS = flow_MLSG.sum(-1)
     by_tokens = rows_seconds(*_hierarchical_rows(flow_MLSG, topology, -(-pairs_MLS // config.top_k)), config)[0]
     # the light tier's: rows bounded by pairs, an intra receive by every pair another source sends
