@@ -160,6 +160,25 @@ def test_the_full_search_admits_on_the_token_bound_and_the_light_tier_on_the_pai
     assert t._replace(light_gain_L=None).light_L().tolist() == [False]              # U_l alone: below
 
 
+def test_host_time_grows_with_the_gpus_beyond_the_fitted_ones():
+    """Across nodes every host-time constant scales with ``G / 16`` beyond the 16 GPUs the
+    constants were fitted on (a share's search took 1.4-5.3x longer on 8 x 8 than on 2 x 8):
+    the floors of a 4 x 8 and an 8 x 8 topology are 2x and 4x those of 2 x 8, one node and
+    up to 16 GPUs unchanged."""
+    from relibra_torch.planning.worth import FIT_GPUS, host_scale, light_floor_s
+    cfg = dataclasses.replace(PRICED, host_scale=0.5, host_scale_nodes=0.5, light_share=LIGHT_SHARE)
+    assert FIT_GPUS == 16
+    base = Topology(2, 8, 64, 2)
+    for (n, g), factor in (((1, 8), None), ((2, 4), 1.0), ((2, 8), 1.0), ((4, 8), 2.0), ((8, 8), 4.0)):
+        topo = Topology(n, g, 64, 2)
+        if factor is None:
+            assert host_scale(topo, cfg) == 0.5
+            continue
+        assert host_scale(topo, cfg) == 0.5 * factor
+        assert layer_floor_s(topo, cfg, 1, 8) == pytest.approx(factor * layer_floor_s(base, cfg, 1, 8))
+        assert light_floor_s(topo, cfg, 1, 8) == pytest.approx(factor * light_floor_s(base, cfg, 1, 8))
+
+
 def _mixed_loads(topo: Topology, M: int = 4):
     """Layer 0: 2 tokens per GPU (nothing can pay); layer 1: 60,000 tokens per GPU on one
     expert (copies pay many times over)."""

@@ -128,10 +128,20 @@ def plan_floor_s(topology: Topology, config) -> float:
     return (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) * host_scale(topology, config)
 
 
+#: The most GPUs the host-time constants were fitted and calibrated on (``moe.host_speed``'s
+#: reference shares: 8 and 16). Beyond them a share's search grew with the GPUs (2 x 8 -> 8 x 8
+#: at 64-256 tokens per GPU: 1.4-5.3x, ``docs/results.md``, "The guard's host time grows with
+#: the GPUs"), so across nodes every host-time constant is scaled by ``G / FIT_GPUS``.
+FIT_GPUS = 16
+
+
 def host_scale(topology: Topology, config) -> float:
     """This host's planning time over the fitted constants' for the topology
-    (``host_scale_nodes`` across nodes, else ``host_scale``)."""
-    return config.host_scale_nodes if topology.num_nodes > 1 else config.host_scale
+    (``host_scale_nodes`` across nodes, times ``G / FIT_GPUS`` beyond :data:`FIT_GPUS` GPUs,
+    else ``host_scale``)."""
+    if topology.num_nodes == 1:
+        return config.host_scale
+    return config.host_scale_nodes * max(1.0, topology.num_gpus / FIT_GPUS)
 
 
 def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
