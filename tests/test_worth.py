@@ -134,8 +134,7 @@ def test_the_hierarchical_bound_counts_a_token_once_per_node_and_gpu(g):
     placement_LE = topo.static_placement(1)
     loads_MLSE = torch.zeros(1, 1, S, E, dtype=torch.int64)
     for s in range(S):
-        target = (s + g + (1 if g > 1 else 0)) % S if g > 1 else (s + 1) % S   # the other node
-        target = target if target // g != s // g else (target + g) % S
+        target = (1 - s // g) * g + (s % g + 1) % g     # the other node; with g = 2 not the landing GPU
         loads_MLSE[0, 0, s, target * El:(target + 1) * El] = T + s        # both experts of that GPU
     config = dataclasses.replace(PRICED, dispatch="hierarchical", top_k=El, reorder=False)
     kept = keep_plan(loads_MLSE, topo, placement_LE, config)

@@ -304,12 +304,18 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
             hot.append(hot_spread_saving_L(loads_MLSE, topology, placement_LE, config))
         return t._replace(hot_saving_L=hot[0]) if hot else t
     if topology.num_nodes == 1:
-        quick = tiers(lambda *args: (lambda gain_L, forward_L: (gain_L, gain_L, forward_L))(*_quick_bound_L(*args)))
+        quick = tiers(_quick_bounds_L)
         # nor may it let a layer ride that the exact bound would not (split planning, where a
         # rank's share is that layer, would then plan what the whole-step plan keeps)
         if not bool(quick.full_L().any() or quick.light_L().any() or quick.ride_L().any()):
             return _with_free_window(quick, step_window, share)
     return _with_free_window(tiers(gain_bounds_L), step_window, share)
+
+
+def _quick_bounds_L(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_quick_bound_L` as ``gain_bounds_L``'s triple (one node: the light tier's is ``U_l``)."""
+    gain_L, forward_L = _quick_bound_L(*args)
+    return gain_L, gain_L, forward_L
 
 
 def _share_terms(M: int, L: int, topology: Topology, config, total_layers: int | None
