@@ -249,7 +249,7 @@ class ReplayBalancer:
                                  f"({part.num_micro_batches} micro-batches for {loads_MLSE.shape[0]})")
             t0 = time.perf_counter()
             split = share_splits(part, loads_MLSE[:, mine])
-            part = self.planner.finish(part, loads_MLSE[:, mine], split[0])  # relibra: relays, from the splits
+            part = self.planner.finish(part, loads_MLSE[:, mine], split[0], self.num_layers)  # relibra: relays
             return part, split, time.perf_counter() - t0, 0
         except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
             warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "

@@ -13,7 +13,9 @@ from relibra_torch.sim import CostModel, CostOptions, get_hardware
 from relibra_torch.planning.evaluate import evaluate
 from relibra_torch.planning.relay import (RELAY_COLLECTIVES, exec_ranks, plan_relays, relay_rows,
                                           relay_token_index, relayed_counts)
-from relibra_torch.planning.relay_choice import add_relays
+from relibra_torch.planning.pricing import GUARD_FLOORS
+from relibra_torch.planning.relay_choice import (add_relays, relay_bound_ML, relay_host_s, relay_savings,
+                                                 relays_worth_L)
 from relibra_torch.sim.dispatch import exact_copies, hierarchical_metrics
 from relibra_torch.planning.plan import token_split
 from test_fill_spread import MODEL, routed_loads
@@ -125,6 +127,83 @@ def test_relays_are_kept_only_where_the_priced_all_to_all_gains_more_than_their_
     send, recv = relay_rows(plan.relay_MLGg.flatten(0, 1))
     assert torch.equal(m1.relay_send_MLG.flatten(0, 1), send) and torch.equal(m1.relay_recv_MLG.flatten(0, 1), recv)
     assert c1.step_s < c0.step_s
+
+
+def _wide_config(top_k: int, **kw) -> ReLibraConfig:
+    """relibra's hierarchical config for MODEL's experts at hidden 4096 (rows worth more than latency)."""
+    cost = CostModel(dataclasses.replace(MODEL, hidden_size=4096, top_k=top_k), get_hardware("h200"),
+                     CostOptions(dispatch="hierarchical"))
+    return ReLibraConfig.from_weights(cost.reorder_weights(), dispatch="hierarchical", top_k=top_k, **kw)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), N=st.integers(2, 4), g=st.integers(2, 4), K=st.integers(1, 3),
+       tokens=st.integers(8, 120), slots=st.integers(0, 1))
+def test_the_relay_bound_covers_what_relays_save(seed, N, g, K, tokens, slots):
+    """``relay_bound_ML`` (pairs only, no estimate) is at least what ``relay_savings`` finds, on
+    uneven ranks and on relibra's plans with copies."""
+    gen = torch.Generator().manual_seed(seed)
+    S, E = N * g, 2 * N * g
+    topo = Topology(N, g, E, replica_slots=slots)
+    loads = routed_loads(2, 2, S, E, tokens, K, seed) * torch.randint(1, 5, (1, 1, S, 1), generator=gen)
+    cfg = _wide_config(K)
+    plan = relibra_plan(loads, topo, config=dataclasses.replace(cfg, relay=False))
+    found = relay_savings(plan, loads, cfg)
+    assert found is not None
+    assert (found[0] <= relay_bound_ML(plan, loads, cfg) + 1e-12).all()
+
+
+def test_a_relay_saves_more_than_the_busiest_sources_send_where_one_gpu_receives_from_every_node():
+    """Every source sends to node 0's experts and the sources of local index 0 have 8x the
+    tokens: node 0's GPU 0 receives all of their rows. Relays spread them over node 0's GPUs,
+    saving several times the busiest source's whole inter-node send (the bound the relays' early
+    exit used to take); ``relay_bound_ML`` covers it."""
+    N, g, E, T = 8, 4, 32, 256
+    topo = Topology(N, g, E, replica_slots=2)
+    loads = torch.zeros(2, 1, N * g, E, dtype=torch.int64)
+    for s in range(N * g):
+        loads[:, 0, s, s % g] = T if s % g == 0 else T // 8
+    cfg = _wide_config(1)
+    plan = static_plan(loads, topo)
+    saving_ML = relay_savings(plan, loads, cfg)[0]
+    busiest_send = T * cfg.cross_node_s_per_token
+    assert (saving_ML > 3 * busiest_send).all()
+    assert (saving_ML <= relay_bound_ML(plan, loads, cfg)).all()
+
+
+def test_relays_are_found_only_on_layers_whose_bound_repays_their_host_time():
+    """With the guard's host-time fields on, a layer gets relays only where ``scale`` times its
+    bound covers their host time (``relay_host_s``): all of them on a fast host, none on a slow
+    one, and between the two the layer with the larger bound alone; a share planned alone
+    (split planning, ``total_layers``) gets the same relays as in the whole step."""
+    M, L, S, E = 2, 2, 8, 16
+    topo = Topology(2, 4, E, replica_slots=1)
+    loads = routed_loads(M, L, S, E, 400, MODEL.top_k, 3)
+    loads[:, :, 0] *= 3
+    # layer 1: the same tokens, routed to fewer experts (every layer of a step carries the same tokens)
+    factor = loads[:, 0].sum(-1, keepdim=True) // (400 * MODEL.top_k)
+    loads[:, 1] = routed_loads(M, 1, S, E, 400, MODEL.top_k, 4, skew=12.0)[:, 0] * factor
+    assert torch.equal(loads[:, 1].sum(-1), loads[:, 0].sum(-1))
+    cfg = _wide_config(MODEL.top_k, **GUARD_FLOORS)
+    base = relibra_plan(loads, topo, config=dataclasses.replace(cfg, relay=False, plan_floor_s=0.0,
+                                                                 plan_floor_nodes_s=0.0))
+    free = add_relays(base, loads, dataclasses.replace(cfg, plan_floor_nodes_s=0.0))   # guard off
+    assert free.relay_MLGg is not None and free.relay_MLGg[:, 0].any() and free.relay_MLGg[:, 1].any()
+    fast = add_relays(base, loads, dataclasses.replace(cfg, host_scale_nodes=1e-9))
+    assert torch.equal(fast.relay_MLGg, free.relay_MLGg)
+    assert add_relays(base, loads, dataclasses.replace(cfg, host_scale_nodes=1e6)) is base
+    # the host scale at which each layer's bound (counted L / ceil(L / G) = 2 times) meets its host time
+    bound_L = relay_bound_ML(base, loads, cfg).sum(0) * 2
+    meets_L = bound_L / relay_host_s(topo, M, dataclasses.replace(cfg, host_scale_nodes=1.0), 1)
+    hi, lo = int(meets_L.argmax()), int(meets_L.argmin())
+    assert meets_L[hi] > 1.1 * meets_L[lo]
+    mid = dataclasses.replace(cfg, host_scale_nodes=float(meets_L.sqrt().prod()))
+    assert relays_worth_L(base, loads, mid).tolist() == [layer == hi for layer in range(L)]
+    between = add_relays(base, loads, mid)
+    assert not between.relay_MLGg[:, lo].any() and torch.equal(between.relay_MLGg[:, hi], free.relay_MLGg[:, hi])
+    for layer in range(L):   # each layer as a one-layer share of the two-layer step
+        part = add_relays(base.layers(torch.tensor([layer])), loads[:, [layer]], mid, total_layers=L)
+        assert torch.equal(part.relays()[:, 0], between.relays()[:, layer])
 
 
 def test_validate_plan_names_bad_relays():

@@ -167,10 +167,12 @@ class Planner(ABC):
         """
         raise NotImplementedError(f"planner {self.name!r} plans all layers at once")
 
-    def finish(self, plan: StepPlan, loads_MLSE: torch.Tensor, split_MLSGJ: torch.Tensor | None = None) -> StepPlan:
+    def finish(self, plan: StepPlan, loads_MLSE: torch.Tensor, split_MLSGJ: torch.Tensor | None = None,
+               total_layers: int | None = None) -> StepPlan:
         """The plan (or a share of it) once its token splits are known (``split_MLSGJ``, the
         ones the hook computes for the layers' schedules; ``None``: not computed): what a
-        planner adds from them (relibra: relays). Default: ``plan`` itself."""
+        planner adds from them (relibra: relays). ``total_layers``: the step's layer count
+        when ``plan`` is a share (split planning). Default: ``plan`` itself."""
         return plan
 
     def commit(self, plan: StepPlan, loads_MLSE: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from .hier_estimate import hierarchical_traffic
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["gain_bound_L", "gain_bounds_L", "owner_loads", "quick_bound_L"]
+__all__ = ["gain_bound_L", "gain_bounds_L", "hierarchical_rows_bound", "owner_loads", "quick_bound_L"]
 
 
 def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> torch.Tensor:
@@ -24,7 +24,7 @@ def _pair_flows(loads_MLSE: torch.Tensor, owner_LE: torch.Tensor, G: int) -> tor
         3, owner_LE.view(1, L, 1, E).expand(M, L, S, E), loads_MLSE.to(torch.int64))
 
 
-def _hierarchical_rows(flow_MLSG: torch.Tensor, topology: Topology, cap_MLS: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def hierarchical_rows_bound(flow_MLSG: torch.Tensor, topology: Topology, cap_MLS: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per-GPU ``(cross send, cross receive, intra send, intra receive)`` ``[M, L, G]``: bounds
     of the kept placement's rows under hierarchical dispatch, ``hier_estimate.hierarchical_traffic``
     (the rule the planner's price applies to its count-level estimate) of upper bounds of that
@@ -68,9 +68,9 @@ def gain_bounds_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: to
     # every layer of a step carries the same tokens, so this is the price's count (a share's
     # first layer's pairs // top_k) or one more; it keeps the rule to the layer's own counts
     pairs_MLS = flow_MLSG.sum(-1)
-    by_tokens = rows_seconds(*_hierarchical_rows(flow_MLSG, topology, -(-pairs_MLS // config.top_k)), config)[0]
+    by_tokens = rows_seconds(*hierarchical_rows_bound(flow_MLSG, topology, -(-pairs_MLS // config.top_k)), config)[0]
     # the light tier's: rows bounded by pairs, an intra receive by every pair another source sends
-    cs, cr, is_, _ = _hierarchical_rows(flow_MLSG, topology, pairs_MLS)
+    cs, cr, is_, _ = hierarchical_rows_bound(flow_MLSG, topology, pairs_MLS)
     by_pairs = rows_seconds(cs, cr, is_, gpu_MLG - flow_MLSG.diagonal(dim1=2, dim2=3), config)[0]
     gain_L, forward_L = _gain_and_forward_L(gpu_MLG, by_tokens, topology, config)
     return gain_L, _gain_and_forward_L(gpu_MLG, by_pairs, topology, config)[0], forward_L

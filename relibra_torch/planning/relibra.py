@@ -419,8 +419,9 @@ class ReLibraPlanner(Planner):
         """Whether :meth:`plan` takes the step's pair counts (hierarchical dispatch)."""
         return self.config.dispatch == "hierarchical" and self.config.reorder
 
-    def finish(self, plan: StepPlan, loads_MLSE: torch.Tensor, split_MLSGJ: torch.Tensor | None = None) -> StepPlan:
-        return add_relays(plan, loads_MLSE, self.config, split_MLSGJ)  # relays, from the hook's splits
+    def finish(self, plan: StepPlan, loads_MLSE: torch.Tensor, split_MLSGJ: torch.Tensor | None = None,
+               total_layers: int | None = None) -> StepPlan:
+        return add_relays(plan, loads_MLSE, self.config, split_MLSGJ, total_layers)  # relays, from the hook's splits
 
     def plan(self, loads_MLSE: torch.Tensor, pairs_LEE: torch.Tensor | None = None) -> StepPlan:
         return relibra_plan(loads_MLSE, self.topology, self.previous_placement(loads_MLSE.shape[1]), self.config, pairs_LEE)

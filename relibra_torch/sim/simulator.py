@@ -358,7 +358,7 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
         if layers is None:
             return planner.finish(planner.plan(*args), loads_MLSE)
         part = planner.plan_layers(*args)
-        return part if splits else planner.finish(part, loads_MLSE[:, layers])
+        return part if splits else planner.finish(part, loads_MLSE[:, layers], None, L)
 
     topo, L = config.topology, loads_MLSE.shape[1]
     ranks = topo.num_gpus
@@ -386,7 +386,7 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
         part, s = one_thread_cpu(lambda: run(share))
         if splits:  # the rank splits its own layers' tokens for the schedules, then finishes (relays)
             (split_MLSGJ[:, share], native_L[share], part), t = one_thread_cpu(
-                lambda: _split_then_finish(planner, part, loads_MLSE[:, share]))
+                lambda: _split_then_finish(planner, part, loads_MLSE[:, share], L))
             s += t
         parts.append(part)
         secs.append(s)
@@ -398,11 +398,11 @@ def plan_as_run(planner: Planner, loads_MLSE: torch.Tensor, pairs_LEE: torch.Ten
     return plan, digest_s + max(secs) + gather_s, (split_MLSGJ, native_L) if splits else None
 
 
-def _split_then_finish(planner: Planner, part: StepPlan, loads_MLSE: torch.Tensor):
+def _split_then_finish(planner: Planner, part: StepPlan, loads_MLSE: torch.Tensor, total_layers: int):
     """``(split, native_L, part)``: a share's ``share_splits``, then ``Planner.finish`` from them (the hook's order)."""
     from ..moe.schedule_batch import share_splits  # the hook's code (imports the layer on first use)
     split_MLSGJ, native_L = share_splits(part, loads_MLSE)
-    return split_MLSGJ, native_L, planner.finish(part, loads_MLSE, split_MLSGJ)
+    return split_MLSGJ, native_L, planner.finish(part, loads_MLSE, split_MLSGJ, total_layers)
 
 
 def _check_memory(config: SimConfig, name: str, step: int, b: MemoryBreakdown) -> None:
