@@ -416,9 +416,18 @@ def test_split_planning_gives_the_whole_step_plan_with_riding_layers(seed, N, L,
     ride): every rank's share plans as the whole step does, so a layer rides on its rank, which
     learns from the step's loads that another is planned, exactly where it rides in the
     whole-step plan. (On one node the cheaper bound once let a lone layer's share ride where
-    the whole step's exact bound did not: the example.)"""
+    the whole step's exact bound did not: the example.) Under hierarchical dispatch every
+    layer carries the same pairs per source, as replayed routing does (every token passes
+    every MoE layer with its top-k): a rank's tokens are its first layer's pairs // top_k,
+    as the simulator counts them, so a share must see the step's tokens."""
     topo = Topology(N, 8 // N, 16, 2)
-    loads = torch.cat([_collapsed(topo, M, 1, seed + l, hots[l], tokens=200) for l in range(L)], 1)
+    if dispatch == "flat":
+        loads = torch.cat([_collapsed(topo, M, 1, seed + l, hots[l], tokens=200) for l in range(L)], 1)
+    else:  # each layer 400 pairs per source, hots[l] of them on one expert
+        loads = torch.cat([_collapsed(topo, M, 1, seed + l, 0.0, tokens=400 - int(400 * hots[l])) for l in range(L)], 1)
+        for l in range(L):
+            loads[:, l, :, l * 5 % 16] += int(400 * hots[l])
+        assert bool((loads.sum(-1) == 400).all())
     prev = topo.static_placement(L)
     cfg = dataclasses.replace(PRICED, plan_floor_s=1e3, plan_floor_nodes_s=1e3, plan_schedule_s=0.0,
                               light_share=LIGHT_SHARE, dispatch=dispatch, top_k=2 if dispatch == "hierarchical" else 0)
