@@ -70,6 +70,16 @@ def relay_bound_ML(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Te
     return out
 
 
+def _tokens_bound_M(loads_MLSE: torch.Tensor, config, topo) -> torch.Tensor:
+    """float64 ``[M]``: a bound of :func:`relay_bound_ML` from the busiest source's tokens alone
+    (its first layer's pairs // top_k): a GPU's inter-node rows, sent or received, are at most
+    ``N - 1`` sources' tokens, its NVLink rows ``N (g - 1)``; less the relays' latency, at least 0."""
+    N, g = topo.num_nodes, topo.gpus_per_node
+    most_M = (loads_MLSE[:, 0].to(torch.int64).sum(-1).amax(-1) // config.top_k).to(torch.float64) * (
+        (N - 1) * config.cross_node_s_per_token + N * (g - 1) * config.intra_node_s_per_token)
+    return (most_M - RELAY_COLLECTIVES * config.inter_node_latency_s).clamp(min=0.0)
+
+
 def relay_host_s(topology, micro_batches: int, config, share: int) -> float:
     """One layer's part of the relays' host time on a rank's ``share`` layers (:data:`RELAY_HOST_S`),
     on this host (times ``config.host_scale_nodes``)."""
@@ -94,13 +104,9 @@ def relays_worth_L(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Te
     total = L if total_layers is None else total_layers
     share = -(-total // max(topo.num_gpus, 1))
     host_s = relay_host_s(topo, M, config, share)
-    # first a bound from the busiest source's tokens alone: a GPU's inter-node rows (sent or
-    # received) are at most N - 1 sources' tokens, its NVLink rows N (g - 1); on small
-    # micro-batches it refuses without the pass over the pairs (0.4-2.4 ms on 8 x 8 GPUs)
-    N, g = topo.num_nodes, topo.gpus_per_node
-    most_M = loads_MLSE[:, 0].to(torch.int64).sum(-1).amax(-1).to(torch.float64) // config.top_k * (
-        (N - 1) * config.cross_node_s_per_token + N * (g - 1) * config.intra_node_s_per_token)
-    if float((most_M - RELAY_COLLECTIVES * config.inter_node_latency_s).clamp(min=0.0).sum()) * total / share < host_s:
+    # first the bound from the busiest source's tokens alone: on small micro-batches it refuses
+    # without the pass over the pairs (0.4-2.4 ms on 8 x 8 GPUs)
+    if float(_tokens_bound_M(loads_MLSE, config, topo).sum()) * total / share < host_s:
         return torch.zeros(L, dtype=torch.bool)
     bound_L = relay_bound_ML(plan, loads_MLSE, config, split_MLSGJ).sum(0)
     return bound_L * (total / share) >= host_s
@@ -112,13 +118,15 @@ def relay_savings(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Ten
     saves on the priced all-to-all, relay rows and their collectives' latency included
     (float64 ``[M, L]``, zero where it saves nothing), and the relays where it saves (int64
     ``[M, L, S, g]``, zero elsewhere); ``None`` when no relay can pay (relays off, flat
-    dispatch, one node or one GPU per node).
+    dispatch, one node or one GPU per node, or sends too small to cover the latency).
     ``split_MLSGJ``: the plan's token splits when already computed (else computed here)."""
     topo = plan.topology
     N, g = topo.num_nodes, topo.gpus_per_node
     if not (config.relay and config.dispatch == "hierarchical" and config.top_k > 0 and N > 1 and g > 1):
         return None
     M, L, S, _ = loads_MLSE.shape
+    if not bool((_tokens_bound_M(loads_MLSE, config, topo) > 0).any()):   # sends too small to cover the latency
+        return None
     tokens_MS = loads_MLSE[:, 0].to(torch.int64).sum(-1) // config.top_k
     latency = RELAY_COLLECTIVES * config.inter_node_latency_s
     relay = torch.zeros(M, L, S, g, dtype=torch.int64)
