@@ -141,16 +141,19 @@ def _wide_config(top_k: int, **kw) -> ReLibraConfig:
        tokens=st.integers(8, 120), slots=st.integers(0, 1))
 def test_the_relay_bound_covers_what_relays_save(seed, N, g, K, tokens, slots):
     """``relay_bound_ML`` (pairs only, no estimate) is at least what ``relay_savings`` finds, on
-    uneven ranks and on relibra's plans with copies."""
+    uneven ranks and on relibra's plans with copies; where the tokens-only bound sends
+    ``relay_savings`` out early, it is 0."""
     gen = torch.Generator().manual_seed(seed)
     S, E = N * g, 2 * N * g
     topo = Topology(N, g, E, replica_slots=slots)
     loads = routed_loads(2, 2, S, E, tokens, K, seed) * torch.randint(1, 5, (1, 1, S, 1), generator=gen)
     cfg = _wide_config(K)
     plan = relibra_plan(loads, topo, config=dataclasses.replace(cfg, relay=False))
-    found = relay_savings(plan, loads, cfg)
-    assert found is not None
-    assert (found[0] <= relay_bound_ML(plan, loads, cfg) + 1e-12).all()
+    found, bound_ML = relay_savings(plan, loads, cfg), relay_bound_ML(plan, loads, cfg)
+    if found is None:  # sends too small to cover the latency, by the tokens-only bound: so by this one too
+        assert not bound_ML.any()
+        return
+    assert (found[0] <= bound_ML + 1e-12).all()
 
 
 def test_a_relay_saves_more_than_the_busiest_sources_send_where_one_gpu_receives_from_every_node():
