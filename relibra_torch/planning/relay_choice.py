@@ -94,13 +94,16 @@ def relays_worth_L(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Te
     F_r``, ``B_l`` the bound :func:`relay_bound_ML` summed over micro-batches, ``F_r`` the
     layer's :func:`relay_host_s` and ``scale = L / ceil(L / G)`` (the guard's: every rank finds
     its share's relays at once, so one share-layer's host time buys ``scale`` layers'
-    savings). The overlap window is left out: a refused layer loses at most its bound, less
-    than its host time. Every layer where the guard is off (``plan_floor_nodes_s`` 0);
+    savings). The overlap window is left out: a refused layer loses at most its bound, which
+    ``scale`` times is less than its host time. Every layer where the guard is off
+    (``plan_floor_nodes_s`` 0), none without a known top-k or across fewer than two nodes;
     ``total_layers``: the step's ``L`` when ``plan`` is a share (split planning)."""
     M, L = loads_MLSE.shape[:2]
+    topo = plan.topology
+    if config.top_k <= 0 or topo.num_nodes < 2:
+        return torch.zeros(L, dtype=torch.bool)
     if config.plan_floor_nodes_s <= 0 or L == 0:
         return torch.ones(L, dtype=torch.bool)
-    topo = plan.topology
     total = L if total_layers is None else total_layers
     share = -(-total // max(topo.num_gpus, 1))
     host_s = relay_host_s(topo, M, config, share)
