@@ -3,7 +3,7 @@ all-to-all pays for it (the planner's pricing, :mod:`relibra_torch.planning.pric
 layers where it can repay its own host time (:func:`relays_worth_L`).
 
 Finding them prices each (micro-batch, layer)'s hierarchical all-to-all twice from the
-count-level estimate: ``[M, S, G, J]`` per layer, 4-17 ms of one thread per layer on 8 x 8
+count-level estimate: ``[M, S, G, J]`` per layer, 4-28 ms of one thread per layer on 8 x 8
 GPUs at 4-16 micro-batches, on every EP rank's share, after its plan. On a kept placement
 at small micro-batches that was the whole of a step's planning charge (``docs/results.md``,
 "The relays' host time"), while the relays saved nothing. So, as the guard
@@ -49,10 +49,14 @@ def relay_bound_ML(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Te
     gives a source at least ``T (1 - exp(-P / T))`` tokens on a remote node it sends ``P``
     pairs, one minus its chance of none), less the relays' latency; at least 0. Not the busiest
     source's send: a relay also spreads what one GPU *receives* from every other node
-    (``tests/test_relay.py``). ``split_MLSGJ``: the plan's token splits when already computed."""
+    (``tests/test_relay.py``). ``split_MLSGJ``: the plan's token splits when already computed
+    (0 on empty slots, as ``token_split`` gives them). Zeros where no relay exists (top-k
+    unknown, one node)."""
     topo = plan.topology
     N, g = topo.num_nodes, topo.gpus_per_node
     M, L, S, _ = loads_MLSE.shape
+    if config.top_k <= 0 or N < 2:
+        return torch.zeros(M, L, dtype=torch.float64)
     tokens_MS = loads_MLSE[:, 0].to(torch.int64).sum(-1) // config.top_k   # relay_savings' tokens
     remote_SN = (torch.arange(S) // g).view(S, 1) != torch.arange(N).view(1, N)
     out = torch.empty(M, L, dtype=torch.float64)
@@ -94,8 +98,11 @@ def relays_worth_L(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Te
     F_r``, ``B_l`` the bound :func:`relay_bound_ML` summed over micro-batches, ``F_r`` the
     layer's :func:`relay_host_s` and ``scale = L / ceil(L / G)`` (the guard's: every rank finds
     its share's relays at once, so one share-layer's host time buys ``scale`` layers'
-    savings). The overlap window is left out: a refused layer loses at most its bound, which
-    ``scale`` times is less than its host time. Every layer where the guard is off
+    savings). Like the guard's, this assumes split planning (the hook's and the simulator's
+    default): where one thread finds every layer's relays (whole-step planning: ``choose``,
+    ``planning.split`` off) it underprices their host time up to ``min(G, L)``-fold, and the
+    plan is the same in both modes. The overlap window is left out: a refused layer loses at
+    most its bound, which ``scale`` times is less than its host time. Every layer where the guard is off
     (``plan_floor_nodes_s`` 0), none without a known top-k or across fewer than two nodes;
     ``total_layers``: the step's ``L`` when ``plan`` is a share (split planning)."""
     M, L = loads_MLSE.shape[:2]
