@@ -39,6 +39,19 @@ __all__ = ["RELAY_HOST_S", "add_relays", "relay_bound_ML", "relay_host_s", "rela
 RELAY_HOST_S = (3.8e-3, 3.0e-6, 1.12e-7)
 
 
+def _relays_possible(config, topology) -> bool:
+    """Whether any relay can exist: relays on, hierarchical dispatch with a known top-k, more
+    than one node and more than one GPU per node."""
+    return bool(config.relay and config.dispatch == "hierarchical" and config.top_k > 0 and topology.num_nodes > 1
+                and topology.gpus_per_node > 1)
+
+
+def _source_tokens_MS(loads_MLSE: torch.Tensor, config) -> torch.Tensor:
+    """int64 ``[M, S]``: each source's tokens as the relays count them, its first layer's
+    pairs // top_k (every layer of a step carries the same tokens)."""
+    return loads_MLSE[:, 0].to(torch.int64).sum(-1) // config.top_k
+
+
 def relay_bound_ML(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``[M, L]``: the most :func:`relay_savings` can find per (micro-batch, layer),
     from the plan's pairs per (source, GPU) alone (no estimate): an upper bound of its priced
@@ -57,7 +70,7 @@ def relay_bound_ML(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Te
     M, L, S, _ = loads_MLSE.shape
     if config.top_k <= 0 or N < 2:
         return torch.zeros(M, L, dtype=torch.float64)
-    tokens_MS = loads_MLSE[:, 0].to(torch.int64).sum(-1) // config.top_k   # relay_savings' tokens
+    tokens_MS = _source_tokens_MS(loads_MLSE, config)   # relay_savings' tokens
     remote_SN = (torch.arange(S) // g).view(S, 1) != torch.arange(N).view(1, N)
     out = torch.empty(M, L, dtype=torch.float64)
     for m0, m1, split_BLSGJ in (split_chunks(plan, loads_MLSE) if split_MLSGJ is None else [(0, M, split_MLSGJ)]):
@@ -79,7 +92,7 @@ def _tokens_bound_M(loads_MLSE: torch.Tensor, config, topo) -> torch.Tensor:
     (its first layer's pairs // top_k): a GPU's inter-node rows, sent or received, are at most
     ``N - 1`` sources' tokens, its NVLink rows ``N (g - 1)``; less the relays' latency, at least 0."""
     N, g = topo.num_nodes, topo.gpus_per_node
-    most_M = (loads_MLSE[:, 0].to(torch.int64).sum(-1).amax(-1) // config.top_k).to(torch.float64) * (
+    most_M = _source_tokens_MS(loads_MLSE, config).amax(-1).to(torch.float64) * (
         (N - 1) * config.cross_node_s_per_token + N * (g - 1) * config.intra_node_s_per_token)
     return (most_M - RELAY_COLLECTIVES * config.inter_node_latency_s).clamp(min=0.0)
 
@@ -131,13 +144,13 @@ def relay_savings(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Ten
     dispatch, one node or one GPU per node, or sends too small to cover the latency).
     ``split_MLSGJ``: the plan's token splits when already computed (else computed here)."""
     topo = plan.topology
-    N, g = topo.num_nodes, topo.gpus_per_node
-    if not (config.relay and config.dispatch == "hierarchical" and config.top_k > 0 and N > 1 and g > 1):
+    g = topo.gpus_per_node
+    if not _relays_possible(config, topo):
         return None
     M, L, S, _ = loads_MLSE.shape
     if not bool((_tokens_bound_M(loads_MLSE, config, topo) > 0).any()):   # sends too small to cover the latency
         return None
-    tokens_MS = loads_MLSE[:, 0].to(torch.int64).sum(-1) // config.top_k
+    tokens_MS = _source_tokens_MS(loads_MLSE, config)
     latency = RELAY_COLLECTIVES * config.inter_node_latency_s
     relay = torch.zeros(M, L, S, g, dtype=torch.int64)
     saving = torch.zeros(M, L, dtype=torch.float64)
@@ -166,9 +179,7 @@ def add_relays(plan, loads_MLSE: torch.Tensor, config, split_MLSGJ: torch.Tensor
     (``relay``, ``dispatch``, ``top_k``, link prices, ``inter_node_latency_s`` and the guard's
     host-time fields); ``split_MLSGJ``: the plan's token splits when already computed;
     ``total_layers``: the step's layer count when ``plan`` is a share of it."""
-    topo = plan.topology
-    if not (config.relay and config.dispatch == "hierarchical" and config.top_k > 0 and topo.num_nodes > 1
-            and topo.gpus_per_node > 1):
+    if not _relays_possible(config, plan.topology):
         return plan
     worth_L = relays_worth_L(plan, loads_MLSE, config, split_MLSGJ, total_layers)
     if not bool(worth_L.any()):
