@@ -252,6 +252,45 @@ def test_a_search_that_fits_the_steps_window_is_free(big, free):
         assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, r:r + 1])
         assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, r:r + 1])
 
+@pytest.mark.parametrize("big, free", [(20_000, True), (10_000, False)])
+def test_the_light_plan_is_free_where_the_steps_window_holds_it(big, free):
+    """Layer 1 (a hot expert) is below the light tier by its own bound and window share, and
+    the full search does not fit the step's window; but where the light plan and its
+    schedules fit the share's part of the step's window (layer 0's collapsed router makes it
+    large) layer 1 gets the light plan, copies included, as every EP rank's share does; in a
+    step too small for that it keeps its placement. Hierarchical dispatch, physical loads
+    (an expert's pairs at most its source's tokens)."""
+    from relibra_torch.planning import worth
+    from relibra_torch.planning.step_window import step_window_s
+
+    topo = Topology(2, 2, 8, 2)
+    config = dataclasses.replace(PRICED, top_k=2, dispatch="hierarchical", plan_schedule_s=PLAN_SCHEDULE_S,
+                                 light_share=LIGHT_SHARE)
+    loads = torch.zeros(4, 2, 4, 8, dtype=torch.int64)
+    loads[:, 0, :, 0], loads[:, 0, :, 1:] = big, big // 7 + 1
+    loads[:, 1] = torch.randint(0, 100, (4, 4, 8), generator=torch.Generator().manual_seed(0))
+    loads[:, 1, :, 3] += 300
+    prev = topo.static_placement(2)
+    tiers = worth._tiers(loads, topo, prev, config, None, lambda at_least: step_window_s(loads, topo, config, at_least))
+    assert not bool(tiers.full_L()[1]) and not tiers.search_free()
+    assert tiers.light_free() == free
+    plan = relibra_plan(loads, topo, prev, config)
+    El = topo.experts_per_gpu
+    kept = keep_plan(loads[:, 1:], topo, prev[1:], config)
+    if free:
+        assert bool((plan.slot_expert_MLGJ[:, 1, :, El:] >= 0).any())   # the light plan's copies
+        assert torch.equal(plan.placement_LE[1], prev[1])                # on the kept placement
+    else:
+        assert torch.equal(plan.slot_expert_MLGJ[:, 1:], kept.slot_expert_MLGJ)
+    planner = ReLibraPlanner(topo, config)
+    whole = planner.plan(loads)
+    assert torch.equal(whole.slot_expert_MLGJ, plan.slot_expert_MLGJ)
+    for r in range(2):
+        part = planner.plan_layers(loads, layer_share(r, topo.num_gpus, 2))
+        assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, r:r + 1])
+        assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, r:r + 1])
+
+
 def test_floors_reach_the_simulated_and_the_hooked_planner():
     assert PLAN_FLOOR_S > 0 and PLAN_FLOOR_NODES_S > 0
     assert ReLibraConfig().plan_floor_s == ReLibraConfig().plan_floor_nodes_s == 0.0   # the pure API: off

@@ -53,7 +53,13 @@ the whole step's loads from replay, so every rank and the whole-step plan get th
 window; it is computed only where a layer is not admitted otherwise, and its pass over the
 pairs only where an upper bound from the sources' token counts reaches the free threshold.
 A layer neither worth the search nor free gets the light plan instead
-(:mod:`~relibra_torch.planning.light`) where ``U_l + W'_l >= F'``: ``F'`` is the light plan's own host time
+(:mod:`~relibra_torch.planning.light`) where ``U_l + W'_l >= F'``, or where the light plan is
+free as the search is (``F'`` and its schedules fit the share's part of the step's window: then
+its keep rule asks only for a saving). The free rule for the light plan came from 8 x 8 GPUs
+at real layer counts: a rank's share is one layer, its ``W_l`` (a third of the layer's
+compute, no all-to-all) a third of the true window and the schedules of every layer taken out
+of it, so no layer was admitted where the light plan's host time was half the window
+(``docs/results.md``, "The light plan free where the step's window holds it"). ``F'`` is the light plan's own host time
 (:func:`light_floor_s`: ``light_share`` of the fixed part, and a part per layer that
 follows the experts), ``W'_l`` the window less the light plan's cheaper schedules (one
 residency per copy, :data:`LIGHT_SCHEDULE_SHARE`), and ``U_l`` there the looser bound with
@@ -111,98 +117,18 @@ import torch
 
 from .fastpath import keep_plan
 from .gain_bound import gain_bound_L, gain_bounds_L, quick_bound_L as _quick_bound_L
+from .host_time import (FIT_GPUS, LIGHT_EXPERT_NODES_S, LIGHT_EXPERT_S, LIGHT_LAYER_NODES_S, LIGHT_LAYER_S,
+                        LIGHT_SCHEDULE_EXPERTS, LIGHT_SCHEDULE_SHARE, host_scale, layer_floor_s, light_floor_s,
+                        light_layer_s, light_schedule_share, plan_floor_s)
 from .light import hot_spread_saving_L, light_plan
 from .plan import StepPlan
 from .price import exchange_latency_s
 from .topology import Topology
 
-__all__ = ["LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_EXPERTS",
+__all__ = ["FIT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_EXPERTS",
            "LIGHT_SCHEDULE_SHARE", "light_schedule_share",
            "any_planned", "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "light_layer_s",
            "plan_floor_s", "worth_planning_L"]
-
-
-def plan_floor_s(topology: Topology, config) -> float:
-    """The config's fixed floor for the topology (``plan_floor_nodes_s`` across nodes, else
-    ``plan_floor_s``) on this host (:func:`host_scale`): 0 turns the guard off."""
-    return (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) * host_scale(topology, config)
-
-
-#: The most GPUs the host-time constants were fitted and calibrated on (``moe.host_speed``'s
-#: reference shares: 8 and 16). Beyond them a share's search grew with the GPUs (2 x 8 -> 8 x 8
-#: at 64-256 tokens per GPU: 1.4-5.3x, ``docs/results.md``, "The guard's host time grows with
-#: the GPUs"), so across nodes every host-time constant is scaled by ``G / FIT_GPUS``.
-FIT_GPUS = 16
-
-
-def host_scale(topology: Topology, config) -> float:
-    """This host's planning time over the fitted constants' for the topology
-    (``host_scale_nodes`` across nodes, times ``G / FIT_GPUS`` beyond :data:`FIT_GPUS` GPUs,
-    else ``host_scale``)."""
-    if topology.num_nodes == 1:
-        return config.host_scale
-    return config.host_scale_nodes * max(1.0, topology.num_gpus / FIT_GPUS)
-
-
-def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
-    """The floor ``F`` of one layer of a rank's ``share`` layers (module docstring): the fixed
-    floor spread over the share plus the per-layer part, scaled to top-k, the experts across
-    nodes and the micro-batches."""
-    nodes = topology.num_nodes > 1
-    experts = max(topology.num_experts / 64, 1.0) if nodes else 1.0
-    per_layer = (config.plan_layer_nodes_s if nodes else config.plan_layer_s) * host_scale(topology, config)
-    return (plan_floor_s(topology, config) / max(share, 1) + per_layer * (max(config.top_k, 1) * experts) ** 0.5) \
-        * max(micro_batches, 8) / 8
-
-
-#: The light tier's host time (:mod:`~relibra_torch.planning.light` and its share's token
-#: splits, one thread, at 8 micro-batches) on a rank's share of ``k`` layers of ``E`` experts:
-#: ``light_share * floor + k * (LIGHT_LAYER_S + LIGHT_EXPERT_S * E)`` (one node; across nodes
-#: the ``_NODES`` pair and the across-nodes floor), in the full search's floors' time (the
-#: machine they were fitted on). Measured on the 94 never-behind stand-ins with 256+ tokens
-#: per GPU (``benchmarks/never_behind.py``), shares of 1, 2 and 4 layers, on a machine that ran
-#: the full search in 0.62-0.77x of those floors (so times 1.4 here): one node 4-6 ms + 0.4-1.6
-#: ms per layer (8 to 256 experts), across nodes 8-12 ms + 0.5-10 ms per layer. Its per-layer
-#: part follows the experts, not top-k.
-LIGHT_LAYER_S, LIGHT_EXPERT_S = 4.9e-4, 6.6e-6
-LIGHT_LAYER_NODES_S, LIGHT_EXPERT_NODES_S = 3.0e-4, 5.2e-5
-#: A light layer's schedules (``moe.schedule_batch.rank_schedules``) against ``plan_schedule_s``
-#: (fitted on the full search's plans): each copy holds its slot all step, one residency, so
-#: 0.3-0.7 ms per layer on the same stand-ins and machine, about half (x 1.4) of 1.1 ms. At
-#: least that; more with many experts and across nodes (:func:`light_schedule_share`).
-LIGHT_SCHEDULE_SHARE = 0.5
-#: ``(base, per expert)`` of the light schedules' share, one node and across nodes: measured per
-#: light layer with the light tier forced on the 64 stand-ins with 256-1,024 tokens per GPU
-#: (one session, divided by that session's host scale): one node 0.36-0.55 of
-#: ``plan_schedule_s`` at 8-64 experts, 0.66 at 128, 1.0-1.2 at 256; across nodes 0.75 at 32,
-#: 0.97 at 64, 1.25 at 256 experts (16 GPUs' schedules). A share that follows the experts kept
-#: 256-expert light plans whose schedules overran the window the constant share expected.
-LIGHT_SCHEDULE_EXPERTS = ((0.4, 2.8e-3), (0.7, 2.2e-3))
-
-
-def light_schedule_share(topology: Topology) -> float:
-    """A light layer's schedules as a share of ``plan_schedule_s`` on ``topology``: at least
-    :data:`LIGHT_SCHEDULE_SHARE`, growing with the experts (:data:`LIGHT_SCHEDULE_EXPERTS`)."""
-    base, per_expert = LIGHT_SCHEDULE_EXPERTS[topology.num_nodes > 1]
-    return max(LIGHT_SCHEDULE_SHARE, base + per_expert * topology.num_experts)
-
-
-def light_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
-    """The light tier's host time per layer of a rank's ``share`` layers (constants above):
-    0 when the light plan is off (``light_share`` 0)."""
-    if config.light_share <= 0:
-        return 0.0
-    return (config.light_share * plan_floor_s(topology, config) / max(share, 1)
-            + light_layer_s(topology, config, 8)) * max(micro_batches, 8) / 8
-
-
-def light_layer_s(topology: Topology, config, micro_batches: int) -> float:
-    """The light plan's part per layer of :func:`light_floor_s` (constants above): what one more
-    step-long set of a layer costs to build and price, about."""
-    nodes = topology.num_nodes > 1
-    layer_s = (LIGHT_LAYER_NODES_S + LIGHT_EXPERT_NODES_S * topology.num_experts if nodes
-               else LIGHT_LAYER_S + LIGHT_EXPERT_S * topology.num_experts) * host_scale(topology, config)
-    return layer_s * max(micro_batches, 8) / 8
 
 
 class Tiers(NamedTuple):
@@ -249,6 +175,14 @@ class Tiers(NamedTuple):
         """``W'_l``: the window less the light plan's schedules."""
         return self.window_L - self.light_schedules * self.schedules_s
 
+    def light_need(self) -> float:
+        """The light plan's host time and its schedules per share-layer."""
+        return self.light_floor + self.light_schedules * self.schedules_s
+
+    def light_free(self) -> bool:
+        """Whether the share's part of the step's window holds the light plan and its schedules."""
+        return self.light_floor > 0 and self.light_need() <= self.free_window
+
     def light_L(self) -> torch.Tensor:
         """bool ``[L]``: worth the light plan, ``U_l + W'_l >= F'``, or ``scale H_l + W'_l >= F'``
         with ``H_l`` the estimate of spreading the layer's hottest expert (``hot_saving_L``,
@@ -257,7 +191,7 @@ class Tiers(NamedTuple):
         fills); never where the light plan is off."""
         bound_L = self.light_bound_L()
         counted_L = bound_L if self.hot_saving_L is None else torch.maximum(bound_L, self.scale * self.hot_saving_L)
-        return (counted_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)
+        return ((counted_L + self.light_window_L() >= self.light_floor) & (self.light_floor > 0)) | self.light_free()
 
     def ride_L(self) -> torch.Tensor:
         """bool ``[L]``: admitted by neither tier, but worth the light plan once another layer
@@ -272,12 +206,15 @@ class Tiers(NamedTuple):
         ``step_set.margin_sets``): the window less the light schedules holds the light plan's
         host time and one more layer's part of it (``light_layer``), so the second set adds
         no charge."""
-        return self.light_window_L() >= self.light_floor + self.light_layer
+        return (self.light_window_L() >= self.light_floor + self.light_layer) \
+            | (self.light_need() + self.light_layer <= self.free_window)
 
     def light_saving_L(self) -> torch.Tensor:
         """``[L]``: what a made light plan's exact saving (per layer) must exceed to be kept:
         the charge its schedules add once its own host time is spent (the window less that
-        time), per share-layer, over ``scale``."""
+        time), per share-layer, over ``scale``; none where the step's window holds both."""
+        if self.light_free():
+            return torch.zeros_like(self.window_L)
         return ((self.light_floor - self.light_window_L()).clamp(min=0)
                 - (self.light_floor - self.window_L).clamp(min=0)) / self.scale
 
@@ -357,9 +294,16 @@ def _pairs_below(pairs, M: int, L: int, topology: Topology, config, total_layers
 
 def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int | None,
                   step_window: Callable[[float], float] | None) -> bool:
-    """Whether the share's part of the step's window holds the full search and its schedules."""
-    share, _, floor, _, schedules = _share_terms(M, L, topology, config, total_layers)
-    return step_window is not None and floor + schedules <= _share_window(step_window, floor + schedules, share)
+    """Whether the share's part of the step's window holds a tier and its schedules: the full search or the light plan."""
+    share, _, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
+    need = _free_need(floor + schedules, light, light_schedule_share(topology) * schedules)
+    return step_window is not None and need <= _share_window(step_window, need, share)
+
+
+def _free_need(full: float, light: float, light_schedules: float) -> float:
+    """The least host time per share-layer that makes a tier free: the full search's
+    (``full``, with its schedules) or, where the light plan is on, the light plan's."""
+    return min(full, light + light_schedules) if light > 0 else full
 
 
 def _share_window(step_window: Callable[[float], float], need: float, share: int) -> float:
@@ -395,7 +339,8 @@ def _with_free_window(tiers: Tiers, step_window: Callable[[float], float] | None
     which no layer is free)."""
     if step_window is None or bool(tiers.full_L().all()):
         return tiers
-    return tiers._replace(free_window=_share_window(step_window, tiers.floor + tiers.schedules_s, share))
+    need = _free_need(tiers.floor + tiers.schedules_s, tiers.light_floor, tiers.light_schedules * tiers.schedules_s)
+    return tiers._replace(free_window=_share_window(step_window, need, share))
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
