@@ -14,8 +14,9 @@ share that model:
   micro-batches, without materialising token ids (a documented fast approximation).
 
 Calibration: the mixture over tasks of the expected per-expert inclusion probability equals
-the Qwen3-30B-A3B whole-trace heat of ``../shared/data`` (resampled for other shapes), so the
-whole-trace per-layer max/mean of generated data matches the real model's. See
+the Qwen3-30B-A3B whole-trace heat of ``../shared/data`` (merged into coarser experts and
+compressed for fewer experts, resampled for more), so the whole-trace per-layer max/mean of
+generated data matches the real model's. See
 ``docs/traces.md`` for the model, its equations and measured figures.
 
 The package splits by job: :mod:`.config` (:class:`TraceConfig`), :mod:`.model` (the

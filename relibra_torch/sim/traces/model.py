@@ -47,6 +47,9 @@ _HEAT_FLOOR = 0.5
 # Largest per-token inclusion probability the base popularity may ask for (needs < 1: an
 # expert in every token's top-k has infinite Plackett-Luce weight).
 _PI_CAP = 0.95
+# Coarse experts: an E < E0 model's merged shares are raised to (E / E0) ** this (docs/traces.md,
+# "Other expert counts"): 1/4 makes 8 experts as skewed as Mixtral-8x7B in the shared data.
+_COARSE_EXPONENT = 0.25
 _LOG_W_MIN = -60.0
 
 
@@ -147,8 +150,25 @@ def cap_inclusion(pi_LE: torch.Tensor, K: int, cap: float) -> torch.Tensor:
 # calibrated model
 
 
+def _merge_experts(share_LE: torch.Tensor, E: int) -> torch.Tensor:
+    """Merge each row's ``E0`` expert shares into ``E < E0`` coarser experts (rows keep their sums).
+
+    New expert ``k`` stands for reference experts ``[k E0 / E, (k + 1) E0 / E)`` in id order
+    (one cut by a boundary counts in proportion), and its share is theirs summed: a coarse
+    expert takes the tokens of the fine experts it replaces. A group's share is at most its
+    size times the largest and its mean is its size times the mean, so max/mean never rises;
+    for ``E'`` dividing ``E`` the ``E'``-expert rows are the ``E``-expert rows merged again.
+    """
+    E0 = share_LE.shape[-1]
+    cum = torch.cat([torch.zeros_like(share_LE[..., :1]), share_LE.cumsum(-1)], -1)  # [L, E0 + 1]
+    pos = torch.arange(E + 1) * E0  # edges at pos / E reference experts
+    j = torch.div(pos, E, rounding_mode="floor").clamp(max=E0 - 1)
+    frac = (pos - j * E).to(share_LE.dtype) / E
+    return (cum[..., j] + frac * share_LE[..., j]).diff(dim=-1)
+
+
 def _resample_experts(share_E: torch.Tensor, E: int) -> torch.Tensor:
-    """Resample one layer's expert shares (sum 1) from ``E0`` to ``E`` experts.
+    """Resample one layer's expert shares (sum 1) from ``E0`` to ``E > E0`` experts.
 
     Values: the quantile function of the source shares (piecewise linear through the
     sorted values at ``(j + 0.5) / E0``) evaluated at ``(k + 0.5) / E``. Placement: new
@@ -179,10 +199,12 @@ def base_inclusion_LE(cfg: TraceConfig) -> torch.Tensor:
 
     For 48 x 128, top-8 this is the Qwen3-30B-A3B heat ``(heat + 0.5) / tokens``. Other
     shapes: layer ``l`` uses reference layer ``floor((l + 0.5) * 48 / L)`` (even spacing for
-    fewer layers, repetition for more); experts are resampled by quantiles
-    (:func:`_resample_experts`); shares are scaled to sum ``top_k`` and water-filled below
-    ``min(0.95, ...)`` per expert; ``top_k == num_experts`` gives all ones. The returned
-    tensor is cached: do not modify it.
+    fewer layers, repetition for more). Fewer experts (``E < 128``): the reference experts
+    are merged into ``E`` groups (:func:`_merge_experts`) and the merged shares raised to
+    ``(E / 128) ** 0.25`` (0.5 for 8 experts), so max/mean never rises as experts merge; more
+    experts: resampled by quantiles (:func:`_resample_experts`). Shares are scaled to sum
+    ``top_k`` and water-filled below ``min(0.95, ...)`` per expert; ``top_k == num_experts``
+    gives all ones. The returned tensor is cached: do not modify it.
     """
     check_cfg(cfg)
     if cfg.top_k >= cfg.num_experts:
@@ -194,7 +216,10 @@ def base_inclusion_LE(cfg: TraceConfig) -> torch.Tensor:
     src_l = torch.div(torch.arange(L) * 2 * L0 + L0, 2 * L, rounding_mode="floor")
     share = heat[src_l]
     share = share / share.sum(-1, keepdim=True)
-    if E != E0:
+    if E < E0:  # coarser experts: merge, then compress (never more skewed than the reference)
+        share = _merge_experts(share, E) ** ((E / E0) ** _COARSE_EXPONENT)
+        share = share / share.sum(-1, keepdim=True)
+    elif E > E0:
         share = torch.stack([_resample_experts(row, E) for row in share])
     cap = _PI_CAP if K / E <= 0.9 else (1 + K / E) / 2
     return cap_inclusion(share * K, K, cap)
