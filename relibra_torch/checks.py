@@ -47,9 +47,11 @@ def check_number(name: str, value: object, minimum: float | None = None, *, stri
     """``value`` as a finite float ``>= minimum`` (``> minimum`` with ``strict``), ``<= maximum``."""
     op = ">" if strict else ">="
     parts = ["a finite number"]
-    if minimum is not None:
+    if minimum is not None and maximum is not None:  # "in [0, 4]", "in (0, 1]"
+        parts.append(f"in {'(' if strict else '['}{minimum:g}, {maximum:g}]")
+    elif minimum is not None:
         parts.append(f"{op} {minimum:g}")
-    if maximum is not None:
+    elif maximum is not None:
         parts.append(f"<= {maximum:g}")
     allowed = " ".join(parts)
     if isinstance(value, bool) or not isinstance(value, (int, float)):

@@ -111,6 +111,11 @@ def check_output(path: str) -> None:
         raise ValueError(f"OUT {path!r}: folder {os.path.dirname(path) or folder!r} is not writable")
 
 
+def _n(count: int, word: str) -> str:
+    """``1 sample``, ``2 samples``."""
+    return f"{count} {word}{'' if count == 1 else 's'}"
+
+
 def _save(replay, path: str) -> None:
     from safetensors import SafetensorError
 
@@ -135,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         check_int("--top-k", args.top_k)
     top_k = args.top_k if args.top_k is not None else (hf.spec.top_k if hf else None)
     layers = None
-    if args.moe_layers:
+    if args.moe_layers is not None:  # "" too: an empty spec is refused, not read as no selection
         layers = LayerIndices(parse_layer_spec(args.moe_layers, hf.spec.num_layers if hf else None))
     elif hf is not None:
         layers = hf.moe_layers
@@ -168,9 +173,9 @@ def run(args: argparse.Namespace) -> int:
     replay = from_per_sample([s.ids for s in samples], num_experts, model=model, sample_step=sample_step,
                              coverage="completion-only" if partial else None)
     _save(replay, args.output)
-    steps = f" in {len(set(sample_step))} steps" if sample_step is not None else ""
-    print(f"wrote {args.output}: {replay.num_samples} samples{steps}, {replay.num_tokens} tokens, "
-          f"{replay.num_layers} MoE layers, top-{replay.top_k} of {num_experts} experts"
+    steps = f" in {_n(len(set(sample_step)), 'step')}" if sample_step is not None else ""
+    print(f"wrote {args.output}: {_n(replay.num_samples, 'sample')}{steps}, {_n(replay.num_tokens, 'token')}, "
+          f"{_n(replay.num_layers, 'MoE layer')}, top-{replay.top_k} of {_n(num_experts, 'expert')}"
           + (f", model {model}" if model else ""))
     if partial:
         missing = sum(s.missing_prompt for s in partial)

@@ -120,6 +120,31 @@ def test_slime_counts_dense_layers_and_drops_pad_rows(known, tmp_path, capsys):
     assert_same(out, ids, offsets)
 
 
+@pytest.mark.parametrize("tokens,rows", [(100, 2), (3, 5)])
+def test_slime_rows_that_do_not_match_the_tokens_are_refused(tmp_path, capsys, tokens, rows):
+    """slime routes every token but the last: len(tokens) - 1 rows, as SGLang's prompt + completion - 1."""
+    ids = torch.arange(rows * 2 * 2).remainder(E).view(rows, 2, 2)
+    ids[:, :, 1] = (ids[:, :, 0] + 1) % E
+    record = {"tokens": list(range(tokens)), "rollout_routed_experts": ids.tolist()}
+    rc, err, _ = convert(capsys, tmp_path, "slime", [record], "--num-experts", str(E), "--top-k", "2", jsonl=True)
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert (f"record 0: rollout_routed_experts has {rows} rows but len(tokens) {tokens} - 1 = {tokens - 1}; "
+            f"allowed: {tokens - 1} rows (one per token but the last), or pad rows marked by attention_mask "
+            f"or length") in err, err
+    rc, err, out = convert(capsys, tmp_path, "slime", [{**record, "tokens": list(range(rows + 1))}],
+                           "--num-experts", str(E), "--top-k", "2")
+    assert rc == 0, err
+    assert load_routing(str(out)).num_tokens == rows
+
+
+def test_the_summary_line_counts_in_the_singular_where_there_is_one(tmp_path, capsys):
+    src, out = tmp_path / "in.json", tmp_path / "out.safetensors"
+    src.write_text(json.dumps([{"tokens": [5, 6], "step": 0, "rollout_routed_experts": [[[1, 2]]]}]))
+    assert main(["convert", "slime", str(src), str(out), "--num-experts", str(E)]) == 0
+    assert capsys.readouterr().out.strip() == (f"wrote {out}: 1 sample in 1 step, 1 token, 1 MoE layer, top-2 of "
+                                               f"{E} experts")
+
+
 @pytest.mark.parametrize("by", ["attention_mask", "lengths"])
 def test_padded_verl_batch_counts_no_pad_row(known, tmp_path, capsys, by):
     cfg, ids, offsets = known
@@ -167,6 +192,12 @@ def test_layers_with_different_token_counts(known, tmp_path, capsys):
     ("sglang", {"text": "no routing"}, ["--num-experts", "16"], "--enable-return-routed-experts"),
     ("verl", {"routed_experts": [[[[1, 2]]]]}, ["--num-experts", "16"], "attention_mask [B, P] or lengths [B]"),
     ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "16", "--moe-layers", "x"], "--moe-layers 'x'"),
+    ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "16", "--moe-layers", ""],
+     "--moe-layers '' is empty; allowed: layer indices, e.g. 3-60 or 1,3,5"),
+    ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "16", "--moe-layers", "0,0"],
+     "--moe-layers '0,0' names layer 0 twice; allowed: each layer once"),
+    ("slime", {"routed_experts": [[[1, 2]]]}, ["--num-experts", "16", "--moe-layers", "0-3,2"],
+     "--moe-layers '0-3,2' names layer 2 twice; allowed: each layer once"),
     ("slime", {"routed_experts": [[[1, 2], [-1, 3]], [[4, 5], [6, 7]]]}, ["--num-experts", "16"],
      "record 0: routed_experts[0, 1, 0] (token position 0, engine layer 1) = -1 is a placeholder (no expert) in a "
      "kept layer; keep only the MoE layers with --moe-layers"),

@@ -312,6 +312,9 @@ def test_goodput_zero_says_why_and_requests_past_the_context_window_are_counted(
     r = compare(setup)["systems"]["colocated"]
     assert r["goodput"] == 0.0 and r["note"].startswith("no rate tried met the SLO: even at ")
     assert all(p[2] for p in r["curve"])
+    # the attainment of a complete run at the slowest rate, not the early-stopped run's bound
+    assert "at most" not in r["note"] and "the slowest tried, 0% of requests met it (P90 needs 90%)" in r["note"]
+    assert min(r["curve"])[1] == 0.0
     long = int((reqs.prompt_N + reqs.output_N).max())
     assert context_notes(reqs, TINY) == []                                   # unknown window: no claim
     assert context_notes(reqs, replace(TINY, max_context=long)) == []
@@ -348,3 +351,46 @@ def test_expertplex_runs_as_several_groups_of_whole_nodes():
     assert nodes == {"g0p0": 0, "g0p1": 0, "g0d": 0, "g1p0": 1, "g1p1": 1, "g1d": 1}
     one = SystemConfig("expertplex", knobs, 8)
     assert goodput(two, cl2, reqs).rate >= goodput(one, _cluster(8), reqs).rate > 0
+
+
+def test_tpot_is_undefined_not_zero_when_every_request_has_one_output_token():
+    """TPOT needs two output tokens: requests of one have none, and where all do the
+    percentiles are None (shown "-"), not 0 ms; other requests' TPOTs are not pulled down."""
+    cl = _cluster(4)
+    cfg = enumerate_configs("colocated", cl, 4000)[0]
+    reqs = _requests(12)
+    one = Requests(reqs.arrival_N, reqs.prompt_N, np.ones_like(reqs.output_N), "test")
+    m = run_config(cfg, cl, one)
+    p = m.percentiles()
+    assert p["tpot_p50_s"] is None and p["tpot_p90_s"] is None and p["ttft_p50_s"] > 0
+    mixed = Requests(reqs.arrival_N, reqs.prompt_N, np.where(np.arange(12) % 2, reqs.output_N, 1), "test")
+    m = run_config(cfg, cl, mixed)
+    decoding = m.tpot_N[np.arange(12) % 2 == 1]
+    assert m.percentiles()["tpot_p50_s"] == pytest.approx(np.median(decoding)) and decoding.min() > 0
+
+
+def test_paper_ratios_are_shown_for_its_model_only_and_labelled_with_its_setting():
+    """The paper's 2.01x / 1.41x belong to its MiniMax-M2.7 setting: a comparison of another
+    model carries none; the MiniMax-M2 preset's carries them, printed with the setting."""
+    import io
+
+    from rich.console import Console
+
+    from relibra_torch.serving.compare import PAPER_RATIOS
+    from relibra_torch.serving.report import print_report
+
+    setup = CompareSetup(TINY, get_hardware("h200"), TIGHT, 1, 4, _requests(12), _pi(), ("colocated",), "test")
+    doc = compare(setup)
+    assert doc["paper_ratios"] == {}
+    minimax = get_model("minimax-m2")   # does not fit one H200: no search, only the document
+    pi = synthetic_popularity(minimax.num_moe_layers, minimax.num_experts, minimax.top_k, 0)
+    paper = compare(CompareSetup(minimax, get_hardware("h200"), TIGHT, 1, 1, _requests(12), pi, ("colocated",),
+                                 "test"))
+    assert paper["paper_ratios"] == PAPER_RATIOS
+    for d, shown in ((doc, False), (paper, True)):
+        d["ratios"] = {"expertplex/pd-disagg": 0.5}
+        out = io.StringIO()
+        print_report(d, Console(file=out, width=300))
+        line = next(ln for ln in out.getvalue().splitlines() if ln.startswith("expertplex/pd-disagg"))
+        assert line == ("expertplex/pd-disagg: 0.50x (paper, MiniMax-M2.7 on 8 x H800 nodes, ShareGPT lengths: 2.01x)"
+                        if shown else "expertplex/pd-disagg: 0.50x"), line

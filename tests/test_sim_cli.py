@@ -227,6 +227,51 @@ def test_replica_slots_count_against_memory_only_for_systems_that_fill_them(caps
     assert "static" in out
 
 
+@pytest.mark.parametrize("how,message", [
+    ("set", "--set model.num_experts = 100000; allowed: an int in [2, 32767] with the synthetic trace (it stores "
+            "expert ids as int16); for more experts pass a routing replay or loads file"),
+    ("hf", "--model-config '{path}': num_experts = 100000; allowed: an int in [2, 32767] with the synthetic trace"),
+    ("toml", "--config '{path}': [model] num_experts = 100000; allowed: an int in [2, 32767] with the synthetic "
+             "trace"),
+])
+def test_an_expert_count_past_the_synthetic_trace_names_the_users_field(tmp_path, capsys, how, message):
+    """Refused as the model is read, under the field the user wrote (never TraceConfig's), and
+    before the memory check, whose --nodes advice would only lead to this refusal."""
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    path = tmp_path / ("c.toml" if how == "toml" else "olmoe.json")
+    if how == "hf":
+        cfg = json.loads((root / "tests/fixtures/hf_configs/OLMoE-1B-7B-0924/config.json").read_text())
+        path.write_text(json.dumps({**cfg, "num_experts": 100000}))
+    elif how == "toml":
+        path.write_text('[model]\nnum_experts = 100000\n')
+    argv = {"set": ["--set", "model.num_experts=100000"], "hf": ["--model-config", str(path)],
+            "toml": ["--config", str(path)]}[how]
+    rc, _, err = run(capsys, *argv, "--no-progress")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert message.format(path=path) in err and "TraceConfig" not in err and "GB per GPU" not in err, err
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("c.toml", '[model]\nnum_experts = "64"\n', "[model] num_experts = '64' is a string; allowed: a number, written "
+                                                "without quotes (num_experts = 64)"),
+    ("c.json", '{"hardware": {"nvlink_gbps": "300"}}', "[hardware] nvlink_gbps = '300' is a string; allowed: a "
+                                                       "number, written without quotes"),
+])
+def test_config_file_numbers_written_as_strings_are_refused(tmp_path, capsys, name, text, message):
+    """Only --set parses text; a config file (TOML or JSON) holds numbers as numbers."""
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    rc, _, err = run(capsys, "--config", str(cfg), "--no-progress")
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"--config '{cfg}': {message}" in err, err
+
+
+def test_trace_skew_range_reads_as_an_interval(capsys):
+    rc, _, err = run(capsys, "--set", "trace.skew=-1", "--no-progress")
+    assert rc == 2 and err.strip().endswith("--set trace.skew = -1.0; allowed: a finite number in [0, 4]"), err
+
+
 def test_config_values_are_named_where_they_came_from(tmp_path, capsys):
     """A bad value from ``--config`` names the file's key, not a flag the user never passed; a
     TOML list of systems reads as the comma-separated option; a config file not named .toml is

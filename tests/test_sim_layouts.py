@@ -131,3 +131,17 @@ def test_compare_ep_where_no_size_fits_is_an_error_not_an_empty_table(tmp_path, 
     err = capsys.readouterr().err.strip()
     assert err.startswith("relibra simulate: error: --compare-ep: no EP size fits in memory: EP 1: ") and "\n" not in err
     assert "GB per GPU" in err and "--ignore-memory" in err
+
+
+def test_an_ep_size_with_an_empty_group_names_the_size_and_the_fix():
+    """A trace too small to give every EP group tokens (a plain run accepts empty ranks): the
+    size at fault, the group, and what to do; the sizes whose groups all hold tokens run."""
+    wl, cfg = _workload(), _config(("static", "uniform"))
+    wl.tokens_XMS[:, :, 2:] = 0                         # ranks 2-3: a second EP-2 group with no sample
+    wl.loads_XMLSE[:, :, :, 2:] = 0
+    assert compare_layouts(wl, cfg, (4,))
+    with pytest.raises(ValueError) as exc:
+        compare_layouts(wl, cfg, (2, 4))
+    assert str(exc.value) == (f"--compare-ep 2: EP group 2 of 2 (ranks 2-3) holds no tokens in the measured steps "
+                              f"({wl.source} is too small to fill every group of 2); drop 2 from --compare-ep, or "
+                              f"use more samples")

@@ -459,6 +459,26 @@ def test_a_null_expert_width_is_refused_and_other_spellings_are_read():
     assert any("multi-token-prediction" in note for note in mtp.notes)
 
 
+def test_two_expert_count_spellings_that_disagree_are_refused_naming_both():
+    """Mixtral's num_local_experts beside a num_experts of another value: no silent pick."""
+    mixtral = _moe(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"^--model-config config: num_experts = 16 but num_local_experts = 8; "
+                                         r"allowed: one expert count \(make them agree, or remove") as exc:
+        model_from_hf_config({**mixtral, "num_experts": 16})
+    assert "\n" not in str(exc.value)
+    assert model_from_hf_config({**mixtral, "num_experts": 8}).spec.num_experts == 8   # agreeing: read
+
+
+@pytest.mark.parametrize("field,fields", [
+    ("n_routed_experts", dict(n_routed_experts=None)),
+    ("v_head_dim", dict(n_routed_experts=8, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=None)),
+])
+def test_a_null_field_is_called_null_not_missing(field, fields):
+    cfg = _moe(model_type="deepseek_v2", num_experts_per_tok=2, moe_intermediate_size=32, **fields)
+    with pytest.raises(ValueError, match=rf"^--model-config config: {field} = null; allowed: an int >= "):
+        model_from_hf_config(cfg)
+
+
 def test_top_k_above_the_expert_count_names_the_config_fields():
     with pytest.raises(ValueError, match=r"--model-config .*num_experts_per_tok = 9 with num_experts = 8"):
         model_from_hf_config(_moe(num_experts=8, num_experts_per_tok=9))

@@ -49,12 +49,16 @@ def test_overrides_convert_strings_and_keep_other_fields():
 @pytest.mark.parametrize("section,key,value,match", [
     ("hardware", "nvlink_gbps", "-5", r"hardware.nvlink_gbps = -5.0; allowed: a finite number > 0"),
     ("hardware", "inter_node_gbps", "0", r"hardware.inter_node_gbps = 0.0; allowed: a finite number > 0"),
-    ("hardware", "grouped_gemm_efficiency", "1.5", r"hardware.grouped_gemm_efficiency = 1.5; allowed: a finite number > 0 <= 1"),
+    ("hardware", "grouped_gemm_efficiency", "1.5",
+     r"hardware.grouped_gemm_efficiency = 1.5; allowed: a finite number in \(0, 1\]"),
     ("hardware", "speed", "1", r"hardware.speed is not a field; allowed: bf16_tflops"),
     ("hardware", "nvlink_gbps", "fast", r"hardware.nvlink_gbps='fast' is not a number"),
     ("model", "top_k", "200", r"model.top_k = 200; allowed: an int in \[1, model.num_experts = 128\]"),
     ("model", "num_experts", "2.5", r"model.num_experts='2.5' is not an int"),
     ("model", "hidden_size", "0", r"model.hidden_size = 0; allowed: an int >= 1"),
+    # as --model-config checks num_key_value_heads: the KV heads divide the query heads (GQA)
+    ("model", "num_heads", "7", r"model.num_kv_heads = 4 with model.num_heads = 7; allowed: a divisor of 7"),
+    ("model", "num_kv_heads", "64", r"model.num_kv_heads = 64 with model.num_heads = 32; allowed: a divisor of 32"),
 ])
 def test_bad_overrides_name_the_field_and_what_is_allowed(section, key, value, match):
     spec = get_hardware("h200") if section == "hardware" else get_model("qwen3-30b-a3b")
@@ -91,3 +95,12 @@ def test_config_files_json_and_toml(tmp_path):
         load_config_file(str(bad))
     with pytest.raises(FileNotFoundError):
         load_config_file(str(tmp_path / "missing.json"))
+
+
+def test_describe_model_counts_in_the_singular_where_there_is_one():
+    import dataclasses
+
+    from relibra_torch.sim.presets import describe_model
+    one = dataclasses.replace(get_model("qwen3-30b-a3b"), num_layers=1, num_moe_layers=1)
+    assert describe_model(dataclasses.asdict(one)).startswith("1 layer (1 MoE), hidden 2048; 128 routed experts, ")
+    assert describe_model(dataclasses.asdict(get_model("qwen3-30b-a3b"))).startswith("48 layers (48 MoE)")

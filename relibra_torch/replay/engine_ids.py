@@ -272,8 +272,12 @@ def decode_ids(value, what: str, *, flat_shape: tuple[int | None, int | None] | 
 
 
 def parse_layer_spec(text: str, num_layers: int | None = None) -> tuple[int, ...]:
-    """``"3-60"`` / ``"1,3,5-7"`` -> sorted layer indices (``--moe-layers``)."""
+    """``"3-60"`` / ``"1,3,5-7"`` -> sorted layer indices (``--moe-layers``); an empty spec and
+    a layer named twice are refused."""
     out: set[int] = set()
+    if not str(text).strip():
+        raise ValueError(f"--moe-layers {text!r} is empty; allowed: layer indices, e.g. 3-60 or 1,3,5 (or leave "
+                         f"the option out to keep every layer, or the MoE layers of --model-config)")
     for part in str(text).split(","):
         part = part.strip()
         try:
@@ -283,6 +287,9 @@ def parse_layer_spec(text: str, num_layers: int | None = None) -> tuple[int, ...
             raise ValueError(f"--moe-layers {text!r}: {part!r} is not N or N-M; allowed: e.g. 3-60 or 1,3,5") from None
         if lo_i < 0 or hi_i < lo_i:
             raise ValueError(f"--moe-layers {text!r}: {part!r} is not an increasing range of indices >= 0")
+        twice = out.intersection(range(lo_i, hi_i + 1))
+        if twice:
+            raise ValueError(f"--moe-layers {text!r} names layer {min(twice)} twice; allowed: each layer once")
         out.update(range(lo_i, hi_i + 1))
     if num_layers is not None and out and max(out) >= num_layers:
         raise ValueError(f"--moe-layers {text!r} names layer {max(out)} but the model has {num_layers}")

@@ -20,7 +20,8 @@ Layouts followed (checked against the engines' sources and docs, see docs/replay
   the counts in ``usage`` (or the choice's ``prompt_token_ids`` / ``token_ids``).
 * **slime**: a sample's ``rollout_routed_experts`` (or ``routed_experts``) ``[len(tokens) -
   1, layers, top_k]``, as nested lists or as SGLang's base64 string (its rows follow from
-  ``tokens``); the layer dim counts dense layers.
+  ``tokens``); the layer dim counts dense layers. Another row count is refused unless an
+  ``attention_mask`` or ``length`` marks pad rows.
 * **vLLM** (``--enable-return-routed-experts``), MoE layers only, int16 ids as nested
   lists, a base64 ``.npy`` buffer, or ``{"encoding": "base64", "dtype", "shape", "data"}``.
   A choice's ``routed_experts`` covers the whole sequence (``prompt + generated - 1`` rows,
@@ -197,9 +198,14 @@ def slime_samples(records: Sequence[dict], moe_map, num_layers: int | None, top_
     out = []
     for i, rec in enumerate(records):
         tokens = rec.get("tokens")
-        rows = len(tokens) - 1 if isinstance(tokens, list) and len(tokens) > 1 else None  # slime: tokens - 1
+        rows = len(tokens) - 1 if isinstance(tokens, list) and tokens else None  # slime: tokens - 1
         fld, ids, layers = _ids_of(rec, ("rollout_routed_experts", "routed_experts"), f"record {i}", moe_map,
-                                   flat_shape=(num_layers, top_k), rows=rows)
+                                   flat_shape=(num_layers, top_k), rows=rows or None)
+        padded = rec.get("attention_mask") is not None or rec.get("length") is not None
+        if rows is not None and ids.shape[0] != rows and not padded:  # as SGLang's prompt + completion - 1
+            raise ValueError(f"record {i}: {fld} has {ids.shape[0]} rows but len(tokens) {len(tokens)} - 1 = "
+                             f"{rows}; allowed: {rows} rows (one per token but the last), or pad rows marked by "
+                             f"attention_mask or length")
         out.append(EngineSample(i, [_piece(ids, rec, i, fld, moe_map, "token position", layers=layers)]))
     return out
 

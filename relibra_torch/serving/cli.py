@@ -179,6 +179,10 @@ def setup_from_args(args):
     else:
         model = get_model(args.model)
     model = apply_overrides(model, "model", sets["model"])
+    if not args.routing:  # the synthetic trace's expert counts, under the user's name for the field
+        from ..sim.model_choice import check_trace_experts
+        check_trace_experts(model, sets["model"], args.model_config and
+                            f"--model-config {args.model_config!r}: {read.experts_field}", fix="--routing FILE")
     hardware = apply_overrides(get_hardware(args.hardware), "hardware", sets["hardware"])
     consts = override_constants(DEFAULT_CONSTANTS, sets["serving"])
     slo = {}

@@ -36,10 +36,13 @@ class RunMetrics:
     attainment: float
     events: int
     aborted: bool = False
+    decodes_N: np.ndarray | None = None  # bool: requests of more than one output token (TPOT defined)
 
     def percentiles(self, qs=(50, 90, 99)) -> dict:
+        """TTFT and TPOT percentiles; TPOT over the requests that have one (None when none has)."""
+        tpot = self.tpot_N if self.decodes_N is None else self.tpot_N[self.decodes_N]
         return {f"ttft_p{q}_s": float(np.percentile(self.ttft_N, q)) for q in qs} | \
-               {f"tpot_p{q}_s": float(np.percentile(self.tpot_N, q)) for q in qs}
+               {f"tpot_p{q}_s": float(np.percentile(tpot, q)) if tpot.size else None for q in qs}
 
 
 def at_scale(reqs: Requests, factor: float, cl: Cluster) -> Requests:
@@ -70,7 +73,7 @@ def run_config(cfg: SystemConfig, cl: Cluster, reqs: Requests, early_stop: bool 
     out = reqs.output_N
     tpot = np.where(out > 1, (eng.finish - eng.first) / np.maximum(out - 1, 1), 0.0)
     ok = (ttft <= c.ttft_slo_s + 1e-12) & (tpot <= c.tpot_slo_s + 1e-12)
-    return RunMetrics(reqs.rate, ttft, tpot, float(ok.mean()), eng.events)
+    return RunMetrics(reqs.rate, ttft, tpot, float(ok.mean()), eng.events, decodes_N=out > 1)
 
 
 @dataclass

@@ -49,7 +49,7 @@ def print_report(doc: dict, console=None) -> None:
         console.print(f"note: {escape(note)}", highlight=False)
     paper = doc["paper_ratios"]
     for key, value in doc["ratios"].items():
-        ref = f" (paper: {paper[key]:.2f}x)" if key in paper else ""
+        ref = f" (paper, {doc.get('paper_setting', 'its setting')}: {paper[key]:.2f}x)" if key in paper else ""
         shown = "-" if value is None else (value if isinstance(value, str) else f"{value:.2f}x")
         console.print(f"{key}: {shown}{ref}", highlight=False)
     console.print(f"search time {doc['seconds']:.1f} s", highlight=False)

@@ -9,7 +9,8 @@ when it spells its fields like one of them. Refused, with a one-line ValueError 
 field: a config with no routed experts ("not an MoE"), a hybrid Mamba config
 (``hybrid_override_pattern`` with ``M`` / ``*`` layers, which have no FFN), and impossible values
 (layer indices or a per-layer list beyond ``num_hidden_layers``, ``num_key_value_heads`` not
-dividing ``num_attention_heads``, ``topk_group > n_group``) and an encoder-decoder model
+dividing ``num_attention_heads``, ``topk_group > n_group``, two expert-count spellings that
+disagree, e.g. ``num_local_experts`` and ``num_experts``) and an encoder-decoder model
 (``is_encoder_decoder``: Switch Transformers, NLLB-MoE). ERNIE-4.5-VL's per-modality
 ``[text, vision]`` lists are read for the text modality.
 
@@ -65,6 +66,7 @@ class HFModel:
     model_type: str
     notes: tuple[str, ...] = field(default_factory=tuple)
     topk_group: int = 0
+    experts_field: str = "num_experts"  # the config field the expert count was read from (for messages)
 
 
 def load_hf_config(path: str) -> dict:
@@ -173,6 +175,11 @@ def _attention(f: Fields, D: int, notes: list[str]) -> dict:
 def _experts(f: Fields, kind: str, notes: list[str]) -> dict:
     """Routed and shared experts: counts, top-k, widths (see the module docstring)."""
     cfg = f.cfg
+    given = {k: cfg[k] for k in SPELLINGS["experts"] if cfg.get(k) is not None}
+    if len({repr(v) for v in given.values()}) > 1:  # Mixtral-style num_local_experts beside another count
+        a, b = list(given)[:2]
+        raise ValueError(f"--model-config {f.where}: {a} = {given[a]!r} but {b} = {given[b]!r}; allowed: one expert "
+                         f"count (make them agree, or remove the one the model does not read)")
     E, per_E = f.per_layer("experts", minimum=2)
     K, per_K = f.per_layer("top_k")
     if K > E:
@@ -282,7 +289,8 @@ def model_from_hf_config(config: dict | str, name: str | None = None) -> HFModel
         fields["max_context"] = context
     spec = ModelSpec(name or _name(outer, cfg, path), num_layers=H, num_moe_layers=num_moe,
                      num_expert_groups=groups, **fields)
-    return HFModel(spec, moe, kind, tuple(notes), topk_group)
+    experts = f.key("experts") + (" + zero_expert_num" if f.int("zero_expert_num", 0, minimum=0) else "")
+    return HFModel(spec, moe, kind, tuple(notes), topk_group, experts)
 
 
 def _add_shared_mlp(fields: dict, width: int) -> None:

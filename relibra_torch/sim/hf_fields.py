@@ -76,6 +76,10 @@ class Fields:
         if key is None:
             if default is None:
                 names = SPELLINGS.get(quantity, (quantity,))
+                null = next((k for k in names if k in self.cfg), None)  # present, but null
+                if null is not None:
+                    raise ValueError(f"--model-config {self.where}: {null} = null; allowed: an int >= {minimum} "
+                                     f"(model_type {self.cfg.get('model_type')!r})")
                 raise ValueError(f"--model-config {self.where}: field {names[0]!r} is missing (also read as "
                                  f"{', '.join(names[1:]) or 'nothing else'}); allowed: an int >= {minimum} "
                                  f"(model_type {self.cfg.get('model_type')!r})")

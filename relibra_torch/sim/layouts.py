@@ -137,6 +137,11 @@ def compare_layouts(workload: Workload, config: SimConfig, ep_sizes: tuple[int, 
         group_cfg = dataclasses.replace(config, topology=group_topo, memory_world=W)  # dense DP: all W GPUs
         per_group = []  # per group: {system: [step seconds per measured step]}
         groups = split_workload(workload, g)
+        for i, wl in enumerate(groups):  # a plain run takes empty ranks; an EP group of them has no step
+            if not bool(wl.tokens_XMS[config.warmup_steps:].any()):
+                raise ValueError(f"--compare-ep {g}: EP group {i + 1} of {len(groups)} (ranks {i * g}-{i * g + g - 1}) "
+                                 f"holds no tokens in the measured steps ({workload.source} is too small to fill "
+                                 f"every group of {g}); drop {g} from --compare-ep, or use more samples")
         try:
             for i, wl in enumerate(groups):
                 if progress is not None:

@@ -21,7 +21,11 @@ from dataclasses import dataclass, replace
 from .hf_config import model_from_hf_config
 from .presets import MODELS, ModelSpec, apply_overrides, get_model, parse_override
 
-__all__ = ["FileShape", "file_shape", "preset_for_file", "resolve_model", "check_file_model", "ep_hint"]
+__all__ = ["FileShape", "file_shape", "preset_for_file", "resolve_model", "check_file_model", "ep_hint",
+           "TRACE_EXPERTS", "check_trace_experts"]
+
+# the expert counts the synthetic trace draws (relibra_torch.sim.traces.TraceConfig stores ids as int16)
+TRACE_EXPERTS = (2, 32767)
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,27 @@ def ep_hint(num_experts: int, nodes: int, gpus_per_node: int) -> str:
     return " or ".join(choices)
 
 
+def check_trace_experts(spec: ModelSpec, sets: dict, hf_field: str | None = None, config: str | None = None,
+                        config_fields: dict | None = None, fix: str = "a routing replay or loads file") -> None:
+    """Refuse an expert count the synthetic trace cannot draw (:data:`TRACE_EXPERTS`), naming
+    the field it came from: ``--set model.num_experts`` (``sets``), the ``--model-config``
+    field ``hf_field`` (``"--model-config PATH: FIELD"``), or ``--config``'s ``[model]`` table."""
+    lo, hi = TRACE_EXPERTS
+    E = spec.num_experts
+    if lo <= E <= hi:
+        return
+    if "num_experts" in sets:
+        where = "--set model.num_experts"
+    elif hf_field:
+        where = hf_field
+    elif "num_experts" in (config_fields or {}):
+        where = f"--config {config!r}: [model] num_experts"
+    else:
+        where = "model.num_experts"
+    raise ValueError(f"{where} = {E}; allowed: an int in [{lo}, {hi}] with the synthetic trace (it stores expert "
+                     f"ids as int16); for more experts pass {fix}")
+
+
 def _sets(args, section: str) -> dict:
     """The ``--set SECTION.FIELD=VALUE`` overrides of one section, in command-line order."""
     sets = {}
@@ -221,6 +246,9 @@ def resolve_model(args, opts: dict, file_cfg: dict, sim_cfg: dict, shape: FileSh
     original = get_model(spec.name) if spec.name in MODELS and not opts["model_config"] else base
     changed = [f"{f}={getattr(spec, f)}" for f in spec.__dataclass_fields__
                if f != "name" and getattr(spec, f) != getattr(original, f)]
+    if shape is None:  # the synthetic trace: its limits, under the user's name for the field
+        check_trace_experts(spec, _sets(args, "model"), opts["model_config"] and
+                            f"--model-config {opts['model_config']!r}: {hf.experts_field}", args.config, fields_)
     if new_name:
         spec = replace(spec, name=str(new_name))
     elif changed:  # the header must not name a preset whose fields were replaced

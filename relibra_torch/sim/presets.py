@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, fields, replace
 
 from ..checks import check_int
@@ -87,6 +88,10 @@ class ModelSpec:
                              f"(num_layers - num_moe_layers = {self.num_dense_layers}); set "
                              f"model.dense_ffn, or model.num_layers={self.num_moe_layers} for an "
                              f"all-MoE model")
+        if not self.is_mla and (self.num_kv_heads > self.num_heads or self.num_heads % self.num_kv_heads):
+            raise ValueError(f"model.num_kv_heads = {self.num_kv_heads} with model.num_heads = {self.num_heads}; "
+                             f"allowed: a divisor of {self.num_heads} (grouped-query attention: set both so the KV "
+                             f"heads divide the query heads)")
         if self.num_shared_experts and not self.shared_ffn:
             raise ValueError("model.shared_ffn = 0; allowed: an int >= 1 when model.num_shared_experts > 0")
 
@@ -284,7 +289,17 @@ def load_config_file(path: str) -> dict:
     if unknown:
         raise ValueError(f"--config {path!r} has unknown sections {sorted(unknown)}; "
                          f"allowed: {', '.join(SET_SECTIONS)}, simulate")
+    for section, table in data.items():  # "64" is text in a file (only --set's values are parsed)
+        if section == "simulate" or not isinstance(table, dict):  # simulate's options: checked by name
+            continue
+        for key, value in table.items():
+            if isinstance(value, str) and _NUMBER.fullmatch(value.strip()):
+                raise ValueError(f"--config {path!r}: [{section}] {key} = {value!r} is a string; allowed: a "
+                                 f"number, written without quotes ({key} = {value.strip()})")
     return data
+
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
 
 
 def spec_dict(spec) -> dict:
@@ -297,8 +312,12 @@ def describe_model(model: dict) -> str:
     JSON documents hold it), so a config read by meaning can be checked at a glance."""
     m = model
     dense = m["num_layers"] - m["num_moe_layers"]
-    text = (f"{m['num_layers']} layers ({m['num_moe_layers']} MoE" + (f", {dense} dense of width {m['dense_ffn']}"
-            if dense else "") + f"), hidden {m['hidden_size']}; {m['num_experts']} routed experts, top-{m['top_k']}, "
+    def n(count: int, word: str) -> str:
+        return f"{count} {word}{'' if count == 1 else 's'}"
+
+    text = (f"{n(m['num_layers'], 'layer')} ({m['num_moe_layers']} MoE"
+            + (f", {dense} dense of width {m['dense_ffn']}" if dense else "")
+            + f"), hidden {m['hidden_size']}; {n(m['num_experts'], 'routed expert')}, top-{m['top_k']}, "
             f"width {m['moe_ffn']}")
     if m.get("num_shared_experts"):
         text += f"; {m['num_shared_experts']} shared of width {m['shared_ffn']}"
