@@ -37,6 +37,19 @@ def test_registry_default_is_the_calibrated_trace_unchanged():
         synthetic_workload(model, topo, 2, 1024, 1, 0, trace="zipf")
 
 
+def test_a_model_of_another_expert_count_says_its_heat_was_mapped():
+    """The synthetic trace is Qwen3-30B-A3B's heat: a model with other experts gets a note
+    saying how it was mapped (the report prints the workload's notes); 128 experts none."""
+    import dataclasses
+    model = get_model("qwen3-30b-a3b")
+    topo = Topology(1, 4, 128, 2)
+    assert "trace heat" not in synthetic_workload(model, topo, 1, 256, 1, 0).notes
+    for E, K, how in ((8, 2, "merged to 8"), (256, 8, "resampled by quantile to 256")):
+        small = dataclasses.replace(model, num_experts=E, top_k=K, num_layers=2, num_moe_layers=2)
+        note = synthetic_workload(small, Topology(1, 4, E, 2), 1, 256, 1, 0).notes["trace heat"]
+        assert note.startswith(f"Qwen3-30B-A3B's 128 experts {how} ") and "trace.skew" in note, note
+
+
 def test_rank_mix_static_imbalance_at_least_3_at_the_default_size():
     # default size: 32 ranks x 8,192 tokens, Qwen3-30B-A3B shape; 6 micro-batches of one
     # step keep this to a few seconds (the full 32 x 2 steps measure 3.46 / 3.53)

@@ -174,11 +174,20 @@ def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: 
     X, M, S = trace.tokens_XMS.shape
     pairs_XMS = torch.zeros(X * M * S, dtype=torch.int64).index_add_(
         0, trace.sample_bin_N, causal_pairs(trace.sample_length_N)).view(X, M, S)
-    return workload_from_loads(trace.loads_XMLSE, model, topology, sample_tokens,
+    wl = workload_from_loads(trace.loads_XMLSE, model, topology, sample_tokens,
                                source=(f"synthetic RL trace (seed {seed}, tasks {','.join(trace.tasks)})"
                                        if family == "default" else
                                        f"synthetic RL trace '{family}' (seed {seed}, tasks {','.join(trace.tasks)})"),
                                tokens_XMS=trace.tokens_XMS, attn_pairs_XMS=pairs_XMS.to(torch.float64))
+    if model.num_experts != HEAT_EXPERTS:  # the calibration is Qwen3-30B-A3B's: say it was mapped
+        how = "merged" if model.num_experts < HEAT_EXPERTS else "resampled by quantile"
+        wl.notes["trace heat"] = (f"Qwen3-30B-A3B's {HEAT_EXPERTS} experts {how} to {model.num_experts} (docs/traces.md, "
+                                  "'Other expert counts'); --set trace.skew=S scales it, or pass your routing")
+    return wl
+
+
+#: The expert count of the heat the synthetic trace is calibrated on (Qwen3-30B-A3B).
+HEAT_EXPERTS = 128
 
 
 def _trace_config(traces, model: ModelSpec, seed: int, skew: float = 1.0):
