@@ -20,7 +20,7 @@ from relibra_torch.planning import Topology
 from relibra_torch.planning.pricing import GUARD_FLOORS as FLOORS
 from relibra_torch.planning.pricing import priced_config
 from relibra_torch.planning.relibra import relibra_plan
-from relibra_torch.planning.worth import host_scale, layer_floor_s, light_floor_s, plan_floor_s
+from relibra_torch.planning.host_time import host_scale, layer_floor_s, light_floor_s, plan_floor_s
 from relibra_torch.sim.baselines import BaselineOptions, baseline_options
 
 

@@ -22,10 +22,10 @@ from relibra_torch.planning.light import hot_spread_saving_L, light_plan
 from relibra_torch.planning.plain import layers_price
 from relibra_torch.planning.plan import StepPlan, validate_plan
 from relibra_torch.planning.pricing import LIGHT_SHARE, priced_config
-from relibra_torch.planning.worth import light_schedule_share
+from relibra_torch.planning.host_time import light_schedule_share
 from relibra_torch.planning.step_set import margin_sets
 from relibra_torch.planning import relibra as relibra_module
-from relibra_torch.planning import worth
+from relibra_torch.planning import host_time, worth
 
 PRICED = priced_config(2048, 768, "h200")
 
@@ -204,7 +204,7 @@ def test_light_tier_decisions_do_not_depend_on_the_share():
     planner = ReLibraPlanner(topo, cfg)
     searched = []
     # no schedules and no per-layer light part: the light floor is light_share of the floor
-    with mock.patch.object(worth, "LIGHT_LAYER_S", 0.0), mock.patch.object(worth, "LIGHT_EXPERT_S", 0.0):
+    with mock.patch.object(host_time, "LIGHT_LAYER_S", 0.0), mock.patch.object(host_time, "LIGHT_EXPERT_S", 0.0):
         search = relibra_module._search
         with mock.patch.object(relibra_module, "_search", lambda loads_MLSE, *a, **k: searched.append(
                 loads_MLSE.shape[1]) or search(loads_MLSE, *a, **k)):

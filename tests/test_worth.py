@@ -22,7 +22,8 @@ from relibra_torch.planning.pricing import (LIGHT_SHARE, PLAN_FLOOR_NODES_S, PLA
                                             PLAN_LAYER_S, PLAN_SCHEDULE_S, priced_config, relibra_config_for)
 from relibra_torch.planning.light import hot_spread_saving_L
 from relibra_torch.planning.gain_bound import gain_bounds_L
-from relibra_torch.planning.worth import gain_bound_L, layer_floor_s, worth_planning_L
+from relibra_torch.planning.host_time import layer_floor_s
+from relibra_torch.planning.worth import gain_bound_L, worth_planning_L
 from relibra_torch.sim import get_hardware
 from relibra_torch.sim.baselines import BaselineOptions
 from relibra_torch.sim.cost import CostModel, CostOptions
@@ -164,7 +165,7 @@ def test_host_time_grows_with_the_gpus_beyond_the_fitted_ones():
     constants were fitted on (a share's search took 1.4-5.3x longer on 8 x 8 than on 2 x 8):
     the floors of a 4 x 8 and an 8 x 8 topology are 2x and 4x those of 2 x 8, one node and
     up to 16 GPUs unchanged."""
-    from relibra_torch.planning.worth import FIT_GPUS, host_scale, light_floor_s
+    from relibra_torch.planning.host_time import FIT_GPUS, host_scale, light_floor_s
     cfg = dataclasses.replace(PRICED, host_scale=0.5, host_scale_nodes=0.5, light_share=LIGHT_SHARE)
     assert FIT_GPUS == 16
     base = Topology(2, 8, 64, 2)
@@ -419,7 +420,8 @@ def test_every_rank_pays_the_schedules_of_a_planned_layer():
     """A layer given copies costs every rank its schedules (``rank_schedules`` builds every
     layer's), so the guard takes ``plan_schedule_s * M / 8`` per layer out of the window a
     rank's share plans in: ``L / ceil(L / G)`` times it off the layer's margin."""
-    from relibra_torch.planning.worth import _tiers, light_schedule_share
+    from relibra_torch.planning.host_time import light_schedule_share
+    from relibra_torch.planning.worth import _tiers
     topo, loads_MLSE, placement_LE = _random_case(4, 2, 2, 2, 2, 12, 3, 6.0)     # M = 12, L = 3, G = 4
     base = dataclasses.replace(PRICED, plan_schedule_s=0.0)
     for total in (3, 10):
@@ -450,7 +452,8 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
     at least the exact gain bound and window, per layer, and where it keeps every layer the
     exact margin keeps them too (so the tiers are the same as from the exact margin alone).
     Loads scaled up to 1000x and floors up to 10 s put layers in either tier, and in neither."""
-    from relibra_torch.planning.worth import _quick_bound_L, _tiers, light_schedule_share
+    from relibra_torch.planning.host_time import light_schedule_share
+    from relibra_torch.planning.worth import _quick_bound_L, _tiers
 
     topo, loads_MLSE, placement_LE = _random_case(seed, 1, g, El, 2, M, L, skew)
     loads_MLSE = loads_MLSE * scale

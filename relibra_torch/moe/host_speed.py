@@ -4,7 +4,7 @@ The guard (:mod:`relibra_torch.planning.worth`) weighs host seconds against GPU 
 layer keeps its placement where the full search (or the light plan) would cost more host
 time than the overlap window hides and the layer's gain bound repays. The GPU side comes
 from the cost model; the host side from constants fitted on one 2-core machine
-(``planning.pricing.PLAN_FLOOR_S`` and the rest, ``planning.worth.LIGHT_LAYER_S``). Hosts
+(``planning.pricing.PLAN_FLOOR_S`` and the rest, ``planning.host_time.LIGHT_LAYER_S``). Hosts
 differ: the same 2-core VM ran the full search at 0.24-0.87x of those constants in later
 sessions (median 0.45), and a training node's CPU is faster still. With the constants as
 fitted the guard then keeps layers whose plan the host would make well inside the window
@@ -15,7 +15,7 @@ planner with the guard admitting every layer, then the share's token splits and 
 six fixed reference shares of 1-2 layers (three on one node, three across two nodes; top-1,
 top-2 and top-8, 8 to 256 experts, 256 to 1,024 tokens per GPU, 8 micro-batches), and
 divides each by what the fitted constants predict for it
-(:func:`~relibra_torch.planning.worth.layer_floor_s` times the share). The constants are two
+(:func:`~relibra_torch.planning.host_time.layer_floor_s` times the share). The constants are two
 fits, one node and across nodes, so each topology gets its own scale: the median of its three ratios times its
 :data:`FIT_SPREAD`, rounded to a power of ``2 ** (1 / 4)`` (19% apart, so that one noisy
 measurement rarely moves it) and kept in ``[1/8, 8]``. They are ``ReLibraConfig.host_scale``
@@ -51,7 +51,7 @@ from ..cputime import one_thread_cpu
 from ..planning import ReLibraConfig, Topology
 from ..planning.pricing import GUARD_FLOORS, priced_config
 from ..planning.relibra import add_relays, relibra_plan
-from ..planning.worth import layer_floor_s
+from ..planning.host_time import layer_floor_s
 from .schedule_batch import share_splits
 
 __all__ = ["FIT_SPREAD", "REFERENCE_SHARES", "measure_host_scale", "reference_loads"]

@@ -25,7 +25,7 @@ buffers (one fill per residency): with ``--refetch-replicas`` (a fill per micro-
 simulator and the hook turn the light tier off. Its host time with its share's token
 splits: 4-6 ms plus 0.4-1.6 ms per layer on one node, 8-12 ms plus 0.5-10 ms per layer
 across nodes, on a 2-core machine that ran the full search in 0.7x of its fitted floors
-(``planning.worth.light_floor_s``). Layer-local, so split planning gives the same plan (where
+(``planning.host_time.light_floor_s``). Layer-local, so split planning gives the same plan (where
 every layer sees the step's tokens per source, as replay gives them: the hierarchical price
 reads them from a share's first layer).
 

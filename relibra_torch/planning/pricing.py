@@ -252,7 +252,7 @@ PLAN_SCHEDULE_S = 1.1e-3
 #: search in 0.62-0.77x of the floors above (24 ms one node, 36-55 ms across nodes), so
 #: 6-8 and 11-17 ms in the floors' time, against 33 and 47 ms (it was 0.4 of the whole
 #: floor, per-layer part included, before the tier had a floor of its own); its per-layer part
-#: follows the experts rather than top-k (``planning.worth.LIGHT_LAYER_S`` and
+#: follows the experts rather than top-k (``planning.host_time.LIGHT_LAYER_S`` and
 #: ``LIGHT_EXPERT_S``). 0 turns the light tier off.
 LIGHT_SHARE = 0.25
 #: The guard's host-time fields of ``ReLibraConfig`` as fitted (the simulator's and the hook's).

@@ -56,7 +56,8 @@ from .polish import polish_placement
 from .reorder_greedy import greedy_nodes
 from .relay_choice import add_relays
 from .step_window import step_window_s
-from .worth import any_planned, guarded_plan, plan_floor_s
+from .host_time import plan_floor_s
+from .worth import any_planned, guarded_plan
 
 __all__ = ["ReLibraConfig", "ReLibraPlanner", "relibra_plan", "reorder", "replicate"]
 
@@ -131,7 +132,7 @@ class ReLibraConfig:
         plan_schedule_s: host time every rank spends on one layer's schedules when it has
             copies (at 8 micro-batches), out of the window the guard shares among planning.
         light_share: the light plan's fixed host time as a share of the full search's
-            (``light``; per layer ``worth.light_floor_s``): layers the guard keeps whose gain
+            (``light``; per layer ``host_time.light_floor_s``): layers the guard keeps whose gain
             bound and window reach it get a step-long set on the kept placement where it pays (0: off).
         host_scale, host_scale_nodes: this host's planning time over that of the machine the
             host-time fields above were fitted on (``planning.pricing``), on one node and

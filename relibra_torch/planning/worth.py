@@ -38,7 +38,7 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   share's search, which is what 8-16 EP ranks plan on models of 12-16 layers. Fitted on
   this project's 2-core machine (``planning.pricing.PLAN_FLOOR_S``); every host time here
   (floors, light plan, schedules) is multiplied by the config's scale for the topology
-  (:func:`host_scale`: this host's planning time over that machine's, ``moe.host_speed``).
+  (:func:`~relibra_torch.planning.host_time.host_scale`: this host's planning time over that machine's, ``moe.host_speed``).
 
 A layer with ``U_l + W_l < F`` keeps the previous placement with every expert on its owner:
 the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` more than
@@ -117,18 +117,14 @@ import torch
 
 from .fastpath import keep_plan
 from .gain_bound import gain_bound_L, gain_bounds_L, quick_bound_L as _quick_bound_L
-from .host_time import (FIT_GPUS, LIGHT_EXPERT_NODES_S, LIGHT_EXPERT_S, LIGHT_LAYER_NODES_S, LIGHT_LAYER_S,
-                        LIGHT_SCHEDULE_EXPERTS, LIGHT_SCHEDULE_SHARE, host_scale, layer_floor_s, light_floor_s,
-                        light_layer_s, light_schedule_share, plan_floor_s)
+from .host_time import (LIGHT_SCHEDULE_SHARE, host_scale, layer_floor_s, light_floor_s, light_layer_s,
+                        light_schedule_share, plan_floor_s)
 from .light import hot_spread_saving_L, light_plan
 from .plan import StepPlan
 from .price import exchange_latency_s
 from .topology import Topology
 
-__all__ = ["FIT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S", "LIGHT_SCHEDULE_EXPERTS",
-           "LIGHT_SCHEDULE_SHARE", "light_schedule_share",
-           "any_planned", "gain_bound_L", "guarded_plan", "host_scale", "layer_floor_s", "light_floor_s", "light_layer_s",
-           "plan_floor_s", "worth_planning_L"]
+__all__ = ["any_planned", "gain_bound_L", "guarded_plan", "worth_planning_L"]
 
 
 class Tiers(NamedTuple):
