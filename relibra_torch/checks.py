@@ -17,7 +17,7 @@ import math
 
 import torch
 
-__all__ = ["check_choice", "check_int", "check_number", "check_tensor", "describe"]
+__all__ = ["check_choice", "check_int", "check_number", "check_tensor", "counted", "describe"]
 
 
 def describe(value: object) -> str:
@@ -94,3 +94,8 @@ def _int_range(minimum: int | None, maximum: int | None) -> str:
     if maximum is not None:
         return f"an int <= {maximum}"
     return "an int"
+
+
+def counted(count: int, word: str) -> str:
+    """``count`` and ``word``, plural unless one: ``1 sample``, ``2 samples``."""
+    return f"{count} {word}{'' if count == 1 else 's'}"

@@ -24,7 +24,7 @@ import json
 import os
 import sys
 
-from .checks import check_int
+from .checks import check_int, counted
 from .replay.convert import from_per_sample
 from .replay.engines import (ENGINES, LayerIndices, check_pieces, parse_layer_spec, sglang_samples,
                               slime_samples, verl_samples, vllm_samples)
@@ -111,11 +111,6 @@ def check_output(path: str) -> None:
         raise ValueError(f"OUT {path!r}: folder {os.path.dirname(path) or folder!r} is not writable")
 
 
-def _n(count: int, word: str) -> str:
-    """``1 sample``, ``2 samples``."""
-    return f"{count} {word}{'' if count == 1 else 's'}"
-
-
 def _save(replay, path: str) -> None:
     from safetensors import SafetensorError
 
@@ -173,9 +168,9 @@ def run(args: argparse.Namespace) -> int:
     replay = from_per_sample([s.ids for s in samples], num_experts, model=model, sample_step=sample_step,
                              coverage="completion-only" if partial else None)
     _save(replay, args.output)
-    steps = f" in {_n(len(set(sample_step)), 'step')}" if sample_step is not None else ""
-    print(f"wrote {args.output}: {_n(replay.num_samples, 'sample')}{steps}, {_n(replay.num_tokens, 'token')}, "
-          f"{_n(replay.num_layers, 'MoE layer')}, top-{replay.top_k} of {_n(num_experts, 'expert')}"
+    steps = f" in {counted(len(set(sample_step)), 'step')}" if sample_step is not None else ""
+    print(f"wrote {args.output}: {counted(replay.num_samples, 'sample')}{steps}, {counted(replay.num_tokens, 'token')}, "
+          f"{counted(replay.num_layers, 'MoE layer')}, top-{replay.top_k} of {counted(num_experts, 'expert')}"
           + (f", model {model}" if model else ""))
     if partial:
         missing = sum(s.missing_prompt for s in partial)

@@ -19,7 +19,7 @@ import os
 import re
 from dataclasses import dataclass, fields, replace
 
-from ..checks import check_int
+from ..checks import check_int, counted
 from ..planning.pricing import HARDWARE, HardwareSpec, get_hardware
 
 __all__ = [
@@ -312,12 +312,9 @@ def describe_model(model: dict) -> str:
     JSON documents hold it), so a config read by meaning can be checked at a glance."""
     m = model
     dense = m["num_layers"] - m["num_moe_layers"]
-    def n(count: int, word: str) -> str:
-        return f"{count} {word}{'' if count == 1 else 's'}"
-
-    text = (f"{n(m['num_layers'], 'layer')} ({m['num_moe_layers']} MoE"
+    text = (f"{counted(m['num_layers'], 'layer')} ({m['num_moe_layers']} MoE"
             + (f", {dense} dense of width {m['dense_ffn']}" if dense else "")
-            + f"), hidden {m['hidden_size']}; {n(m['num_experts'], 'routed expert')}, top-{m['top_k']}, "
+            + f"), hidden {m['hidden_size']}; {counted(m['num_experts'], 'routed expert')}, top-{m['top_k']}, "
             f"width {m['moe_ffn']}")
     if m.get("num_shared_experts"):
         text += f"; {m['num_shared_experts']} shared of width {m['shared_ffn']}"
