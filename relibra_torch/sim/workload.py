@@ -19,6 +19,7 @@ import torch
 
 from ..checks import check_int
 from ..planning.topology import Topology
+from .data_refs import qwen3_expert_heat
 from .dispatch import TokenRouting, token_routing_from_bins
 from .presets import ModelSpec
 
@@ -179,15 +180,12 @@ def synthetic_workload(model: ModelSpec, topology: Topology, num_micro_batches: 
                                        if family == "default" else
                                        f"synthetic RL trace '{family}' (seed {seed}, tasks {','.join(trace.tasks)})"),
                                tokens_XMS=trace.tokens_XMS, attn_pairs_XMS=pairs_XMS.to(torch.float64))
-    if model.num_experts != HEAT_EXPERTS:  # the calibration is Qwen3-30B-A3B's: say it was mapped
-        how = "merged" if model.num_experts < HEAT_EXPERTS else "resampled by quantile"
-        wl.notes["trace heat"] = (f"Qwen3-30B-A3B's {HEAT_EXPERTS} experts {how} to {model.num_experts} (docs/traces.md, "
+    E0 = qwen3_expert_heat().heat_LE.shape[1]   # the heat the trace is calibrated on
+    if model.num_experts != E0:  # say how it was mapped to the model's experts
+        how = "merged" if model.num_experts < E0 else "resampled by quantile"
+        wl.notes["trace heat"] = (f"Qwen3-30B-A3B's {E0} experts {how} to {model.num_experts} (docs/traces.md, "
                                   "'Other expert counts'); --set trace.skew=S scales it, or pass your routing")
     return wl
-
-
-#: The expert count of the heat the synthetic trace is calibrated on (Qwen3-30B-A3B).
-HEAT_EXPERTS = 128
 
 
 def _trace_config(traces, model: ModelSpec, seed: int, skew: float = 1.0):
