@@ -177,6 +177,17 @@ def test_dense_time_takes_the_slowest_rank_and_covers_all_layers_forward_and_bac
     assert d["total"].item() == approx(3 * (2 * moe_layer + 1 * dense_layer + head) / DENSE_RATE)
 
 
+def test_dense_forward_per_token_is_the_dense_forward_without_the_context_term():
+    """``dense_fwd_s_per_token`` (the guard's step window) times a rank's tokens is that rank's
+    dense forward with no attention context, and below it with any."""
+    cost = CostModel(MODEL, HW)
+    per_token = cost.dense_fwd_s_per_token()
+    assert per_token == approx((2 * (2 * 72 + 32 + 144) + (2 * 72 + 120) + 80) / DENSE_RATE)
+    tokens = torch.tensor([[100, 50]])
+    assert cost.dense_s(tokens, torch.zeros(1, 2))["total"].item() / 3 == approx(100 * per_token)
+    assert cost.dense_s(tokens, torch.tensor([[5050.0, 1275.0]]))["total"].item() / 3 > 100 * per_token
+
+
 def test_mla_attention_parameters_of_deepseek_v3():
     m = get_model("deepseek-v3")
     D, h = 7168, 128

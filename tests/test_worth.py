@@ -253,7 +253,7 @@ def test_a_search_that_fits_the_steps_window_is_free(big, free):
         assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, r:r + 1])
         assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, r:r + 1])
 
-@pytest.mark.parametrize("big, free", [(20_000, True), (10_000, False)])
+@pytest.mark.parametrize("big, free", [(20_000, True), (6_000, False)])
 def test_the_light_plan_is_free_where_the_steps_window_holds_it(big, free):
     """Layer 1 (a hot expert) is below the light tier by its own bound and window share, and
     the full search does not fit the step's window; but where the light plan and its
@@ -272,7 +272,8 @@ def test_the_light_plan_is_free_where_the_steps_window_holds_it(big, free):
     loads[:, 1] = torch.randint(0, 100, (4, 4, 8), generator=torch.Generator().manual_seed(0))
     loads[:, 1, :, 3] += 300
     prev = topo.static_placement(2)
-    tiers = worth._tiers(loads, topo, prev, config, None, lambda at_least: step_window_s(loads, topo, config, at_least))
+    tiers = worth._tiers(loads, topo, prev, config, None,
+                         lambda at_least, whole=True: step_window_s(loads, topo, config, at_least, whole))
     assert not bool(tiers.full_L()[1]) and not tiers.search_free()
     assert tiers.light_free() == free
     plan = relibra_plan(loads, topo, prev, config)
@@ -290,6 +291,33 @@ def test_the_light_plan_is_free_where_the_steps_window_holds_it(big, free):
         part = planner.plan_layers(loads, layer_share(r, topo.num_gpus, 2))
         assert torch.equal(part.slot_expert_MLGJ, whole.slot_expert_MLGJ[:, r:r + 1])
         assert torch.equal(part.slot_tokens_MLGJ, whole.slot_tokens_MLGJ[:, r:r + 1])
+
+
+def test_the_search_is_free_only_on_the_moe_layers_bound():
+    """The full search is admitted free on the looser window (``whole=False``: the MoE layers
+    alone at the mean GPU load), the light plan on the whole forward's: a step whose whole
+    forward holds both tiers but whose MoE-only bound holds neither frees the light plan
+    only, and the plan is then the light plan's (placement kept)."""
+    from relibra_torch.planning import worth
+
+    topo = Topology(2, 2, 8, 2)
+    config = dataclasses.replace(PRICED, top_k=2, dispatch="hierarchical", plan_schedule_s=PLAN_SCHEDULE_S,
+                                 light_share=LIGHT_SHARE, plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=PLAN_FLOOR_NODES_S)
+    loads = torch.randint(0, 100, (4, 2, 4, 8), generator=torch.Generator().manual_seed(0))
+    loads[:, :, :, 3] += 300
+    prev = topo.static_placement(2)
+
+    def window(at_least: float, whole: bool = True) -> float:
+        return 10.0 if whole else 1e-6   # seconds: the whole forward holds anything, the MoE bound nothing
+
+    tiers = worth._tiers(loads, topo, prev, config, None, window)
+    assert not bool(tiers.full_L().any())
+    assert tiers.light_free() and not tiers.search_free()
+    plan = worth.guarded_plan(loads, topo, prev, config, None,
+                              lambda ls, cfg: relibra_plan(loads[:, ls], topo, prev[ls], cfg), window)
+    assert plan is not None and torch.equal(plan.placement_LE, prev)   # light plans keep the placement
+    both = worth._tiers(loads, topo, prev, config, None, lambda at_least, whole=True: 10.0)
+    assert both.search_free() and both.light_free()
 
 
 def test_floors_reach_the_simulated_and_the_hooked_planner():
@@ -482,19 +510,23 @@ def test_the_quick_bound_on_one_node_decides_as_the_exact_margin(seed, g, El, M,
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10_000), shape=st.sampled_from([(2, 2, 8), (2, 4, 8), (1, 4, 8), (3, 2, 12)]),
        M=st.integers(1, 3), tokens=st.sampled_from([4, 64, 1024]), skew=st.sampled_from([1.0, 6.0]),
-       dispatch=st.sampled_from(["flat", "hierarchical"]))
-def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, skew, dispatch):
+       dispatch=st.sampled_from(["flat", "hierarchical"]), dense=st.sampled_from([(0, 0, 1000), (3, 1, 150_000)]))
+def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, skew, dispatch, dense):
     """``worth.step_window_s`` bounds the overlap window the simulator charges host work
-    against (static placement's forward pass of the step) from below, in both dispatch modes:
-    the guard's free admission then never counts on time the step does not give."""
+    against (static placement's forward pass of the step) from below, in both dispatch modes
+    and with dense layers, shared experts and a large vocabulary (the rest of the model's
+    forward, which the window counts): the guard's free admission then never counts on time
+    the step does not give."""
     from relibra_torch.sim.simulator import SimConfig, forward_s, simulate
     from relibra_torch.sim.workload import workload_from_loads
     from relibra_torch.planning.step_window import step_window_s
 
     N, g, E = shape
     topo = Topology(N, g, E, 2)
-    model = ModelSpec("tiny-moe", num_layers=2, num_moe_layers=2, hidden_size=256, moe_ffn=128, num_experts=E,
-                      top_k=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=1000)
+    dense_layers, shared, vocab = dense
+    model = ModelSpec("tiny-moe", num_layers=2 + dense_layers, num_moe_layers=2, hidden_size=256, moe_ffn=128,
+                      num_experts=E, top_k=2, num_heads=4, num_kv_heads=2, head_dim=64, vocab_size=vocab,
+                      dense_ffn=512 if dense_layers else 0, num_shared_experts=shared, shared_ffn=256 * shared)
     gen = torch.Generator().manual_seed(seed)
     S = topo.num_gpus
     w = (torch.rand(M * 2 * S, E, generator=gen) ** skew + 1e-3)
@@ -506,11 +538,16 @@ def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, 
     res = simulate(wl, SimConfig(model, get_hardware("h200"), topo, ("static",), options, warmup_steps=0))
     window = forward_s(res.systems["static"].costs[0])
     config = default_planner_factory("relibra", topo, CostModel(model, get_hardware("h200"), options)).config
+    assert config.dense_fwd_s_per_token > 0
     got = step_window_s(loads[0], topo, config)
     assert 0 < got <= window * (1 + 1e-9), (got, window)
     # the early out (an upper bound from the pairs alone) never hides a window that reaches at_least
     assert step_window_s(loads[0], topo, config, at_least=got) == got
     assert step_window_s(loads[0], topo, config, at_least=got * 1e6) in (0.0, got)
+    # the full search's looser bound (MoE layers at the mean load) lies below the whole forward's
+    loose = step_window_s(loads[0], topo, config, whole=False)
+    assert 0 < loose <= got * (1 + 1e-12), (loose, got)
+    assert step_window_s(loads[0], topo, config, at_least=loose, whole=False) == loose
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -531,8 +568,8 @@ def test_the_surely_kept_shortcut_decides_as_the_tiers(seed, N, g, El, M, L, ske
     config = dataclasses.replace(PRICED, dispatch=dispatch, top_k=2, plan_schedule_s=PLAN_SCHEDULE_S,
                                  plan_floor_s=floor, plan_floor_nodes_s=2 * floor, light_share=LIGHT_SHARE)
 
-    def window(at_least: float) -> float:
-        return step_window_s(loads_MLSE, topo, config, at_least)
+    def window(at_least: float, whole: bool = True) -> float:
+        return step_window_s(loads_MLSE, topo, config, at_least, whole)
 
     def plan(shortcut: bool):
         with mock.patch.object(worth, "_surely_kept", worth._surely_kept if shortcut else (lambda *a: False)):

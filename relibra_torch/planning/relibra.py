@@ -118,6 +118,10 @@ class ReLibraConfig:
             fewer inter-node rows, where the priced all-to-all pays for it (``planning.relay``).
         intra_node_s_per_token: moving one token-expert pair to another GPU of the node
             (NVLink, dispatch + combine, fwd + bwd); prices the all-to-all of candidates.
+        dense_fwd_s_per_token: forward seconds per token on one rank of everything but the
+            routed experts (attention projections, router, shared experts, dense layers, LM
+            head; attention's context term left out), so that the guard's step window counts
+            it (``step_window``; 0: left out, a looser window). The simulator sets it.
         top_k: experts per token (0: unknown), so that hierarchical dispatch is priced in
             tokens per remote node rather than pairs.
         fill_weight_share, inter_node_latency_s, nvlink_latency_s: the weights' share of a
@@ -160,6 +164,7 @@ class ReLibraConfig:
     spread_fills: bool = True
     relay: bool = True
     intra_node_s_per_token: float = 4.1e-8
+    dense_fwd_s_per_token: float = 0.0
     top_k: int = 0
     fill_weight_share: float = 1.0 / 3.0
     inter_node_latency_s: float = 0.0
@@ -230,8 +235,8 @@ class ReLibraConfig:
     def __post_init__(self) -> None:
         for name in ("compute_s_per_token", "cross_node_s_per_token", "migration_s_per_expert",
                      "intra_migration_s_per_expert", "replica_fill_s_per_expert", "cross_replica_fill_s_per_expert",
-                     "intra_node_s_per_token", "inter_node_latency_s", "nvlink_latency_s", "plan_floor_s",
-                     "plan_floor_nodes_s", "plan_layer_s", "plan_layer_nodes_s", "plan_schedule_s"):
+                     "intra_node_s_per_token", "dense_fwd_s_per_token", "inter_node_latency_s", "nvlink_latency_s",
+                     "plan_floor_s", "plan_floor_nodes_s", "plan_layer_s", "plan_layer_nodes_s", "plan_schedule_s"):
             check_number(name, getattr(self, name), 0)
         check_number("fill_weight_share", self.fill_weight_share, 0, maximum=1)
         check_number("light_share", self.light_share, 0, maximum=1)
@@ -346,7 +351,7 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
     # the step's window, from the whole step's loads: these when they are the whole step
     step_loads_MLSE = loads_MLSE if step_loads_MLSE is None and total_layers is None else step_loads_MLSE
     step_window = None if step_loads_MLSE is None else functools.cache(
-        lambda at_least: step_window_s(step_loads_MLSE, topology, config, at_least))
+        lambda at_least, whole=True: step_window_s(step_loads_MLSE, topology, config, at_least, whole))
     others_planned = None
     if step_loads_MLSE is not None and share_layers is not None and step_placement_LE is not None:
         others = sorted(set(range(step_loads_MLSE.shape[1])) - set(share_layers))

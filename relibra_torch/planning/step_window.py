@@ -16,26 +16,37 @@ from .topology import Topology
 __all__ = ["step_window_s"]
 
 
-def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config, at_least: float = 0.0) -> float:
+def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config, at_least: float = 0.0,
+                  whole: bool = True) -> float:
     """A lower bound of the step's overlap window, static placement's forward pass
-    (``sim.simulator.forward_s``), from its MoE layers alone: per (micro-batch, layer) a
-    third of the expert compute at the mean load, half of the all-to-all (exact under flat
-    dispatch; across nodes under hierarchical dispatch a lower bound of its rows,
-    :func:`_hierarchical_floor_ML`; none on one node there) and half of the exchange's
-    latency. ``loads_MLSE``: the whole step's loads (every layer), which every EP rank reads
-    from replay, so every rank and the whole-step plan get the same window. 0.0 where an
-    upper bound of the window from each source's pairs alone (a GPU's rows at most its
-    sources' tokens) is already below ``at_least``: then the all-to-all's pass over the pairs
-    is skipped (a step that nothing makes free, most of all one where nothing pays)."""
+    (``sim.simulator.forward_s``): per (micro-batch, layer) a third of the expert compute at
+    static's busiest GPU, half of the all-to-all (exact under flat dispatch; across nodes
+    under hierarchical dispatch a lower bound of its rows, :func:`_hierarchical_floor_ML`;
+    none on one node there) and half of the exchange's latency; per micro-batch the rest of
+    the model's forward at the rank with the most tokens (``config.dense_fwd_s_per_token``,
+    a token's pairs being ``top_k``). ``loads_MLSE``: the whole step's loads (every layer),
+    which every EP rank reads from replay, so every rank and the whole-step plan get the same
+    window. 0.0 where an upper bound of the window from each source's pairs alone (a GPU's
+    rows at most its sources' tokens) is already below ``at_least``: then the passes over
+    the pairs per GPU are skipped (a step that nothing makes free, most of all one where
+    nothing pays). ``whole=False``: the looser bound the full search is admitted on, the MoE
+    layers alone with the expert compute at the mean GPU load (``worth.Tiers.search_free``)."""
     M, L, S, E = loads_MLSE.shape
     G, g = topology.num_gpus, topology.gpus_per_node
     latency = 0.5 * exchange_latency_s(topology, config) * M * L
     pairs_MLS = loads_MLSE.sum(-1, dtype=torch.int64)   # the one pass over the pairs the early outs need
     total = float(pairs_MLS.sum())   # every term at most the step's pairs: one sum decides small steps
-    if ((total / G + M * L) * config.compute_s_per_token / 3 + latency
+    # at least a rank's pairs over top-k tokens; the busiest rank's, as every layer waits for it
+    dense = (float((pairs_MLS[:, 0] // config.top_k).amax(-1).sum()) * config.dense_fwd_s_per_token
+             if config.top_k > 0 and L and whole else 0.0)
+    per_gpu = min(config.top_k, E // G) / config.top_k if config.top_k > 0 else 1.0   # a token's pairs on one GPU
+    if (total * per_gpu * config.compute_s_per_token / 3 + latency + dense
             + 0.5 * total * (config.cross_node_s_per_token + config.intra_node_s_per_token)) < at_least:
         return 0.0
-    compute = float(((pairs_MLS.sum(-1) + G - 1) // G).sum()) * config.compute_s_per_token / 3
+    # static holds each GPU's experts contiguously: its busiest GPU is a maximum over a view
+    busiest_ML = (loads_MLSE.sum(2, dtype=torch.int64).view(M, L, G, E // G).sum(-1).amax(-1) if whole
+                  else (pairs_MLS.sum(-1) + G - 1) // G)
+    compute = float(busiest_ML.sum()) * config.compute_s_per_token / 3 + dense
     hier = config.dispatch == "hierarchical" and config.top_k > 0   # an unknown top-k is priced flat
     if hier and topology.num_nodes == 1:
         return compute + latency

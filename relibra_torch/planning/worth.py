@@ -45,7 +45,10 @@ the full search's plan would save at most ``U_l`` and cost at least ``F - W_l`` 
 the window hides; unless the search is **free**: ``F`` plus the schedules fit the share's
 part of the whole step's window, ``step_window_s / ceil(L / G)`` (:func:`~relibra_torch.planning.step_window.step_window_s`: a
 lower bound of static placement's forward pass from every layer's counts, with a lower bound
-of the hierarchical rows where ``W_l`` has none). Each layer's ``W_l`` counts that layer alone
+of the hierarchical rows where ``W_l`` has none; for the search its looser form, the MoE
+layers alone at the mean GPU load: admitted free on the whole forward's bound, searches whose
+host time outgrew ``F`` planned worse than the light plan they replaced, ``docs/results.md``,
+"The step's window counts the whole forward: for the light plan only"). Each layer's ``W_l`` counts that layer alone
 (times ``L / ceil(L / G)``), so a step whose forward sits in a few layers (a collapsed router)
 left the others' searches out although the rank's window held them
 (``docs/results.md``, "The guard's window under hierarchical dispatch"). Every EP rank reads
@@ -144,6 +147,7 @@ class Tiers(NamedTuple):
     scale: float
     light_schedules: float = LIGHT_SCHEDULE_SHARE
     free_window: float = 0.0
+    search_window: float = 0.0
     light_layer: float = 0.0
     hot_saving_L: torch.Tensor | None = None
     light_gain_L: torch.Tensor | None = None
@@ -164,8 +168,9 @@ class Tiers(NamedTuple):
         return (self.margin_L() >= self.floor) | self.search_free()
 
     def search_free(self) -> bool:
-        """Whether the share's part of the step's window holds the full search and its schedules."""
-        return self.floor + self.schedules_s <= self.free_window
+        """Whether the share's part of the step's looser window (``search_window``: MoE layers
+        alone, mean load) holds the full search and its schedules."""
+        return self.floor + self.schedules_s <= self.search_window
 
     def light_window_L(self) -> torch.Tensor:
         """``W'_l``: the window less the light plan's schedules."""
@@ -216,7 +221,7 @@ class Tiers(NamedTuple):
 
 
 def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
-           total_layers: int | None, step_window: Callable[[float], float] | None = None) -> Tiers:
+           total_layers: int | None, step_window: Callable[..., float] | None = None) -> Tiers:
     """The guard's :class:`Tiers` of each layer (module docstring). On one node, where a
     cheaper upper bound (:func:`_quick_bound_L`) already puts every layer below both tiers and
     lets none ride, that bound's instead: it decides the same, in about half the time."""
@@ -289,7 +294,7 @@ def _pairs_below(pairs, M: int, L: int, topology: Topology, config, total_layers
 
 
 def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int | None,
-                  step_window: Callable[[float], float] | None) -> bool:
+                  step_window: Callable[..., float] | None) -> bool:
     """Whether the share's part of the step's window holds a tier and its schedules: the full search or the light plan."""
     share, _, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
     need = _free_need(floor + schedules, light, light_schedule_share(topology) * schedules)
@@ -309,7 +314,7 @@ def _share_window(step_window: Callable[[float], float], need: float, share: int
 
 
 def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_layers: int | None,
-                 step_window: Callable[[float], float] | None) -> bool:
+                 step_window: Callable[..., float] | None) -> bool:
     """Whether every layer surely keeps its placement: the margins of the layer with the most
     pairs below both floors (:func:`_pairs_below`, one sum), and the step's window makes no
     layer free. Shares of steps too small for any plan (a millisecond, 16 tokens per GPU) then
@@ -320,7 +325,7 @@ def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_lay
 
 
 def any_planned(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
-                total_layers: int | None, step_window: Callable[[float], float] | None = None) -> bool:
+                total_layers: int | None, step_window: Callable[..., float] | None = None) -> bool:
     """Whether the guard admits some of these layers (of a step of ``total_layers``) to either
     tier, as the ranks that plan them decide: where one is, a rank spends a plan's host time."""
     if not loads_MLSE.shape[1] or _surely_kept(loads_MLSE, topology, config, total_layers, step_window):
@@ -329,14 +334,17 @@ def any_planned(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torc
     return bool((tiers.full_L() | tiers.light_L()).any())
 
 
-def _with_free_window(tiers: Tiers, step_window: Callable[[float], float] | None, share: int) -> Tiers:
-    """``tiers`` with the share's part of the step's window (``step_window(at_least)``, asked
-    only where a layer is not already worth the full search; ``at_least``: the window below
-    which no layer is free)."""
+def _with_free_window(tiers: Tiers, step_window: Callable[..., float] | None, share: int) -> Tiers:
+    """``tiers`` with the share's part of the step's window (``step_window(at_least, whole)``,
+    asked only where a layer is not already worth the full search; ``at_least``: the window
+    below which no layer is free): the whole forward's bound for the light plan
+    (``free_window``), the looser MoE-only one for the search (``search_window``)."""
     if step_window is None or bool(tiers.full_L().all()):
         return tiers
-    need = _free_need(tiers.floor + tiers.schedules_s, tiers.light_floor, tiers.light_schedules * tiers.schedules_s)
-    return tiers._replace(free_window=_share_window(step_window, need, share))
+    full = tiers.floor + tiers.schedules_s
+    need = _free_need(full, tiers.light_floor, tiers.light_schedules * tiers.schedules_s)
+    return tiers._replace(free_window=_share_window(step_window, need, share),
+                          search_window=_share_window(lambda at_least: step_window(at_least, False), full, share))
 
 
 def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
@@ -352,7 +360,7 @@ def worth_planning_L(loads_MLSE: torch.Tensor, topology: Topology, placement_LE:
 
 def guarded_plan(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE: torch.Tensor, config,
                  total_layers: int | None, search: Callable[[list[int], object], StepPlan],
-                 step_window: Callable[[float], float] | None = None,
+                 step_window: Callable[..., float] | None = None,
                  others_planned: Callable[[], bool] | None = None) -> StepPlan | None:
     """``None`` when every layer is worth the full search (:func:`worth_planning_L`); else
     the step's plan: ``search(layers, config)`` plans the layers worth it (its ``L'``

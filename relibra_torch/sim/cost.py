@@ -267,6 +267,14 @@ class CostModel:
         head = 2.0 * m.hidden_size * m.vocab_size * t
         return {"attention": attention, "moe_extra": moe_extra, "dense_ffn": dense_ffn, "head": head}
 
+    def dense_fwd_s_per_token(self) -> float:
+        """:meth:`dense_s`'s forward per token on one rank, every layer and the LM head, without
+        attention's context term: a lower bound of that forward for a rank's tokens."""
+        f = {k: float(v) for k, v in self.dense_flops(torch.ones(()), torch.zeros(())).items()}
+        m = self.model
+        return (m.num_moe_layers * (f["attention"] + f["moe_extra"]) + m.num_dense_layers
+                * (f["attention"] + f["dense_ffn"]) + f["head"]) / self.dense_flops_per_s
+
     def dense_s(self, tokens_MS: torch.Tensor, attn_pairs_MS: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per micro-batch times (float64 ``[M]``, forward + backward) of the shared parts.
 

@@ -77,7 +77,7 @@ def default_planner_factory(name: str, topology: Topology, cost: CostModel,
     if name == "relibra":
         # hierarchical dispatch: relibra prices co-activation (where the source has per-token ids)
         options = with_host_scale(options or BaselineOptions())
-        fields = options.relibra_fields()  # [relibra] ablation switches
+        fields = {**options.relibra_fields(), "dense_fwd_s_per_token": cost.dense_fwd_s_per_token()}
         if options.planning_overlap_s is not None:  # a fixed window: the guard's estimate does not apply
             fields.update(plan_floor_s=0.0, plan_floor_nodes_s=0.0)
         if cost.options.refetch_replicas:  # the light plan's price keeps replica buffers
