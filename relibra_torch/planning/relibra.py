@@ -55,7 +55,7 @@ from .gpu_pack import pack_gpus
 from .polish import polish_placement
 from .reorder_greedy import greedy_nodes
 from .relay_choice import add_relays
-from .step_window import step_window_s
+from .step_window import StepWindow
 from .host_time import plan_floor_s
 from .worth import any_planned, guarded_plan
 
@@ -350,8 +350,7 @@ def relibra_plan(loads_MLSE: torch.Tensor, topology: Topology,
         return native_plan(loads_MLSE, topology, previous_placement_LE, ReLibraPlanner.name, previous_placement_LE)
     # the step's window, from the whole step's loads: these when they are the whole step
     step_loads_MLSE = loads_MLSE if step_loads_MLSE is None and total_layers is None else step_loads_MLSE
-    step_window = None if step_loads_MLSE is None else functools.cache(
-        lambda at_least, whole=True: step_window_s(step_loads_MLSE, topology, config, at_least, whole))
+    step_window = None if step_loads_MLSE is None else StepWindow(step_loads_MLSE, topology, config)
     others_planned = None
     if step_loads_MLSE is not None and share_layers is not None and step_placement_LE is not None:
         others = sorted(set(range(step_loads_MLSE.shape[1])) - set(share_layers))

@@ -8,12 +8,14 @@ node, X rows (micro-batch, layer).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .price import exchange_latency_s, flat_rows, rows_seconds
 from .topology import Topology
 
-__all__ = ["step_window_s"]
+__all__ = ["StepWindow", "step_window_s"]
 
 
 def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config, at_least: float = 0.0,
@@ -31,42 +33,90 @@ def step_window_s(loads_MLSE: torch.Tensor, topology: Topology, config, at_least
     the pairs per GPU are skipped (a step that nothing makes free, most of all one where
     nothing pays). ``whole=False``: the looser bound the full search is admitted on, the MoE
     layers alone with the expert compute at the mean GPU load (``worth.Tiers.search_free``)."""
-    M, L, S, E = loads_MLSE.shape
-    G, g = topology.num_gpus, topology.gpus_per_node
-    latency = 0.5 * exchange_latency_s(topology, config) * M * L
-    pairs_MLS = loads_MLSE.sum(-1, dtype=torch.int64)   # the one pass over the pairs the early outs need
-    total = float(pairs_MLS.sum())   # every term at most the step's pairs: one sum decides small steps
-    # at least a rank's pairs over top-k tokens; the busiest rank's, as every layer waits for it
-    dense = (float((pairs_MLS[:, 0] // config.top_k).amax(-1).sum()) * config.dense_fwd_s_per_token
-             if config.top_k > 0 and L and whole else 0.0)
-    per_gpu = min(config.top_k, E // G) / config.top_k if config.top_k > 0 else 1.0   # a token's pairs on one GPU
-    if (total * per_gpu * config.compute_s_per_token / 3 + latency + dense
-            + 0.5 * total * (config.cross_node_s_per_token + config.intra_node_s_per_token)) < at_least:
-        return 0.0
-    # static holds each GPU's experts contiguously: its busiest GPU is a maximum over a view
-    busiest_ML = (loads_MLSE.sum(2, dtype=torch.int64).view(M, L, G, E // G).sum(-1).amax(-1) if whole
-                  else (pairs_MLS.sum(-1) + G - 1) // G)
-    compute = float(busiest_ML.sum()) * config.compute_s_per_token / 3 + dense
-    hier = config.dispatch == "hierarchical" and config.top_k > 0   # an unknown top-k is priced flat
-    if hier and topology.num_nodes == 1:
-        return compute + latency
-    # rows one source can send to one GPU (or, hierarchical, per remote node): its pairs (tokens)
-    rows_XS = (pairs_MLS // max(config.top_k, 1) if hier else pairs_MLS).reshape(M * L, S).to(torch.float64)
-    node_S, local_S = torch.arange(S) // g, torch.arange(S) % g
-    remote_SG = node_S.view(S, 1) != node_S.view(1, G)
-    into_SG = (local_S.view(S, 1) != local_S.view(1, G)) if hier else (~remote_SG & ~torch.eye(S, dtype=torch.bool))
-    cross_XG = torch.maximum(rows_XS * (topology.num_nodes - 1 if hier else 1.0),
-                             rows_XS @ (remote_SG & (~into_SG if hier else remote_SG)).double())
-    upper = float((cross_XG * config.cross_node_s_per_token
-                   + torch.maximum(rows_XS, rows_XS @ into_SG.double()) * config.intra_node_s_per_token).amax(-1).sum())
-    if compute + 0.5 * upper + latency < at_least:
-        return 0.0
-    if not hier:   # static placement: a GPU's experts are contiguous, its pairs a sum over a view
-        flow_XSG = loads_MLSE.to(torch.int64).reshape(M * L, S, G, E // G).sum(-1)
-        a2a = float(rows_seconds(*flat_rows(flow_XSG, topology), config)[0].sum())
-    else:
-        a2a = float(_hierarchical_floor_ML(loads_MLSE, topology, config).sum())
-    return compute + 0.5 * a2a + latency
+    return StepWindow(loads_MLSE, topology, config)(at_least, whole)
+
+
+class StepWindow:
+    """:func:`step_window_s` of one step, asked at several ``at_least`` and both bounds: each
+    pass over the pairs (the sums the early outs need, static's busiest GPU, the all-to-all's
+    floor) runs at most once, when a call first needs it."""
+
+    def __init__(self, loads_MLSE: torch.Tensor, topology: Topology, config) -> None:
+        self.loads_MLSE, self.topology, self.config = loads_MLSE, topology, config
+        M, L = loads_MLSE.shape[:2]
+        self.latency = 0.5 * exchange_latency_s(topology, config) * M * L
+        self.hier = config.dispatch == "hierarchical" and config.top_k > 0   # an unknown top-k is priced flat
+
+    def __call__(self, at_least: float = 0.0, whole: bool = True) -> float:
+        M, L, S, E = self.loads_MLSE.shape
+        G, config = self.topology.num_gpus, self.config
+        total = self._total
+        dense = self._dense if whole else 0.0
+        per_gpu = min(config.top_k, E // G) / config.top_k if config.top_k > 0 else 1.0   # a token's pairs on one GPU
+        if (total * per_gpu * config.compute_s_per_token / 3 + self.latency + dense
+                + 0.5 * total * (config.cross_node_s_per_token + config.intra_node_s_per_token)) < at_least:
+            return 0.0
+        compute = (self._busiest if whole else self._mean) * config.compute_s_per_token / 3 + dense
+        if self.hier and self.topology.num_nodes == 1:
+            return compute + self.latency
+        if compute + 0.5 * self._a2a_upper + self.latency < at_least:
+            return 0.0
+        return compute + 0.5 * self._a2a_floor + self.latency
+
+    @functools.cached_property
+    def _pairs_MLS(self) -> torch.Tensor:
+        return self.loads_MLSE.sum(-1, dtype=torch.int64)   # the one pass over the pairs the early outs need
+
+    @functools.cached_property
+    def _total(self) -> float:
+        return float(self._pairs_MLS.sum())   # every term at most the step's pairs: one sum decides small steps
+
+    @functools.cached_property
+    def _dense(self) -> float:
+        """At least a rank's pairs over top-k tokens; the busiest rank's, as every layer waits for it."""
+        top_k, L = self.config.top_k, self.loads_MLSE.shape[1]
+        return (float((self._pairs_MLS[:, 0] // top_k).amax(-1).sum()) * self.config.dense_fwd_s_per_token
+                if top_k > 0 and L else 0.0)
+
+    @functools.cached_property
+    def _mean(self) -> float:
+        G = self.topology.num_gpus
+        return float(((self._pairs_MLS.sum(-1) + G - 1) // G).sum())
+
+    @functools.cached_property
+    def _busiest(self) -> float:
+        """Static holds each GPU's experts contiguously: its busiest GPU is a maximum over a view."""
+        M, L, S, E = self.loads_MLSE.shape
+        G = self.topology.num_gpus
+        return float(self.loads_MLSE.sum(2, dtype=torch.int64).view(M, L, G, E // G).sum(-1).amax(-1).sum())
+
+    @functools.cached_property
+    def _a2a_upper(self) -> float:
+        """An upper bound of the all-to-all from the sources' pairs alone (a GPU's rows at most
+        its sources' tokens): below ``at_least``, the floor's pass over the pairs is skipped."""
+        M, L, S, E = self.loads_MLSE.shape
+        topology, config, hier = self.topology, self.config, self.hier
+        G, g = topology.num_gpus, topology.gpus_per_node
+        # rows one source can send to one GPU (or, hierarchical, per remote node): its pairs (tokens)
+        rows_XS = (self._pairs_MLS // max(config.top_k, 1) if hier else self._pairs_MLS).reshape(M * L, S).to(
+            torch.float64)
+        node_S, local_S = torch.arange(S) // g, torch.arange(S) % g
+        remote_SG = node_S.view(S, 1) != node_S.view(1, G)
+        into_SG = (local_S.view(S, 1) != local_S.view(1, G)) if hier else (~remote_SG & ~torch.eye(S, dtype=torch.bool))
+        cross_XG = torch.maximum(rows_XS * (topology.num_nodes - 1 if hier else 1.0),
+                                 rows_XS @ (remote_SG & (~into_SG if hier else remote_SG)).double())
+        return float((cross_XG * config.cross_node_s_per_token
+                      + torch.maximum(rows_XS, rows_XS @ into_SG.double()) * config.intra_node_s_per_token)
+                     .amax(-1).sum())
+
+    @functools.cached_property
+    def _a2a_floor(self) -> float:
+        M, L, S, E = self.loads_MLSE.shape
+        if not self.hier:   # static placement: a GPU's experts are contiguous, its pairs a sum over a view
+            G = self.topology.num_gpus
+            flow_XSG = self.loads_MLSE.to(torch.int64).reshape(M * L, S, G, E // G).sum(-1)
+            return float(rows_seconds(*flat_rows(flow_XSG, self.topology), self.config)[0].sum())
+        return float(_hierarchical_floor_ML(self.loads_MLSE, self.topology, self.config).sum())
 
 
 def _hierarchical_floor_ML(loads_MLSE: torch.Tensor, topology: Topology, config) -> torch.Tensor:
