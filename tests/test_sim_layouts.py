@@ -7,6 +7,7 @@ Legend: X steps, M micro-batches, L layers, S source ranks, E experts.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +15,8 @@ import torch
 from relibra_torch.cli import main
 from relibra_torch.planning import Topology
 from relibra_torch.sim import SimConfig, get_hardware, simulate, workload_from_loads
-from relibra_torch.sim.layouts import (GRAD_SYNC_BYTES_PER_PARAM, compare_layouts, expert_grad_sync_s, headline,
-                                       parse_ep_sizes, split_workload)
+from relibra_torch.sim.layouts import (GRAD_SYNC_BYTES_PER_PARAM, Cluster, compare_layouts, expert_grad_sync_s,
+                                       headline, parse_ep_sizes, split_workload)
 from relibra_torch.sim.baselines import BaselineOptions
 from relibra_torch.sim.presets import ModelSpec
 
@@ -24,12 +25,16 @@ MODEL = ModelSpec("tiny-moe", num_layers=2, num_moe_layers=2, hidden_size=256, m
 HW = get_hardware("h200")
 
 
-def _workload(S=4, X=2, M=3, seed=0):
+MIXTRAL = str(Path(__file__).parent / "fixtures" / "hf_configs" / "Mixtral-8x7B-v0.1" / "config.json")
+
+
+def _workload(S=4, X=2, M=3, seed=0, gpus_per_node=2):
     g = torch.Generator().manual_seed(seed)
     w = (torch.rand(X, M, 2, 1, 8, generator=g) ** 3 + 0.01).expand(X, M, 2, S, 8).reshape(-1, 8)
     picks = torch.multinomial(w, 256, replacement=True, generator=g)
     loads = torch.zeros_like(w, dtype=torch.int64).scatter_add_(1, picks, torch.ones_like(picks)).view(X, M, 2, S, 8)
-    return workload_from_loads(loads, MODEL, Topology(S // 2, 2, 8, 1), 128)
+    # the generators read only the rank and node counts: a Cluster stands for a topology the experts do not divide
+    return workload_from_loads(loads, MODEL, Cluster(S // gpus_per_node, gpus_per_node), 128)
 
 
 def _config(systems=("static", "relibra", "eplb-oracle", "uniform")):
@@ -145,3 +150,126 @@ def test_an_ep_size_with_an_empty_group_names_the_size_and_the_fix():
     assert str(exc.value) == (f"--compare-ep 2: EP group 2 of 2 (ranks 2-3) holds no tokens in the measured steps "
                               f"({wl.source} is too small to fill every group of 2); drop 2 from --compare-ep, or "
                               f"use more samples")
+
+
+def test_a_cluster_larger_than_the_expert_count_runs_as_data_parallel_groups():
+    """16 GPUs, 8 experts: no whole-cluster topology; each row is the slowest of its groups,
+    each simulated on its own group topology (dense state sharded over all 16 GPUs), plus the
+    expert gradient sync over the groups."""
+    wl, cluster = _workload(S=16, gpus_per_node=4), Cluster(4, 4)
+    cfg = SimConfig(MODEL, HW, Topology(2, 4, 8, 1), ("static", "relibra", "uniform"), warmup_steps=1,
+                    baseline_options=BaselineOptions(planning_overlap_s=1e9))  # the largest group's topology
+    rows = compare_layouts(wl, cfg, (4, 8), cluster=cluster)
+    assert [(r.ep_size, r.groups, r.system) for r in rows] == [
+        (g, 16 // g, name) for g in (4, 8) for name in ("static", "relibra", "uniform", "bound")]
+    tokens = float(wl.tokens_XMS[1:].sum())
+    for g in (4, 8):
+        group_cfg = SimConfig(MODEL, HW, Topology(max(1, g // 4), min(g, 4), 8, 1), cfg.systems, warmup_steps=1,
+                              baseline_options=cfg.baseline_options, memory_world=16)
+        steps = {}  # system -> [groups, X] step seconds
+        for part in split_workload(wl, g):
+            for name, res in simulate(part, group_cfg).systems.items():
+                steps.setdefault(name, []).append([float(c.step_s) for c in res.costs])
+        sync = expert_grad_sync_s(cfg, g, 16, 4)
+        assert sync > 0
+        for r in (r for r in rows if r.ep_size == g):
+            slowest = float(torch.tensor(steps[r.system], dtype=torch.float64).max(0).values.mean())
+            assert r.slowest_group_s == pytest.approx(slowest, rel=1e-12)
+            assert r.grad_sync_s == pytest.approx(sync, rel=1e-12)
+            assert r.tokens_per_gpu_s == pytest.approx(tokens / (16 * (slowest + sync)), rel=1e-12)
+    with pytest.raises(ValueError, match="the trace has 4 ranks but the cluster 4 x 4 has 16 GPUs"):
+        compare_layouts(_workload(), cfg, (4,), cluster=cluster)
+
+
+def test_an_explicit_cluster_changes_nothing_where_the_gpus_divide_the_experts():
+    """2 x 2 GPUs, 8 experts: the cluster given explicitly (with the largest group's topology
+    in the config, as the CLI does when the experts do not divide the cluster) gives the rows
+    of the whole-cluster topology, field for field."""
+    import dataclasses
+    wl, cfg = _workload(), _config(("static", "relibra", "eplb-oracle", "uniform"))
+    old = compare_layouts(wl, cfg, (1, 2, 4))
+    for topo in (Topology(1, 2, 8, 1), Topology(2, 2, 8, 1)):
+        new = compare_layouts(wl, dataclasses.replace(cfg, topology=topo), (1, 2, 4), cluster=Cluster(2, 2))
+        assert [(r.ep_size, r.groups, r.system) for r in new] == [(r.ep_size, r.groups, r.system) for r in old]
+        for a, b in zip(old, new):
+            for f in ("step_s", "slowest_group_s", "grad_sync_s", "tokens_per_gpu_s", "static_imbalance"):
+                assert getattr(b, f) == pytest.approx(getattr(a, f), rel=1e-12, abs=0), (a, f)
+
+
+MIXTRAL_2X8 = ["simulate", "--model-config", MIXTRAL, "--nodes", "2", "--gpus-per-node", "8", "--no-progress",
+               "--systems", "static,eplb-oracle", "--micro-batches", "2", "--micro-batch-tokens", "128",
+               "--steps", "2", "--ignore-memory"]
+
+
+def test_cli_runs_mixtral_on_two_nodes_of_eight_as_ep_groups(tmp_path, capsys):
+    path = tmp_path / "layouts.json"
+    assert main([*MIXTRAL_2X8, "--compare-ep", "4,8", "--json", str(path)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith("Mixtral-8x7B-v0.1 on 2 x 8 h200 (R=2), hierarchical dispatch")
+    assert "at EP 8 on 1 x 8 h200 (one of 2 data-parallel EP groups" in captured.err  # the memory what-if
+    doc = json.loads(path.read_text())
+    assert doc["config"]["nodes"] == 2 and doc["config"]["gpus_per_node"] == 8
+    systems = ("static", "eplb-oracle", "uniform", "bound")
+    assert [(r["ep_size"], r["groups"], r["system"]) for r in doc["layouts"]] == [
+        (g, 16 // g, name) for g in (4, 8) for name in systems]
+    assert all(r["grad_sync_s"] > 0 for r in doc["layouts"])
+
+
+@pytest.mark.parametrize("sizes, message", [
+    ("16", "--compare-ep 16: an EP size must divide the 16 GPUs and the 8 experts and fill whole nodes of 8 or "
+           "divide one; allowed: 1,2,4,8"),
+    ("3", "--compare-ep 3: an EP size must divide the 16 GPUs and the 8 experts"),
+])
+def test_cli_bad_ep_size_on_a_cluster_larger_than_the_experts(capsys, sizes, message):
+    assert main([*MIXTRAL_2X8, "--compare-ep", sizes]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"relibra simulate: error: {message}") and "\n" not in err
+
+
+def test_cli_plain_run_on_a_cluster_larger_than_the_experts_names_compare_ep(capsys):
+    assert main(MIXTRAL_2X8) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("relibra simulate: error: --nodes 2 x --gpus-per-node 8 = 16 GPUs does not divide the 8 experts "
+                   "of Mixtral-8x7B-v0.1; allowed EP sizes: 1, 2, 4, 8; e.g. --nodes 1 --gpus-per-node 8; or keep "
+                   "the 16 GPUs as 2 data-parallel EP groups: --compare-ep 8 (sizes: 1,2,4,8)")
+
+
+def test_memory_check_of_an_ep_group_shards_dense_state_over_the_cluster_and_never_suggests_nodes():
+    """The check before planning at EP 8 on 2 x 8 GPUs (``world=16``): the dense optimizer
+    state is sharded over all 16 GPUs, so less is needed than at EP 8 alone; the fixes leave
+    out ``--nodes`` (it adds groups, not EP size) and, with none in reach, name --compare-ep."""
+    import dataclasses
+    import re
+
+    from relibra_torch.sim.hf_config import model_from_hf_config
+    from relibra_torch.sim.memory import MemoryOptions
+    from relibra_torch.sim.memory_fit import precheck
+    model, topo, o = model_from_hf_config(MIXTRAL).spec, Topology(1, 8, 8, 2), MemoryOptions()
+    alone, grouped = precheck(model, topo, HW, o, True), precheck(model, topo, HW, o, True, world=16)
+    assert alone and grouped and "\n" not in grouped
+
+    def need(text):
+        return float(re.search(r"needs ([\d.]+) GB per GPU", text).group(1))
+    assert need(grouped) < need(alone)
+    assert "Mixtral-8x7B-v0.1 at EP 8 on 1 x 8 h200 (one of 2 data-parallel EP groups, R=2) needs" in grouped
+    assert "--nodes" not in grouped and "--replica-slots" in grouped
+    small = precheck(model, topo, dataclasses.replace(HW, hbm_gb=20.0), o, True, world=16)
+    assert ("nothing in reach by one or two of --set memory.shard, --replica-slots, the tokens; a larger "
+            "--compare-ep size spreads the experts over more GPUs") in small
+
+
+def test_cli_routing_file_on_a_cluster_larger_than_the_experts(tmp_path, capsys):
+    """A replay file batched over all 16 ranks, checked for memory at EP 8 (no --ignore-memory)."""
+    from _replay_helpers import offsets_from_lengths, random_ids_TLK
+
+    from relibra_torch.replay import save_routing
+    lengths = [24 + 8 * (i % 5) for i in range(32)]
+    f = tmp_path / "mixtral.safetensors"
+    save_routing(str(f), random_ids_TLK(sum(lengths), 32, 2, 8, seed=3, skew=0.4), offsets_from_lengths(lengths), 8)
+    argv = ["simulate", str(f), "--model-config", MIXTRAL, "--nodes", "2", "--gpus-per-node", "8", "--no-progress",
+            "--systems", "static,eplb-oracle", "--micro-batches", "1", "--replica-slots", "0", "--compare-ep", "8"]
+    path = tmp_path / "layouts.json"
+    assert main([*argv, "--json", str(path)]) == 0, capsys.readouterr().err
+    doc = json.loads(path.read_text())
+    assert [(r["ep_size"], r["groups"]) for r in doc["layouts"]] == [(8, 2)] * 4
+    assert doc["config"]["source"].startswith("routing replay mixtral.safetensors (32 samples)")

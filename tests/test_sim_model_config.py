@@ -312,6 +312,7 @@ def test_ep_size_that_does_not_divide_the_experts_suggests_nodes(tmp_path, capsy
     rc, _, err = run(capsys, str(f), "--model-config", config_path("Mixtral-8x7B-v0.1"), "--no-progress")
     assert rc == 2 and "32 GPUs does not divide the 8 experts" in err
     assert "e.g. --nodes 1 --gpus-per-node 8" in err
+    assert "; or keep the 32 GPUs as 4 data-parallel EP groups: --compare-ep 8 (sizes: 1,2,4,8)" in err
     rc, _, err = run(capsys, str(f), "--model-config", config_path("Mixtral-8x7B-v0.1"), "--nodes", "1",
                      "--gpus-per-node", "8", "--systems", "static", "--no-progress", "--replica-slots", "0")
     assert rc == 0, err  # (R = 2 does not fit Mixtral on one node: the memory model refuses it)

@@ -31,14 +31,14 @@ import argparse
 import sys
 
 from ..checks import check_choice, check_int, check_number
-from ..planning.topology import Topology
 from .baselines import SECTIONS as BASELINE_SECTIONS
 from .baselines import baseline_options
 from .cost import CostOptions
 from .dispatch import DISPATCH_MODES
 from .memory import memory_settings, memory_verdict, peak_warnings, replicating, workload_activations
 from .memory_fit import TraceShape, home_activations, precheck, synthetic_activations
-from .model_choice import check_file_model, ep_hint, file_shape, resolve_model
+from .layouts import cluster_layout, group_home_activations
+from .model_choice import check_file_model, file_shape, resolve_model
 from .presets import (HARDWARE, MODELS, apply_overrides, get_hardware, load_config_file,
                       parse_override)
 from .simulator import SYSTEMS, SimConfig, parse_systems, simulate
@@ -216,13 +216,11 @@ def resolve(args: argparse.Namespace) -> dict:
     for name in ("micro_batch_tokens", "micro_batches", "steps", "sample_tokens"):
         _int_option(name, opts[name], 1)
     _int_option("seed", opts["seed"], 0)
-    G = nodes * gpn
-    if model.num_experts % G:
-        sizes = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0]
-        raise ValueError(f"--nodes {nodes} x --gpus-per-node {gpn} = {G} GPUs does not divide the "
-                         f"{model.num_experts} experts of {model.name}; allowed EP sizes: "
-                         f"{', '.join(map(str, sizes))}; e.g. {ep_hint(model.num_experts, nodes, gpn)}")
-    topology = Topology(nodes, gpn, model.num_experts, replica_slots)
+    # the whole cluster's topology; under --compare-ep on a cluster the experts do not divide:
+    # the largest EP group's, and the cluster's shape for the trace (layouts.cluster_layout)
+    topology, cluster, ep_sizes = cluster_layout(nodes, gpn, model.num_experts, replica_slots,
+                                                 getattr(args, "compare_ep", None), model.name)
+    world = None if cluster is topology else cluster.num_gpus  # the dense part's data-parallel GPUs
     if opts["warmup_steps"] is None and not args.file:
         opts["warmup_steps"] = 1 if opts["steps"] > 1 else 0
     if opts["warmup_steps"] is not None:  # a file's default depends on its steps (see run)
@@ -255,10 +253,11 @@ def resolve(args: argparse.Namespace) -> dict:
     if not args.file and opts["trace"] in FAMILIES and opts["packing"] == "fixed":
         act = synthetic_activations(model, memory, opts["micro_batch_tokens"])
         warnings = memory_verdict(precheck(model, topology, hardware, memory, replicating(systems), act,
-                                           TraceShape("synthetic", opts["micro_batch_tokens"])),
+                                           TraceShape("synthetic", opts["micro_batch_tokens"]), world=world),
                                   opts["ignore_memory"], [])
     return {**opts, "memory": memory, "memory_warnings": warnings,
             "model_spec": model, "hardware_spec": hardware, "topology": topology,
+            "cluster": cluster, "ep_sizes": ep_sizes, "memory_world": world,
             "systems": systems,
             "cost_options": CostOptions(overlap_replication=overlap, dispatch=opts["dispatch"],
                                         refetch_replicas=opts["refetch_replicas"]),
@@ -334,27 +333,27 @@ def run(args: argparse.Namespace) -> int:
     from .report import print_table, result_json, write_json, write_plot
 
     s = resolve(args)
-    model, topo = s["model_spec"], s["topology"]
+    model, topo, ranks = s["model_spec"], s["topology"], s["cluster"]  # the trace: the cluster's ranks
     err = Console(stderr=True)
     plain = None if args.no_progress or err.is_terminal else PlainProgress()  # logs and pipes get lines
     if plain:
         plain.phase(f"reading {args.file}" if args.file else f"generating the synthetic trace ({s['trace']})")
     if args.file:
         if s["packing"] != "fixed":
-            workload = replay_packing_workload(args.file, model, topo, _cost_model(s), s["micro_batches"],
+            workload = replay_packing_workload(args.file, model, ranks, _cost_model(s), s["micro_batches"],
                                                s["packing"], 0, s["sample_tokens"])
         else:
-            workload = workload_from_file(args.file, model, topo, s["micro_batches"], s["sample_tokens"])
+            workload = workload_from_file(args.file, model, ranks, s["micro_batches"], s["sample_tokens"])
         if s["warmup_steps"] is None:
             s["warmup_steps"] = file_warmup(workload.num_steps)
         if s["warmup_steps"] >= workload.num_steps:
             raise ValueError(f"--warmup-steps {s['warmup_steps']} leaves no measured step: the file "
                              f"holds {workload.num_steps} step(s); allowed: 0..{workload.num_steps - 1}")
     elif s["trace"] in FAMILIES and s["packing"] == "fixed":  # count-level; default: today's trace, bit for bit
-        workload = synthetic_workload(model, topo, s["micro_batches"], s["micro_batch_tokens"],
+        workload = synthetic_workload(model, ranks, s["micro_batches"], s["micro_batch_tokens"],
                                       s["steps"], s["seed"], s["sample_tokens"], s["trace"], s["skew"])
     else:
-        workload = sample_workload(model, topo, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
+        workload = sample_workload(model, ranks, _cost_model(s), s["micro_batches"], s["micro_batch_tokens"],
                                    s["steps"], s["seed"], s["trace"], s["packing"], s["sample_tokens"],
                                    s["skew"])
     if s["warmup_steps"] == 0:  # the measured first step: said so, for a file and a synthetic trace alike
@@ -364,9 +363,10 @@ def run(args: argparse.Namespace) -> int:
     # the ideal system's activations are a lower bound for every plan: refuse before planning
     act = workload_activations(model, s["memory"], workload, s["warmup_steps"])
     trace = _trace_shape(args, s, workload)
-    home = home_activations(model, s["memory"], workload, s["warmup_steps"])
+    home = (home_activations(model, s["memory"], workload, s["warmup_steps"]) if s["memory_world"] is None else
+            group_home_activations(model, s["memory"], workload, s["warmup_steps"], topo.num_gpus))
     memory_verdict(precheck(model, topo, s["hardware_spec"], s["memory"], replicating(s["systems"]), act, trace,
-                            home),
+                            home, world=s["memory_world"]),
                    s["ignore_memory"], s["memory_warnings"])
     config = SimConfig(model, s["hardware_spec"], topo, s["systems"], s["cost_options"], s["warmup_steps"],
                        baseline_options=s["baseline_options"], memory=s["memory"],

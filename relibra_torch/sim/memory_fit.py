@@ -59,23 +59,26 @@ def larger_ep_nodes(model: ModelSpec, topology) -> list[int]:
 
 
 def fit_fixes(b: MemoryBreakdown, model: ModelSpec, topology, hardware: HardwareSpec, options: MemoryOptions,
-              trace: TraceShape | None = None) -> list[str]:
+              trace: TraceShape | None = None, world: int | None = None) -> list[str]:
     """Option changes after which ``b`` fits: every single change that does (its least step
     each: ``--set memory.shard``, ``--replica-slots``, the tokens, ``--nodes``), then pairs
     where the second change is smaller than alone; ``[]`` when none in reach. The same terms
     as ``b``: replica slots scale by ``r / R``, activations by the tokens per GPU (constant
     over ``--nodes`` on a synthetic trace, ``G / G'`` for a routing file); a loads file fixes
-    the GPUs. Only EP sizes that divide the experts are tried."""
+    the GPUs. Only EP sizes that divide the experts are tried. ``world``: the GPUs of the
+    dense part's data-parallel group when ``topology`` is one of several EP groups
+    (``--compare-ep``; None: EP spans every GPU); ``--nodes`` is then not tried, since it
+    changes the number of groups, not the EP size."""
     cap, g, G0, R = capacity_bytes(hardware, options), topology.gpus_per_node, topology.num_gpus, topology.replica_slots
     kind = trace.kind if trace else ""
-    nodes = [] if kind == "loads" else larger_ep_nodes(model, topology)
+    nodes = [] if kind == "loads" or world is not None else larger_ep_nodes(model, topology)
     shards = list(SHARD_LEVELS[SHARD_LEVELS.index(options.shard) + 1:])
     slots = list(range(R - 1, -1, -1)) if b.replica_slots > 0 else []
 
     def parts(n, sh, r):  # persistent + staging, slots, activations at 1x tokens
         G = G0 if n is None else n * g
         st = state_breakdown(model, G, dataclasses.replace(options, shard=sh or options.shard), 0,
-                             b.migration_staging > 0)
+                             b.migration_staging > 0, world=world)
         act = b.activations * (G0 / G if kind == "routing" else 1.0)
         return st, b.replica_slots * (R if r is None else r) / max(R, 1), act
 
@@ -126,44 +129,53 @@ def fit_fixes(b: MemoryBreakdown, model: ModelSpec, topology, hardware: Hardware
 
 def refusal(b: MemoryBreakdown, model: ModelSpec, topology, hardware: HardwareSpec, options: MemoryOptions,
             what: str, trace: TraceShape | None = None, advice: MemoryBreakdown | None = None,
-            after: str = "") -> str | None:
+            after: str = "", world: int | None = None) -> str | None:
     """:func:`check_fits` with the :func:`fit_fixes` of ``b`` as the advice (and, when no
     larger EP size divides the experts, the EP sizes that do); ``advice``: the terms the fixes
-    must fit instead of ``b``'s; ``after``: said after the advice (what the fixes count)."""
+    must fit instead of ``b``'s; ``after``: said after the advice (what the fixes count);
+    ``world``: as for :func:`fit_fixes` (EP groups of ``--compare-ep``)."""
     cap = capacity_bytes(hardware, options)
     if b.peak <= cap:
         return None
-    fixes = fit_fixes(advice or b, model, topology, hardware, options, trace)
+    fixes = fit_fixes(advice or b, model, topology, hardware, options, trace, world)
     E, G = model.num_experts, topology.num_gpus
-    note = ""
-    if not larger_ep_nodes(model, topology):
+    note, tried = "", "--set memory.shard, --replica-slots, --nodes, the tokens"
+    if world is not None:  # --compare-ep sets the EP size; --nodes would only add data-parallel groups
+        tried = "--set memory.shard, --replica-slots, the tokens"
+        note = "" if fixes else "; a larger --compare-ep size spreads the experts over more GPUs"
+    elif not larger_ep_nodes(model, topology):
         note = (f" (more --nodes cannot help: no EP size above {G} divides the {E} experts; EP sizes: "
                 f"{', '.join(str(d) for d in range(1, E + 1) if E % d == 0)})")
     elif trace and trace.kind == "loads":
         note = " (a loads file is used as batched: its GPUs are fixed)"
-    advice = ("fix: " + "; or ".join(fixes) if fixes else
-              "nothing in reach by one or two of --set memory.shard, --replica-slots, --nodes, the tokens")
+    advice = "fix: " + "; or ".join(fixes) if fixes else f"nothing in reach by one or two of {tried}"
     return check_fits(b, cap, what, advice + note + after)
 
 
 def precheck(model: ModelSpec, topology, hardware: HardwareSpec, options: MemoryOptions,
              replicating: bool, activations: float = 0.0, trace: TraceShape | None = None,
-             advice_activations: float = 0.0) -> str | None:
+             advice_activations: float = 0.0, world: int | None = None) -> str | None:
     """The check before any planning: weights, gradients, optimizer state, every replica
     slot filled (when a replicating system runs; EPLB fills them all), migration staging and
     ``activations`` (the ideal system's, a lower bound for every plan). ``None`` if it fits,
     else the one-line message with the changes that make it fit (:func:`fit_fixes`), counted
-    with ``advice_activations`` when larger (:func:`home_activations`: static's plan)."""
+    with ``advice_activations`` when larger (:func:`home_activations`: static's plan).
+    ``world``: the cluster's GPUs when ``topology`` is one of ``world / G`` data-parallel EP
+    groups (``--compare-ep``; the dense state is sharded over all of them); None: EP spans
+    every GPU."""
     R, g = topology.replica_slots, topology.gpus_per_node
     ep = topology.num_gpus > 1  # on one GPU every expert is native: no replica, no move
     L = model.num_moe_layers if replicating and ep else 0
-    b = dataclasses.replace(state_breakdown(model, topology.num_gpus, options, L * R, migrates=ep),
+    b = dataclasses.replace(state_breakdown(model, topology.num_gpus, options, L * R, migrates=ep, world=world),
                             activations=activations)
     what = (f"{model.name} on {topology.num_nodes} x {g} {hardware.name} "
             f"(EP {topology.num_gpus}, R={R})")
+    if world is not None:
+        what = (f"{model.name} at EP {topology.num_gpus} on {topology.num_nodes} x {g} {hardware.name} "
+                f"(one of {world // topology.num_gpus} data-parallel EP groups, R={R})")
     if advice_activations <= activations:
-        return refusal(b, model, topology, hardware, options, what, trace)
+        return refusal(b, model, topology, hardware, options, what, trace, world=world)
     # the fixes make the busiest GPU of the unbalanced plan fit too (a plan's own check)
     worst = dataclasses.replace(b, activations=advice_activations)
     return refusal(b, model, topology, hardware, options, what, trace, worst,
-                   f" (the fixes count static's activations, {advice_activations / 1e9:,.1f} GB)")
+                   f" (the fixes count static's activations, {advice_activations / 1e9:,.1f} GB)", world=world)
