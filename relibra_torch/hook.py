@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from .compat import all_gather_single
+from .cputime import one_thread
 from .moe.host_speed import measure_host_scale
 from .moe.schedule_batch import rank_schedules, share_splits
 from .planning import Planner, StepPlan, make_planner, native_plan, plan_digest
@@ -353,16 +354,17 @@ class ReplayBalancer:
                                   "planner inputs (planner state or config)")
         t0 = time.perf_counter()
         failed, part, plan, split_MLSGJ, native_L, split_s = 0, None, None, None, None, 0.0
-        if split:
-            part, part_split, split_s, failed = self._plan_share(loads_MLSE, pairs_LEE)
-        else:
-            try:
-                plan = self.planner.finish(self.planner.plan(loads_MLSE, pairs_LEE) if pairs_LEE is not None
-                                           else self.planner.plan(loads_MLSE), loads_MLSE)
-            except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
-                warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
-                              "this step runs on the previous placement without replicas", RuntimeWarning)
-                failed = 1
+        with one_thread():  # small tensors: one thread, as the guard and the simulator price it
+            if split:
+                part, part_split, split_s, failed = self._plan_share(loads_MLSE, pairs_LEE)
+            else:
+                try:
+                    plan = self.planner.finish(self.planner.plan(loads_MLSE, pairs_LEE) if pairs_LEE is not None
+                                               else self.planner.plan(loads_MLSE), loads_MLSE)
+                except Exception as exc:  # noqa: BLE001 - any planner failure degrades, never breaks
+                    warnings.warn(f"planner {self.planner.name!r} failed ({type(exc).__name__}: {exc}); "
+                                  "this step runs on the previous placement without replicas", RuntimeWarning)
+                    failed = 1
         planner_s = time.perf_counter() - t0 - split_s  # the share's splits count as install work
         # Every rank learns whether any rank failed, so they all fall back together.
         if int(self._all_gather(torch.tensor([failed])).max()):
@@ -381,8 +383,9 @@ class ReplayBalancer:
         t0 = time.perf_counter()
         # a layer with check_plan=False exchanges no counts at run time: its schedules are built here
         unchecked_L = torch.tensor([not layer.engine.check_plan for layer in self.layers], dtype=torch.bool)
-        schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ, self.layers[0].placement_E.device,
-                                   unchecked_L, native_L)
+        with one_thread():
+            schedules = rank_schedules(plan, loads_MLSE, self.ep.rank, split_MLSGJ, self.layers[0].placement_E.device,
+                                       unchecked_L, native_L)
         schedules_s = split_s + time.perf_counter() - t0
 
         moved = 0

@@ -283,3 +283,41 @@ def test_splits_of_empty_steps_and_shares():
         loads = torch.zeros(M, L, 2, 4, dtype=torch.int64)
         split, native = share_splits(static_plan(loads, topo), loads)
         assert tuple(split.shape) == (M, L, 2, 2, 3) and native.tolist() == [True] * L
+
+
+def test_plan_step_plans_and_schedules_on_one_thread_then_restores_the_callers_count(monkeypatch):
+    """The planner's tensors are small: ``plan_step`` plans and builds the schedules with torch on
+    one thread (as the simulator charges and the guard is calibrated), whatever the process set,
+    and gives the caller's thread count back."""
+    import _moe_fns as fns
+
+    import relibra_torch.hook as hook_mod
+    from relibra_torch.hook import ReplayBalancer
+    from relibra_torch.planning.relibra import ReLibraPlanner
+
+    seen = {}
+
+    class Spy(ReLibraPlanner):
+        def plan(self, *args, **kwargs):
+            seen["plan"] = torch.get_num_threads()
+            return super().plan(*args, **kwargs)
+
+    def schedules(*args, **kwargs):
+        seen["schedules"] = torch.get_num_threads()
+        return rank_schedules(*args, **kwargs)
+
+    monkeypatch.setattr(hook_mod, "rank_schedules", schedules)
+    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
+    m = fns.build(case, None)
+    m.load_state_dict(fns.logical_state(case))
+    gen = torch.Generator().manual_seed(0)
+    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
+    balancer = ReplayBalancer(m, planner=Spy(m.topology))
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        balancer.plan_step(ids)
+        assert seen == {"plan": 1, "schedules": 1}
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
