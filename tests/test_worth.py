@@ -179,6 +179,26 @@ def test_host_time_grows_with_the_gpus_beyond_the_fitted_ones():
         assert light_floor_s(topo, cfg, 1, 8) == pytest.approx(factor * light_floor_s(base, cfg, 1, 8))
 
 
+def test_below_eight_micro_batches_the_gpus_growth_shrinks_with_them():
+    """Beyond 16 GPUs a share's search grows with the GPUs (tensor work) and, below 8
+    micro-batches, that growth shrinks with them while ``sqrt(G / 16)`` of it stays (GLM-5 at
+    EP 256: 0.46 s at 2 micro-batches against 1.75 s at 8; the floor had priced both at 2.5 s).
+    At 8 micro-batches or more, on one node and up to 16 GPUs, the floor is as before: fixed
+    below 8, proportional above."""
+    from relibra_torch.planning.host_time import few_micro_batches
+    cfg = dataclasses.replace(PRICED, host_scale=0.5, host_scale_nodes=0.5)
+    big = Topology(32, 8, 256, 2)                                          # g = 16
+    assert layer_floor_s(big, cfg, 1, 2) == pytest.approx(layer_floor_s(big, cfg, 1, 8) * (4 + 12 * 2 / 8) / 16)
+    assert layer_floor_s(big, cfg, 1, 16) == pytest.approx(2 * layer_floor_s(big, cfg, 1, 8))
+    floors = [layer_floor_s(big, cfg, 1, m) for m in range(1, 9)]
+    assert floors == sorted(floors) and floors[0] > layer_floor_s(big, cfg, 1, 8) * 4 / 16   # sqrt(g) of it stays
+    for topo in (Topology(1, 8, 64, 2), Topology(2, 8, 64, 2), Topology(2, 4, 64, 2)):
+        assert few_micro_batches(topo, 2) == 1.0
+        assert layer_floor_s(topo, cfg, 1, 2) == layer_floor_s(topo, cfg, 1, 8)
+    assert few_micro_batches(Topology(8, 8, 64, 2), 2) == pytest.approx((2 + 2 / 4) / 4)
+    assert few_micro_batches(Topology(8, 8, 64, 2), 8) == 1.0
+
+
 def _mixed_loads(topo: Topology, M: int = 4):
     """Layer 0: 2 tokens per GPU (nothing can pay); layer 1: 60,000 tokens per GPU on one
     expert (copies pay many times over)."""

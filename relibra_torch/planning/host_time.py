@@ -10,8 +10,8 @@ from __future__ import annotations
 from .topology import Topology
 
 __all__ = ["FIT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S",
-           "LIGHT_SCHEDULE_EXPERTS", "LIGHT_SCHEDULE_SHARE", "host_scale", "layer_floor_s", "light_floor_s",
-           "light_layer_s", "light_schedule_share", "plan_floor_s"]
+           "LIGHT_SCHEDULE_EXPERTS", "LIGHT_SCHEDULE_SHARE", "few_micro_batches", "host_scale", "layer_floor_s",
+           "light_floor_s", "light_layer_s", "light_schedule_share", "plan_floor_s"]
 
 
 def plan_floor_s(topology: Topology, config) -> float:
@@ -44,7 +44,28 @@ def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
     experts = max(topology.num_experts / 64, 1.0) if nodes else 1.0
     per_layer = (config.plan_layer_nodes_s if nodes else config.plan_layer_s) * host_scale(topology, config)
     return (plan_floor_s(topology, config) / max(share, 1) + per_layer * (max(config.top_k, 1) * experts) ** 0.5) \
-        * max(micro_batches, 8) / 8
+        * max(micro_batches, 8) / 8 * few_micro_batches(topology, micro_batches)
+
+
+def few_micro_batches(topology: Topology, micro_batches: int) -> float:
+    """The search's floor below 8 micro-batches beyond :data:`FIT_GPUS` GPUs, over what
+    :func:`host_scale`'s growth ``g = G / FIT_GPUS`` gives it at 8: ``(sqrt(g) + (g - sqrt(g))
+    M / 8) / g``; 1 at 8 micro-batches or more, on one node and up to ``FIT_GPUS`` GPUs.
+
+    The floors were fitted at 8 micro-batches and kept for fewer (a share's fixed Python work
+    does not shrink with them): on the stand-ins of ``benchmarks/never_behind.py`` a full
+    search at 2 micro-batches took 0.5-1.2x its time at 8 on 8-16 GPUs, 0.53x on 4 x 8 and
+    0.65x on 8 x 8. The growth with the GPUs is tensor work (``[M, S, G, J]`` splits and
+    estimates), which does shrink with them: on GLM-5 at EP 256 (32 x 8, 2,048 tokens per GPU)
+    a share took 0.46 s at 2 micro-batches against 1.75 s at 8 (0.26x), while the floor priced
+    both at 2.5 s, so the guard refused the search there and relibra planned 7% slower than
+    eplb-oracle (``docs/results.md``, "Fewer micro-batches at 256 GPUs"). Here ``sqrt(g)`` of
+    the growth stays and the rest follows ``M / 8``: 0.78x at 2 micro-batches on 4 x 8, 0.63x
+    on 8 x 8, 0.44x on 32 x 8; each at or above those measurements but 8 x 8's (0.65x)."""
+    g = topology.num_gpus / FIT_GPUS
+    if topology.num_nodes == 1 or g <= 1 or micro_batches >= 8:
+        return 1.0
+    return (g ** 0.5 + (g - g ** 0.5) * max(micro_batches, 1) / 8) / g
 
 
 #: The light tier's host time (:mod:`~relibra_torch.planning.light` and its share's token

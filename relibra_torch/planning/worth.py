@@ -33,7 +33,9 @@ Per layer, from integer counts only (a few dozen tensor ops for the whole step):
   layer, ``plan_layer_s * sqrt(top_k)`` (the search builds and prices more candidates when
   each token picks more experts); across nodes ``plan_floor_nodes_s`` and
   ``plan_layer_nodes_s * sqrt(top_k * max(E / 64, 1))`` (the hierarchical estimate's
-  columns); both times ``max(M, 8) / 8`` (fitted at 8 micro-batches). The fixed part (a few
+  columns); both times ``max(M, 8) / 8`` (fitted at 8 micro-batches; below 8 beyond 16 GPUs
+  the part of the GPUs' growth that is tensor work shrinks with ``M``,
+  :func:`~relibra_torch.planning.host_time.few_micro_batches`). The fixed part (a few
   thousand small tensor calls whatever the layer count) is most of a one- or two-layer
   share's search, which is what 8-16 EP ranks plan on models of 12-16 layers. Fitted on
   this project's 2-core machine (``planning.pricing.PLAN_FLOOR_S``); every host time here
