@@ -19,13 +19,13 @@ def one_thread() -> Iterator[None]:
     """torch's intra-op pool at one thread inside the block, the caller's count restored after.
 
     The planner's tensors are small (a layer's ``[M, S, G, J]`` splits, kilobytes to a few
-    megabytes): on more threads each op pays the pool's wake-up, and the eight ranks of a node
-    planning at once oversubscribe its cores. A share planned on the 2-core machine took 2.4-2.9x
-    the wall time on two threads as on one while other processes ran, and up to 16x on an idle
-    machine (``switch-8/collapsed/t32x8/1x8``, ``olmoe/zipf/t32x8/2x8`` of
-    ``benchmarks/never_behind.py``). The simulator charges, and the guard is calibrated on, one
-    thread's time; the hook plans on one thread too, whatever the process's setting
-    (``torchrun`` sets ``OMP_NUM_THREADS=1``; other launchers do not)."""
+    megabytes), and the eight ranks of a node planning at once oversubscribe its cores, where
+    every op on more threads waits for the pool's threads to get a core. A share planned on the
+    2-core machine took 2.4-2.9x the wall time on two threads as on one while two other
+    processes ran, and the same time on the idle machine (``switch-8/collapsed/t32x8/1x8``,
+    ``olmoe/zipf/t32x8/2x8`` of ``benchmarks/never_behind.py``). The simulator charges, and the
+    guard is calibrated on, one thread's time; the hook plans on one thread too, whatever the
+    process's setting (``torchrun`` sets ``OMP_NUM_THREADS=1``; other launchers do not)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
