@@ -124,11 +124,7 @@ def test_install_uses_the_schedules_built_by_plan_step(monkeypatch, native):
 
     if not native:
         monkeypatch.setattr(batch_mod, "native_layers", lambda plan, loads: torch.zeros(plan.num_layers, dtype=torch.bool))
-    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
-    m = fns.build(case, None)
-    m.load_state_dict(fns.logical_state(case))
-    gen = torch.Generator().manual_seed(0)
-    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
+    m, gen, ids = _one_gpu_layer()
     balancer = ReplayBalancer(m, planner="relibra")
     plan = balancer.plan_step(ids)
     assert balancer.report.schedules_s > 0
@@ -194,11 +190,7 @@ def test_a_plan_step_that_raises_leaves_the_previous_step_installable():
             super().commit(plan, loads_MLSE)
             self.steps += 1
 
-    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
-    m = fns.build(case, None)
-    m.load_state_dict(fns.logical_state(case))
-    gen = torch.Generator().manual_seed(0)
-    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
+    m, gen, ids = _one_gpu_layer()
     balancer = ReplayBalancer(m, planner=BrokenSecondStep(m.topology))
     first = balancer.plan_step(ids)
     placement = m.placement_cpu.clone()
@@ -289,8 +281,6 @@ def test_plan_step_plans_and_schedules_on_one_thread_then_restores_the_callers_c
     """The planner's tensors are small: ``plan_step`` plans and builds the schedules with torch on
     one thread (as the simulator charges and the guard is calibrated), whatever the process set,
     and gives the caller's thread count back."""
-    import _moe_fns as fns
-
     import relibra_torch.hook as hook_mod
     from relibra_torch.hook import ReplayBalancer
     from relibra_torch.planning.relibra import ReLibraPlanner
@@ -307,11 +297,7 @@ def test_plan_step_plans_and_schedules_on_one_thread_then_restores_the_callers_c
         return rank_schedules(*args, **kwargs)
 
     monkeypatch.setattr(hook_mod, "rank_schedules", schedules)
-    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
-    m = fns.build(case, None)
-    m.load_state_dict(fns.logical_state(case))
-    gen = torch.Generator().manual_seed(0)
-    ids = [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
+    m, gen, ids = _one_gpu_layer()
     balancer = ReplayBalancer(m, planner=Spy(m.topology))
     before = torch.get_num_threads()
     torch.set_num_threads(3)
@@ -321,3 +307,14 @@ def test_plan_step_plans_and_schedules_on_one_thread_then_restores_the_callers_c
         assert torch.get_num_threads() == 3
     finally:
         torch.set_num_threads(before)
+
+
+def _one_gpu_layer():
+    """``(layer, generator, ids)``: a one-GPU layer of 6 experts (top-2, 3 replica slots) in its
+    logical state, and 3 micro-batches of 5 skewed tokens' expert ids, ``[5, 1, 2]`` each."""
+    import _moe_fns as fns
+    case = fns.Case(1, 1, 6, 2, 0, 3, ids_per_rank=[])
+    m = fns.build(case, None)
+    m.load_state_dict(fns.logical_state(case))
+    gen = torch.Generator().manual_seed(0)
+    return m, gen, [fns.make_routing("skewed", [5], 6, 2, gen)[0].unsqueeze(1) for _ in range(3)]
