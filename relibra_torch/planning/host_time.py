@@ -33,7 +33,13 @@ def host_scale(topology: Topology, config) -> float:
     else ``host_scale``)."""
     if topology.num_nodes == 1:
         return config.host_scale
-    return config.host_scale_nodes * max(1.0, topology.num_gpus / FIT_GPUS)
+    return config.host_scale_nodes * _gpu_growth(topology)
+
+
+def _gpu_growth(topology: Topology) -> float:
+    """How much a share's search grows with the GPUs: ``G / FIT_GPUS`` across nodes beyond
+    :data:`FIT_GPUS` GPUs, else 1."""
+    return 1.0 if topology.num_nodes == 1 else max(1.0, topology.num_gpus / FIT_GPUS)
 
 
 def layer_floor_s(topology: Topology, config, share: int, micro_batches: int) -> float:
@@ -62,8 +68,8 @@ def few_micro_batches(topology: Topology, micro_batches: int) -> float:
     eplb-oracle (``docs/results.md``, "Fewer micro-batches at 256 GPUs"). Here ``sqrt(g)`` of
     the growth stays and the rest follows ``M / 8``: 0.78x at 2 micro-batches on 4 x 8, 0.63x
     on 8 x 8, 0.44x on 32 x 8; each at or above those measurements but 8 x 8's (0.65x)."""
-    g = topology.num_gpus / FIT_GPUS
-    if topology.num_nodes == 1 or g <= 1 or micro_batches >= 8:
+    g = _gpu_growth(topology)
+    if g <= 1 or micro_batches >= 8:
         return 1.0
     return (g ** 0.5 + (g - g ** 0.5) * max(micro_batches, 1) / 8) / g
 
