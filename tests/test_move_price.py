@@ -1,4 +1,5 @@
-"""Reordering prices a move at ``migration_s_per_expert / g`` (``planning.reorder_greedy.move_price_s``):
+"""Reordering prices a move at ``migration_s_per_expert / g``, ``4 / N`` of that beyond 4 nodes
+(``planning.reorder_greedy.move_price_s``):
 the cost model moves all experts at once over every GPU's links, so a lone swap between two
 nodes of 2 GPUs costs one transfer, which the price before (a transfer per expert) counted twice
 and so kept placements that a swap would have made faster."""
@@ -27,7 +28,11 @@ TOKENS_MS = torch.full((1, 4), 8192)
 
 
 def _cost() -> CostModel:
-    return CostModel(MODEL, get_hardware("h200"), CostOptions(dispatch="flat"))
+    return _cost_for(MODEL.num_experts)
+
+
+def _cost_for(E: int) -> CostModel:
+    return CostModel(dataclasses.replace(MODEL, num_experts=E), get_hardware("h200"), CostOptions(dispatch="flat"))
 
 
 def _relibra(topo: Topology, cost: CostModel, **overrides):
@@ -46,7 +51,7 @@ def test_a_lone_swap_on_two_gpu_nodes_costs_what_reordering_prices():
     swapped = native_plan(LOADS_MLSE, topo, torch.tensor([[0, 2, 1, 3]]), "swap", topo.static_placement(1))
     seconds, moved, _ = cost.migration(swapped)
     assert moved == 2
-    assert seconds == pytest.approx(2 * move_price_s(config, topo.gpus_per_node), rel=1e-12)
+    assert seconds == pytest.approx(2 * move_price_s(config, topo.gpus_per_node, topo.num_nodes), rel=1e-12)
     assert seconds == pytest.approx(config.migration_s_per_expert, rel=1e-12)   # one transfer, not two
 
 
@@ -70,3 +75,26 @@ def test_reordering_takes_the_swap_that_pays_one_transfer():
                        topo.static_placement(1))
     assert torch.equal(kept.placement_LE, topo.static_placement(1))
     assert _step_s(kept, cost) > 1.1 * best_s
+
+
+@pytest.mark.parametrize("N", [2, 4, 8, 16])
+def test_swaps_between_disjoint_node_pairs_run_side_by_side(N):
+    """One swap per node pair ``(0, 1), (2, 3), ...`` on ``N`` nodes of 2 GPUs moves ``N``
+    experts and costs the cost model one transfer, whatever ``N``: the pairs' links run side
+    by side. The price is a transfer per ``g`` moves up to 4 nodes (exact on 2) and ``4 / N``
+    of that beyond, so it never undercuts this cost by more than the even spread does and
+    stays within 2x above it from 4 nodes on."""
+    E = 4 * N
+    topo, cost = Topology(N, 2, E, 0), _cost_for(E)
+    config = _relibra(topo, cost).config
+    perm = torch.arange(E)
+    for n in range(0, N, 2):   # expert 4n (node n) <-> expert 4(n + 1) (node n + 1)
+        perm[4 * n], perm[4 * (n + 1)] = 4 * (n + 1), 4 * n
+    swapped = native_plan(torch.zeros(1, 1, 2 * N, E, dtype=torch.int64), topo, perm.unsqueeze(0), "swaps",
+                          topo.static_placement(1))
+    seconds, moved, _ = cost.migration(swapped)
+    assert moved == N
+    assert seconds == pytest.approx(config.migration_s_per_expert, rel=1e-12)
+    priced = N * move_price_s(config, topo.gpus_per_node, N)
+    assert priced == pytest.approx(seconds * min(N, 4) / 2, rel=1e-12)
+    assert seconds <= priced <= 2 * seconds

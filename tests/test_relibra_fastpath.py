@@ -68,7 +68,8 @@ def test_fast_path_is_not_taken_where_copies_pay():
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(1, 4, 16), (2, 2, 16), (2, 4, 32), (4, 2, 32), (2, 4, 8)]),
+@given(seed=st.integers(0, 10_000), shape=st.sampled_from([(1, 4, 16), (2, 2, 16), (2, 4, 32), (4, 2, 32), (2, 4, 8),
+                                                   (8, 2, 32), (6, 1, 12)]),
        R=st.sampled_from([0, 1, 2, 3]), M=st.sampled_from([2, 4, 8]), tokens=st.sampled_from([4, 16, 64, 256]),
        k=st.sampled_from([1, 2, 8]), zipf=st.sampled_from([0.3, 1.0, 1.5]), collapse=st.sampled_from([0.0, 0.95]),
        factor=st.sampled_from([1, 8]), dispatch=st.sampled_from(["flat", "hierarchical"]),
@@ -77,7 +78,8 @@ def test_fast_path_equals_the_full_search_on_skewed_and_collapsed_loads(monkeypa
                                                                         collapse, factor, dispatch, model, shuffled,
                                                                         choose):
     """The per-swap reordering bounds and the exactly planned balancing rows (fastpath.py)
-    on Zipf 1.0-1.5 and collapsed routers, top-1/2/8, 1 to 4 nodes, ``R = 0`` (GPU swaps inside
+    on Zipf 1.0-1.5 and collapsed routers, top-1/2/8, 1 to 8 nodes (a move priced at ``4 / N``
+    of a transfer per ``g`` moves beyond 4, reorder_greedy.move_price_s), ``R = 0`` (GPU swaps inside
     a node, planning/gpu_pack.py) to 3: taken or not, the plan is the full search's."""
     N, g, E = shape
     topo = Topology(N, g, E, R)

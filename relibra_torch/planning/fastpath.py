@@ -253,7 +253,7 @@ def _no_move(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, configs: list, g: 
     if coloc_w:
         return False
     config = configs[0]
-    two_moves = 2.0 * move_price_s(config, g)
+    two_moves = 2.0 * move_price_s(config, g, N)
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
     term_MLE = load_term(load_MLE, R, E // (N * g))                    # the loads the searches' load term weighs
     nl_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_add_(2, node_MLE, term_MLE)
@@ -306,7 +306,7 @@ def _no_move_per_swap(own_MLNE, load_MLE, step_LNE, node_LE, mine_LNE, nl_MLN, s
     per_node = E // N
     node_w = (config.compute_s_per_token + config.cross_node_s_per_token) / g
     cross_w = config.cross_node_s_per_token / g
-    mig = move_price_s(config, g)
+    mig = move_price_s(config, g, N)
     node_MLE = node_LE.unsqueeze(0).expand(M, L, E)
     biggest_MLN = torch.zeros(M, L, N, dtype=torch.int64).scatter_reduce_(2, node_MLE, load_MLE, "amax")
     ceil_ML = (load_MLE.sum(-1) + N - 1) // N

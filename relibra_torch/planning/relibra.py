@@ -5,8 +5,9 @@ node. It minimises, summed over the step's micro-batches,
 
     node_weight * max_n node_load[m, n]  +  cross_weight * cross_node_tokens[m]
 
-plus ``migration_s_per_expert / g`` per expert that changes node (``reorder_greedy.move_price_s``:
-a node's moves run over its ``g`` GPUs' links side by side), so it moves only what pays. The busiest node sets
+plus ``migration_s_per_expert / g`` per expert that changes node, ``4 / N`` of that beyond 4 nodes
+(``reorder_greedy.move_price_s``: a node's moves run over its ``g`` GPUs' links side by side, and
+moves between different node pairs side by side too), so it moves only what pays. The busiest node sets
 the time because replication inside the node spreads its load over its ``g`` GPUs (without
 replica slots, ``R = 0``, experts then swap GPUs inside their node: ``planning.gpu_pack``). Search:
 two starts (the previous placement, and a greedy assignment of experts in decreasing load
@@ -293,7 +294,7 @@ def reorder(loads_MLSE: torch.Tensor, topology: Topology, previous_placement_LE:
 
     def full_objective(node_LE: torch.Tensor) -> torch.Tensor:
         moved_L = (node_LE != prev_node_LE).sum(1)
-        obj = load_first_objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g)
+        obj = load_first_objective(node_loads(node_LE).max(-1).values.sum(-1), cross(node_LE), moved_L, config, g, N)
         if coloc_w:
             obj = obj - coloc_w * colocated_pairs(pairs_LEE, node_LE, N).to(torch.float64)
         return obj

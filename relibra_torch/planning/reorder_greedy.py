@@ -10,31 +10,41 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-__all__ = ["greedy_nodes", "move_price_s", "objective"]
+__all__ = ["MOVE_SPREAD_NODES", "greedy_nodes", "move_price_s", "objective"]
 
 
-def move_price_s(cfg, g: int) -> float:
+#: Beyond this many nodes a move's price falls as ``1 / N`` (:func:`move_price_s`).
+MOVE_SPREAD_NODES = 4
+
+
+def move_price_s(cfg, g: int, N: int) -> float:
     """What one expert that changes node adds to the step's migration, as both reordering
     searches (and the fast path's proof that they keep the placement) price it:
-    ``migration_s_per_expert / g``. The cost model moves all layers at once and charges the
-    busiest GPU's sent or received bytes (``sim.cost.CostModel.migration``), so moves run
-    side by side over every GPU's links: ``k`` swaps between two nodes spread over their
-    GPUs cost ``ceil(k / g)`` transfers, priced here at ``2 k / g``: exact for a lone swap
-    between 2-GPU nodes, twice the cost model's where many moves spread (the price stays on
-    the side of keeping), a quarter of it for a lone swap between 8-GPU nodes. A transfer
-    per expert (the price before) kept placements that a swap makes faster, and on the
-    default trace priced the 151 experts reordering moved per step at 20x the 10 ms the
-    cost model charges for them (docs/results.md, "Moves priced as they run")."""
-    return cfg.migration_s_per_expert / g
+    ``migration_s_per_expert / g * min(1, 4 / N)`` on ``N`` nodes of ``g`` GPUs.
+
+    The cost model moves all layers at once and charges the busiest GPU's sent or received
+    bytes (``sim.cost.CostModel.migration``): ``k`` swaps between two nodes cost
+    ``ceil(k / g)`` transfers, and moves spread evenly over all ``N g`` GPUs ``k / (N g)``.
+    Up to :data:`MOVE_SPREAD_NODES` nodes the price is a transfer per ``g`` moves: exact for a
+    lone swap between 2-GPU nodes, twice the even spread on 2 nodes. Beyond, moves between
+    different node pairs run side by side and the price falls as ``4 / N``. This is a weight
+    measured on the simulator, not the cost model's charge: moves pile up on the nodes that
+    shed hot experts, so it charged 0.07-0.5 of a transfer per ``g`` moved experts on 4-48
+    nodes, more than this price on 16-48 nodes. What the lower price buys there is the first
+    step's moves out of static placement, whose saving comes back every step the placement
+    holds: on DeepSeek-V3 (32 x 8) over four steps, the first one counted, the step fell from
+    6.00 to 4.45 s. At ``2 / N`` the 4-node runs lost 0.1-0.4% (docs/results.md, "Moves priced
+    over the node pairs that run them")."""
+    return cfg.migration_s_per_expert / g * min(1.0, MOVE_SPREAD_NODES / N)
 
 
-def objective(max_sum, cross, moved, cfg, g: int):
+def objective(max_sum, cross, moved, cfg, g: int, N: int):
     """Reordering's objective (``relibra`` module docstring) from float64 parts of any
     matching shape, torch tensors or numpy arrays alike: the summed per-micro-batch
     busiest-node load, cross-node tokens, experts moved (the same products in the same
     order for both, so the greedy start and the searches rank alike)."""
     node_w = (cfg.compute_s_per_token + cfg.cross_node_s_per_token) / g
-    return max_sum * node_w + cross * cfg.cross_node_s_per_token / g + moved * move_price_s(cfg, g)
+    return max_sum * node_w + cross * cfg.cross_node_s_per_token / g + moved * move_price_s(cfg, g, N)
 
 
 def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: torch.Tensor,
@@ -61,7 +71,7 @@ def greedy_nodes(load_LME: torch.Tensor, total_LE: torch.Tensor, src_node_LNE: t
         new_max_LN = np.maximum(nl_LMN.max(-1, keepdims=True), nl_LMN + add_LM[..., None]).sum(1)   # [L, N]
         cross_LN = total[rows, e_L][:, None] - src[rows, :, e_L]
         moved_LN = (nodes != prev[rows, e_L][:, None]).astype(np.int64)
-        cost_LN = objective(*(x.astype(np.float64) for x in (new_max_LN, cross_LN, moved_LN)), cfg, g)
+        cost_LN = objective(*(x.astype(np.float64) for x in (new_max_LN, cross_LN, moved_LN)), cfg, g, N)
         cost_LN[count_LN >= per_node] = np.inf
         n_L = cost_LN.argmin(1)
         greedy_LE[rows, e_L] = n_L

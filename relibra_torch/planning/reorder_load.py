@@ -24,9 +24,9 @@ def load_term(load_xE: torch.Tensor, replica_slots: int, experts_per_gpu: int) -
     return torch.zeros_like(load_xE) if replica_slots == 0 and experts_per_gpu == 1 else load_xE
 
 
-def load_first_objective(max_sum, cross, moved, cfg, g: int) -> torch.Tensor:
+def load_first_objective(max_sum, cross, moved, cfg, g: int, N: int) -> torch.Tensor:
     """float64 objective of integer parts: summed busiest-node load term, cross-node tokens, moves."""
-    return objective(*(x.to(torch.float64) for x in (max_sum, cross, moved)), cfg, g)
+    return objective(*(x.to(torch.float64) for x in (max_sum, cross, moved)), cfg, g, N)
 
 
 def swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, src_node_LNE: torch.Tensor, total_LE: torch.Tensor,
@@ -70,7 +70,7 @@ def swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, src_node_LNE: tor
         moved_delta_LW = (moved_a.unsqueeze(-1) + moved_b.unsqueeze(-2)).reshape(L, -1)
         moved_now_L = (node_LE != prev_node_LE).sum(1)
         obj_LW = load_first_objective(max_sum_LW, cross_now_L.unsqueeze(1) - local_delta_LW,
-                                      moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g)
+                                      moved_now_L.unsqueeze(1) + moved_delta_LW, cfg, g, N)
         a_LW, b_LW = cand_LX[:, pairs.pos_a_W], cand_LX[:, pairs.pos_b_W]
         if coloc_w:  # co-located pairs gained by the swap
             obj_LW = obj_LW - coloc_w * coactivation_gain(pairs_LEE, node_LE, a_LW, b_LW, pairs, N).to(torch.float64)

@@ -183,7 +183,7 @@ def traffic_objective(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE: t
     nl, send, recv, _ = _residual(node_LE, load_LME, own_LMNE, replicated)
     obj = (config.compute_s_per_token / g * nl.max(-1).values.sum(1).to(torch.float64)
            + config.cross_node_s_per_token / g * torch.maximum(send, recv).max(-1).values.sum(1).to(torch.float64)
-           + move_price_s(config, g) * (node_LE != prev_node_LE).sum(1).to(torch.float64))
+           + move_price_s(config, g, N) * (node_LE != prev_node_LE).sum(1).to(torch.float64))
     if coloc_w:
         obj = obj - coloc_w * colocated_pairs(pairs_LEE, node_LE, N).to(torch.float64)
     return obj
@@ -285,7 +285,7 @@ def traffic_swap_search(node_LE: torch.Tensor, load_LME: torch.Tensor, own_LMNE:
                     + (nb != pa).to(torch.int64) - (na != pa).to(torch.int64)
                     + (na != pb).to(torch.int64) - (nb != pb).to(torch.int64))
         obj_LW = (tc * nl_max.reshape(L, -1).to(torch.float64) + tx * tr_max.reshape(L, -1).to(torch.float64)
-                  + move_price_s(config, g) * moved_LW.to(torch.float64))
+                  + move_price_s(config, g, N) * moved_LW.to(torch.float64))
         if coloc_w:
             gain_LW = colocated_pairs(pairs_LEE, node_LE, N).unsqueeze(1) + coactivation_gain(
                 pairs_LEE, node_LE, a_LW, b_LW, pairs, N)
