@@ -571,13 +571,14 @@ def test_the_step_window_is_below_the_simulators_window(seed, shape, M, tokens, 
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2]), g=st.sampled_from([2, 4]), El=st.sampled_from([1, 2]),
+@given(seed=st.integers(0, 10_000), N=st.sampled_from([1, 2, 5]), g=st.sampled_from([2, 4]), El=st.sampled_from([1, 2]),
        M=st.integers(1, 3), L=st.integers(1, 3), skew=st.sampled_from([1.0, 6.0]),
        scale=st.sampled_from([1, 30, 1000]), dispatch=st.sampled_from(["flat", "hierarchical"]),
        floor=st.sampled_from([1e-4, 3e-3, 0.05]))
 def test_the_surely_kept_shortcut_decides_as_the_tiers(seed, N, g, El, M, L, skew, scale, dispatch, floor):
     """``worth._surely_kept`` (one sum of the pairs) keeps every layer only where the tiers and
-    the step's window would keep them all: the guard's plan is the same with it and without."""
+    the step's window would keep them all: the guard's plan is the same with it and without
+    (5 x 4 GPUs: the search's margin on the whole forward's window, ``worth._whole_margin``)."""
     from unittest import mock
 
     from relibra_torch.planning import worth
@@ -601,3 +602,52 @@ def test_the_surely_kept_shortcut_decides_as_the_tiers(seed, N, g, El, M, L, ske
     if got is not None:
         for name in ("placement_LE", "slot_expert_MLGJ", "slot_tokens_MLGJ"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.parametrize("N, g, wide", [(2, 8, False), (1, 32, False), (3, 8, True), (32, 8, True)])
+def test_beyond_sixteen_gpus_across_nodes_the_search_margin_counts_the_whole_forward(N, g, wide):
+    """``Tiers.margin_L``: across nodes beyond 16 GPUs the layer's window is at least the
+    share's part of the whole forward's (``free_window``); a layer whose own window leaves
+    the search below its floor is then admitted where that window covers it, and only there."""
+    from relibra_torch.planning import worth
+
+    topo = Topology(N, g, N * g, 2)
+    assert worth._whole_margin(topo) == wide
+    tiers = worth.Tiers(gain_L=torch.tensor([0.1, 0.1]), window_L=torch.tensor([0.3, 1.6]), schedules_s=0.1,
+                        floor=1.5, light_floor=0.9, scale=28.0, free_window=1.6, search_window=0.6,
+                        whole_margin=worth._whole_margin(topo))
+    assert not tiers.search_free()                     # 1.5 + 0.1 > 0.6: not free
+    assert tiers.full_L().tolist() == [wide, True]     # 0.1 + 0.3 - 0.1 < 1.5 <= 0.1 + 1.6 - 0.1
+    assert tiers._replace(free_window=0.0).full_L().tolist() == [False, True]   # no whole window: as before
+
+
+def test_the_surely_kept_shortcut_counts_the_whole_forward_beyond_sixteen_gpus():
+    """Where a layer's pairs keep both tiers' margins below their floors but the share's part
+    of the whole forward's window lifts the search's margin over its floor (5 x 4 GPUs, the
+    light plan off), the shortcut must not keep the step: the tiers admit the search there.
+    The shortcut of the 16-GPU rule (no whole-forward margin) would have kept it."""
+    from unittest import mock
+
+    from relibra_torch.planning import worth
+
+    topo = Topology(5, 4, 20, 2)
+    config = dataclasses.replace(PRICED, top_k=2, dispatch="hierarchical", plan_schedule_s=PLAN_SCHEDULE_S,
+                                 light_share=0.0, plan_floor_s=PLAN_FLOOR_S, plan_floor_nodes_s=0.5)
+    loads = torch.randint(0, 50, (2, 2, 20, 20), generator=torch.Generator().manual_seed(1))
+    loads[:, :, :, 3] += 200
+    prev = topo.static_placement(2)
+    M, L = loads.shape[:2]
+    share, _, floor, _, schedules = worth._share_terms(M, L, topo, config, None)
+    gain = float(worth._tiers(loads, topo, prev, config, None, None).gain_L.max())
+    assert gain > 0 and bool(worth._pairs_below(float(loads.sum((0, 2, 3)).max()), M, L, topo, config, None))
+    whole = floor + schedules - gain / 2                 # lifts the best layer over its floor, frees nothing
+
+    def window(at_least: float, whole_forward: bool = True) -> float:
+        return whole * share if whole_forward else 1e-9
+
+    tiers = worth._tiers(loads, topo, prev, config, None, window)
+    assert bool(tiers.full_L().any()) and not tiers.search_free()
+    assert not worth._surely_kept(loads, topo, config, None, window)
+    with mock.patch.object(worth, "_whole_margin", lambda topology: False):
+        assert not bool(worth._tiers(loads, topo, prev, config, None, window).full_L().any())
+        assert worth._surely_kept(loads, topo, config, None, window)

@@ -50,7 +50,9 @@ lower bound of static placement's forward pass from every layer's counts, with a
 of the hierarchical rows where ``W_l`` has none; for the search its looser form, the MoE
 layers alone at the mean GPU load: admitted free on the whole forward's bound, searches whose
 host time outgrew ``F`` planned worse than the light plan they replaced, ``docs/results.md``,
-"The step's window counts the whole forward: for the light plan only"). Each layer's ``W_l`` counts that layer alone
+"The step's window counts the whole forward: for the light plan only"). Across nodes beyond
+16 GPUs the search's margin takes ``W_l`` at least the share's part of the whole forward's
+bound (:func:`_whole_margin`). Each layer's ``W_l`` counts that layer alone
 (times ``L / ceil(L / G)``), so a step whose forward sits in a few layers (a collapsed router)
 left the others' searches out although the rank's window held them
 (``docs/results.md``, "The guard's window under hierarchical dispatch"). Every EP rank reads
@@ -153,6 +155,7 @@ class Tiers(NamedTuple):
     light_layer: float = 0.0
     hot_saving_L: torch.Tensor | None = None
     light_gain_L: torch.Tensor | None = None
+    whole_margin: bool = False
 
     def light_bound_L(self) -> torch.Tensor:
         """The bound the light tier admits on: ``light_gain_L`` (under hierarchical dispatch
@@ -161,8 +164,11 @@ class Tiers(NamedTuple):
         return self.gain_L if self.light_gain_L is None else self.light_gain_L
 
     def margin_L(self) -> torch.Tensor:
-        """``U_l + W_l`` (``W_l``: the window less the full search's schedules)."""
-        return self.gain_L + self.window_L - self.schedules_s
+        """``U_l + W_l`` (``W_l``: the window less the full search's schedules); with
+        ``whole_margin`` (beyond :data:`WHOLE_MARGIN_GPUS` GPUs across nodes) the window is at
+        least the share's part of the whole forward's (``free_window``)."""
+        window_L = self.window_L.clamp(min=self.free_window) if self.whole_margin else self.window_L
+        return self.gain_L + window_L - self.schedules_s
 
     def full_L(self) -> torch.Tensor:
         """bool ``[L]``: worth the full search, ``U_l + W_l >= F`` (the bound counted once), or
@@ -237,7 +243,7 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
     def tiers(bound) -> Tiers:
         gain_L, light_gain_L, forward_L = bound(loads_MLSE, topology, placement_LE, config)
         t = Tiers(gain_L, forward_L * scale, schedules, floor, light, scale, light_schedule_share(topology),
-                  light_layer=light_layer, light_gain_L=light_gain_L)
+                  light_layer=light_layer, light_gain_L=light_gain_L, whole_margin=_whole_margin(topology))
         # the hot expert's estimate is at most the bound's compute part, so it admits a layer
         # only where scale times the bound would: elsewhere it is not computed (same tiers)
         if not hot and light > 0 and bool((scale * light_gain_L + t.light_window_L() >= light).any()):
@@ -250,6 +256,22 @@ def _tiers(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Ten
         if not bool(quick.full_L().any() or quick.light_L().any() or quick.ride_L().any()):
             return _with_free_window(quick, step_window, share)
     return _with_free_window(tiers(gain_bounds_L), step_window, share)
+
+
+#: Beyond this many GPUs across nodes the full search's margin counts the whole forward's window.
+WHOLE_MARGIN_GPUS = 16
+
+
+def _whole_margin(topology: Topology) -> bool:
+    """Whether the full search's margin takes the share's part of the whole forward's window
+    where it exceeds the layer's own (``Tiers.margin_L``): across nodes beyond
+    :data:`WHOLE_MARGIN_GPUS` GPUs. There a share is a layer or two, whose own window (its
+    MoE forward times ``L / ceil(L / G)``) was 0.19-0.44 of the simulator's on EP 256, and
+    the guard refused searches that fit the window with 1.5x to spare (LongCat-Flash-Chat:
+    1.27x faster with them). On 16 GPUs the same window made searches replace light plans
+    that planned better (``docs/results.md``, "The search's margin on the whole forward
+    beyond 16 GPUs")."""
+    return topology.num_nodes > 1 and topology.num_gpus > WHOLE_MARGIN_GPUS
 
 
 def _quick_bounds_L(*args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,13 +308,20 @@ def _pairs_below(pairs, M: int, L: int, topology: Topology, config, total_layers
     GPU's busiest load and its rows are at most the pairs; on one node the light tier's has
     ``(scale - 1) P c`` more, its hot expert's estimate counted ``scale`` times)."""
     share, scale, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
-    c, rows = config.compute_s_per_token, config.cross_node_s_per_token + config.intra_node_s_per_token
-    margin = pairs * (c * (1 + scale / 3) + rows * (1 + scale / 2)) + scale * M * 0.5 * exchange_latency_s(topology,
-                                                                                                         config)
+    c = config.compute_s_per_token
+    margin = _pairs_margin(pairs, M, L, topology, config, total_layers)
     # the hot expert's estimate (one node), counted scale times: at most the pairs' compute
     light_margin = margin + (pairs * c * (scale - 1) if topology.num_nodes == 1 else 0.0)
     return (margin - schedules < floor) & ((light <= 0) | (light_margin - light_schedule_share(topology) * schedules
                                                            < light))
+
+
+def _pairs_margin(pairs, M: int, L: int, topology: Topology, config, total_layers: int | None):
+    """An upper bound of ``U_l + W_l`` from a layer's ``pairs`` (:func:`_pairs_below`)."""
+    scale = _share_terms(M, L, topology, config, total_layers)[1]
+    c, rows = config.compute_s_per_token, config.cross_node_s_per_token + config.intra_node_s_per_token
+    return pairs * (c * (1 + scale / 3) + rows * (1 + scale / 2)) + scale * M * 0.5 * exchange_latency_s(topology,
+                                                                                                       config)
 
 
 def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int | None,
@@ -322,8 +351,18 @@ def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_lay
     layer free. Shares of steps too small for any plan (a millisecond, 16 tokens per GPU) then
     skip the bounds."""
     M, L = loads_MLSE.shape[:2]
-    return bool(_pairs_below(float(loads_MLSE.sum((0, 2, 3)).max()), M, L, topology, config, total_layers)) \
-        and not _window_frees(M, L, topology, config, total_layers, step_window)
+    pairs = float(loads_MLSE.sum((0, 2, 3)).max())
+    if not bool(_pairs_below(pairs, M, L, topology, config, total_layers)) \
+            or _window_frees(M, L, topology, config, total_layers, step_window):
+        return False
+    if step_window is None or not _whole_margin(topology):
+        return True
+    # the search's margin on the whole forward's window (Tiers.margin_L): the pairs' bound of
+    # the margin plus that window (asked as _with_free_window asks it) stays below the floor
+    share, _, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
+    window = _share_window(step_window, _free_need(floor + schedules, light, light_schedule_share(topology)
+                                                   * schedules), share)
+    return _pairs_margin(pairs, M, L, topology, config, total_layers) + window - schedules < floor
 
 
 def any_planned(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
