@@ -309,27 +309,19 @@ def _pairs_below(pairs, M: int, L: int, topology: Topology, config, total_layers
     ``(scale - 1) P c`` more, its hot expert's estimate counted ``scale`` times)."""
     share, scale, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
     c = config.compute_s_per_token
-    margin = _pairs_margin(pairs, M, L, topology, config, total_layers)
+    margin = _pairs_margin(pairs, M, scale, topology, config)
     # the hot expert's estimate (one node), counted scale times: at most the pairs' compute
     light_margin = margin + (pairs * c * (scale - 1) if topology.num_nodes == 1 else 0.0)
     return (margin - schedules < floor) & ((light <= 0) | (light_margin - light_schedule_share(topology) * schedules
                                                            < light))
 
 
-def _pairs_margin(pairs, M: int, L: int, topology: Topology, config, total_layers: int | None):
-    """An upper bound of ``U_l + W_l`` from a layer's ``pairs`` (:func:`_pairs_below`)."""
-    scale = _share_terms(M, L, topology, config, total_layers)[1]
+def _pairs_margin(pairs, M: int, scale: float, topology: Topology, config):
+    """An upper bound of ``U_l + W_l`` from a layer's ``pairs`` (:func:`_pairs_below`;
+    ``scale`` of :func:`_share_terms`)."""
     c, rows = config.compute_s_per_token, config.cross_node_s_per_token + config.intra_node_s_per_token
     return pairs * (c * (1 + scale / 3) + rows * (1 + scale / 2)) + scale * M * 0.5 * exchange_latency_s(topology,
                                                                                                        config)
-
-
-def _window_frees(M: int, L: int, topology: Topology, config, total_layers: int | None,
-                  step_window: Callable[..., float] | None) -> bool:
-    """Whether the share's part of the step's window holds a tier and its schedules: the full search or the light plan."""
-    share, _, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
-    need = _free_need(floor + schedules, light, light_schedule_share(topology) * schedules)
-    return step_window is not None and need <= _share_window(step_window, need, share)
 
 
 def _free_need(full: float, light: float, light_schedules: float) -> float:
@@ -352,17 +344,19 @@ def _surely_kept(loads_MLSE: torch.Tensor, topology: Topology, config, total_lay
     skip the bounds."""
     M, L = loads_MLSE.shape[:2]
     pairs = float(loads_MLSE.sum((0, 2, 3)).max())
-    if not bool(_pairs_below(pairs, M, L, topology, config, total_layers)) \
-            or _window_frees(M, L, topology, config, total_layers, step_window):
+    if not bool(_pairs_below(pairs, M, L, topology, config, total_layers)):
         return False
-    if step_window is None or not _whole_margin(topology):
+    if step_window is None:
         return True
-    # the search's margin on the whole forward's window (Tiers.margin_L): the pairs' bound of
-    # the margin plus that window (asked as _with_free_window asks it) stays below the floor
-    share, _, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
-    window = _share_window(step_window, _free_need(floor + schedules, light, light_schedule_share(topology)
-                                                   * schedules), share)
-    return _pairs_margin(pairs, M, L, topology, config, total_layers) + window - schedules < floor
+    # the share's part of the step's window, asked as _with_free_window asks it: no tier may be
+    # free in it, nor (beyond 16 GPUs, Tiers.margin_L) lift the pairs' bound of the search's
+    # margin over its floor
+    share, scale, floor, light, schedules = _share_terms(M, L, topology, config, total_layers)
+    need = _free_need(floor + schedules, light, light_schedule_share(topology) * schedules)
+    window = _share_window(step_window, need, share)
+    if need <= window:
+        return False
+    return not _whole_margin(topology) or _pairs_margin(pairs, M, scale, topology, config) + window - schedules < floor
 
 
 def any_planned(loads_MLSE: torch.Tensor, topology: Topology, placement_LE: torch.Tensor, config,
