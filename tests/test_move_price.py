@@ -82,8 +82,8 @@ def test_swaps_between_disjoint_node_pairs_run_side_by_side(N):
     """One swap per node pair ``(0, 1), (2, 3), ...`` on ``N`` nodes of 2 GPUs moves ``N``
     experts and costs the cost model one transfer, whatever ``N``: the pairs' links run side
     by side. The price is a transfer per ``g`` moves up to 4 nodes (exact on 2) and ``4 / N``
-    of that beyond, so it never undercuts this cost by more than the even spread does and
-    stays within 2x above it from 4 nodes on."""
+    of that beyond, so for these moves it is never below the cost and from 4 nodes on twice
+    it."""
     E = 4 * N
     topo, cost = Topology(N, 2, E, 0), _cost_for(E)
     config = _relibra(topo, cost).config
