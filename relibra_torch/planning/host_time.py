@@ -11,7 +11,7 @@ from .topology import Topology
 
 __all__ = ["FIT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S",
            "LIGHT_SCHEDULE_EXPERTS", "LIGHT_SCHEDULE_SHARE", "few_micro_batches", "host_scale", "layer_floor_s",
-           "light_floor_s", "light_layer_s", "light_schedule_share", "plan_floor_s"]
+           "light_floor_s", "light_layer_s", "light_scale", "light_schedule_share", "plan_floor_s"]
 
 
 def plan_floor_s(topology: Topology, config) -> float:
@@ -34,6 +34,22 @@ def host_scale(topology: Topology, config) -> float:
     if topology.num_nodes == 1:
         return config.host_scale
     return config.host_scale_nodes * _gpu_growth(topology)
+
+
+def light_scale(topology: Topology, config) -> float:
+    """:func:`host_scale` for the light plan and every rank's schedules: across nodes beyond
+    :data:`FIT_GPUS` GPUs they grow with ``sqrt(G / FIT_GPUS)``, not ``G / FIT_GPUS`` as the
+    search does. Measured with each tier forced (real layer counts, 8 micro-batches, 256 and
+    1,024 tokens per GPU, OLMoE, Qwen3-30B-A3B and Switch-64 shapes; ``docs/results.md``, "The
+    light plan and the schedules beyond 16 GPUs"): from 2 x 8 to 8 x 8 a light share's time
+    grew 1.4-2.6x in 10 of 12 pairs (8-12x in two at 1,024 tokens per GPU, whose windows held
+    it twice over) and rank 0's schedules of the step 1.5-3.4x (above 2x only at 1,024 tokens
+    per GPU, whose windows held them 4-26 times), while ``G / FIT_GPUS`` priced both at 4x:
+    the guard kept static placement where either tier fit the window with room to spare.
+    Up to :data:`FIT_GPUS` GPUs it is :func:`host_scale`."""
+    if topology.num_nodes == 1:
+        return config.host_scale
+    return config.host_scale_nodes * _gpu_growth(topology) ** 0.5
 
 
 def _gpu_growth(topology: Topology) -> float:
@@ -111,8 +127,9 @@ def light_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
     0 when the light plan is off (``light_share`` 0)."""
     if config.light_share <= 0:
         return 0.0
-    return (config.light_share * plan_floor_s(topology, config) / max(share, 1)
-            + light_layer_s(topology, config, 8)) * max(micro_batches, 8) / 8
+    nodes = topology.num_nodes > 1
+    fixed = (config.plan_floor_nodes_s if nodes else config.plan_floor_s) * light_scale(topology, config)
+    return (config.light_share * fixed / max(share, 1) + light_layer_s(topology, config, 8)) * max(micro_batches, 8) / 8
 
 
 def light_layer_s(topology: Topology, config, micro_batches: int) -> float:
@@ -120,5 +137,5 @@ def light_layer_s(topology: Topology, config, micro_batches: int) -> float:
     step-long set of a layer costs to build and price, about."""
     nodes = topology.num_nodes > 1
     layer_s = (LIGHT_LAYER_NODES_S + LIGHT_EXPERT_NODES_S * topology.num_experts if nodes
-               else LIGHT_LAYER_S + LIGHT_EXPERT_S * topology.num_experts) * host_scale(topology, config)
+               else LIGHT_LAYER_S + LIGHT_EXPERT_S * topology.num_experts) * light_scale(topology, config)
     return layer_s * max(micro_batches, 8) / 8

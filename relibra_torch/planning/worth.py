@@ -124,7 +124,7 @@ import torch
 
 from .fastpath import keep_plan
 from .gain_bound import gain_bound_L, gain_bounds_L, quick_bound_L as _quick_bound_L
-from .host_time import (LIGHT_SCHEDULE_SHARE, host_scale, layer_floor_s, light_floor_s, light_layer_s,
+from .host_time import (LIGHT_SCHEDULE_SHARE, layer_floor_s, light_floor_s, light_layer_s, light_scale,
                         light_schedule_share, plan_floor_s)
 from .light import hot_spread_saving_L, light_plan
 from .plan import StepPlan
@@ -288,7 +288,7 @@ def _share_terms(M: int, L: int, topology: Topology, config, total_layers: int |
     total = L if total_layers is None else total_layers
     share = -(-total // max(topology.num_gpus, 1))
     scale = total / share
-    schedules = config.plan_schedule_s * host_scale(topology, config) * M / 8 * scale
+    schedules = config.plan_schedule_s * light_scale(topology, config) * M / 8 * scale
     return (share, scale, layer_floor_s(topology, config, share, M), light_floor_s(topology, config, share, M),
             schedules)
 
