@@ -6,7 +6,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from relibra_torch.planning import ReLibraConfig, Topology, relibra_plan, validate_plan
+from relibra_torch.planning import ReLibraConfig, Topology, fill_spread, relibra_plan, validate_plan
 from relibra_torch.planning.evaluate import evaluate
 from relibra_torch.planning.fill_spread import (capped_step_set, fill_link_seconds, link_seconds, spread_args,
                                                 spread_step_fills)
@@ -160,3 +160,53 @@ def test_fill_link_counts_the_owner_sending_every_copy():
     assert float(fill_link_seconds(e, q, owner_gpu_LE, 1.0)) == 3.0
     e2 = torch.tensor([-1, 0, 1, 2]).view(1, L, G, r)         # three owners, one copy each
     assert float(fill_link_seconds(e2, q, owner_gpu_LE, 1.0)) == 1.0
+
+
+def _link_seconds_one_at_a_time(loads_MLSE, owner_gpu_LE, expert_MLGr, g, top_k, row_s, pair_s):
+    """:func:`link_seconds` as it was written before every micro-batch was priced at once: one
+    micro-batch at a time, each with its own first layer's tokens, summed in order."""
+    M, L, S, E = loads_MLSE.shape
+    N = S // g
+    node_S = torch.arange(S) // g
+    owner_node_LE = owner_gpu_LE // g
+    out = torch.zeros(L, dtype=torch.float64)
+    for m in range(M):
+        loads_LSE = loads_MLSE[m].to(torch.int64)
+        local_LNE = torch.nn.functional.one_hot(owner_node_LE, N).permute(0, 2, 1).bool()
+        e = expert_MLGr[m].reshape(L, N, -1)
+        held_LNE = torch.zeros(L, N, E, dtype=torch.int64).scatter_add_(2, e.clamp(min=0), (e >= 0).to(torch.int64))
+        local_LSE = (local_LNE | (held_LNE > 0))[:, node_S, :]
+        piece_LSE = torch.where(local_LSE, node_S.view(1, S, 1).expand(L, S, E), owner_node_LE.view(L, 1, E))
+        need = approx_need_pieces(loads_LSE, piece_LSE.contiguous(), N, loads_LSE[0].sum(-1) // top_k, top_k)
+        need = need.masked_fill(torch.nn.functional.one_hot(node_S, N).bool().unsqueeze(0), 0.0)
+        recv = need.view(L, N, g, N).sum(1).permute(0, 2, 1).reshape(L, S)
+        node_load = torch.zeros(L, N, dtype=torch.float64).scatter_add_(
+            1, piece_LSE.reshape(L, -1), loads_LSE.reshape(L, -1).to(torch.float64))
+        out += row_s * torch.maximum(need.sum(-1), recv).max(-1).values + pair_s * node_load.max(-1).values / g
+    return out
+
+
+@SETTINGS
+@given(seed=st.integers(0, 10_000), M=st.integers(1, 9), L=st.integers(1, 3), N=st.integers(2, 5),
+       g=st.integers(1, 4), J=st.integers(1, 3), k=st.integers(1, 4), r=st.integers(1, 2), empty=st.booleans(),
+       chunk=st.sampled_from([0, 1, 2]))
+def test_link_price_of_every_micro_batch_at_once_is_one_at_a_times_to_the_bit(seed, M, L, N, g, J, k, r, empty, chunk):
+    """Pricing micro-batches together (rows ``M L``, each with its micro-batch's tokens; all
+    at once, or in chunks of ``chunk`` where the block cap is lowered) gives
+    :func:`link_seconds` bit for bit what one micro-batch at a time gave, summed in the same
+    order: uneven and empty sources, empty and repeated traffic slots."""
+    G, E = N * g, N * g * J
+    gen = torch.Generator().manual_seed(seed)
+    loads = torch.randint(0, 300, (M, L, G, E), generator=gen) * (torch.rand(M, L, G, E, generator=gen) < 0.6)
+    if empty:
+        loads[:, :, : G // 2] = 0
+    owner = torch.stack([torch.randperm(E, generator=gen) // J for _ in range(L)])
+    expert = torch.randint(-1, E, (M, L, G, r), generator=gen)
+    k = min(k, E)
+    cap = fill_spread.LINK_BLOCK_ELEMENTS
+    fill_spread.LINK_BLOCK_ELEMENTS = chunk * L * G * E if chunk else cap
+    try:
+        got = link_seconds(loads, owner, expert, g, k, 3.3e-7, 5.7e-8)
+    finally:
+        fill_spread.LINK_BLOCK_ELEMENTS = cap
+    assert torch.equal(got, _link_seconds_one_at_a_time(loads, owner, expert, g, k, 3.3e-7, 5.7e-8))

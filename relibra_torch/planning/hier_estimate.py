@@ -108,9 +108,11 @@ def approx_need_pieces(loads_LSE: torch.Tensor, piece_LSE: torch.Tensor, pieces:
     """:func:`approx_need` where every (source, expert)'s pairs go to one piece: float64
     ``[L, S, P]`` from ``loads_LSE`` and the piece each goes to, ``piece_LSE`` (int64, in
     ``[0, pieces)``), without the ``[L, S, P, E]`` flow: per-piece sums by scatter. The same
-    rule, the same values up to float rounding (``tests/test_fill_spread.py``)."""
+    rule, the same values up to float rounding (``tests/test_fill_spread.py``). ``tokens_S``
+    may be ``[L, S]``, each row's own sources' tokens (rows of several micro-batches at once:
+    every op is elementwise or reduces within a row, so each row's values are its own call's)."""
     L, S, E = loads_LSE.shape
-    T = tokens_S.to(torch.float64).view(1, -1, 1)
+    T = tokens_S.to(torch.float64).reshape(-1, S, 1)
     T_div = torch.where(T > 0, T.clamp(min=1.0), torch.full_like(T, float("inf")))
     p = (loads_LSE.to(torch.float64) / T_div).clamp_(0.0, 1.0)
 
