@@ -163,27 +163,31 @@ def test_the_full_search_admits_on_the_token_bound_and_the_light_tier_on_the_pai
 def test_host_time_grows_with_the_gpus_beyond_the_fitted_ones():
     """Across nodes the full search's host time scales with ``G / 16`` beyond the 16 GPUs the
     constants were fitted on (a share's search took 1.4-5.3x longer on 8 x 8 than on 2 x 8),
-    the light plan's and the schedules' with ``sqrt(G / 16)`` (measured 1.4-2.6x and
-    1.5-3.4x): the floors of a 4 x 8 and an 8 x 8 topology are 2x and 4x those of 2 x 8, the
-    light floor and the schedules sqrt(2)x and 2x; one node and up to 16 GPUs unchanged."""
+    the light plan's and the schedules' with ``sqrt(G / 16)`` up to 64 GPUs (measured 1.4-2.6x
+    and 1.5-3.4x on 8 x 8) and as the search beyond (on 32 x 8 the square root priced them
+    well under what they took): the floors of 4 x 8, 8 x 8, 16 x 8 and 32 x 8 are 2x, 4x, 8x
+    and 16x those of 2 x 8, the light floor and the schedules sqrt(2)x, 2x, 8x and 16x; one
+    node and up to 16 GPUs unchanged."""
     from relibra_torch.planning.host_time import FIT_GPUS, host_scale, light_floor_s, light_scale
     from relibra_torch.planning.worth import _share_terms
     cfg = dataclasses.replace(PRICED, host_scale=0.5, host_scale_nodes=0.5, light_share=LIGHT_SHARE)
     assert FIT_GPUS == 16
-    base = Topology(2, 8, 64, 2)
-    for (n, g), factor in (((1, 8), None), ((2, 4), 1.0), ((2, 8), 1.0), ((4, 8), 2.0), ((8, 8), 4.0)):
-        topo = Topology(n, g, 64, 2)
+    cases = (((1, 8), None, None), ((2, 4), 1.0, 1.0), ((2, 8), 1.0, 1.0), ((4, 8), 2.0, 2.0 ** 0.5),
+             ((8, 8), 4.0, 2.0), ((16, 8), 8.0, 8.0), ((32, 8), 16.0, 16.0))
+    for (n, g), factor, light in cases:
+        topo = Topology(n, g, 64 * (n * g // 64 or 1), 2)
+        base = Topology(2, 8, topo.num_experts, 2)
         if factor is None:
             assert host_scale(topo, cfg) == light_scale(topo, cfg) == 0.5
             continue
         assert host_scale(topo, cfg) == 0.5 * factor
-        assert light_scale(topo, cfg) == pytest.approx(0.5 * factor ** 0.5)
+        assert light_scale(topo, cfg) == pytest.approx(0.5 * light)
         assert layer_floor_s(topo, cfg, 1, 8) == pytest.approx(factor * layer_floor_s(base, cfg, 1, 8))
-        assert light_floor_s(topo, cfg, 1, 8) == pytest.approx(factor ** 0.5 * light_floor_s(base, cfg, 1, 8))
+        assert light_floor_s(topo, cfg, 1, 8) == pytest.approx(light * light_floor_s(base, cfg, 1, 8))
         # the schedules a planned layer costs every rank, at the same scale (one layer per rank)
         sched, sched_base = _share_terms(8, 16, topo, cfg, None)[4], _share_terms(8, 16, base, cfg, None)[4]
         scale, scale_base = _share_terms(8, 16, topo, cfg, None)[1], _share_terms(8, 16, base, cfg, None)[1]
-        assert sched / scale == pytest.approx(factor ** 0.5 * sched_base / scale_base)
+        assert sched / scale == pytest.approx(light * sched_base / scale_base)
 
 
 def test_below_eight_micro_batches_the_gpus_growth_shrinks_with_them():

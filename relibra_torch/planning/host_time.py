@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from .topology import Topology
 
-__all__ = ["FIT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S",
+__all__ = ["FIT_GPUS", "LIGHT_SQRT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S",
            "LIGHT_SCHEDULE_EXPERTS", "LIGHT_SCHEDULE_SHARE", "few_micro_batches", "host_scale", "layer_floor_s",
            "light_floor_s", "light_layer_s", "light_scale", "light_schedule_share", "plan_floor_s"]
 
@@ -38,18 +38,27 @@ def host_scale(topology: Topology, config) -> float:
 
 def light_scale(topology: Topology, config) -> float:
     """:func:`host_scale` for the light plan and every rank's schedules: across nodes beyond
-    :data:`FIT_GPUS` GPUs they grow with ``sqrt(G / FIT_GPUS)``, not ``G / FIT_GPUS`` as the
-    search does. Measured with each tier forced (real layer counts, 8 micro-batches, 256 and
-    1,024 tokens per GPU, OLMoE, Qwen3-30B-A3B and Switch-64 shapes; ``docs/results.md``, "The
-    light plan and the schedules beyond 16 GPUs"): from 2 x 8 to 8 x 8 a light share's time
-    grew 1.4-2.6x in 10 of 12 pairs (8-12x in two at 1,024 tokens per GPU, whose windows held
-    it twice over) and rank 0's schedules of the step 1.5-3.4x (above 2x only at 1,024 tokens
-    per GPU, whose windows held them 4-26 times), while ``G / FIT_GPUS`` priced both at 4x:
-    the guard kept static placement where either tier fit the window with room to spare.
-    Up to :data:`FIT_GPUS` GPUs it is :func:`host_scale`."""
-    if topology.num_nodes == 1:
-        return config.host_scale
+    :data:`FIT_GPUS` GPUs and up to :data:`LIGHT_SQRT_GPUS` they grow with ``sqrt(G /
+    FIT_GPUS)``, not with ``G / FIT_GPUS`` as the search does; beyond that, as the search.
+    Measured with each tier forced (real layer counts, 8 micro-batches, 256 and 1,024 tokens
+    per GPU, OLMoE, Qwen3-30B-A3B and Switch-64 shapes; ``docs/results.md``, "The light plan
+    and the schedules beyond 16 GPUs"): from 2 x 8 to 8 x 8 a light share's time grew
+    1.4-2.6x in 10 of 12 pairs (8-12x in two at 1,024 tokens per GPU, whose windows held it
+    twice over) and rank 0's schedules of the step 1.5-3.4x (above 2x only at 1,024 tokens
+    per GPU, whose windows held them 30-80 times), while ``G / FIT_GPUS`` priced both at 4x
+    and the guard kept static placement where either tier fit the window with room to spare.
+    On 32 x 8 the square root, and ``G / 32`` too, priced a Switch-256 light plan and its
+    schedules at well under the 146-704 ms they took (a reviewer's check), so beyond
+    :data:`LIGHT_SQRT_GPUS` nothing was measured that supports a slower growth than the
+    search's. Up to :data:`FIT_GPUS` GPUs it is :func:`host_scale`."""
+    if topology.num_nodes == 1 or topology.num_gpus > LIGHT_SQRT_GPUS:
+        return host_scale(topology, config)
     return config.host_scale_nodes * _gpu_growth(topology) ** 0.5
+
+
+#: Up to this many GPUs the light plan's and the schedules' growth is ``sqrt(G / FIT_GPUS)``
+#: (measured up to 8 x 8); beyond, it is the search's ``G / FIT_GPUS`` (:func:`light_scale`).
+LIGHT_SQRT_GPUS = 64
 
 
 def _gpu_growth(topology: Topology) -> float:
