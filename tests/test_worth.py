@@ -185,9 +185,8 @@ def test_host_time_grows_with_the_gpus_beyond_the_fitted_ones():
         assert layer_floor_s(topo, cfg, 1, 8) == pytest.approx(factor * layer_floor_s(base, cfg, 1, 8))
         assert light_floor_s(topo, cfg, 1, 8) == pytest.approx(light * light_floor_s(base, cfg, 1, 8))
         # the schedules a planned layer costs every rank, at the same scale (one layer per rank)
-        sched, sched_base = _share_terms(8, 16, topo, cfg, None)[4], _share_terms(8, 16, base, cfg, None)[4]
-        scale, scale_base = _share_terms(8, 16, topo, cfg, None)[1], _share_terms(8, 16, base, cfg, None)[1]
-        assert sched / scale == pytest.approx(light * sched_base / scale_base)
+        terms, terms_base = _share_terms(8, 16, topo, cfg, None), _share_terms(8, 16, base, cfg, None)
+        assert terms[4] / terms[1] == pytest.approx(light * terms_base[4] / terms_base[1])
 
 
 def test_below_eight_micro_batches_the_gpus_growth_shrinks_with_them():

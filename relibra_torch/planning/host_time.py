@@ -9,15 +9,20 @@ from __future__ import annotations
 
 from .topology import Topology
 
-__all__ = ["FIT_GPUS", "LIGHT_SQRT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S",
-           "LIGHT_SCHEDULE_EXPERTS", "LIGHT_SCHEDULE_SHARE", "few_micro_batches", "host_scale", "layer_floor_s",
+__all__ = ["FIT_GPUS", "LIGHT_EXPERT_NODES_S", "LIGHT_EXPERT_S", "LIGHT_LAYER_NODES_S", "LIGHT_LAYER_S",
+           "LIGHT_SCHEDULE_EXPERTS", "LIGHT_SCHEDULE_SHARE", "LIGHT_SQRT_GPUS", "few_micro_batches", "host_scale", "layer_floor_s",
            "light_floor_s", "light_layer_s", "light_scale", "light_schedule_share", "plan_floor_s"]
 
 
 def plan_floor_s(topology: Topology, config) -> float:
-    """The config's fixed floor for the topology (``plan_floor_nodes_s`` across nodes, else
-    ``plan_floor_s``) on this host (:func:`host_scale`): 0 turns the guard off."""
-    return (config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s) * host_scale(topology, config)
+    """The config's fixed floor for the topology (:func:`_fixed_floor`) on this host
+    (:func:`host_scale`): 0 turns the guard off."""
+    return _fixed_floor(topology, config) * host_scale(topology, config)
+
+
+def _fixed_floor(topology: Topology, config) -> float:
+    """The config's fixed floor as fitted: ``plan_floor_nodes_s`` across nodes, else ``plan_floor_s``."""
+    return config.plan_floor_nodes_s if topology.num_nodes > 1 else config.plan_floor_s
 
 
 #: The most GPUs the host-time constants were fitted and calibrated on (``moe.host_speed``'s
@@ -34,6 +39,11 @@ def host_scale(topology: Topology, config) -> float:
     if topology.num_nodes == 1:
         return config.host_scale
     return config.host_scale_nodes * _gpu_growth(topology)
+
+
+#: Up to this many GPUs the light plan's and the schedules' growth is ``sqrt(G / FIT_GPUS)``
+#: (measured up to 8 x 8); beyond, it is the search's ``G / FIT_GPUS`` (:func:`light_scale`).
+LIGHT_SQRT_GPUS = 64
 
 
 def light_scale(topology: Topology, config) -> float:
@@ -54,11 +64,6 @@ def light_scale(topology: Topology, config) -> float:
     if topology.num_nodes == 1 or topology.num_gpus > LIGHT_SQRT_GPUS:
         return host_scale(topology, config)
     return config.host_scale_nodes * _gpu_growth(topology) ** 0.5
-
-
-#: Up to this many GPUs the light plan's and the schedules' growth is ``sqrt(G / FIT_GPUS)``
-#: (measured up to 8 x 8); beyond, it is the search's ``G / FIT_GPUS`` (:func:`light_scale`).
-LIGHT_SQRT_GPUS = 64
 
 
 def _gpu_growth(topology: Topology) -> float:
@@ -136,8 +141,7 @@ def light_floor_s(topology: Topology, config, share: int, micro_batches: int) ->
     0 when the light plan is off (``light_share`` 0)."""
     if config.light_share <= 0:
         return 0.0
-    nodes = topology.num_nodes > 1
-    fixed = (config.plan_floor_nodes_s if nodes else config.plan_floor_s) * light_scale(topology, config)
+    fixed = _fixed_floor(topology, config) * light_scale(topology, config)
     return (config.light_share * fixed / max(share, 1) + light_layer_s(topology, config, 8)) * max(micro_batches, 8) / 8
 
 
